@@ -1,0 +1,280 @@
+"""Batch-size schedules: one description of the logical steps for everyone.
+
+A `BatchSizeSchedule` is the single source of truth for how big each logical
+step is. The Poisson sampler reads its sampling rate q_t, the `DPOptimizer`
+reads its accumulation steps k_t and its divisor B_t, and the accountant
+composes one subsampled Gaussian event per phase from the same numbers. Passing
+one object to all three is what keeps them from disagreeing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any, Iterable, Sequence
+
+from scipy import stats
+
+__all__ = ["Phase", "BatchSizeSchedule"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """A run of identical logical steps.
+
+    Args:
+        steps: number of logical steps in the phase (>= 1).
+        batch_size: the expected logical batch size B_t. Under Poisson
+            sampling it is q_t * N; it is always the divisor of the noisy
+            gradient sum (never the realised batch size).
+        accumulation_steps: micro-batches per logical step, k_t. The static
+            capacity of a step is k_t * micro_batch_size * num_replicas.
+        noise_multiplier: sigma_t for this phase, or None to use the
+            optimizer's own `noise_multiplier`.
+    """
+
+    steps: int
+    batch_size: int
+    accumulation_steps: int
+    noise_multiplier: float | None = None
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "accumulation_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"Phase.{name} must be a positive integer, got {value!r}."
+                )
+        if self.noise_multiplier is not None:
+            sigma = float(self.noise_multiplier)
+            if not math.isfinite(sigma) or sigma < 0:
+                raise ValueError(
+                    "Phase.noise_multiplier must be a finite number >= 0 or None, "
+                    f"got {self.noise_multiplier!r}."
+                )
+
+
+class BatchSizeSchedule:
+    """Piecewise-constant logical batch sizes, e.g. a batch that grows.
+
+    Args:
+        phases: the phases in training order.
+        num_examples: N, the number of privacy units (sequences) in the corpus.
+        micro_batch_size: m, the static per-replica micro-batch size.
+        num_replicas: R, replicas that each process one micro-batch per
+            micro-step.
+
+    Example:
+    ```python
+    schedule = BatchSizeSchedule.for_poisson(
+        [(100, 1024), (400, 4096)], num_examples=100_000, micro_batch_size=256)
+    schedule.sampling_rate(0)      # 0.01024
+    schedule.phase_at(150)         # Phase(steps=400, batch_size=4096, ...)
+    ```
+    """
+
+    def __init__(
+        self,
+        phases: Sequence[Phase],
+        *,
+        num_examples: int,
+        micro_batch_size: int,
+        num_replicas: int = 1,
+    ):
+        phases = tuple(phases)
+        if not phases:
+            raise ValueError("A BatchSizeSchedule needs at least one Phase.")
+        for name, value in (
+            ("num_examples", num_examples),
+            ("micro_batch_size", micro_batch_size),
+            ("num_replicas", num_replicas),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        for index, phase in enumerate(phases):
+            if not isinstance(phase, Phase):
+                raise TypeError(f"phases[{index}] is {phase!r}, not a Phase.")
+            if phase.batch_size > num_examples:
+                raise ValueError(
+                    f"Phase {index} has batch_size {phase.batch_size} > "
+                    f"num_examples {num_examples}: the sampling rate would exceed 1."
+                )
+            capacity = phase.accumulation_steps * micro_batch_size * num_replicas
+            if capacity < phase.batch_size:
+                raise ValueError(
+                    f"Phase {index}: accumulation_steps * micro_batch_size * "
+                    f"num_replicas = {capacity} is smaller than batch_size "
+                    f"{phase.batch_size}. Raise accumulation_steps to at least "
+                    f"{math.ceil(phase.batch_size / (micro_batch_size * num_replicas))}."
+                )
+        self._phases = phases
+        self.num_examples = num_examples
+        self.micro_batch_size = micro_batch_size
+        self.num_replicas = num_replicas
+
+    @classmethod
+    def for_poisson(
+        cls,
+        steps_and_batch_sizes: Iterable[tuple[int, int]],
+        *,
+        num_examples: int,
+        micro_batch_size: int,
+        num_replicas: int = 1,
+        truncation_probability: float = 1e-9,
+        noise_multipliers: Sequence[float | None] | None = None,
+    ) -> "BatchSizeSchedule":
+        """Builds a schedule whose static capacity rarely truncates a Poisson step.
+
+        For each phase, k_t is the smallest number of micro-batches whose
+        capacity c satisfies P[Binomial(N, q_t) > c] <= truncation_probability.
+
+        Args:
+            steps_and_batch_sizes: (steps, expected batch size) per phase.
+            num_examples: N.
+            micro_batch_size: m.
+            num_replicas: R.
+            truncation_probability: per-step bound on the probability that a
+                sampled step has more examples than fit.
+            noise_multipliers: optional sigma_t per phase.
+
+        Returns:
+            A `BatchSizeSchedule`.
+        """
+        if not 0 < truncation_probability < 1:
+            raise ValueError(
+                "truncation_probability must be in (0, 1), got "
+                f"{truncation_probability!r}."
+            )
+        pairs = list(steps_and_batch_sizes)
+        sigmas = list(noise_multipliers) if noise_multipliers else [None] * len(pairs)
+        if len(sigmas) != len(pairs):
+            raise ValueError("noise_multipliers needs one entry per phase.")
+        slots_per_micro_step = micro_batch_size * num_replicas
+        phases = []
+        for (steps, batch_size), sigma in zip(pairs, sigmas):
+            q = min(1.0, batch_size / num_examples)
+            needed = int(stats.binom.isf(truncation_probability, num_examples, q))
+            needed = max(needed, batch_size)
+            accumulation_steps = max(1, math.ceil(needed / slots_per_micro_step))
+            phases.append(Phase(steps, batch_size, accumulation_steps, sigma))
+        return cls(
+            phases,
+            num_examples=num_examples,
+            micro_batch_size=micro_batch_size,
+            num_replicas=num_replicas,
+        )
+
+    @classmethod
+    def constant(
+        cls,
+        steps: int,
+        batch_size: int,
+        *,
+        num_examples: int,
+        micro_batch_size: int,
+        num_replicas: int = 1,
+        truncation_probability: float = 1e-9,
+    ) -> "BatchSizeSchedule":
+        """A single-phase Poisson schedule; see `for_poisson`."""
+        return cls.for_poisson(
+            [(steps, batch_size)],
+            num_examples=num_examples,
+            micro_batch_size=micro_batch_size,
+            num_replicas=num_replicas,
+            truncation_probability=truncation_probability,
+        )
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        return self._phases
+
+    @property
+    def total_steps(self) -> int:
+        """Logical steps over all phases."""
+        return sum(phase.steps for phase in self._phases)
+
+    @property
+    def phase_ends(self) -> list[int]:
+        """Cumulative logical step at which each phase ends (exclusive)."""
+        ends, total = [], 0
+        for phase in self._phases:
+            total += phase.steps
+            ends.append(total)
+        return ends
+
+    def capacity(self, phase: Phase) -> int:
+        """Static example slots of one logical step of `phase`."""
+        return phase.accumulation_steps * self.micro_batch_size * self.num_replicas
+
+    def phase_index(self, step: int) -> int:
+        """Index of the phase that logical step `step` (0-based) belongs to.
+
+        Steps past the end of the schedule stay in the last phase.
+        """
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}.")
+        for index, end in enumerate(self.phase_ends):
+            if step < end:
+                return index
+        return len(self._phases) - 1
+
+    def phase_at(self, step: int) -> Phase:
+        return self._phases[self.phase_index(step)]
+
+    def sampling_rate(self, step: int) -> float:
+        """q_t = B_t / N for logical step `step`."""
+        return self.phase_at(step).batch_size / self.num_examples
+
+    def truncation_probability(self, phase: Phase) -> float:
+        """P[Binomial(N, q) > capacity] for one Poisson step of `phase`."""
+        q = phase.batch_size / self.num_examples
+        return float(stats.binom.sf(self.capacity(phase), self.num_examples, q))
+
+    def examples_processed(self) -> int:
+        """Expected number of examples over the whole schedule."""
+        return sum(phase.steps * phase.batch_size for phase in self._phases)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_examples": self.num_examples,
+            "micro_batch_size": self.micro_batch_size,
+            "num_replicas": self.num_replicas,
+            "phases": [dataclasses.asdict(phase) for phase in self._phases],
+        }
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> "BatchSizeSchedule":
+        try:
+            phases = [Phase(**phase) for phase in config["phases"]]
+            return cls(
+                phases,
+                num_examples=config["num_examples"],
+                micro_batch_size=config["micro_batch_size"],
+                num_replicas=config.get("num_replicas", 1),
+            )
+        except (KeyError, TypeError) as error:
+            raise ValueError(
+                "A schedule needs num_examples, micro_batch_size and phases, each "
+                "phase with steps, batch_size and accumulation_steps "
+                f"(noise_multiplier optional): {error}"
+            ) from error
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "BatchSizeSchedule":
+        return cls.from_dict(json.loads(text))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchSizeSchedule) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        phases = ", ".join(
+            f"{p.steps}x(B={p.batch_size}, k={p.accumulation_steps})" for p in self._phases
+        )
+        return (
+            f"BatchSizeSchedule([{phases}], N={self.num_examples}, "
+            f"m={self.micro_batch_size}, R={self.num_replicas})"
+        )

@@ -3,6 +3,10 @@
 The public API is re-exported here; everything else is private to its module.
 """
 
+from tf_megadp.clipping import ClippingStrategy, VectorizedClipping
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.train_step import is_private, make_private
 
 __version__ = "0.1.0"

@@ -1,0 +1,27 @@
+"""Per-example clipping strategies behind one interface.
+
+`get_clipping_strategy(name)` maps the `clipping=` argument of `DPOptimizer`
+to a strategy object.
+"""
+
+from tf_megadp.clipping.base import ClippedBatch, ClippingStrategy
+from tf_megadp.clipping.vectorized import VectorizedClipping
+
+__all__ = [
+    "ClippedBatch",
+    "ClippingStrategy",
+    "VectorizedClipping",
+    "get_clipping_strategy",
+]
+
+_STRATEGIES = {"vectorized": VectorizedClipping}
+
+
+def get_clipping_strategy(name: str) -> ClippingStrategy:
+    """Returns a new strategy for `name` ('vectorized')."""
+    try:
+        return _STRATEGIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"Unknown clipping={name!r}; choose one of {sorted(_STRATEGIES)}."
+        ) from None

@@ -1,0 +1,226 @@
+"""The per-example clipping interface and the pieces every strategy shares.
+
+A clipping strategy turns one micro-batch into the sum of its clipped
+per-example gradients. Strategies differ only in how they find each example's
+gradient norm (materialised per-example gradients, or ghost norms); the
+definition of an example's loss, of its clip factor, and of which examples
+count is the same for all of them and lives here.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, NamedTuple
+
+import keras
+import tensorflow as tf
+from keras.src import backend as keras_backend
+from keras.src.losses import loss as keras_loss_module
+
+from tf_megadp.errors import PrivacyConfigurationError
+
+__all__ = [
+    "ClippedBatch",
+    "ClippingStrategy",
+    "clip_factors",
+    "example_weights_present",
+    "per_example_loss",
+]
+
+
+class ClippedBatch(NamedTuple):
+    """What a clipping strategy returns for one micro-batch.
+
+    Attributes:
+        gradient_sum: one tensor per `model.trainable_variables` entry, the sum
+            over examples of c_i * g_i; `None` for variables the loss does not
+            reach (they are neither noised nor updated).
+        losses: per-example losses, shape [m]; zero for padding examples.
+        y_pred: the model's predictions for the micro-batch (for metrics).
+        norms: per-example gradient norms ||g_i|| before clipping, shape [m].
+        is_real: float mask, 1 for real examples and 0 for padding, shape [m].
+        nonfinite: number of real examples whose gradient was not finite and
+            therefore contributed zero.
+    """
+
+    gradient_sum: list
+    losses: Any
+    y_pred: Any
+    norms: Any
+    is_real: Any
+    nonfinite: Any
+
+
+class ClippingStrategy(abc.ABC):
+    """Computes the sum of clipped per-example gradients of a micro-batch.
+
+    Subclasses implement `clip_and_sum`. They must give every example the
+    loss of `per_example_loss`, and the clip factor of `clip_factors`.
+    """
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def clip_and_sum(
+        self, model: keras.Model, x, y, sample_weight, l2_norm_clip: float
+    ) -> ClippedBatch:
+        """Returns the clipped gradient sum of one micro-batch.
+
+        Args:
+            model: a built Keras model.
+            x, y, sample_weight: one micro-batch as `model.fit` passes it.
+            l2_norm_clip: C.
+
+        Returns:
+            A `ClippedBatch`.
+        """
+
+
+def example_weights_present(sample_weight, batch_size) -> tf.Tensor:
+    """Float mask [m]: 1 where an example has any non-zero weight.
+
+    An example whose sample weights are all zero is padding (Poisson steps are
+    padded to a static shape this way) and must contribute exactly nothing.
+    """
+    if sample_weight is None:
+        return tf.ones([batch_size], tf.float32)
+    flat = [tf.reshape(tf.cast(w, tf.float32), [batch_size, -1])
+            for w in tf.nest.flatten(sample_weight) if w is not None]
+    if not flat:
+        return tf.ones([batch_size], tf.float32)
+    any_weight = tf.reduce_any(tf.concat(flat, axis=1) != 0.0, axis=1)
+    return tf.cast(any_weight, tf.float32)
+
+
+def clip_factors(norms: tf.Tensor, l2_norm_clip, is_real: tf.Tensor):
+    """Clip factors c_i = min(1, C / ||g_i||), zero for padding and non-finite.
+
+    Args:
+        norms: per-example gradient norms [m].
+        l2_norm_clip: C.
+        is_real: float mask [m] of real examples.
+
+    Returns:
+        (factors [m], nonfinite count): examples with a non-finite norm get
+        factor 0, and the caller must zero their gradients with `tf.where`
+        (0 * NaN is NaN).
+    """
+    norms = tf.cast(norms, tf.float32)
+    finite = tf.math.is_finite(norms)
+    safe_norms = tf.where(finite, norms, tf.ones_like(norms))
+    factors = tf.minimum(1.0, l2_norm_clip / tf.maximum(safe_norms, 1e-12))
+    keep = tf.logical_and(finite, is_real > 0)
+    factors = tf.where(keep, factors, tf.zeros_like(factors))
+    nonfinite = tf.reduce_sum(
+        tf.cast(tf.logical_and(tf.logical_not(finite), is_real > 0), tf.int64)
+    )
+    return factors, nonfinite
+
+
+def per_example_loss(model: keras.Model, x_i, y_i, y_pred_i, w_i) -> tf.Tensor:
+    """The loss of ONE example: the compiled loss on a batch of one.
+
+    Per-token sample weights apply inside the example's loss. Under a
+    `tf.distribute` strategy Keras divides every loss by the number of
+    replicas; that scaling is undone here because the DP step sums clipped
+    gradients itself and divides by the global logical batch once.
+
+    Args:
+        model: the compiled model.
+        x_i, y_i, y_pred_i, w_i: one example each, WITH a leading batch axis
+            of size 1 (`w_i` may be None).
+
+    Returns:
+        A scalar float32 tensor.
+    """
+    loss = model.compute_loss(
+        x=x_i, y=y_i, y_pred=y_pred_i, sample_weight=w_i, training=True
+    )
+    if loss is None:
+        raise PrivacyConfigurationError(
+            "The model has no loss to differentiate. Pass `loss=` to "
+            "`model.compile()` (it is evaluated per example by the DP step)."
+        )
+    loss = keras_loss_module.unscale_loss_for_distribution(loss)
+    if loss.shape.rank not in (0, None) and loss.shape.num_elements() != 1:
+        raise PrivacyConfigurationError(
+            f"The compiled loss returned shape {loss.shape} for a single "
+            "example; DP-SGD needs one scalar loss per example. Use a loss "
+            "reduction such as 'sum_over_batch_size' (the Keras default) "
+            "instead of 'none'."
+        )
+    return tf.reshape(tf.cast(loss, tf.float32), [])
+
+
+def _is_seed_state(variable) -> bool:
+    return variable.name == "seed_generator_state"
+
+
+def example_state_values(model: keras.Model, batch_size):
+    """Non-trainable state for a stateless per-example forward pass.
+
+    Returns (values, per_example): `values` is one tensor per
+    `model.non_trainable_variables` entry; `per_example[j]` says whether entry j
+    carries a leading [m] axis. Dropout seed states get one distinct seed per
+    example, so every example draws its own dropout mask under
+    `vectorized_map` exactly as it would in a batched forward pass.
+    """
+    values, per_example = [], []
+    offsets = tf.range(1, batch_size + 1, dtype=tf.int64)
+    for variable in model.non_trainable_variables:
+        value = tf.convert_to_tensor(variable.value)
+        if _is_seed_state(variable):
+            state = tf.cast(value, tf.int64)
+            seeds = tf.stack(
+                [(state[0] + offsets) % (2**32), tf.fill([batch_size], state[1])],
+                axis=1,
+            )
+            values.append(tf.cast(seeds, value.dtype))
+            per_example.append(True)
+        else:
+            values.append(value)
+            per_example.append(False)
+    return values, per_example
+
+
+def advance_seed_states(model: keras.Model):
+    """Moves every dropout seed forward once per micro-batch."""
+    for variable in model.non_trainable_variables:
+        if _is_seed_state(variable):
+            variable.assign(
+                tf.cast(
+                    tf.cast(variable.value, tf.int64) + tf.constant([0, 1], tf.int64),
+                    variable.dtype,
+                )
+            )
+
+
+def stateless_loss(model, trainable_values, state_values, x_i, y_i, w_i):
+    """Forward pass and loss of one example (batch axis of 1) without side effects.
+
+    Returns (loss scalar, y_pred_i with its batch axis).
+    """
+    mapping = list(zip(model.trainable_variables, trainable_values))
+    mapping += list(zip(model.non_trainable_variables, state_values))
+    with keras_backend.StatelessScope(state_mapping=mapping):
+        if model._call_has_training_arg:
+            y_pred_i = model(x_i, training=True)
+        else:
+            y_pred_i = model(x_i)
+        loss = per_example_loss(model, x_i, y_i, y_pred_i, w_i)
+    return loss, y_pred_i
+
+
+def add_batch_axis(structure):
+    return tf.nest.map_structure(
+        lambda t: None if t is None else tf.expand_dims(t, 0), structure
+    )
+
+
+def dense_gradient(gradient):
+    """Per-example gradients must be dense tensors to be normed and summed."""
+    if gradient is None:
+        return None
+    if isinstance(gradient, tf.IndexedSlices):
+        return tf.convert_to_tensor(gradient)
+    return gradient

@@ -1,0 +1,140 @@
+"""Exact per-example gradients with `tf.vectorized_map`, compiled by XLA.
+
+Each example runs its own forward and backward pass (batch axis of one);
+`vectorized_map` turns the m passes into batched kernels. Memory grows with
+m times the number of parameters, which is what ghost clipping avoids.
+XLA compilation is not optional: without it, `vectorized_map` over a
+keras-hub BERT segfaults on TF 2.21 (see docs/concepts.md).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import keras
+import tensorflow as tf
+
+from tf_megadp.clipping import base
+
+__all__ = ["VectorizedClipping"]
+
+
+class VectorizedClipping(base.ClippingStrategy):
+    """Clips materialised per-example gradients.
+
+    Args:
+        jit_compile: compile the per-example pass with XLA (default True; only
+            turn it off to debug small dense models).
+
+    Example:
+    ```python
+    strategy = VectorizedClipping()
+    batch = strategy.clip_and_sum(model, x, y, sample_weight, l2_norm_clip=1.0)
+    batch.gradient_sum  # one tensor per trainable variable (None if unused)
+    ```
+    """
+
+    name = "vectorized"
+
+    def __init__(self, jit_compile: bool = True):
+        self.jit_compile = jit_compile
+        self._functions = weakref.WeakKeyDictionary()
+
+    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip):
+        function = self._function_for(model)
+        return function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32))
+
+    def per_example_gradients(self, model: keras.Model, x, y, sample_weight=None):
+        """Per-example gradients, for tests and diagnostics (eager or graph).
+
+        Returns:
+            (gradients, losses, y_pred): `gradients` has one [m, ...] tensor per
+            trainable variable, or None where the loss does not reach it.
+        """
+        return _per_example_gradients(model, x, y, sample_weight)
+
+    def _function_for(self, model):
+        function = self._functions.get(model)
+        if function is None:
+            def clip_and_sum(x, y, sample_weight, l2_norm_clip):
+                return _clip_and_sum(model, x, y, sample_weight, l2_norm_clip)
+
+            function = tf.function(clip_and_sum, jit_compile=self.jit_compile)
+            self._functions[model] = function
+        return function
+
+
+def _per_example_gradients(model, x, y, sample_weight):
+    batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+    trainable_values = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
+    state_values, per_example = base.example_state_values(model, batch_size)
+    varying_states = [v for v, varies in zip(state_values, per_example) if varies]
+    connected = []
+
+    def one_example(elements):
+        x_i = elements["x"]
+        y_i = elements.get("y")
+        w_i = elements.get("sample_weight")
+        example_states = elements["states"]
+        example_states = iter(example_states)
+        states = [next(example_states) if varies else value
+                  for value, varies in zip(state_values, per_example)]
+        with tf.GradientTape() as tape:
+            tape.watch(trainable_values)
+            loss, y_pred_i = base.stateless_loss(
+                model,
+                trainable_values,
+                states,
+                base.add_batch_axis(x_i),
+                base.add_batch_axis(y_i),
+                base.add_batch_axis(w_i),
+            )
+        gradients = [base.dense_gradient(g) for g in tape.gradient(loss, trainable_values)]
+        # Which variables the loss reaches is a property of the graph, fixed
+        # at trace time; record it for the caller.
+        connected[:] = [g is not None for g in gradients]
+        y_pred_i = tf.nest.map_structure(lambda t: t[0], y_pred_i)
+        return [g for g in gradients if g is not None], loss, y_pred_i
+
+    # vectorized_map cannot carry None leaves: leave absent parts out.
+    elements = {"x": x, "states": varying_states}
+    if y is not None:
+        elements["y"] = y
+    if sample_weight is not None:
+        elements["sample_weight"] = sample_weight
+    gradients, losses, y_pred = tf.vectorized_map(one_example, elements)
+    base.advance_seed_states(model)
+    gradients = iter(gradients)
+    full = [next(gradients) if is_connected else None for is_connected in connected]
+    return full, losses, y_pred
+
+
+def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip):
+    gradients, losses, y_pred = _per_example_gradients(model, x, y, sample_weight)
+    batch_size = tf.shape(losses)[0]
+    present = [g for g in gradients if g is not None]
+    squared = tf.add_n([
+        tf.reduce_sum(tf.reshape(tf.square(g), [batch_size, -1]), axis=1)
+        for g in present
+    ])
+    norms = tf.sqrt(squared)
+    is_real = base.example_weights_present(sample_weight, batch_size)
+    factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real)
+    keep = factors > 0
+
+    def weighted_sum(g):
+        mask = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
+        g = tf.where(mask, g, tf.zeros_like(g))
+        return tf.tensordot(factors, g, axes=1)
+
+    gradient_sum = [None if g is None else weighted_sum(g) for g in gradients]
+    losses = tf.where(tf.logical_and(is_real > 0, tf.math.is_finite(losses)),
+                      losses, tf.zeros_like(losses))
+    return base.ClippedBatch(
+        gradient_sum=gradient_sum,
+        losses=losses,
+        y_pred=y_pred,
+        norms=norms,
+        is_real=is_real,
+        nonfinite=nonfinite,
+    )

@@ -1,0 +1,130 @@
+"""`make_private`: the one explicit opt-in that makes a Keras model's training private.
+
+It replaces the model's `train_step` with the DP step: per-example losses,
+clipped per-example gradients, accumulation into the `DPOptimizer`. The
+model's class, weights, `evaluate`, `predict` and saving are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+import tensorflow as tf
+
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.optimizer import DPOptimizer
+
+__all__ = ["make_private", "is_private"]
+
+# Layers whose training-mode output for one example depends on the others.
+_EXAMPLE_MIXING_LAYERS = (keras.layers.BatchNormalization,)
+
+_PRIVATE_FLAG = "_tf_megadp_private"
+
+
+def is_private(model: keras.Model) -> bool:
+    """Whether `make_private` has been applied to `model`."""
+    return bool(getattr(model, _PRIVATE_FLAG, False))
+
+
+def make_private(model: keras.Model) -> keras.Model:
+    """Turns on differentially private training for `model` (in place).
+
+    After this call every training step of `model.fit` (and `train_on_batch`)
+    is the DP step: each example's loss is the compiled loss evaluated on that
+    example alone, its gradient is clipped to norm C, and the clipped sum is
+    handed to the `DPOptimizer`, which adds noise once per logical step. The
+    model must be compiled with a `DPOptimizer`; anything else raises.
+
+    The same object is returned, so `model = make_private(model)` and
+    `make_private(model)` are equivalent. Saved models do not remember the
+    opt-in: call `make_private` again after `keras.models.load_model`
+    (training without it raises instead of silently running non-privately).
+
+    Args:
+        model: a Keras 3 model (Sequential, Functional or subclassed).
+
+    Returns:
+        The same model, with a private train step.
+
+    Raises:
+        PrivacyConfigurationError: the model contains layers that mix
+            examples (BatchNormalization), or overrides `train_step`.
+
+    Example:
+    ```python
+    model = tf_megadp.make_private(keras.Sequential([...]))
+    model.compile(optimizer=tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1),
+                  l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
+    model.fit(x, y, batch_size=32)
+    ```
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"make_private expects a keras.Model, got {type(model).__name__}.")
+    _check_no_example_mixing(model)
+    overridden = type(model).train_step is not keras.Model.train_step
+    if overridden and not is_private(model):
+        raise PrivacyConfigurationError(
+            f"{type(model).__name__} overrides train_step, which make_private "
+            "must replace with the DP step. Move custom loss logic into "
+            "`compute_loss` (it is evaluated per example) and remove train_step."
+        )
+    model.train_step = functools.partial(_private_train_step, model)
+    original_fit = type(model).fit.__get__(model)
+
+    @functools.wraps(original_fit)
+    def fit(*args, class_weight=None, **kwargs):
+        if class_weight is not None:
+            raise PrivacyConfigurationError(
+                "class_weight is not supported by the DP step. Put per-class "
+                "weights into sample_weight of your dataset instead: they then "
+                "scale each example's loss before clipping, which keeps the "
+                "sensitivity bound."
+            )
+        return original_fit(*args, **kwargs)
+
+    model.fit = fit
+    setattr(model, _PRIVATE_FLAG, True)
+    return model
+
+
+def _check_no_example_mixing(model: keras.Model):
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        if isinstance(layer, _EXAMPLE_MIXING_LAYERS):
+            raise PrivacyConfigurationError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples "
+                "within a batch during training, which breaks the per-example "
+                "sensitivity bound of DP-SGD. Replace it with "
+                "keras.layers.LayerNormalization or GroupNormalization."
+            )
+
+
+def _private_train_step(model: keras.Model, data):
+    optimizer = model.optimizer
+    if not isinstance(optimizer, DPOptimizer):
+        raise PrivacyConfigurationError(
+            "The model was made private but is compiled with "
+            f"{type(optimizer).__name__}, which adds no noise. Compile with "
+            "tf_megadp.DPOptimizer(...). (With the 'mixed_float16' policy Keras "
+            "wraps optimizers in a LossScaleOptimizer; use 'mixed_bfloat16'.)"
+        )
+    _check_no_example_mixing(model)
+    if not model.trainable_weights:
+        raise ValueError("The model has no trainable weights to train privately.")
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    batch = optimizer.clipping_strategy.clip_and_sum(
+        model, x, y, sample_weight, optimizer.l2_norm_clip
+    )
+    micro_batch_size = tf.nest.flatten(x)[0].shape[0]
+    if micro_batch_size is None:
+        micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+    optimizer.accumulate(
+        batch.gradient_sum, model.trainable_variables, micro_batch_size, batch.nonfinite
+    )
+    real_examples = tf.reduce_sum(batch.is_real)
+    mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
+    model._loss_tracker.update_state(mean_loss, sample_weight=real_examples)
+    logs = model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
+    logs["nonfinite_examples"] = optimizer.nonfinite_examples.value
+    return logs

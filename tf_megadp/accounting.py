@@ -459,6 +459,32 @@ class PrivacyAccountant:
         self._warned_shuffle = False
         self._warn_if_shuffled(self.ledger)
 
+    @classmethod
+    def for_run(
+        cls,
+        delta: float,
+        *,
+        schedule: BatchSizeSchedule | None = None,
+        num_examples: int | None = None,
+        batch_size: int | None = None,
+        steps: int | None = None,
+        noise_multiplier: float | None = None,
+        sampling: str = "poisson",
+        max_batch_size: int | None = None,
+        accountant: str = DEFAULT_ACCOUNTANT,
+    ) -> "PrivacyAccountant":
+        """The accountant of a whole planned run; arguments as in `compute_epsilon`."""
+        num_examples, ledger = _run_ledger(
+            schedule=schedule,
+            num_examples=num_examples,
+            batch_size=batch_size,
+            steps=steps,
+            noise_multiplier=noise_multiplier,
+            sampling=sampling,
+            max_batch_size=max_batch_size,
+        )
+        return cls(num_examples, delta, accountant=accountant, ledger=ledger)
+
     def _warn_if_shuffled(self, ledger: PrivacyLedger) -> None:
         if not self._warned_shuffle and any(e.sampling == "shuffle" for e in ledger):
             self._warned_shuffle = True
@@ -734,7 +760,8 @@ def compute_epsilon(
                     noise_multiplier=1.1, delta=1e-5)
     ```
     """
-    num_examples, ledger = _run_ledger(
+    return PrivacyAccountant.for_run(
+        delta,
         schedule=schedule,
         num_examples=num_examples,
         batch_size=batch_size,
@@ -742,9 +769,7 @@ def compute_epsilon(
         noise_multiplier=noise_multiplier,
         sampling=sampling,
         max_batch_size=max_batch_size,
-    )
-    return PrivacyAccountant(
-        num_examples, delta, accountant=accountant, ledger=ledger
+        accountant=accountant,
     ).epsilon()
 
 

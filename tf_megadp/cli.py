@@ -1,0 +1,282 @@
+"""The `tf-megadp` command line.
+
+Each subcommand is a small `_add_<name>_parser(subparsers)` that declares its
+arguments and sets `handler`; handlers import their library module lazily so
+that cheap subcommands (`tf-megadp epsilon`) never load TensorFlow. To add a
+subcommand, write both functions and list the parser builder in `_SUBCOMMANDS`.
+
+Bad arguments print one line on stderr and exit with status 2.
+
+Example:
+```
+tf-megadp epsilon --num-examples 60000 --batch-size 256 --noise-multiplier 1.1 \\
+    --steps 10000 --delta 1e-5
+tf-megadp calibrate --target-epsilon 3 --num-examples 60000 --batch-size 256 \\
+    --steps 10000 --delta 1e-5 --json
+```
+"""
+
+from __future__ import annotations
+
+import os
+
+# TensorFlow reads this when its C++ runtime loads; set it before any import
+# of TensorFlow can happen.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+from typing import Any, Callable, Sequence  # noqa: E402
+
+__all__ = ["main", "build_parser"]
+
+_PROGRAM = "tf-megadp"
+
+
+class UsageError(Exception):
+    """A bad argument: reported as one line on stderr, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, not a usage dump."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+# -- Shared argument groups -----------------------------------------------------
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> None:
+    """The description of a training run, shared by `epsilon` and `calibrate`."""
+    run = parser.add_argument_group("the run (or --schedule)")
+    run.add_argument("--num-examples", type=int, metavar="N",
+                     help="N, the number of training examples (privacy units)")
+    run.add_argument("--batch-size", type=int, metavar="B",
+                     help="expected logical batch size B (sampling rate q = B/N)")
+    run.add_argument("--steps", type=int, metavar="T",
+                     help="logical steps (with --schedule: defaults to its total)")
+    if with_noise:
+        run.add_argument("--noise-multiplier", type=float, metavar="SIGMA",
+                         help="sigma (with --schedule: for phases without their own)")
+    run.add_argument("--schedule", metavar="FILE",
+                     help="a BatchSizeSchedule as JSON or YAML (to_dict layout); "
+                          "Poisson steps are truncated at each phase's capacity")
+    run.add_argument("--max-batch-size", type=int, metavar="M",
+                     help="Poisson steps truncated at M examples (default: none)")
+    parser.add_argument("--delta", type=float, required=True,
+                        help="delta, in (0, 1); at most 1/N")
+    parser.add_argument("--sampling", choices=("poisson", "shuffle"), default="poisson",
+                        help="how batches are drawn (default: poisson; shuffle is "
+                             "reported as Poisson, which understates the loss)")
+    parser.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
+                        help="privacy accountant (default: pld)")
+    parser.add_argument("--json", action="store_true",
+                        help="print a machine-readable JSON report")
+
+
+def _load_schedule(path: str):
+    from tf_megadp.schedules import BatchSizeSchedule
+
+    try:
+        with open(path, encoding="utf-8") as stream:
+            text = stream.read()
+    except OSError as error:
+        raise UsageError(f"cannot read schedule {path!r}: {error.strerror}") from error
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        try:
+            config = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise UsageError(f"schedule {path!r} is not valid YAML: {error}") from error
+    else:
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise UsageError(
+                f"schedule {path!r} is not valid JSON (use .yaml for YAML): {error}"
+            ) from error
+    if not isinstance(config, dict):
+        raise UsageError(f"schedule {path!r} must hold a mapping, got {type(config).__name__}.")
+    try:
+        return BatchSizeSchedule.from_dict(config)
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"schedule {path!r}: {error}") from error
+
+
+def _run_keywords(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments of `compute_epsilon` / `calibrate_noise_multiplier`."""
+    keywords = {
+        "num_examples": args.num_examples,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "max_batch_size": args.max_batch_size,
+        "sampling": args.sampling,
+        "accountant": args.accountant,
+        "schedule": _load_schedule(args.schedule) if args.schedule else None,
+    }
+    if keywords["schedule"] is None:
+        for flag, name in (("--num-examples", "num_examples"),
+                           ("--batch-size", "batch_size"), ("--steps", "steps")):
+            if keywords[name] is None:
+                raise UsageError(f"{flag} is required (or pass --schedule FILE).")
+    return keywords
+
+
+def _statement(report: dict[str, Any]) -> str:
+    """A human-readable privacy statement for a `PrivacyAccountant.report()`."""
+    lines = [
+        f"This training run is ({report['epsilon']:.4g}, {report['delta']:.3g})-"
+        "differentially private.",
+        f"  privacy unit : {report['privacy_unit']}, "
+        f"{report['neighbouring_relation'].replace('_', '-')} adjacency",
+        f"  accountant   : {report['accountant'].upper()} "
+        f"(dp_accounting {report['versions']['dp_accounting']})",
+        f"  examples (N) : {report['num_examples']}",
+        f"  steps        : {report['steps']}",
+    ]
+    sampling = report["sampling"]
+    lines.append(
+        "  sampling     : "
+        + ", ".join(sampling["kinds"])
+        + (", accounted as truncated Poisson" if sampling["truncated"] else "")
+    )
+    for index, entry in enumerate(report["ledger"]):
+        batch = entry["sampling_rate"] * report["num_examples"]
+        truncation = (
+            f", truncated at {entry['max_batch_size']}" if entry["max_batch_size"] else ""
+        )
+        lines.append(
+            f"  phase {index}      : {entry['steps']} steps, q = {entry['sampling_rate']:.4g} "
+            f"(B = {batch:.6g}), sigma = {entry['noise_multiplier']:.4g}{truncation}"
+        )
+    for message in report["warnings"]:
+        lines.append(f"  WARNING: {message}")
+    return "\n".join(lines)
+
+
+def _print_report(report: dict[str, Any], as_json: bool, heading: str | None = None) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return
+    if heading:
+        print(heading)
+    print(_statement(report))
+
+
+# -- epsilon --------------------------------------------------------------------
+
+
+def _add_epsilon_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "epsilon", help="epsilon spent by a DP-SGD run",
+        description="Epsilon of a DP-SGD run at the given delta.",
+    )
+    _add_run_arguments(parser, with_noise=True)
+    parser.set_defaults(handler=_run_epsilon)
+
+
+def _run_epsilon(args: argparse.Namespace) -> int:
+    from tf_megadp import accounting
+
+    keywords = _run_keywords(args)
+    noise = args.noise_multiplier
+    if noise is None and (
+        keywords["schedule"] is None
+        or any(phase.noise_multiplier is None for phase in keywords["schedule"].phases)
+    ):
+        raise UsageError("--noise-multiplier is required.")
+    accountant = accounting.PrivacyAccountant.for_run(
+        args.delta, noise_multiplier=noise, **keywords
+    )
+    _print_report(accountant.report(), args.json)
+    return 0
+
+
+# -- calibrate ------------------------------------------------------------------
+
+
+def _add_calibrate_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate", help="smallest noise multiplier meeting a target epsilon",
+        description="The smallest noise multiplier sigma whose run meets "
+                    "(--target-epsilon, --delta).",
+    )
+    parser.add_argument("--target-epsilon", type=float, required=True, metavar="E",
+                        help="the privacy budget epsilon")
+    _add_run_arguments(parser, with_noise=False)
+    parser.set_defaults(handler=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from tf_megadp import accounting
+
+    keywords = _run_keywords(args)
+    sigma = accounting.calibrate_noise_multiplier(
+        args.target_epsilon, args.delta, **keywords
+    )
+    report = accounting.PrivacyAccountant.for_run(
+        args.delta, noise_multiplier=sigma, **keywords
+    ).report()
+    report["noise_multiplier"] = sigma
+    report["target_epsilon"] = args.target_epsilon
+    _print_report(
+        report, args.json,
+        heading=f"noise multiplier: {sigma:.6g} (smallest meeting epsilon "
+                f"{args.target_epsilon:g} at delta {args.delta:g})",
+    )
+    return 0
+
+
+# -- Entry point ----------------------------------------------------------------
+
+_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
+    _add_epsilon_parser,
+    _add_calibrate_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `tf-megadp` parser with every subcommand."""
+    parser = _Parser(
+        prog=_PROGRAM,
+        description="Differentially private training at mega-batch scale.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add_parser in _SUBCOMMANDS:
+        add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs `tf-megadp`; returns the exit status.
+
+    Args:
+        argv: the arguments (default: `sys.argv[1:]`).
+
+    Returns:
+        0 on success, 2 on bad arguments.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            args = build_parser().parse_args(argv)
+            status = args.handler(args)
+        except (UsageError, ValueError, TypeError) as error:
+            message = " ".join(str(error).split())
+            print(f"{_PROGRAM}: error: {message}", file=sys.stderr)
+            status = 2
+    seen = set()
+    for warning in caught:
+        message = " ".join(str(warning.message).split())
+        if message not in seen:
+            seen.add(message)
+            print(f"{_PROGRAM}: warning: {message}", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -9,3 +9,8 @@ class PrivacyConfigurationError(ValueError):
     The message always names the fix. It subclasses `ValueError` so that code
     catching bad arguments also catches it.
     """
+
+    # TensorFlow's autograph re-raises an error from traced code with its own
+    # type only when that type's __init__ is Exception.__init__; otherwise the
+    # user sees a generic StagingError. Keep our type visible from inside fit.
+    __init__ = Exception.__init__

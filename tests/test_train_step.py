@@ -1,0 +1,267 @@
+"""Specification of the private train step installed by `make_private`.
+
+With sigma = 0 and SGD(learning_rate=1), one logical step must move the
+weights by exactly -(1/B) * sum_i clip(g_i), where g_i comes from a naive
+reference that handles one example at a time with its own GradientTape.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_megadp
+from tf_megadp import PrivacyConfigurationError
+from tests import reference
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def dense_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(5, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+def embedding_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    tokens = keras.Input((4,), dtype="int32")
+    hidden = keras.layers.Embedding(20, 4)(tokens)
+    hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+    return keras.Model(tokens, keras.layers.Dense(3)(hidden))
+
+
+class DictInputModel(keras.Model):
+    """Subclassed model with dict inputs and dropout."""
+
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.left = keras.layers.Dense(4)
+        self.right = keras.layers.Dense(4)
+        self.dropout = keras.layers.Dropout(dropout)
+        self.head = keras.layers.Dense(3)
+
+    def call(self, inputs, training=False):
+        hidden = keras.ops.tanh(self.left(inputs["a"]) + self.right(inputs["b"]))
+        return self.head(self.dropout(hidden, training=training))
+
+
+def dense_data(n=12, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32") * 2
+    y = rng.integers(0, 3, n).astype("int32")
+    return x, y
+
+
+def median_norm(model, x, y, sample_weight=None):
+    grads = reference.naive_per_example_gradients(model, LOSS, x, y, sample_weight)
+    return float(np.median([np.sqrt(sum(np.sum(g**2) for g in gs)) for gs in grads]))
+
+
+def train_private(model, x, y, *, clip, micro_batch, steps, sample_weight=None,
+                  normalize_by=None, noise_multiplier=0.0, seed=0):
+    optimizer = tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(learning_rate=1.0),
+        l2_norm_clip=clip,
+        noise_multiplier=noise_multiplier,
+        accumulation_steps=steps,
+        normalize_by=normalize_by,
+        seed=seed,
+    )
+    tf_megadp.make_private(model)
+    model.compile(optimizer=optimizer, loss=LOSS)
+    model.fit(x, y, sample_weight=sample_weight, batch_size=micro_batch,
+              epochs=1, shuffle=False, verbose=0)
+    return optimizer
+
+
+def assert_update_matches(model, before, expected):
+    after = reference.weights(model)
+    for a, b, e in zip(after, before, expected):
+        np.testing.assert_allclose(a - b, e, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
+class TestMatchesNaiveReference:
+    def test_dense_model(self):
+        model = dense_model()
+        x, y = dense_data()
+        clip = median_norm(model, x, y)
+        expected = reference.naive_clipped_update(model, LOSS, x, y, clip, divisor=12)
+        before = reference.weights(model)
+        optimizer = train_private(model, x, y, clip=clip, micro_batch=4, steps=3)
+        assert int(optimizer.iterations.numpy()) == 1
+        assert_update_matches(model, before, expected)
+
+    def test_embedding_model(self):
+        model = embedding_model()
+        rng = np.random.default_rng(1)
+        x = rng.integers(0, 20, (8, 4)).astype("int32")
+        y = rng.integers(0, 3, 8).astype("int32")
+        clip = median_norm(model, x, y)
+        expected = reference.naive_clipped_update(model, LOSS, x, y, clip, divisor=8)
+        before = reference.weights(model)
+        train_private(model, x, y, clip=clip, micro_batch=8, steps=1)
+        assert_update_matches(model, before, expected)
+
+    def test_subclassed_model_with_dict_inputs(self):
+        keras.utils.set_random_seed(3)
+        model = DictInputModel()
+        rng = np.random.default_rng(3)
+        x = {"a": rng.normal(size=(6, 2)).astype("float32"),
+             "b": rng.normal(size=(6, 3)).astype("float32")}
+        y = rng.integers(0, 3, 6).astype("int32")
+        model(x)
+        clip = median_norm(model, x, y)
+        expected = reference.naive_clipped_update(model, LOSS, x, y, clip, divisor=6)
+        before = reference.weights(model)
+        train_private(model, x, y, clip=clip, micro_batch=3, steps=2)
+        assert_update_matches(model, before, expected)
+
+    def test_tiny_bert_masked_lm_with_tied_embedding(self):
+        model = reference.tiny_bert()
+        x, y, w = reference.bert_batch(6)
+        model(x)
+        clip = median_norm(model, x, y, w)
+        expected = reference.naive_clipped_update(model, LOSS, x, y, clip, divisor=6,
+                                                  sample_weight=w)
+        before = reference.weights(model)
+        train_private(model, x, y, sample_weight=w, clip=clip, micro_batch=3, steps=2)
+        assert_update_matches(model, before, expected)
+        pooler = [i for i, v in enumerate(model.trainable_variables) if "pooled" in v.path]
+        assert pooler, "the pooler gets no MLM gradient and must stay unchanged"
+        for i in pooler:
+            np.testing.assert_array_equal(reference.weights(model)[i], before[i])
+
+
+@pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
+class TestAccumulation:
+    def test_k_micro_batches_equal_one_big_micro_batch(self):
+        x, y = dense_data(n=12, seed=5)
+        small, big = dense_model(seed=7), dense_model(seed=7)
+        clip = median_norm(small, x, y)
+        before = reference.weights(small)
+        train_private(small, x, y, clip=clip, micro_batch=3, steps=4)
+        train_private(big, x, y, clip=clip, micro_batch=12, steps=1)
+        for s, b, w0 in zip(reference.weights(small), reference.weights(big), before):
+            np.testing.assert_allclose(s - w0, b - w0, rtol=1e-5, atol=1e-7)
+
+    def test_no_update_until_the_logical_step_is_complete(self):
+        model = dense_model()
+        x, y = dense_data(n=8)
+        before = reference.weights(model)
+        optimizer = train_private(model, x, y, clip=1.0, micro_batch=4, steps=3)
+        assert int(optimizer.iterations.numpy()) == 0
+        assert int(optimizer.micro_steps.numpy()) == 2
+        for a, b in zip(reference.weights(model), before):
+            np.testing.assert_array_equal(a, b)
+
+    def test_padding_examples_contribute_exactly_zero(self):
+        x, y = dense_data(n=8, seed=2)
+        weight = np.ones(8, "float32")
+        weight[[1, 6]] = 0.0
+        padded, trimmed = dense_model(seed=4), dense_model(seed=4)
+        x_padded = x.copy()
+        x_padded[[1, 6]] = 1e3  # would dominate the sum if not masked
+        before = reference.weights(padded)
+        train_private(padded, x_padded, y, sample_weight=weight, clip=0.5,
+                      micro_batch=4, steps=2, normalize_by=8)
+        keep = weight > 0
+        train_private(trimmed, x[keep], y[keep], clip=0.5, micro_batch=6, steps=1,
+                      normalize_by=8)
+        for p, t, w0 in zip(reference.weights(padded), reference.weights(trimmed), before):
+            np.testing.assert_allclose(p - w0, t - w0, rtol=1e-5, atol=1e-7)
+
+    def test_nonfinite_example_is_dropped_and_counted(self):
+        model = dense_model()
+        x, y = dense_data(n=4)
+        x[2] = np.inf
+        optimizer = train_private(model, x, y, clip=1.0, micro_batch=4, steps=1)
+        assert int(optimizer.nonfinite_examples.numpy()) == 1
+        assert all(np.all(np.isfinite(w)) for w in reference.weights(model))
+
+    def test_dropout_masks_differ_between_examples(self):
+        keras.utils.set_random_seed(0)
+        model = DictInputModel(dropout=0.5)
+        x = {"a": np.ones((8, 2), "float32"), "b": np.ones((8, 3), "float32")}
+        y = np.zeros(8, "int32")
+        model(x)
+        model.compile(loss=LOSS)
+        gradients, _, _ = tf_megadp.VectorizedClipping().per_example_gradients(model, x, y)
+        head = gradients[-2].numpy().reshape(8, -1)
+        distinct = {tuple(np.round(row, 5)) for row in head}
+        assert len(distinct) > 1, "identical examples got identical dropout masks"
+
+
+class TestFailClosed:
+    def test_batch_normalization_is_rejected(self):
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
+                                  keras.layers.BatchNormalization()])
+        with pytest.raises(PrivacyConfigurationError, match="LayerNormalization"):
+            tf_megadp.make_private(model)
+
+    def test_batch_normalization_nested_in_a_submodel_is_rejected(self):
+        inner = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
+        model = keras.Sequential([keras.Input((3,)), inner, keras.layers.Dense(1)])
+        with pytest.raises(PrivacyConfigurationError, match="mixes examples"):
+            tf_megadp.make_private(model)
+
+    def test_model_not_made_private_cannot_train_with_dp_optimizer(self):
+        model = dense_model()
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0), loss=LOSS)
+        x, y = dense_data(n=4)
+        with pytest.raises(PrivacyConfigurationError, match="make_private"):
+            model.fit(x, y, verbose=0)
+
+    def test_apply_gradients_on_dp_optimizer_raises(self):
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0)
+        variable = keras.Variable(np.zeros(2, "float32"))
+        with pytest.raises(PrivacyConfigurationError, match="aggregated"):
+            optimizer.apply_gradients([(np.ones(2, "float32"), variable)])
+
+    def test_private_model_with_plain_optimizer_raises(self):
+        model = tf_megadp.make_private(dense_model())
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+        x, y = dense_data(n=4)
+        with pytest.raises(PrivacyConfigurationError, match="DPOptimizer"):
+            model.fit(x, y, verbose=0)
+
+    def test_class_weight_is_rejected(self):
+        model = tf_megadp.make_private(dense_model())
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.1), 1.0, 1.0), loss=LOSS)
+        x, y = dense_data(n=4)
+        with pytest.raises(PrivacyConfigurationError, match="sample_weight"):
+            model.fit(x, y, class_weight={0: 1.0, 1: 2.0, 2: 1.0}, verbose=0)
+
+    def test_loss_without_per_example_scalar_is_rejected(self):
+        # A sequence output with reduction="none" leaves one loss per position.
+        model = tf_megadp.make_private(keras.Sequential(
+            [keras.Input((5, 6)), keras.layers.Dense(3)]))
+        model.compile(
+            optimizer=tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
+        )
+        x = np.zeros((4, 5, 6), "float32")
+        y = np.zeros((4, 5), "int32")
+        with pytest.raises(PrivacyConfigurationError, match="one scalar loss per example"):
+            model.fit(x, y, verbose=0)
+
+    def test_model_overriding_train_step_is_rejected(self):
+        class Custom(keras.Model):
+            def train_step(self, data):
+                return {}
+
+        inputs = keras.Input((2,))
+        model = Custom(inputs, keras.layers.Dense(1)(inputs))
+        with pytest.raises(PrivacyConfigurationError, match="compute_loss"):
+            tf_megadp.make_private(model)
+
+    def test_make_private_returns_the_same_model(self):
+        model = dense_model()
+        assert tf_megadp.make_private(model) is model
+        assert tf_megadp.is_private(model)

@@ -1,0 +1,359 @@
+"""Specification of tf_megadp.accounting.
+
+Every epsilon is checked against dp_accounting itself: the test builds the
+dp_accounting events of the run by hand and asks a fresh dp_accounting
+accountant, independently of the module's own event construction.
+"""
+
+import json
+import math
+import warnings
+
+import dp_accounting
+import numpy as np
+import pytest
+from dp_accounting import pld, rdp
+from scipy import stats
+
+from tf_megadp import accounting
+from tf_megadp.accounting import (
+    LedgerEntry,
+    PrivacyAccountant,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    ledger_from_schedule,
+)
+from tf_megadp.schedules import BatchSizeSchedule, Phase
+
+
+def reference_epsilon(events, delta, accountant):
+    """epsilon of `events` by a fresh dp_accounting accountant."""
+    engine = (
+        pld.PLDAccountant(value_discretization_interval=1e-4)
+        if accountant == "pld"
+        else rdp.RdpAccountant()
+    )
+    return engine.compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(delta)
+
+
+def poisson(steps, q, sigma):
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
+        steps,
+    )
+
+
+# -- Agreement with dp_accounting ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "accountant, num_examples, batch_size, steps, sigma, delta",
+    [
+        ("rdp", 60_000, 256, 1_000, 1.1, 1e-5),
+        ("rdp", 1_000_000, 4_096, 500, 0.8, 1e-7),
+        ("rdp", 10_000, 10_000, 3, 5.0, 1e-5),  # q = 1: full batch
+        ("pld", 50_000, 500, 300, 1.3, 1e-6),
+    ],
+)
+def test_constant_batch_matches_dp_accounting(
+    accountant, num_examples, batch_size, steps, sigma, delta
+):
+    expected = reference_epsilon(
+        [poisson(steps, batch_size / num_examples, sigma)], delta, accountant
+    )
+    got = compute_epsilon(
+        num_examples=num_examples,
+        batch_size=batch_size,
+        steps=steps,
+        noise_multiplier=sigma,
+        delta=delta,
+        accountant=accountant,
+    )
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_three_phases_with_changing_q_and_sigma_match_dp_accounting():
+    phases = [(100, 0.001, 0.9), (200, 0.004, 1.1), (50, 0.016, 1.6)]
+    account = PrivacyAccountant(num_examples=1_000_000, delta=1e-7, accountant="pld")
+    for steps, q, sigma in phases:
+        account.record(steps, sampling_rate=q, noise_multiplier=sigma)
+    expected = reference_epsilon([poisson(*phase) for phase in phases], 1e-7, "pld")
+    assert account.epsilon() == pytest.approx(expected, rel=1e-12)
+
+
+def test_three_phase_schedule_is_accounted_per_phase_with_truncation():
+    # The tf_megadp sampler truncates Poisson steps at each phase's capacity;
+    # for_poisson sizes the capacity so truncation is rare, and then the
+    # coupling bound reports the untruncated Poisson epsilon at
+    # delta - (1 + e^eps_hi) * sum_t P[Binomial(N + 1, q_t) > c_t].
+    schedule = BatchSizeSchedule.for_poisson(
+        [(100, 1_000), (200, 4_000), (50, 16_000)],
+        num_examples=1_000_000,
+        micro_batch_size=1_024,
+        noise_multipliers=[None, None, 1.6],
+    )
+    delta = 1e-7
+    events = [
+        poisson(phase.steps, phase.batch_size / 1_000_000, sigma)
+        for phase, sigma in zip(schedule.phases, [1.0, 1.0, 1.6])
+    ]
+    mass = sum(
+        phase.steps * stats.binom.sf(schedule.capacity(phase), 1_000_001, phase.batch_size / 1e6)
+        for phase in schedule.phases
+    )
+    assert 0 < mass < 1e-12
+    upper = reference_epsilon(events, delta / 2, "rdp")
+    expected = reference_epsilon(events, delta - (1 + math.exp(upper)) * mass, "rdp")
+    got = compute_epsilon(schedule=schedule, noise_multiplier=1.0, delta=delta, accountant="rdp")
+    assert got == pytest.approx(expected, rel=1e-12)
+    ledger = ledger_from_schedule(schedule, 1.0)
+    assert [entry.max_batch_size for entry in ledger] == [
+        schedule.capacity(phase) for phase in schedule.phases
+    ]
+    assert [entry.noise_multiplier for entry in ledger] == [1.0, 1.0, 1.6]
+
+
+def test_frequent_truncation_uses_the_exact_truncated_event():
+    # Capacity 230 for an expected batch of 200: a step truncates ~2 % of the
+    # time, far too often for the coupling bound, so the exact PLD is used.
+    # (sigma = 2 keeps dp_accounting's exact truncated PLD to a few seconds.)
+    delta = 1e-6
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=20_000, sampling_probability=0.01, truncated_batch_size=230,
+            noise_multiplier=2.0,
+        ),
+        20,
+    )
+    expected = reference_epsilon([event], delta, "pld")
+    got = compute_epsilon(
+        num_examples=20_000, batch_size=200, steps=20, noise_multiplier=2.0,
+        max_batch_size=230, delta=delta,
+    )
+    assert got == pytest.approx(expected, rel=1e-12)
+    untruncated = reference_epsilon([poisson(20, 0.01, 2.0)], delta, "pld")
+    assert got > untruncated  # Truncation costs privacy; it is not ignored.
+    with pytest.raises(ValueError, match="accountant='pld'"):
+        compute_epsilon(
+            num_examples=20_000, batch_size=200, steps=20, noise_multiplier=2.0,
+            max_batch_size=230, delta=delta, accountant="rdp",
+        )
+
+
+def test_shuffle_is_reported_as_poisson_with_a_loud_warning():
+    expected = reference_epsilon([poisson(100, 0.01, 1.0)], 1e-5, "rdp")
+    with pytest.warns(UserWarning, match="UNDERSTATES.*Chua et al.*Poisson"):
+        got = compute_epsilon(
+            num_examples=60_000, batch_size=600, steps=100, noise_multiplier=1.0,
+            delta=1e-5, sampling="shuffle", accountant="rdp",
+        )
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_pld_is_tighter_than_rdp_and_both_are_default_choices():
+    settings = dict(num_examples=60_000, batch_size=256, steps=1_000, noise_multiplier=1.1, delta=1e-5)
+    assert accounting.DEFAULT_ACCOUNTANT == "pld"
+    assert compute_epsilon(**settings) < compute_epsilon(**settings, accountant="rdp")
+
+
+def test_steps_past_the_schedule_end_stay_in_the_last_phase():
+    schedule = BatchSizeSchedule([Phase(10, 100, 1), Phase(20, 400, 4)],
+                                 num_examples=10_000, micro_batch_size=100)
+    ledger = ledger_from_schedule(schedule, 1.0, steps=50)
+    assert [entry.steps for entry in ledger] == [10, 40]
+    ledger = ledger_from_schedule(schedule, 1.0, steps=5)
+    assert [entry.steps for entry in ledger] == [5]
+
+
+def test_zero_steps_spend_nothing():
+    assert compute_epsilon(num_examples=100, batch_size=10, steps=0,
+                           noise_multiplier=1.0, delta=1e-3) == 0.0
+
+
+# -- Monotonicity ----------------------------------------------------------------
+
+
+def rdp_epsilon(steps=200, batch_size=100, sigma=1.0):
+    return compute_epsilon(num_examples=10_000, batch_size=batch_size, steps=steps,
+                           noise_multiplier=sigma, delta=1e-5, accountant="rdp")
+
+
+def test_epsilon_grows_with_steps_and_sampling_rate_and_falls_with_noise():
+    by_steps = [rdp_epsilon(steps=t) for t in (1, 10, 100, 1_000, 10_000)]
+    by_batch = [rdp_epsilon(batch_size=b) for b in (10, 100, 1_000, 5_000, 10_000)]
+    by_sigma = [rdp_epsilon(sigma=s) for s in (0.5, 0.8, 1.0, 2.0, 8.0)]
+    assert np.all(np.diff(by_steps) > 0)
+    assert np.all(np.diff(by_batch) > 0)
+    assert np.all(np.diff(by_sigma) < 0)
+
+
+def test_pld_epsilon_is_monotone_too():
+    def epsilon(steps, batch_size, sigma):
+        return compute_epsilon(num_examples=10_000, batch_size=batch_size, steps=steps,
+                               noise_multiplier=sigma, delta=1e-5)
+
+    base = epsilon(100, 100, 1.0)
+    assert epsilon(101, 100, 1.0) >= base
+    assert epsilon(100, 101, 1.0) >= base
+    assert epsilon(100, 100, 1.01) <= base
+
+
+# -- Calibration -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", [0.5, 2.0, 8.0])
+def test_calibration_round_trips_within_one_percent_rdp(target):
+    settings = dict(num_examples=60_000, batch_size=256, steps=2_000)
+    sigma = calibrate_noise_multiplier(target, 1e-5, accountant="rdp", **settings)
+    epsilon = compute_epsilon(noise_multiplier=sigma, delta=1e-5, accountant="rdp", **settings)
+    assert epsilon <= target
+    assert epsilon >= 0.99 * target
+    # Smallest: 1 % less noise breaks the budget.
+    assert compute_epsilon(noise_multiplier=0.99 * sigma, delta=1e-5,
+                           accountant="rdp", **settings) > target
+
+
+def test_calibration_round_trips_within_one_percent_pld():
+    settings = dict(num_examples=60_000, batch_size=256, steps=2_000)
+    sigma = calibrate_noise_multiplier(2.0, 1e-5, **settings)
+    epsilon = compute_epsilon(noise_multiplier=sigma, delta=1e-5, **settings)
+    assert 0.99 * 2.0 <= epsilon <= 2.0
+
+
+def test_calibration_with_a_schedule_keeps_phases_that_fix_their_noise():
+    schedule = BatchSizeSchedule.for_poisson(
+        [(100, 1_000), (100, 4_000)], num_examples=1_000_000, micro_batch_size=1_024,
+        noise_multipliers=[None, 2.0],
+    )
+    sigma = calibrate_noise_multiplier(1.0, 1e-7, schedule=schedule, accountant="rdp")
+    epsilon = compute_epsilon(schedule=schedule, noise_multiplier=sigma, delta=1e-7,
+                              accountant="rdp")
+    assert 0.99 <= epsilon <= 1.0
+    fixed = BatchSizeSchedule([Phase(10, 100, 1, 1.0)], num_examples=1_000, micro_batch_size=100)
+    with pytest.raises(ValueError, match="nothing to calibrate"):
+        calibrate_noise_multiplier(1.0, 1e-4, schedule=fixed)
+
+
+# -- The ledger ------------------------------------------------------------------
+
+
+def test_ledger_merges_identical_consecutive_steps_only():
+    ledger = PrivacyLedger()
+    ledger.record(3, sampling_rate=0.01, noise_multiplier=1.0)
+    ledger.record(4, sampling_rate=0.01, noise_multiplier=1.0)
+    ledger.record(2, sampling_rate=0.02, noise_multiplier=1.0)
+    ledger.record(1, sampling_rate=0.01, noise_multiplier=1.0)
+    ledger.record(0, sampling_rate=0.5, noise_multiplier=9.0)
+    assert [(e.steps, e.sampling_rate) for e in ledger] == [(7, 0.01), (2, 0.02), (1, 0.01)]
+    assert ledger.total_steps == 10
+
+
+def test_ledger_round_trips_through_optimizer_rows_and_json():
+    ledger = PrivacyLedger([
+        LedgerEntry(5, 0.001, 1.1),
+        LedgerEntry(7, 0.004, 0.9, max_batch_size=5_000),
+        LedgerEntry(2, 0.004, 0.9, sampling="shuffle"),
+    ])
+    rows = ledger.to_rows()
+    assert rows.dtype == np.float64 and rows.shape == (3, 5)
+    np.testing.assert_array_equal(rows[1], [7, 0.004, 0.9, 5_000, 0])
+    assert rows[2, 4] == 1  # shuffle
+    assert PrivacyLedger.from_rows(rows) == ledger
+    assert PrivacyLedger.from_list(json.loads(json.dumps(ledger.to_list()))) == ledger
+    assert PrivacyLedger.from_rows(np.zeros((0, 5))) == PrivacyLedger()
+
+
+def test_report_is_publishable_json_and_reproduces_epsilon(tmp_path):
+    account = PrivacyAccountant(num_examples=50_000, delta=1e-6, accountant="rdp")
+    account.record(300, sampling_rate=0.01, noise_multiplier=1.3)
+    path = tmp_path / "privacy.json"
+    account.save_report(path, settings={"l2_norm_clip": 1.0})
+    report = json.loads(path.read_text())
+    assert report["epsilon"] == pytest.approx(account.epsilon())
+    assert report["delta"] == 1e-6 and report["steps"] == 300
+    assert report["accountant"] == "rdp" and report["num_examples"] == 50_000
+    assert report["privacy_unit"].startswith("one training example")
+    assert report["sampling"]["accounted_as"] == "poisson"
+    assert report["settings"] == {"l2_norm_clip": 1.0}
+    assert PrivacyAccountant.from_report(report).epsilon() == pytest.approx(report["epsilon"])
+    assert [p.name for p in tmp_path.iterdir()] == ["privacy.json"]  # No temp left.
+
+
+def test_steps_within_budget_agrees_with_a_naive_search():
+    account = PrivacyAccountant(num_examples=10_000, delta=1e-5, accountant="rdp")
+    account.record(40, sampling_rate=0.01, noise_multiplier=1.0)
+    step = LedgerEntry(1, 0.02, 1.0)
+
+    def epsilon_after(extra):
+        trial = account.ledger.copy()
+        trial.append(LedgerEntry(extra, 0.02, 1.0))
+        return account.epsilon(trial)
+
+    target = (epsilon_after(25) + epsilon_after(26)) / 2
+    naive = 0
+    while epsilon_after(naive + 1) <= target:
+        naive += 1
+    assert naive == 25
+    assert account.steps_within_budget(target, step) == naive
+    assert account.steps_within_budget(account.epsilon() * 1.0001, step) == 0
+
+
+# -- Bad input -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delta", [0, 1, -1e-5, 1.5, float("nan")])
+def test_delta_outside_the_open_unit_interval_is_rejected(delta):
+    with pytest.raises(ValueError, match=r"delta must be in \(0, 1\)"):
+        PrivacyAccountant(num_examples=1_000, delta=delta)
+
+
+def test_delta_above_one_over_n_warns():
+    with pytest.warns(UserWarning, match="larger than 1/N"):
+        PrivacyAccountant(num_examples=1_000, delta=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PrivacyAccountant(num_examples=1_000, delta=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(batch_size=2_000), "larger than num_examples"),
+        (dict(noise_multiplier=0.0), "not differentially private"),
+        (dict(noise_multiplier=-1.0), "noise_multiplier must be"),
+        (dict(steps=-1), "steps must be >= 0"),
+        (dict(sampling="random"), "sampling must be one of"),
+        (dict(accountant="gdp"), "accountant must be one of"),
+        (dict(batch_size=None), "pass batch_size"),
+    ],
+)
+def test_invalid_runs_raise_clear_errors(overrides, message):
+    settings = dict(num_examples=1_000, batch_size=10, steps=10, noise_multiplier=1.0,
+                    delta=1e-4, accountant="rdp")
+    settings.update(overrides)
+    with pytest.raises(ValueError, match=message):
+        compute_epsilon(**settings)
+
+
+def test_sampling_rate_above_one_is_rejected():
+    with pytest.raises(ValueError, match="larger than 1"):
+        LedgerEntry(1, 1.5, 1.0)
+
+
+@pytest.mark.slow
+def test_coupling_bound_is_as_tight_as_the_exact_truncated_pld():
+    # Rare truncation: the cheap coupling bound and dp_accounting's exact (and
+    # ~10x slower) truncated PLD agree to 0.1 %. Run with `pytest -m slow`.
+    schedule = BatchSizeSchedule.constant(
+        500, 2_000, num_examples=200_000, micro_batch_size=512
+    )
+    (phase,) = schedule.phases
+    exact = reference_epsilon(
+        [dp_accounting.SelfComposedDpEvent(
+            dp_accounting.TruncatedSubsampledGaussianDpEvent(
+                200_000, 0.01, schedule.capacity(phase), 1.0), 500)],
+        1e-6, "pld",
+    )
+    got = compute_epsilon(schedule=schedule, noise_multiplier=1.0, delta=1e-6)
+    assert got == pytest.approx(exact, rel=1e-3)

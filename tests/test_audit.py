@@ -378,7 +378,11 @@ def _batches(token_ids, positions, size=64):
 
 @pytest.fixture(scope="module")
 def trained():
-    """A tiny BERT trained without privacy on random rows plus canaries."""
+    """A tiny BERT trained without privacy on random rows plus canaries.
+
+    It trains under an `AuditCallback` that audits after the second (last)
+    epoch, with a reference model for the calibrated attack.
+    """
     rng = np.random.default_rng(0)
     members = _random_rows(rng, 64)
     nonmembers = _random_rows(rng, 64)
@@ -386,22 +390,39 @@ def trained():
         FORMAT, repetitions=(1, 16), canaries_per_repetition=2, num_controls=4, seed=0
     )
     corpus, _ = audit.insert_canaries(members, canaries, pad_token_id=PAD, seed=0)
-    # Fresh masks every epoch, as a masked-LM pipeline does.
-    epochs = 60
-    rows = np.concatenate([corpus] * epochs)
+    # Fresh masks for each of 30 passes over the corpus, as a masked-LM
+    # pipeline draws them; fit's 2 epochs repeat the 30 passes.
+    rows = np.concatenate([corpus] * 30)
     x, y, w = _mlm_batch(rows, _random_positions(rng, len(rows)))
     model = _tiny_masked_lm(0)
     model.compile(
         optimizer=keras.optimizers.Adam(3e-3),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
-    model.fit(x, y, sample_weight=w, batch_size=32, epochs=1, shuffle=True, verbose=0)
     fixed = np.random.default_rng(1)
+    member_batches = _batches(members, _random_positions(fixed, len(members)))
+    nonmember_batches = _batches(nonmembers, _random_positions(fixed, len(nonmembers)))
+    callback = audit.AuditCallback(
+        member_batches,
+        nonmember_batches,
+        canaries,
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        every_n_epochs=2,
+        reference_model=_tiny_masked_lm(1),
+        batch_size=1024,
+    )
+    history = model.fit(
+        # 98 rows x 30 = 49 batches of 60: no partial batch, one trace.
+        x, y, sample_weight=w, batch_size=60, epochs=2, verbose=0, callbacks=[callback]
+    )
     return {
         "model": model,
         "canaries": canaries,
-        "member_batches": _batches(members, _random_positions(fixed, len(members))),
-        "nonmember_batches": _batches(nonmembers, _random_positions(fixed, len(nonmembers))),
+        "member_batches": member_batches,
+        "nonmember_batches": nonmember_batches,
+        "callback": callback,
+        "history": history.history,
     }
 
 
@@ -415,7 +436,7 @@ def test_secret_scores_match_a_naive_loop(trained):
     model = trained["model"]
     scorer = audit.MaskedLMScorer(model, mask_token_id=MASK, pad_token_id=PAD, batch_size=7)
     slots = FORMAT.secret_positions
-    sequences = FORMAT.fill(FORMAT.sample_secrets(np.random.default_rng(3), 10))
+    sequences = FORMAT.fill(FORMAT.sample_secrets(np.random.default_rng(3), 2))
     pseudo = scorer.secret_score_fn(slots, mode="pseudo")(sequences)
     joint = scorer.secret_score_fn(slots, mode="joint")(sequences)
     for row, sequence in enumerate(sequences):
@@ -446,54 +467,50 @@ def test_example_losses_match_keras_loss(trained):
     np.testing.assert_allclose(losses, expected, rtol=1e-4)
 
 
-def test_run_audit_finds_memorized_canaries_and_members(trained):
-    report = audit.run_audit(
-        trained["model"],
-        trained["member_batches"],
-        trained["nonmember_batches"],
-        trained["canaries"],
-        mask_token_id=MASK,
-        pad_token_id=PAD,
-        reference_model=_tiny_masked_lm(1),
-    )
+def test_audit_callback_writes_the_report_into_history(trained):
+    history, report = trained["history"], trained["callback"].last_report
+    # Audited after epoch 2 only; History records that epoch's numbers.
+    assert len(history["loss"]) == 2
+    for key in ("mia_auc", "mia_calibrated_auc", "exposure_r16_mean", "mia_eps_lower_bound"):
+        assert history["audit_" + key] == [pytest.approx(report[key])]
+    assert "audit_canaries" not in history  # per-canary details stay in the report
+    with pytest.raises(ValueError, match="one-shot"):
+        audit.AuditCallback(iter([]), [], mask_token_id=MASK)
+
+
+def test_audit_finds_memorized_canaries_and_members(trained):
+    report = trained["callback"].last_report
     # Canaries seen 16 times are singled out among 1000 candidates; controls
     # (never seen) are not.
     assert report["exposure_r16_mean"] > 7.0
     assert report["exposure_r16_mean"] > report["exposure_r0_mean"] + 4.0
     assert {"exposure_r1_mean", "canary_eps_lower_bound_r16"} <= set(report)
-    # A model trained for 60 epochs on 64 sequences has lower loss on them.
+    assert len(report["canaries"]) == len(trained["canaries"])
+    assert all(item["exact"] for item in report["canaries"])
+    # A model trained for 60 passes over 64 random sequences has lower loss on them.
     assert report["mia_auc"] > 0.6
+    assert report["mia_num_members"] == report["mia_num_nonmembers"] == 64
     assert 0.0 <= report["mia_tpr_at_fpr_0.01"] <= 1.0
     assert report["mia_eps_lower_bound"] >= 0.0
-    assert "mia_calibrated_auc" in report
-    assert len(report["canaries"]) == len(trained["canaries"])
+    # The reference model never saw the members: calibration keeps the signal.
+    assert report["mia_calibrated_auc"] > 0.6
 
 
-def test_audit_callback_writes_numbers_into_history():
-    rng = np.random.default_rng(5)
-    rows = _random_rows(rng, 32)
-    batches = _batches(rows, _random_positions(rng, 32), size=16)
-    model = _tiny_masked_lm(2)
-    model.compile(
-        optimizer="adam",
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+def test_run_audit_with_sampled_candidates_and_joint_scores(trained):
+    report = audit.run_audit(
+        trained["model"],
+        trained["member_batches"][:1],
+        trained["nonmember_batches"][:1],
+        trained["canaries"],
+        mask_token_id=MASK,
+        pad_token_id=PAD,
+        canary_mode="joint",
+        num_candidates=200,
     )
-    canaries = audit.make_canaries(
-        FORMAT, repetitions=(1,), canaries_per_repetition=1, num_controls=1, seed=0
-    )
-    callback = audit.AuditCallback(
-        batches[:1], batches[1:], canaries, mask_token_id=MASK, num_candidates=50,
-        every_n_epochs=2, canary_mode="joint",
-    )
-    x, y, w = _mlm_batch(rows, _random_positions(rng, 32))
-    history = model.fit(x, y, sample_weight=w, epochs=2, verbose=0, callbacks=[callback])
-    # Audited after epoch 2 only; History records that epoch's numbers.
-    assert len(history.history["loss"]) == 2
-    report = callback.last_report
-    assert history.history["audit_mia_auc"] == [pytest.approx(report["mia_auc"])]
-    assert history.history["audit_exposure_r1_mean"] == [
-        pytest.approx(report["exposure_r1_mean"])
-    ]
-    assert "audit_canaries" not in history.history
-    with pytest.raises(ValueError, match="one-shot"):
-        audit.AuditCallback(iter(batches), batches, mask_token_id=MASK)
+    for item in report["canaries"]:
+        assert not item["exact"]
+        assert item["exposure_lower"] <= item["exposure"]
+    # Joint scores still single out one of the canaries seen 16 times, but
+    # they mix the slots of all canaries that share the template, which is why
+    # "pseudo" is the default.
+    assert report["exposure_r16_max"] > 9.0

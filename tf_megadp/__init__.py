@@ -3,6 +3,8 @@
 The public API is re-exported here; everything else is private to its module.
 """
 
+from tf_megadp import audit
+from tf_megadp.audit import AuditCallback, run_audit
 from tf_megadp.clipping import ClippingStrategy, VectorizedClipping
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer

@@ -46,6 +46,20 @@ def test_format_rejects_bad_input():
         FORMAT.fill((4, 9, 30))
 
 
+def test_canaries_round_trip_through_a_file(tmp_path):
+    other = audit.CanaryFormat([CLS, None, None, SEP], WORDS)
+    canaries = audit.make_canaries(FORMAT, repetitions=(1, 4), num_controls=2, seed=0)
+    canaries += audit.make_canaries(other, repetitions=(16,), canaries_per_repetition=1)
+    path = tmp_path / "canaries.json"
+    audit.save_canaries(path, canaries)
+    assert audit.load_canaries(path) == canaries
+    assert [p.name for p in tmp_path.iterdir()] == ["canaries.json"]  # no temp left
+    path.write_text('{"canaries": [{"template": [1, null], "alphabet": [4, 5], '
+                    '"secret": [9], "repetitions": 1}]}')
+    with pytest.raises(ValueError, match="not a canary file"):
+        audit.load_canaries(path)
+
+
 def _digit_value(sequences):
     """Reads the three secret digits as a number 0..999."""
     digits = np.asarray(sequences)[:, list(FORMAT.secret_positions)] - DIGITS[0]

@@ -15,7 +15,9 @@ from tf_megadp.audit.canaries import (
     canary_exposure,
     exposure,
     insert_canaries,
+    load_canaries,
     make_canaries,
+    save_canaries,
 )
 from tf_megadp.audit.empirical import (
     clopper_pearson,

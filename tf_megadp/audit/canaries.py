@@ -30,7 +30,10 @@ log2 |R|, so cite "exposure_lower" for sampled ranks.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
+import tempfile
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -42,6 +45,8 @@ __all__ = [
     "Canary",
     "make_canaries",
     "insert_canaries",
+    "save_canaries",
+    "load_canaries",
     "exposure",
     "canary_exposure",
 ]
@@ -276,6 +281,75 @@ def insert_canaries(
         result[canary_rows] = np.stack(rows)[order]
         canary_index[canary_rows] = np.asarray(owners)[order]
     return result, canary_index
+
+
+def save_canaries(path: str | os.PathLike, canaries: Sequence[Canary]) -> None:
+    """Writes canaries (formats, secrets, repetitions) to a JSON file, atomically.
+
+    The training job saves what it inserted; the audit reloads it with
+    `load_canaries`. The file holds the secrets: keep it with the model, not
+    with anything published.
+
+    Args:
+        path: destination file.
+        canaries: the canaries, controls included.
+    """
+    payload = {
+        "canaries": [
+            {
+                "template": list(c.format.template),
+                "alphabet": list(c.format.alphabet),
+                "secret": list(c.secret),
+                "repetitions": c.repetitions,
+            }
+            for c in canaries
+        ]
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w") as stream:
+            json.dump(payload, stream, indent=1)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def load_canaries(path: str | os.PathLike) -> list[Canary]:
+    """Reads canaries written by `save_canaries`.
+
+    Args:
+        path: the JSON file.
+
+    Returns:
+        The canaries, in the saved order.
+    """
+    with open(path) as stream:
+        payload = json.load(stream)
+    try:
+        entries = payload["canaries"]
+        formats: dict[tuple, CanaryFormat] = {}
+        canaries = []
+        for entry in entries:
+            key = (tuple(entry["template"]), tuple(entry["alphabet"]))
+            if key not in formats:
+                formats[key] = CanaryFormat(*key)
+            canary_format = formats[key]
+            secret = tuple(int(t) for t in entry["secret"])
+            if len(secret) != len(canary_format.secret_positions) or not set(
+                secret
+            ) <= set(canary_format.alphabet):
+                raise ValueError(f"secret {secret} does not fit its format")
+            repetitions = int(entry["repetitions"])
+            if repetitions < 0:
+                raise ValueError(f"negative repetitions {repetitions}")
+            canaries.append(Canary(canary_format, secret, repetitions))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(
+            f"{path} is not a canary file written by save_canaries: {error}"
+        ) from error
+    return canaries
 
 
 def exposure(rank: float, space_size: int) -> float:

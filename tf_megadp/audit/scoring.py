@@ -98,9 +98,13 @@ class MaskedLMScorer:
         return self._log_softmax(self.model(inputs, training=False))
 
     def _target_log_probs_eager(self, inputs, targets):
-        log_probs = self._position_log_probs_eager(inputs)
-        # Gather on device: only [batch, num_masked] numbers come back.
-        return tf.gather(log_probs, targets, batch_dims=2)
+        outputs = tf.cast(self.model(inputs, training=False), tf.float32)
+        # Gather on device: only [batch, num_masked] numbers come back, and no
+        # second vocabulary-sized tensor is built.
+        picked = tf.gather(outputs, targets, batch_dims=2)
+        if self.from_logits:
+            return picked - tf.reduce_logsumexp(outputs, axis=-1)
+        return tf.math.log(picked)
 
     def _inputs(self, token_ids: np.ndarray, mask_positions: np.ndarray) -> dict:
         """Model inputs; the masked tokens must already be in `token_ids`."""

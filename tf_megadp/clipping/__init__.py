@@ -5,20 +5,26 @@ to a strategy object.
 """
 
 from tf_megadp.clipping.base import ClippedBatch, ClippingStrategy
+from tf_megadp.clipping.ghost import GhostClipping, auto_clipping
 from tf_megadp.clipping.vectorized import VectorizedClipping
 
 __all__ = [
     "ClippedBatch",
     "ClippingStrategy",
+    "GhostClipping",
     "VectorizedClipping",
     "get_clipping_strategy",
 ]
 
-_STRATEGIES = {"vectorized": VectorizedClipping}
+_STRATEGIES = {
+    "vectorized": VectorizedClipping,
+    "ghost": GhostClipping,
+    "auto": auto_clipping,
+}
 
 
 def get_clipping_strategy(name: str) -> ClippingStrategy:
-    """Returns a new strategy for `name` ('vectorized')."""
+    """Returns a new strategy for `name` ('vectorized', 'ghost' or 'auto')."""
     try:
         return _STRATEGIES[name]()
     except KeyError:

@@ -1,0 +1,285 @@
+"""Ghost clipping: per-example gradient norms without per-example gradients.
+
+The model runs ONCE on the whole micro-batch, with every layer intercepted by
+a rule of `tf_megadp.clipping.layer_rules`. One backward pass of the summed
+per-example losses gives each layer's output gradients; from those and the
+recorded layer inputs, each example's squared gradient norm is assembled
+variable by variable (Gram forms, no per-example gradient of a large matrix
+is ever built), the clip factors c_i follow, and the clipped sum of each
+variable is formed directly as sum_i c_i * (per-example gradient) from the
+same records ("book-keeping": no second backward pass).
+
+For a variable with several records (a layer called twice, or the tied
+input/output embedding of a masked LM), the per-example gradient is the sum
+of the records and its squared norm includes every cross term.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import keras
+import tensorflow as tf
+
+from tf_megadp.clipping import base
+from tf_megadp.clipping.layer_rules import (
+    Explicit,
+    Gather,
+    Outer,
+    ReadCheckingScope,
+    Recorder,
+    plan_rules,
+)
+from tf_megadp.errors import PrivacyConfigurationError
+
+__all__ = ["GhostClipping"]
+
+
+class GhostClipping(base.ClippingStrategy):
+    """Clips per-example gradients using ghost norms and book-keeping.
+
+    Args:
+        fallback: "small" (the `clipping="ghost"` strategy): layers without a
+            ghost-norm rule are accepted only if they are small normalization
+            layers, whose per-example gradients are materialised; anything else
+            raises. "any" (`clipping="auto"`): every layer without a rule gets
+            exact per-example gradients for its own variables only.
+        jit_compile: compile the step with XLA (default True).
+
+    Example:
+    ```python
+    strategy = GhostClipping()
+    batch = strategy.clip_and_sum(model, x, y, sample_weight, l2_norm_clip=1.0)
+    batch.norms  # equal to VectorizedClipping's per-example norms
+    ```
+    """
+
+    name = "ghost"
+
+    def __init__(self, fallback: str = "small", jit_compile: bool = True):
+        if fallback not in ("small", "any"):
+            raise ValueError(f"fallback must be 'small' or 'any', got {fallback!r}.")
+        self.fallback = fallback
+        self.jit_compile = jit_compile
+        self._functions = weakref.WeakKeyDictionary()
+
+    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip):
+        function = self._functions.get(model)
+        if function is None:
+            rules = plan_rules(model, self.fallback)
+            _check_no_regularizers(model)
+
+            def clip_and_sum(x, y, sample_weight, l2_norm_clip):
+                return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip)
+
+            function = tf.function(clip_and_sum, jit_compile=self.jit_compile)
+            self._functions[model] = function
+        return function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32))
+
+
+def auto_clipping() -> GhostClipping:
+    """The `clipping="auto"` strategy: ghost norms, per-layer exact fallback."""
+    strategy = GhostClipping(fallback="any")
+    strategy.name = "auto"
+    return strategy
+
+
+def _check_no_regularizers(model):
+    # A weight regularizer's gradient reaches the variables directly, not
+    # through any layer output, so no rule would see it.
+    regularized = [v.path for v in model.trainable_variables if v.regularizer is not None]
+    regularized += [layer.name for layer in model._flatten_layers()
+                    if getattr(layer, "activity_regularizer", None) is not None]
+    if regularized:
+        raise PrivacyConfigurationError(
+            f"Ghost clipping does not support regularizers ({regularized}). "
+            "Use weight decay on the inner optimizer, or clipping='vectorized'."
+        )
+
+
+def _forward(model, rules, x, y, sample_weight):
+    """The recorded forward pass; returns (records, losses, y_pred)."""
+    batch_size = tf.nest.flatten(x)[0].shape[0]
+    if batch_size is None:
+        raise PrivacyConfigurationError(
+            "Ghost clipping needs a static micro-batch size: batch the dataset "
+            "with drop_remainder=True (Poisson steps are padded to a static shape)."
+        )
+    with tf.GradientTape(watch_accessed_variables=False) as tape:
+        recorder = Recorder(tape, batch_size, model.trainable_variables)
+        scope = ReadCheckingScope(recorder)
+        with contextlib.ExitStack() as stack:
+            for rule in rules:
+                stack.enter_context(rule.installed(recorder))
+            with scope:
+                if model._call_has_training_arg:
+                    y_pred = model(x, training=True)
+                else:
+                    y_pred = model(x)
+        if recorder.violations:
+            raise PrivacyConfigurationError(
+                f"Trainable variables {sorted(set(recorder.violations))} are read "
+                "outside the layer that owns them (e.g. a custom layer using "
+                "another layer's weights directly); ghost clipping would miss "
+                "that use. Use clipping='vectorized'."
+            )
+        if scope.losses:
+            raise PrivacyConfigurationError(
+                "The model adds losses with add_loss(); ghost clipping cannot "
+                "attribute them to examples. Use clipping='vectorized'."
+            )
+        # The scope held back state updates (dropout seeds); apply them.
+        for variable in model.non_trainable_variables:
+            value = scope.updated_value(variable)
+            if value is not None:
+                variable.assign(value)
+        losses = _per_example_losses(model, x, y, y_pred, sample_weight)
+        total = tf.reduce_sum(losses)
+    gradients = tape.gradient(total, recorder.watched)
+    return recorder.terms(gradients), losses, y_pred
+
+
+def _per_example_losses(model, x, y, y_pred, sample_weight):
+    elements = {"x": x, "y_pred": y_pred}
+    if y is not None:
+        elements["y"] = y
+    if sample_weight is not None:
+        elements["sample_weight"] = sample_weight
+
+    def one_example(e):
+        return base.per_example_loss(
+            model,
+            base.add_batch_axis(e["x"]),
+            base.add_batch_axis(e.get("y")),
+            base.add_batch_axis(e["y_pred"]),
+            base.add_batch_axis(e.get("sample_weight")),
+        )
+
+    return tf.vectorized_map(one_example, elements)
+
+
+def _grouped(records, variables):
+    """Per trainable-variable index: (Outer or None, Gather or None, Explicit or None)."""
+    index = {id(v): i for i, v in enumerate(variables)}
+    groups = {}
+    for variable, term in records:
+        groups.setdefault(index[id(variable)], []).append(term)
+    merged = {}
+    for i, terms in groups.items():
+        outers = [t for t in terms if isinstance(t, Outer)]
+        gathers = [t for t in terms if isinstance(t, Gather)]
+        explicits = [t for t in terms if isinstance(t, Explicit)]
+        # Several calls of one layer: concatenating along the token axis
+        # makes their sum one term of the same kind.
+        outer = None if not outers else Outer(
+            tf.concat([t.left for t in outers], 1), tf.concat([t.right for t in outers], 1))
+        gather = None if not gathers else Gather(
+            tf.concat([t.ids for t in gathers], 1), tf.concat([t.values for t in gathers], 1))
+        explicit = None if not explicits else Explicit(tf.add_n([t.value for t in explicits]))
+        merged[i] = (outer, gather, explicit)
+    return merged
+
+
+def outer_squared_norms(term: Outer) -> tf.Tensor:
+    """||left_i^T right_i||_F^2 per example: Gram form when 2 T^2 < P D."""
+    tokens, p, d = term.left.shape[1], term.left.shape[2], term.right.shape[2]
+    if 2 * tokens * tokens < p * d:
+        left_gram = tf.einsum("mtp,msp->mts", term.left, term.left)
+        right_gram = tf.einsum("mtd,msd->mts", term.right, term.right)
+        return tf.reduce_sum(left_gram * right_gram, axis=[1, 2])
+    per_example = tf.einsum("mtp,mtd->mpd", term.left, term.right)
+    return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
+
+
+def gather_squared_norms(term: Gather) -> tf.Tensor:
+    """||scatter(ids_i, values_i)||^2: token-equality Gram, no [V, D] tensor."""
+    same = tf.cast(term.ids[:, :, None] == term.ids[:, None, :], tf.float32)
+    gram = tf.einsum("mtd,msd->mts", term.values, term.values)
+    return tf.reduce_sum(same * gram, axis=[1, 2])
+
+
+def _explicit_matrix(term: Explicit, rows: int) -> tf.Tensor:
+    return tf.reshape(term.value, [term.value.shape[0], rows, -1])
+
+
+def _squared_norms(outer, gather, explicit, shape) -> tf.Tensor:
+    """Squared norm of the sum of the terms, cross terms included."""
+    parts = []
+    if outer is not None:
+        parts.append(outer_squared_norms(outer))
+    if gather is not None:
+        parts.append(gather_squared_norms(gather))
+    if explicit is not None:
+        value = explicit.value
+        parts.append(tf.reduce_sum(tf.reshape(tf.square(value), [value.shape[0], -1]), 1))
+    if outer is not None and gather is not None:
+        # <left^T right, scatter(ids, values)> = sum_{s,t} left[s, ids_t] <right_s, values_t>
+        left_at_ids = tf.gather(outer.left, gather.ids, axis=2, batch_dims=1)
+        products = tf.einsum("msd,mtd->mst", outer.right, gather.values)
+        parts.append(2.0 * tf.reduce_sum(left_at_ids * products, axis=[1, 2]))
+    if outer is not None and explicit is not None:
+        matrix = _explicit_matrix(explicit, outer.left.shape[2])
+        parts.append(2.0 * tf.einsum("msp,mpd,msd->m", outer.left, matrix, outer.right))
+    if gather is not None and explicit is not None:
+        matrix = _explicit_matrix(explicit, shape[0])
+        rows = tf.gather(matrix, gather.ids, axis=1, batch_dims=1)
+        parts.append(2.0 * tf.reduce_sum(rows * gather.values, axis=[1, 2]))
+    return tf.add_n(parts)
+
+
+def _rows(tensor, keep):
+    """Zeroes the examples that do not count (0 * NaN would be NaN)."""
+    mask = tf.reshape(keep, [-1] + [1] * (tensor.shape.rank - 1))
+    return tf.where(mask, tensor, tf.zeros_like(tensor))
+
+
+def _clipped_sum(outer, gather, explicit, factors, keep, variable):
+    """sum_i c_i * g_i for one variable, from its terms."""
+    shape = variable.shape.as_list()
+    parts = []
+    if outer is not None:
+        left = _rows(outer.left, keep) * factors[:, None, None]
+        parts.append(tf.einsum("mtp,mtd->pd", left, _rows(outer.right, keep)))
+    if gather is not None:
+        values = _rows(gather.values, keep) * factors[:, None, None]
+        parts.append(tf.math.unsorted_segment_sum(
+            tf.reshape(values, [-1, values.shape[-1]]),
+            tf.reshape(gather.ids, [-1]),
+            shape[0],
+        ))
+    if explicit is not None:
+        parts.append(tf.tensordot(factors, _rows(explicit.value, keep), axes=1))
+    total = tf.add_n([tf.reshape(part, shape) for part in parts])
+    return tf.cast(tf.reshape(total, shape), variable.dtype)
+
+
+def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip):
+    records, losses, y_pred = _forward(model, rules, x, y, sample_weight)
+    variables = model.trainable_variables
+    groups = _grouped(records, variables)
+    batch_size = losses.shape[0]
+    squared = [_squared_norms(*groups[i], variables[i].shape) for i in sorted(groups)]
+    if squared:
+        squared = tf.add_n(squared)
+        # Gram forms can round a zero norm to a tiny negative; keep NaN as NaN.
+        norms = tf.sqrt(tf.where(squared < 0.0, tf.zeros_like(squared), squared))
+    else:
+        norms = tf.zeros([batch_size], tf.float32)
+    is_real = base.example_weights_present(sample_weight, batch_size)
+    factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real)
+    keep = factors > 0
+    gradient_sum = [
+        _clipped_sum(*groups[i], factors, keep, v) if i in groups else None
+        for i, v in enumerate(variables)
+    ]
+    losses = tf.where(tf.logical_and(is_real > 0, tf.math.is_finite(losses)),
+                      losses, tf.zeros_like(losses))
+    return base.ClippedBatch(
+        gradient_sum=gradient_sum,
+        losses=losses,
+        y_pred=y_pred,
+        norms=norms,
+        is_real=is_real,
+        nonfinite=nonfinite,
+    )

@@ -466,6 +466,11 @@ def test_secret_scores_match_a_naive_loop(trained):
         assert joint[row] == pytest.approx(expected_joint, abs=1e-4)
 
 
+def test_scorer_rejects_a_mask_token_equal_to_padding():
+    with pytest.raises(ValueError, match="must differ"):
+        audit.MaskedLMScorer(None, mask_token_id=PAD, pad_token_id=PAD)
+
+
 def test_example_losses_match_keras_loss(trained):
     model = trained["model"]
     scorer = audit.MaskedLMScorer(model, mask_token_id=MASK, pad_token_id=PAD, batch_size=16)

@@ -69,6 +69,11 @@ def run_audit(
         batch_size: sequences per model call.
         seed: seed of candidate sampling and of the bound's data split.
 
+    The epsilon lower bounds treat every member and non-member (every
+    canary) as an independent trial; sequences of one training run are not
+    quite that, so read them as an indication beside the accountant's
+    epsilon, not as a certificate (see `tf_megadp.audit.empirical`).
+
     Returns:
         A flat dict of numbers: "mia_auc", "mia_advantage",
         "mia_tpr_at_fpr_0.01", "mia_tpr_at_fpr_0.001", "mia_num_members",

@@ -167,7 +167,10 @@ class MaskedLMScorer:
                 slot and candidate). "joint" masks all slots at once and sums
                 the log-probabilities of the candidate's tokens; the masked
                 input is the same for every candidate, so the model runs once
-                per distinct context and scoring many candidates is cheap.
+                per distinct context and scoring many candidates is cheap. It
+                ignores how the slots depend on each other: when several
+                canaries share a template, the per-slot predictions mix their
+                secrets and exposure is understated. Report "pseudo".
 
         Returns:
             A function int [n, length] -> float64 [n] for `canary_exposure`.

@@ -4,7 +4,16 @@ The public API is re-exported here; everything else is private to its module.
 """
 
 from tf_megadp import audit
+from tf_megadp.accounting import (
+    LedgerEntry,
+    PrivacyAccountant,
+    PrivacyLedger,
+    calibrate_noise_multiplier,
+    compute_epsilon,
+    ledger_from_schedule,
+)
 from tf_megadp.audit import AuditCallback, run_audit
+from tf_megadp.callbacks import PrivacyCallback, read_ledger
 from tf_megadp.clipping import ClippingStrategy, VectorizedClipping
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer

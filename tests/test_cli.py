@@ -1,0 +1,146 @@
+"""Specification of the `tf-megadp` command line (epsilon, calibrate)."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import dp_accounting
+import pytest
+import yaml
+from dp_accounting import rdp
+
+from tf_megadp import BatchSizeSchedule, cli, compute_epsilon
+
+RUN = ["--num-examples", "60000", "--batch-size", "256", "--steps", "1000", "--delta", "1e-5"]
+
+
+def run(capsys, *argv):
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def rdp_epsilon(events, delta):
+    return rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(delta)
+
+
+def poisson(steps, q, sigma):
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps)
+
+
+def test_epsilon_json_matches_dp_accounting(capsys):
+    status, out, err = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
+                           "--accountant", "rdp", "--json")
+    assert status == 0 and err == ""
+    report = json.loads(out)
+    assert report["epsilon"] == pytest.approx(
+        rdp_epsilon([poisson(1000, 256 / 60000, 1.1)], 1e-5), rel=1e-12)
+    assert (report["delta"], report["steps"], report["accountant"]) == (1e-5, 1000, "rdp")
+    assert report["privacy_unit"].startswith("one training example")
+
+
+def test_epsilon_prints_a_privacy_statement(capsys):
+    status, out, _ = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
+                         "--accountant", "rdp")
+    epsilon = compute_epsilon(num_examples=60000, batch_size=256, steps=1000,
+                              noise_multiplier=1.1, delta=1e-5, accountant="rdp")
+    assert status == 0
+    assert out.startswith(f"This training run is ({epsilon:.4g}, 1e-05)-differentially private.")
+    assert "one training example" in out and "RDP" in out and "sigma = 1.1" in out
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_schedule_file_in_json_or_yaml(capsys, tmp_path, suffix):
+    schedule = BatchSizeSchedule.for_poisson(
+        [(100, 1_000), (200, 4_000), (50, 16_000)], num_examples=1_000_000,
+        micro_batch_size=1_024, noise_multipliers=[None, None, 1.6])
+    path = tmp_path / f"schedule{suffix}"
+    dump = json.dumps if suffix == ".json" else yaml.safe_dump
+    path.write_text(dump(schedule.to_dict()))
+    status, out, _ = run(capsys, "epsilon", "--schedule", str(path), "--noise-multiplier", "1.0",
+                         "--delta", "1e-7", "--accountant", "rdp", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["epsilon"] == compute_epsilon(schedule=schedule, noise_multiplier=1.0,
+                                                delta=1e-7, accountant="rdp")
+    assert [entry["steps"] for entry in report["ledger"]] == [100, 200, 50]
+    assert report["sampling"]["accounted_as"] == "truncated_poisson"
+
+
+def test_calibrate_finds_the_smallest_sigma_within_one_percent(capsys):
+    status, out, _ = run(capsys, "calibrate", "--target-epsilon", "2", *RUN,
+                         "--accountant", "rdp", "--json")
+    assert status == 0
+    report = json.loads(out)
+    sigma = report["noise_multiplier"]
+    epsilon = rdp_epsilon([poisson(1000, 256 / 60000, sigma)], 1e-5)
+    assert 0.99 * 2 <= epsilon <= 2
+    assert report["epsilon"] == pytest.approx(epsilon, rel=1e-12)
+    status, out, _ = run(capsys, "calibrate", "--target-epsilon", "2", *RUN, "--accountant", "rdp")
+    assert out.startswith(f"noise multiplier: {sigma:.6g}")
+
+
+def test_shuffle_is_reported_with_the_warning_on_stderr(capsys):
+    status, out, err = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
+                           "--accountant", "rdp", "--sampling", "shuffle")
+    assert status == 0
+    assert "UNDERSTATES" in out
+    assert err.startswith("tf-megadp: warning: Shuffled fixed-size batches")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["epsilon", *RUN], "--noise-multiplier is required"),
+        (["epsilon", "--num-examples", "100", "--batch-size", "10", "--steps", "5",
+          "--noise-multiplier", "1"], "--delta"),
+        (["epsilon", *RUN[:-1], "1.5", "--noise-multiplier", "1"], r"delta must be in \(0, 1\)"),
+        (["epsilon", *RUN, "--noise-multiplier", "0"], "not differentially private"),
+        (["epsilon", "--num-examples", "10", "--batch-size", "20", "--steps", "5", "--delta",
+          "1e-3", "--noise-multiplier", "1"], "larger than num_examples"),
+        (["epsilon", *RUN[:4], "--steps", "-3", "--delta", "1e-5", "--noise-multiplier", "1"],
+         "steps must be >= 0"),
+        (["epsilon", *RUN, "--noise-multiplier", "1", "--accountant", "gdp"], "invalid choice"),
+        (["epsilon", "--schedule", "/nonexistent.json", "--delta", "1e-5",
+          "--noise-multiplier", "1"], "cannot read schedule"),
+        (["calibrate", *RUN], "--target-epsilon"),
+        (["calibrate", "--target-epsilon", "-1", *RUN], "target_epsilon must be"),
+        (["frobnicate"], "invalid choice"),
+        ([], "required"),
+    ],
+)
+def test_bad_arguments_print_one_line_and_exit_2(capsys, argv, message):
+    status, out, err = run(capsys, *argv)
+    assert status == 2 and out == ""
+    errors = [line for line in err.splitlines() if not line.startswith("tf-megadp: warning:")]
+    assert len(errors) == 1 and errors[0].startswith("tf-megadp: error: ")
+    assert re.search(message, errors[0])
+
+
+def test_bad_schedule_file_is_one_clear_error(capsys, tmp_path):
+    path = tmp_path / "schedule.json"
+    path.write_text("{not json")
+    status, _, err = run(capsys, "epsilon", "--schedule", str(path), "--delta", "1e-5",
+                         "--noise-multiplier", "1")
+    assert status == 2 and "is not valid JSON" in err
+    path.write_text(json.dumps({"phases": []}))
+    status, _, err = run(capsys, "epsilon", "--schedule", str(path), "--delta", "1e-5",
+                         "--noise-multiplier", "1")
+    assert status == 2 and "needs num_examples" in err
+
+
+def test_the_command_runs_as_a_program():
+    # Fresh interpreter: what the `tf-megadp` console script does.
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from tf_megadp.cli import main; sys.exit(main())",
+         "epsilon", *RUN, "--noise-multiplier", "1.1", "--delta", "0"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])},
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tf-megadp: error: delta must be in (0, 1), got 0.0.")

@@ -94,9 +94,13 @@ def test_sampled_exposure_estimates_the_rank_and_its_lower_bound_covers():
     estimates, lowers = [], []
     for seed in range(200):
         result = audit.canary_exposure(
-            canary, lambda s: _digit_value(s).astype(float), num_candidates=400, seed=seed
+            canary,
+            lambda s: _digit_value(s).astype(float),
+            num_candidates=400,
+            extrapolate=False,
+            seed=seed,
         )
-        assert not result["exact"]
+        assert not result["exact"] and result["exposure_extrapolated"] is None
         estimates.append(result["exposure"])
         lowers.append(result["exposure_lower"])
     assert np.mean(estimates) == pytest.approx(exact, abs=0.05)
@@ -104,6 +108,25 @@ def test_sampled_exposure_estimates_the_rank_and_its_lower_bound_covers():
     # here; the slack covers the randomness of 200 draws).
     assert np.mean(np.array(lowers) > exact) <= 0.08
     assert np.mean(lowers) < exact
+
+
+def test_extrapolated_exposure_sees_past_the_sampling_resolution():
+    # Six digits: 10^6 candidates whose scores are normal quantiles of their
+    # number, so the secret numbered v has rank 10^6 - v exactly.
+    wide = audit.CanaryFormat([CLS] + [None] * 6 + [SEP], DIGITS)
+    powers = 10 ** np.arange(5, -1, -1)
+
+    def score_fn(sequences):
+        value = (np.asarray(sequences)[:, 1:7] - DIGITS[0]) @ powers
+        return stats.norm.ppf((value + 0.5) / 1e6)
+
+    secret = tuple(DIGITS[int(d)] for d in "999995")  # rank 5: 17.6 bits
+    canary = audit.Canary(wide, secret, repetitions=16)
+    exact = math.log2(1e6) - math.log2(5)
+    result = audit.canary_exposure(canary, score_fn, num_candidates=2000, seed=0)
+    assert result["exposure"] == pytest.approx(math.log2(1e6))  # saturated: k = 0
+    assert result["exposure_lower"] < 11.0  # resolution of 2000 samples
+    assert result["exposure_extrapolated"] == pytest.approx(exact, abs=1.5)
 
 
 def test_large_spaces_must_be_sampled():
@@ -529,6 +552,8 @@ def test_run_audit_with_sampled_candidates_and_joint_scores(trained):
     for item in report["canaries"]:
         assert not item["exact"]
         assert item["exposure_lower"] <= item["exposure"]
+        assert 0.0 <= item["exposure_extrapolated"] <= math.log2(1000)
+    assert "exposure_extrapolated_r16_mean" in report
     # Joint scores still single out one of the canaries seen 16 times, but
     # they mix the slots of all canaries that share the template, which is why
     # "pseudo" is the default.

@@ -80,8 +80,8 @@ def run_audit(
         "mia_num_nonmembers", "mia_eps_lower_bound"; the same with prefix
         "mia_calibrated" when a reference model is given; for each repetition
         count r among the canaries "exposure_r<r>_mean", "exposure_r<r>_max",
-        "exposure_lower_r<r>_mean"; when controls and inserted canaries are
-        both present, "canary_eps_lower_bound_r<r>" (exposure as attack score,
+        "exposure_lower_r<r>_mean", "exposure_extrapolated_r<r>_mean"; when
+        controls and inserted canaries are both present, "canary_eps_lower_bound_r<r>" (exposure as attack score,
         r-times inserted canaries against controls: a bound for a group of r
         copies). Plus "canaries": one dict per canary (see
         `canary_exposure`), the only non-scalar entry.
@@ -146,10 +146,12 @@ def run_audit(
         by_count.setdefault(item["repetitions"], []).append(item)
     for count in sorted(by_count):
         values = np.array([item["exposure"] for item in by_count[count]])
-        lowers = np.array([item["exposure_lower"] for item in by_count[count]])
         result[f"exposure_r{count}_mean"] = float(values.mean())
         result[f"exposure_r{count}_max"] = float(values.max())
-        result[f"exposure_lower_r{count}_mean"] = float(lowers.mean())
+        for kind in ("lower", "extrapolated"):
+            result[f"exposure_{kind}_r{count}_mean"] = float(
+                np.mean([item[f"exposure_{kind}"] for item in by_count[count]])
+            )
     controls = [item["exposure"] for item in by_count.get(0, [])]
     for count in sorted(c for c in by_count if c > 0):
         inserted = [item["exposure"] for item in by_count[count]]

@@ -1,5 +1,6 @@
 """Specification of tf_megadp.audit: canaries, membership inference, empirical epsilon."""
 
+import json
 import math
 
 import keras
@@ -554,6 +555,7 @@ def test_run_audit_with_sampled_candidates_and_joint_scores(trained):
         assert item["exposure_lower"] <= item["exposure"]
         assert 0.0 <= item["exposure_extrapolated"] <= math.log2(1000)
     assert "exposure_extrapolated_r16_mean" in report
+    json.dumps(report)  # the CLI writes the report as JSON
     # Joint scores still single out one of the canaries seen 16 times, but
     # they mix the slots of all canaries that share the template, which is why
     # "pseudo" is the default.

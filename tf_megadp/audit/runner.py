@@ -46,6 +46,11 @@ def run_audit(
 ) -> dict:
     """Audits a masked LM: loss-based membership inference and canary exposure.
 
+    The epsilon lower bounds treat every member and non-member (every
+    canary) as an independent trial; sequences of one training run are not
+    quite that, so read them as an indication beside the accountant's
+    epsilon, not as a certificate (see `tf_megadp.audit.empirical`).
+
     Args:
         model: the trained masked LM (`BertMaskedLM` contract, see
             `MaskedLMScorer`).
@@ -69,11 +74,6 @@ def run_audit(
         batch_size: sequences per model call.
         seed: seed of candidate sampling and of the bound's data split.
 
-    The epsilon lower bounds treat every member and non-member (every
-    canary) as an independent trial; sequences of one training run are not
-    quite that, so read them as an indication beside the accountant's
-    epsilon, not as a certificate (see `tf_megadp.audit.empirical`).
-
     Returns:
         A flat dict of numbers: "mia_auc", "mia_advantage",
         "mia_tpr_at_fpr_0.01", "mia_tpr_at_fpr_0.001", "mia_num_members",
@@ -81,10 +81,11 @@ def run_audit(
         "mia_calibrated" when a reference model is given; for each repetition
         count r among the canaries "exposure_r<r>_mean", "exposure_r<r>_max",
         "exposure_lower_r<r>_mean", "exposure_extrapolated_r<r>_mean"; when
-        controls and inserted canaries are both present, "canary_eps_lower_bound_r<r>" (exposure as attack score,
-        r-times inserted canaries against controls: a bound for a group of r
-        copies). Plus "canaries": one dict per canary (see
-        `canary_exposure`), the only non-scalar entry.
+        controls and inserted canaries are both present,
+        "canary_eps_lower_bound_r<r>" (exposure as attack score, r-times
+        inserted canaries against controls: a bound for a group of r copies).
+        Plus "canaries": one dict per canary (see `canary_exposure`), the only
+        non-scalar entry.
 
     Example:
     ```python

@@ -38,6 +38,18 @@ def test_format_fills_slots_and_counts_the_space():
     assert set(every.ravel()) == set(DIGITS)
 
 
+def test_format_from_vocabulary_tokens():
+    vocabulary = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]", "my", "pin", "is"]
+    vocabulary += [str(d) for d in range(10)]
+    fmt = audit.CanaryFormat.from_vocabulary(
+        ["[CLS]", "my", "pin", "is", None, None, "[SEP]"], "0123456789", vocabulary
+    )
+    assert fmt.template == (1, 5, 6, 7, None, None, 2)
+    assert fmt.alphabet == tuple(range(8, 18))
+    with pytest.raises(ValueError, match=r"\['code'\] are not in the vocabulary"):
+        audit.CanaryFormat.from_vocabulary(["code", None], "01", vocabulary)
+
+
 def test_format_rejects_bad_input():
     with pytest.raises(ValueError, match="secret slot"):
         audit.CanaryFormat([CLS, 20, SEP], DIGITS)

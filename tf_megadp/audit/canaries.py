@@ -100,6 +100,36 @@ class CanaryFormat:
         object.__setattr__(self, "template", template)
         object.__setattr__(self, "alphabet", alphabet)
 
+    @classmethod
+    def from_vocabulary(
+        cls,
+        template: Sequence[str | None],
+        alphabet: Iterable[str],
+        vocabulary: Sequence[str],
+    ) -> "CanaryFormat":
+        """A format written in tokens of a vocabulary (a list, index = token id).
+
+        Args:
+            template: token strings, None at each secret slot, e.g.
+                `["[CLS]", "my", "pin", "is", None, None, None, None, "[SEP]"]`.
+            alphabet: the token strings a slot can take, e.g. "0" .. "9".
+            vocabulary: the model's vocabulary.
+
+        Returns:
+            The `CanaryFormat` with token ids.
+        """
+        ids = {token: index for index, token in enumerate(vocabulary)}
+        alphabet = list(alphabet)
+        missing = [t for t in [*template, *alphabet] if t is not None and t not in ids]
+        if missing:
+            raise ValueError(
+                f"Tokens {sorted(set(missing))} are not in the vocabulary: choose "
+                "canary words the vocabulary has as whole tokens."
+            )
+        return cls(
+            [None if t is None else ids[t] for t in template], [ids[t] for t in alphabet]
+        )
+
     @property
     def secret_positions(self) -> tuple[int, ...]:
         """Indices of the secret slots in the sequence."""

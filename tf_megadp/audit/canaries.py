@@ -422,7 +422,12 @@ def _extrapolated_exposure(secret_score, other_scores, space) -> float:
         tail = float(np.mean(other_scores >= secret_score))
     else:
         tail = float(stats.skewnorm.sf(secret_score, *stats.skewnorm.fit(other_scores)))
-    return exposure(1.0 + tail * (space - 1), space)
+    return exposure(_estimated_rank(tail, space), space)
+
+
+def _estimated_rank(fraction: float, space: int) -> float:
+    """1 + fraction * (|R| - 1), kept <= |R| despite float rounding of huge |R|."""
+    return min(1.0 + fraction * (space - 1), space)
 
 
 def canary_exposure(
@@ -453,8 +458,8 @@ def canary_exposure(
 
     Returns:
         A dict with "exposure", "exposure_lower" and "exposure_extrapolated"
-        (both equal to "exposure" when exact), "rank", "space_size", "exact", "repetitions" and
-        "secret_score".
+        (both equal to "exposure" when exact), "rank", "space_size", "exact",
+        "repetitions" and "secret_score".
     """
     fmt = canary.format
     space = fmt.space_size
@@ -488,9 +493,9 @@ def canary_exposure(
         fraction_hi = clopper_pearson(
             at_least, num_candidates, confidence=confidence, side="upper"
         )
-        rank = 1.0 + at_least / num_candidates * (space - 1)
+        rank = _estimated_rank(at_least / num_candidates, space)
         value = exposure(rank, space)
-        lower = exposure(1.0 + fraction_hi * (space - 1), space)
+        lower = exposure(_estimated_rank(fraction_hi, space), space)
         extrapolated = (
             _extrapolated_exposure(secret_score, other_scores, space)
             if extrapolate

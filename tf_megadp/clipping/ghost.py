@@ -99,13 +99,8 @@ def _check_no_regularizers(model):
 
 
 def _forward(model, rules, x, y, sample_weight):
-    """The recorded forward pass; returns (records, losses, y_pred)."""
-    batch_size = tf.nest.flatten(x)[0].shape[0]
-    if batch_size is None:
-        raise PrivacyConfigurationError(
-            "Ghost clipping needs a static micro-batch size: batch the dataset "
-            "with drop_remainder=True (Poisson steps are padded to a static shape)."
-        )
+    """The recorded forward pass; returns (records, batch axes ok, losses, y_pred)."""
+    batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         recorder = Recorder(tape, batch_size, model.trainable_variables)
         scope = ReadCheckingScope(recorder)
@@ -137,7 +132,7 @@ def _forward(model, rules, x, y, sample_weight):
         losses = _per_example_losses(model, x, y, y_pred, sample_weight)
         total = tf.reduce_sum(losses)
     gradients = tape.gradient(total, recorder.watched)
-    return recorder.terms(gradients), losses, y_pred
+    return recorder.terms(gradients), recorder.batch_axes_consistent(), losses, y_pred
 
 
 def _per_example_losses(model, x, y, y_pred, sample_weight):
@@ -182,9 +177,11 @@ def _grouped(records, variables):
 
 
 def outer_squared_norms(term: Outer) -> tf.Tensor:
-    """||left_i^T right_i||_F^2 per example: Gram form when 2 T^2 < P D."""
+    """||left_i^T right_i||_F^2 per example: Gram form when 2 T^2 < P D, else A_i^T G_i."""
     tokens, p, d = term.left.shape[1], term.left.shape[2], term.right.shape[2]
-    if 2 * tokens * tokens < p * d:
+    # An unknown token count gets the Gram form, whose memory does not grow
+    # with the layer's width.
+    if tokens is None or 2 * tokens * tokens < p * d:
         left_gram = tf.einsum("mtp,msp->mts", term.left, term.left)
         right_gram = tf.einsum("mtd,msd->mts", term.right, term.right)
         return tf.reduce_sum(left_gram * right_gram, axis=[1, 2])
@@ -200,7 +197,7 @@ def gather_squared_norms(term: Gather) -> tf.Tensor:
 
 
 def _explicit_matrix(term: Explicit, rows: int) -> tf.Tensor:
-    return tf.reshape(term.value, [term.value.shape[0], rows, -1])
+    return tf.reshape(term.value, [tf.shape(term.value)[0], rows, -1])
 
 
 def _squared_norms(outer, gather, explicit, shape) -> tf.Tensor:
@@ -212,7 +209,7 @@ def _squared_norms(outer, gather, explicit, shape) -> tf.Tensor:
         parts.append(gather_squared_norms(gather))
     if explicit is not None:
         value = explicit.value
-        parts.append(tf.reduce_sum(tf.reshape(tf.square(value), [value.shape[0], -1]), 1))
+        parts.append(tf.reduce_sum(tf.reshape(tf.square(value), [tf.shape(value)[0], -1]), 1))
     if outer is not None and gather is not None:
         # <left^T right, scatter(ids, values)> = sum_{s,t} left[s, ids_t] <right_s, values_t>
         left_at_ids = tf.gather(outer.left, gather.ids, axis=2, batch_dims=1)
@@ -255,15 +252,16 @@ def _clipped_sum(outer, gather, explicit, factors, keep, variable):
 
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip):
-    records, losses, y_pred = _forward(model, rules, x, y, sample_weight)
+    records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight)
     variables = model.trainable_variables
     groups = _grouped(records, variables)
-    batch_size = losses.shape[0]
+    batch_size = tf.shape(losses)[0]
     squared = [_squared_norms(*groups[i], variables[i].shape) for i in sorted(groups)]
     if squared:
         squared = tf.add_n(squared)
         # Gram forms can round a zero norm to a tiny negative; keep NaN as NaN.
         norms = tf.sqrt(tf.where(squared < 0.0, tf.zeros_like(squared), squared))
+        norms = tf.where(consistent, norms, tf.fill(tf.shape(norms), float("nan")))
     else:
         norms = tf.zeros([batch_size], tf.float32)
     is_real = base.example_weights_present(sample_weight, batch_size)

@@ -73,13 +73,15 @@ class Recorder:
 
     Args:
         tape: the `tf.GradientTape` recording the forward pass.
-        batch_size: m, the static micro-batch size.
+        batch_size: m, the micro-batch size (a scalar tensor).
         trainable_variables: the model's trainable variables.
     """
 
-    def __init__(self, tape, batch_size: int, trainable_variables):
+    def __init__(self, tape, batch_size, trainable_variables):
         self.tape = tape
         self.batch_size = batch_size
+        self.static_batch_size = tf.get_static_value(batch_size)
+        self._runtime_checks = []
         self.watched = []
         self._finishers = []
         self._trainable = {id(v): v for v in trainable_variables}
@@ -104,17 +106,36 @@ class Recorder:
             masking.set_keras_mask(probed, mask)
         return probed, index
 
+    def has_batch_axis(self, tensor) -> bool:
+        """Whether `tensor` may lead with the example axis (checked at run time if unknown)."""
+        if not tf.is_tensor(tensor) or not tensor.shape.rank:
+            return False
+        leading = tensor.shape[0]
+        if leading is not None and self.static_batch_size is not None:
+            return leading == self.static_batch_size
+        self._runtime_checks.append(tf.equal(tf.shape(tensor)[0], self.batch_size))
+        return True
+
     def check_batch_axis(self, tensor, layer):
         # Rules read axis 0 as the example axis; a layer applied to reshaped
         # or transposed activations would get wrong norms, so refuse it.
-        leading = tensor.shape[0] if tensor.shape.rank else None
-        if leading != self.batch_size:
+        if not self.has_batch_axis(tensor):
             raise PrivacyConfigurationError(
                 f"Layer '{layer.name}' was called on a tensor of shape "
                 f"{tensor.shape} whose first axis is not the micro-batch axis "
-                f"(size {self.batch_size}); ghost clipping cannot attribute its "
-                "gradient to examples. Use clipping='vectorized'."
+                f"(size {self.static_batch_size}); ghost clipping cannot "
+                "attribute its gradient to examples. Use clipping='vectorized'."
             )
+
+    def batch_axes_consistent(self) -> tf.Tensor:
+        """False if a layer ran on a tensor whose first axis was not the batch.
+
+        Shapes unknown when tracing are checked here, when the step runs; the
+        strategy then gives every example a NaN norm, so nothing is added.
+        """
+        if not self._runtime_checks:
+            return tf.constant(True)
+        return tf.reduce_all(tf.stack(self._runtime_checks))
 
     def on_gradients(self, finisher: Callable):
         """Registers `finisher(gradient_of) -> [(variable, term), ...]`."""
@@ -179,8 +200,10 @@ def _as_float(tensor):
 
 
 def _flat_tokens(tensor, batch_size):
-    """[m, ..., D] -> [m, T, D]."""
-    return tf.reshape(_as_float(tensor), [batch_size, -1, tensor.shape[-1]])
+    """[m, ..., D] -> [m, T, D], with T static whenever the inner axes are."""
+    inner = tensor.shape[1:-1]
+    tokens = inner.num_elements() if inner.is_fully_defined() else -1
+    return tf.reshape(_as_float(tensor), [batch_size, tokens, tensor.shape[-1]])
 
 
 def _bias_gradient(output_gradient, bias):
@@ -192,7 +215,7 @@ def _bias_gradient(output_gradient, bias):
     axes = [a for a in range(1, rank)
             if a < offset or (shape[a - offset] == 1 and gradient.shape[a] != 1)]
     gradient = tf.reduce_sum(gradient, axis=axes, keepdims=True)
-    return Explicit(tf.reshape(gradient, [gradient.shape[0]] + shape))
+    return Explicit(tf.reshape(gradient, [tf.shape(gradient)[0]] + shape))
 
 
 class Rule:
@@ -406,7 +429,7 @@ class PositionEmbeddingRule(Rule):
             if gradient is None:
                 return []
             m = recorder.batch_size
-            tiled = tf.broadcast_to(ids, [m] + ids.shape.as_list())
+            tiled = tf.broadcast_to(ids, tf.concat([[m], tf.shape(ids)], 0))
             return [(layer.position_embeddings,
                      Gather(tf.reshape(tiled, [m, -1]), _flat_tokens(gradient, m)))]
 
@@ -503,10 +526,11 @@ class PerExampleRule(Rule):
 
     def call(self, recorder, original, *args, **kwargs):
         layer, m = self.layer, recorder.batch_size
-        copies = [tf.broadcast_to(v.value, [m] + v.shape.as_list()) for v in self.variables]
+        copies = [tf.broadcast_to(v.value, tf.concat([[m], tf.shape(v.value)], 0))
+                  for v in self.variables]
         indices = [recorder.watch(c) for c in copies]
         leaves = tf.nest.flatten((args, kwargs))
-        batched = [tf.is_tensor(t) and t.shape.rank and t.shape[0] == m for t in leaves]
+        batched = [recorder.has_batch_axis(t) for t in leaves]
         if not any(batched):
             raise PrivacyConfigurationError(
                 f"Layer '{layer.name}' was called without any input carrying "

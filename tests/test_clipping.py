@@ -1,0 +1,328 @@
+"""Specification of the clipping strategies.
+
+Ghost clipping never builds per-example gradients, yet it must give every
+example exactly the norm and the clipped contribution that materialised
+per-example gradients (`VectorizedClipping`) give: equal norms (rtol 1e-4) and
+equal clipped sums, layer by layer and for a whole tiny BertMaskedLM with its
+tied input/output embedding. Single-layer cases trace without XLA to keep the
+suite fast; the BertMaskedLM cases run compiled with XLA, as in training.
+"""
+
+import keras
+import keras_hub
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_megadp
+from tests import reference
+from tf_megadp import PrivacyConfigurationError
+from tf_megadp.clipping import GhostClipping, VectorizedClipping, get_clipping_strategy
+from tf_megadp.clipping.layer_rules import einsum_plan
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+RTOL = 1e-4
+
+
+def assert_same_clipping(model, x, y, sample_weight=None, fallback="small"):
+    """Ghost and vectorized clipping agree on norms, losses and clipped sums.
+
+    The clip norm is the median per-example norm, so that some examples are
+    clipped and others are not.
+    """
+    model(x)
+    model.compile(loss=LOSS)
+    vectorized = VectorizedClipping(jit_compile=False)
+    norms = vectorized.clip_and_sum(model, x, y, sample_weight, 1e9).norms.numpy()
+    assert np.all(norms > 0)
+    clip = float(np.median(norms[norms > 0]))
+    expected = vectorized.clip_and_sum(model, x, y, sample_weight, clip)
+    ghost = GhostClipping(fallback=fallback, jit_compile=False)
+    actual = ghost.clip_and_sum(model, x, y, sample_weight, clip)
+    assert_batches_equal(model, expected, actual)
+    return actual
+
+
+def assert_batches_equal(model, expected, actual):
+    np.testing.assert_allclose(actual.norms.numpy(), expected.norms.numpy(), rtol=RTOL)
+    np.testing.assert_allclose(actual.losses.numpy(), expected.losses.numpy(), rtol=1e-5)
+    # Tolerances relative to the largest entry of the whole clipped sum: some
+    # entries are zero in exact arithmetic (a key bias under softmax).
+    scale = max(float(np.max(np.abs(g))) for g in expected.gradient_sum if g is not None)
+    for variable, want, got in zip(model.trainable_variables, expected.gradient_sum,
+                                   actual.gradient_sum):
+        assert (want is None) == (got is None), variable.path
+        if want is not None:
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=RTOL,
+                                       atol=RTOL * scale, err_msg=variable.path)
+
+
+def sequences(n=6, length=5, features=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, length, features)).astype("float32")
+
+
+def tokens(n=6, length=5, vocabulary=4, seed=0):
+    """More positions than token ids: every example repeats a token."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocabulary, (n, length)).astype("int32")
+
+
+def labels(shape, classes=3, seed=1):
+    return np.random.default_rng(seed).integers(0, classes, shape).astype("int32")
+
+
+def sequence_model(*layers, input_shape=(5, 4), dtype="float32"):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(input_shape, dtype=dtype)
+    hidden = inputs
+    for layer in layers:
+        hidden = layer(hidden)
+    return keras.Model(inputs, hidden)
+
+
+class TestEinsumPlan:
+    def test_splits_projection_letters(self):
+        plan = einsum_plan("abc,cde->abde")
+        assert (plan.contracted, plan.produced, plan.swap) == ("c", "de", False)
+        assert plan.to_left == "abc->abc" and plan.to_right == "abde->abde"
+
+    def test_kernel_in_output_then_input_order_is_swapped(self):
+        assert einsum_plan("abc,dc->abd").swap
+
+    def test_unsupported_equations(self):
+        assert einsum_plan("...b,bc->...c") is None  # ellipsis
+        assert einsum_plan("abc,cd->abcd") is None  # kernel letter kept in output
+
+
+class TestGhostEqualsVectorizedPerLayer:
+    def test_dense_on_flat_inputs(self):
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        rng = np.random.default_rng(0)
+        assert_same_clipping(model, rng.normal(size=(8, 6)).astype("float32"), labels(8))
+
+    def test_dense_on_sequences_gram_and_materialised_forms(self):
+        # Dense(16) on T=5, p=4: 2 T^2 = 50 < p d = 64 (Gram form);
+        # Dense(3) on p=16: 50 > 48 (per-example A_i^T G_i).
+        model = sequence_model(keras.layers.Dense(16, activation="relu"),
+                               keras.layers.Dense(3))
+        assert_same_clipping(model, sequences(), labels((6, 5)))
+
+    def test_einsum_dense_with_biases(self):
+        model = sequence_model(
+            keras.layers.EinsumDense("abc,cde->abde", (5, 2, 3), bias_axes="de",
+                                     activation="tanh"),
+            keras.layers.EinsumDense("abcd,cde->abe", (5, 3), bias_axes="e"),
+        )
+        assert_same_clipping(model, sequences(), labels((6, 5)))
+
+    def test_einsum_dense_with_transposed_kernel(self):
+        model = sequence_model(keras.layers.EinsumDense("abc,dc->abd", (5, 3), bias_axes="d"))
+        assert_same_clipping(model, sequences(), labels((6, 5)))
+
+    def test_multi_head_attention(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5, 4))
+        attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=3)
+        outputs = keras.layers.Dense(3)(attention(inputs, inputs))
+        assert_same_clipping(keras.Model(inputs, outputs), sequences(), labels((6, 5)))
+
+    def test_embedding_with_repeated_tokens(self):
+        model = sequence_model(keras.layers.Embedding(7, 4), keras.layers.Dense(3),
+                               input_shape=(5,), dtype="int32")
+        assert_same_clipping(model, tokens(), labels((6, 5)))
+
+    def test_position_embedding(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,), dtype="int32")
+        embedded = keras.layers.Embedding(7, 4)(inputs)
+        hidden = embedded + keras_hub.layers.PositionEmbedding(8)(embedded)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        assert_same_clipping(model, tokens(), labels((6, 5)))
+
+    @pytest.mark.parametrize("tie_weights", [True, False])
+    def test_reversible_embedding(self, tie_weights):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,), dtype="int32")
+        embedding = keras_hub.layers.ReversibleEmbedding(7, 4, tie_weights=tie_weights)
+        hidden = keras.layers.Dense(4, activation="tanh")(embedding(inputs))
+        model = keras.Model(inputs, embedding(hidden, reverse=True))
+        assert_same_clipping(model, tokens(), labels((6, 5), classes=7))
+
+    def test_layer_normalization(self):
+        model = sequence_model(keras.layers.LayerNormalization(), keras.layers.Dense(3))
+        assert_same_clipping(model, sequences(), labels((6, 5)))
+
+    def test_layer_called_twice(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5, 4))
+        shared = keras.layers.Dense(4, activation="tanh")
+        outputs = keras.layers.Dense(3)(shared(shared(inputs)))
+        assert_same_clipping(keras.Model(inputs, outputs), sequences(), labels((6, 5)))
+
+
+class Scaled(keras.layers.Layer):
+    """A layer without a ghost rule that also calls a layer shared with others."""
+
+    def __init__(self, inner, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = inner
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(1,), initializer="ones")
+
+    def call(self, inputs):
+        return self.inner(inputs) * self.scale
+
+
+class KernelThief(keras.layers.Layer):
+    """Reads another layer's kernel directly: no rule can see that use."""
+
+    def __init__(self, donor, **kwargs):
+        super().__init__(**kwargs)
+        self.donor = donor
+
+    def call(self, inputs):
+        return keras.ops.matmul(inputs, self.donor.kernel)
+
+
+class TestAutoFallsBackPerLayer:
+    def test_unsupported_layer_gets_exact_per_example_gradients(self):
+        model = sequence_model(keras.layers.Conv1D(4, 2, padding="same"),
+                               keras.layers.Dense(3))
+        assert_same_clipping(model, sequences(), labels((6, 5)), fallback="any")
+
+    def test_shared_layers_across_fallback_and_ghost_rules(self):
+        # The Dense and the Embedding are used by ghost rules directly and,
+        # inside `Scaled`, by the per-example fallback: the cross terms between
+        # an explicit per-example gradient and Outer / Gather records count.
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,), dtype="int32")
+        embedding = keras.layers.Embedding(7, 4)
+        dense = keras.layers.Dense(4, activation="tanh")
+        hidden = embedding(inputs) + Scaled(embedding)(inputs)
+        hidden = dense(hidden) + Scaled(dense)(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        assert_same_clipping(model, tokens(), labels((6, 5)), fallback="any")
+
+    def test_ghost_refuses_layers_without_a_rule_and_names_auto(self):
+        model = sequence_model(keras.layers.Conv1D(4, 2), keras.layers.Dense(3))
+        model.compile(loss=LOSS)
+        with pytest.raises(PrivacyConfigurationError, match="clipping='auto'"):
+            GhostClipping(jit_compile=False).clip_and_sum(
+                model, sequences(), labels((6, 4)), None, 1.0)
+
+    def test_variable_read_outside_its_layer_is_refused(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5, 4))
+        donor = keras.layers.Dense(4)
+        hidden = donor(inputs) + KernelThief(donor)(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        model.compile(loss=LOSS)
+        with pytest.raises(PrivacyConfigurationError, match="read outside"):
+            GhostClipping(fallback="any", jit_compile=False).clip_and_sum(
+                model, sequences(), labels((6, 5)), None, 1.0)
+
+    def test_regularizers_are_refused(self):
+        model = keras.Sequential([keras.Input((3,)),
+                                  keras.layers.Dense(2, kernel_regularizer="l2")])
+        model.compile(loss=LOSS)
+        with pytest.raises(PrivacyConfigurationError, match="regularizers"):
+            GhostClipping(jit_compile=False).clip_and_sum(
+                model, np.ones((2, 3), "float32"), np.zeros(2, "int32"), None, 1.0)
+
+
+class TestPaddingAndNonFinite:
+    def test_padding_is_zero_and_nonfinite_example_is_dropped(self):
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3))
+        x, y = sequences(), labels((6, 5))
+        weight = np.ones((6, 5), "float32")
+        weight[1] = 0.0
+        x[1] = 1e3
+        x[4, 2] = np.nan
+        model.compile(loss=LOSS)
+        batch = GhostClipping(jit_compile=False).clip_and_sum(model, x, y, weight, 1.0)
+        np.testing.assert_array_equal(batch.is_real.numpy(), [1, 0, 1, 1, 1, 1])
+        assert int(batch.nonfinite.numpy()) == 1
+        assert batch.losses.numpy()[1] == 0.0 and batch.losses.numpy()[4] == 0.0
+        assert all(np.all(np.isfinite(g.numpy())) for g in batch.gradient_sum)
+        keep = [0, 2, 3, 5]
+        trimmed = GhostClipping(jit_compile=False).clip_and_sum(
+            model, x[keep], y[keep], weight[keep], 1.0)
+        for got, want in zip(batch.gradient_sum, trimmed.gradient_sum):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
+
+
+class TestModelIsLeftUnchanged:
+    def test_no_hooks_remain_after_the_step(self):
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"),
+                               keras.layers.LayerNormalization(), keras.layers.Dense(3))
+        x = sequences()
+        activation = model.layers[1].activation
+        before = model.predict(x, verbose=0)
+        model.compile(loss=LOSS)
+        GhostClipping(jit_compile=False).clip_and_sum(model, x, labels((6, 5)), None, 1.0)
+        for layer in model._flatten_layers():
+            assert "call" not in layer.__dict__, layer.name
+        assert model.layers[1].activation is activation
+        np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+
+
+def test_strategy_names():
+    assert isinstance(get_clipping_strategy("ghost"), GhostClipping)
+    auto = get_clipping_strategy("auto")
+    assert isinstance(auto, GhostClipping) and auto.fallback == "any"
+    assert isinstance(get_clipping_strategy("vectorized"), VectorizedClipping)
+    with pytest.raises(ValueError, match="ghost"):
+        get_clipping_strategy("fast")
+
+
+# -- Whole tiny BertMaskedLM, compiled with XLA ---------------------------------
+
+MICRO_BATCH, STEPS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def bert():
+    """A tiny BertMaskedLM compiled for ghost-clipped DP training (sigma = 0)."""
+    model = reference.tiny_bert()
+    x, y, w = reference.bert_batch(MICRO_BATCH * STEPS)
+    w[1] = 0.0  # a padding example
+    model(x)
+    with pytest.warns(UserWarning, match="noise_multiplier=0"):
+        optimizer = tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(learning_rate=1.0), l2_norm_clip=1.0,
+            noise_multiplier=0.0, accumulation_steps=STEPS, clipping="ghost")
+    tf_megadp.make_private(model)
+    model.compile(optimizer=optimizer, loss=LOSS)
+    return model, (x, y, w)
+
+
+def test_bert_ghost_norms_and_sums_equal_vectorized(bert):
+    model, (x, y, w) = bert
+    first = lambda t: t[:MICRO_BATCH]
+    x, y, w = tf.nest.map_structure(first, x), first(y), first(w)
+    vectorized = VectorizedClipping()
+    norms = vectorized.clip_and_sum(model, x, y, w, 1e9).norms.numpy()
+    clip = float(np.median(norms[norms > 0]))
+    expected = vectorized.clip_and_sum(model, x, y, w, clip)
+    actual = model.optimizer.clipping_strategy.clip_and_sum(model, x, y, w, clip)
+    assert_batches_equal(model, expected, actual)
+    assert actual.norms.numpy()[1] == 0.0
+
+
+@pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
+def test_bert_training_with_ghost_matches_the_naive_reference(bert):
+    model, (x, y, w) = bert
+    grads = reference.naive_per_example_gradients(model, LOSS, x, y, w)
+    clip = float(np.median([np.sqrt(sum(np.sum(g**2) for g in gs)) for gs in grads]))
+    model.optimizer.l2_norm_clip = clip
+    expected = reference.naive_clipped_update(model, LOSS, x, y, clip,
+                                              divisor=MICRO_BATCH * STEPS, sample_weight=w)
+    before = reference.weights(model)
+    model.fit(x, y, sample_weight=w, batch_size=MICRO_BATCH, epochs=1, shuffle=False,
+              verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
+    for a, b, e in zip(reference.weights(model), before, expected):
+        np.testing.assert_allclose(a - b, e, rtol=1e-5, atol=2e-6)

@@ -1,0 +1,612 @@
+"""From raw English text to masked-LM micro-batches for BERT.
+
+The pipeline: read documents (text files, JSONL, or the offline default corpus
+of Python docstrings), learn a WordPiece vocabulary, tokenize, pack the tokens
+into rows of exactly L ids laid out as BERT expects (``[CLS] tokens... [SEP]``
+then ``[PAD]``), and store the rows as memory-mapped shards with a manifest
+(`tf_megadp.sampling.write_token_shards`). The samplers draw rows from those
+shards; `MaskedLMBatcher` turns each micro-batch of rows into the inputs of
+`keras_hub.models.BertMaskedLM` with per-position sample weights.
+
+Privacy unit: one packed row (sequence) is one training example, so the DP
+guarantee protects any single sequence of L tokens. With the default
+``packing="stream"`` a sequence may hold the end of one document and the start
+of the next, and a long document spans several sequences: a document is then
+protected only to the extent of group privacy over the sequences it touches.
+``packing="document"`` never mixes documents in a sequence.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob as glob_lib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import sysconfig
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from tf_megadp.sampling import (
+    MANIFEST_NAME,
+    TokenShards,
+    _atomic_write_bytes,
+    write_token_shards,
+)
+
+__all__ = [
+    "CorpusError",
+    "SPECIAL_TOKENS",
+    "default_corpus_documents",
+    "read_documents",
+    "learn_vocabulary",
+    "prepare_corpus",
+    "load_vocabulary",
+    "MaskedLMBatcher",
+]
+
+# BERT's special tokens, in the order keras-hub's WordPiece trainer reserves
+# them: [PAD] must be id 0 because padding rows and padding positions are zeros.
+SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
+_PAD, _CLS, _SEP, _UNK, _MASK = range(len(SPECIAL_TOKENS))
+_DEFAULT_PACKAGES = ("stdlib", "numpy", "keras", "tensorflow")
+# Folders whose docstrings are test scaffolding or duplicated tooling, not prose.
+_SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+_MIN_DOCSTRING_CHARACTERS = 40
+_FORMAT_VERSION = 1
+
+
+class CorpusError(ValueError):
+    """The corpus or the text settings cannot produce a usable training set.
+
+    The message names the file (and byte offset) or the setting to change.
+    """
+
+
+def _package_roots(packages: Sequence[str]) -> list[str]:
+    roots = []
+    for package in packages:
+        if package == "stdlib":
+            roots.append(sysconfig.get_paths()["stdlib"])
+            continue
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise CorpusError(
+                f"Package {package!r} is not installed; choose default-corpus "
+                f"packages among the installed ones (e.g. {_DEFAULT_PACKAGES})."
+            )
+        roots.append(list(spec.submodule_search_locations)[0])
+    return roots
+
+
+def _docstrings(path: str) -> Iterator[str]:
+    try:
+        with open(path, "rb") as handle:
+            tree = ast.parse(handle.read(), filename=path)
+    except (SyntaxError, ValueError, OSError):
+        # Some installed files are templates or target other Python versions.
+        return
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=True)
+            if text and len(text) >= _MIN_DOCSTRING_CHARACTERS:
+                yield text
+
+
+def default_corpus_documents(
+    max_characters: int = 2_000_000,
+    packages: Sequence[str] = _DEFAULT_PACKAGES,
+) -> list[str]:
+    """English documents that every installation has: docstrings of installed Python code.
+
+    Walks the Python standard library and the given installed packages in
+    sorted order, extracts module, class and function docstrings with `ast`
+    (without importing anything), drops short and duplicate ones, and stops
+    at `max_characters` split evenly over the packages. Nothing is downloaded
+    and no third-party text is stored in this repository.
+
+    Args:
+        max_characters: total size cap of the corpus.
+        packages: ``"stdlib"`` and/or importable package names.
+
+    Returns:
+        A list of docstrings, deterministic for a given installation.
+    """
+    if max_characters < 1:
+        raise CorpusError(f"max_characters must be >= 1, got {max_characters}.")
+    roots = _package_roots(packages)
+    budget = max_characters // len(roots)
+    seen: set[bytes] = set()
+    documents: list[str] = []
+    for root in roots:
+        used = 0
+        for folder, subfolders, files in os.walk(root):
+            subfolders[:] = sorted(d for d in subfolders if d not in _SKIPPED_FOLDERS)
+            for name in sorted(files):
+                if not name.endswith(".py"):
+                    continue
+                for text in _docstrings(os.path.join(folder, name)):
+                    key = hashlib.sha1(" ".join(text.split()).encode("utf-8")).digest()
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    documents.append(text)
+                    used += len(text)
+                    if used >= budget:
+                        break
+                if used >= budget:
+                    break
+            if used >= budget:
+                break
+    return documents
+
+
+def _expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]
+    paths: list[str] = []
+    for source in sources:
+        source = os.fspath(source)
+        if glob_lib.has_magic(source):
+            matches = sorted(glob_lib.glob(source, recursive=True))
+            if not matches:
+                raise CorpusError(f"The pattern {source!r} matches no file.")
+            paths.extend(matches)
+        elif os.path.isdir(source):
+            raise CorpusError(
+                f"{source} is a folder; pass its files or a glob such as '{source}/*.txt'."
+            )
+        else:
+            paths.append(source)
+    for path in paths:
+        if not os.path.isfile(path):
+            raise CorpusError(f"Corpus file {path} does not exist.")
+        if os.path.getsize(path) == 0:
+            raise CorpusError(f"Corpus file {path} is empty.")
+    return paths
+
+
+def _split_units(data: bytes, jsonl: bool) -> list[tuple[int, bytes]]:
+    """(byte offset, bytes) of each document: JSONL lines or blank-line paragraphs."""
+    units, offset = [], 0
+    separator = b"\n" if jsonl else b"\n\n"
+    for piece in data.split(separator):
+        units.append((offset, piece))
+        offset += len(piece) + len(separator)
+    return units
+
+
+def read_documents(
+    sources: str | os.PathLike | Sequence[str | os.PathLike],
+    *,
+    jsonl_field: str = "text",
+    skip_undecodable: bool = False,
+) -> tuple[list[str], int]:
+    """Documents from text files, JSONL files, or globs of them.
+
+    Plain text: documents are separated by blank lines. ``.jsonl`` files: one
+    JSON object per line, the document in `jsonl_field`.
+
+    Args:
+        sources: a path, a glob pattern, or a list of them.
+        jsonl_field: the JSONL field that holds the text.
+        skip_undecodable: False raises `CorpusError` at the first byte that is
+            not UTF-8 (naming file and byte offset); True drops the documents
+            that contain such bytes and counts them.
+
+    Returns:
+        (documents, number of documents skipped for bad bytes).
+    """
+    documents: list[str] = []
+    skipped = 0
+    for path in _expand_sources(sources):
+        jsonl = path.endswith(".jsonl")
+        with open(path, "rb") as handle:
+            data = handle.read()
+        for offset, raw in _split_units(data, jsonl):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                if skip_undecodable:
+                    skipped += 1
+                    continue
+                raise CorpusError(
+                    f"{path}: byte {offset + error.start} is not valid UTF-8 "
+                    f"({raw[error.start:error.start + 4]!r}). Fix the file, or pass "
+                    "skip_undecodable=True to drop such documents."
+                ) from None
+            if jsonl:
+                if not text.strip():
+                    continue
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as error:
+                    raise CorpusError(
+                        f"{path}: the line at byte {offset} is not JSON ({error.msg})."
+                    ) from None
+                if not isinstance(record, dict) or not isinstance(record.get(jsonl_field), str):
+                    raise CorpusError(
+                        f"{path}: the line at byte {offset} has no string field "
+                        f"{jsonl_field!r}; set jsonl_field to the field holding the text."
+                    )
+                text = record[jsonl_field]
+            if text.strip():
+                documents.append(text.strip())
+    if not documents:
+        raise CorpusError(f"No non-empty document in {sources!r}.")
+    return documents, skipped
+
+
+def _words_dataset(documents: Sequence[str], lowercase: bool):
+    import tensorflow as tf
+    # The exact split WordPieceTokenizer applies before matching word pieces,
+    # so the learned pieces are the ones the tokenizer will look for.
+    from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize
+
+    return (
+        tf.data.Dataset.from_tensor_slices(list(documents))
+        .batch(1024)
+        .map(lambda text: pretokenize(text, lowercase, False, True, True))
+    )
+
+
+def learn_vocabulary(
+    documents: Sequence[str],
+    vocabulary_size: int,
+    *,
+    lowercase: bool = True,
+    max_word_types: int | None = None,
+) -> list[str]:
+    """Learns a WordPiece vocabulary with tensorflow-text's learner.
+
+    Args:
+        documents: the texts.
+        vocabulary_size: the maximum size V, special tokens included.
+        lowercase: lowercase before splitting (an "uncased" BERT vocabulary).
+        max_word_types: learn from at most this many of the most frequent
+            distinct words (rarer words are spelled with word pieces anyway);
+            default 2 * V.
+
+    Returns:
+        The vocabulary: `SPECIAL_TOKENS` first ([PAD] = 0), then single
+        characters, then word pieces by frequency.
+    """
+    from tensorflow_text.tools.wordpiece_vocab import wordpiece_tokenizer_learner_lib as learner
+
+    minimum = len(SPECIAL_TOKENS) + 1
+    if isinstance(vocabulary_size, bool) or not isinstance(vocabulary_size, int) or vocabulary_size < minimum:
+        raise CorpusError(
+            f"vocabulary_size must be an integer >= {minimum}, got {vocabulary_size!r}."
+        )
+    counts = learner.count_words(_words_dataset(documents, lowercase))
+    # Settings chosen for speed on a CPU: the learner is pure Python and its
+    # cost grows with distinct words, piece length and refinement rounds;
+    # these keep a default-corpus vocabulary to about a minute.
+    vocabulary = learner.learn(
+        counts,
+        vocabulary_size,
+        list(SPECIAL_TOKENS),
+        lower_thresh=2,
+        max_token_length=16,
+        num_iterations=2,
+        slack_ratio=0.1,
+        max_input_tokens=max_word_types or 2 * vocabulary_size,
+    )
+    # The learner orders special tokens, characters, then pieces by frequency;
+    # cutting the tail drops the rarest pieces.
+    return vocabulary[:vocabulary_size]
+
+
+def _tokenize(documents: Sequence[str], vocabulary: list[str], lowercase: bool) -> list[np.ndarray]:
+    import keras_hub
+    import tensorflow as tf
+
+    tokenizer = keras_hub.tokenizers.WordPieceTokenizer(
+        vocabulary=vocabulary, lowercase=lowercase, oov_token=SPECIAL_TOKENS[_UNK]
+    )
+    dataset = tf.data.Dataset.from_tensor_slices(list(documents)).batch(512).map(tokenizer.tokenize)
+    tokens: list[np.ndarray] = []
+    for batch in dataset:
+        values = batch.flat_values.numpy().astype(np.int32)
+        splits = batch.row_splits.numpy()
+        tokens.extend(np.split(values, splits[1:-1]))
+    return tokens
+
+
+def _pack(
+    tokens: list[np.ndarray], sequence_length: int, packing: str, min_tokens: int
+) -> np.ndarray:
+    """Rows of [CLS] body [SEP] [PAD]..., body up to L - 2 tokens."""
+    body = sequence_length - 2
+    if packing == "stream":
+        pieces = [np.concatenate(tokens)] if tokens else []
+    else:
+        pieces = tokens
+    bodies: list[np.ndarray] = []
+    for piece in pieces:
+        for start in range(0, len(piece), body):
+            chunk = piece[start : start + body]
+            if len(chunk) >= min_tokens:
+                bodies.append(chunk)
+    rows = np.zeros((len(bodies), sequence_length), np.int32)
+    for row, chunk in zip(rows, bodies):
+        row[0] = _CLS
+        row[1 : 1 + len(chunk)] = chunk
+        row[1 + len(chunk)] = _SEP
+    return rows
+
+
+def _inputs_checksum(
+    sources: str | os.PathLike | Sequence[str | os.PathLike] | None,
+    max_characters: int,
+    settings: dict[str, Any],
+) -> str:
+    """A digest of what determines the shards, computed without tokenizing.
+
+    User files are hashed by content. The default corpus is hashed by the
+    name, size and modification time of every source file it may read (plus
+    the Python version and the size cap): installing or upgrading a package
+    changes it, and a rebuild is needed only then.
+    """
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
+
+    def feed(*parts: Any) -> None:
+        for part in parts:
+            data = part if isinstance(part, bytes) else str(part).encode("utf-8")
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+
+    if sources is None:
+        feed("default", sys.version, max_characters)
+        for root in _package_roots(_DEFAULT_PACKAGES):
+            for folder, subfolders, files in os.walk(root):
+                subfolders[:] = sorted(d for d in subfolders if d not in _SKIPPED_FOLDERS)
+                for name in sorted(files):
+                    if name.endswith(".py"):
+                        info = os.stat(os.path.join(folder, name))
+                        feed(os.path.relpath(os.path.join(folder, name), root), info.st_size, info.st_mtime_ns)
+    else:
+        for path in _expand_sources(sources):
+            with open(path, "rb") as handle:
+                feed("file", path.endswith(".jsonl"), handle.read())
+    return digest.hexdigest()
+
+
+def prepare_corpus(
+    output_dir: str | os.PathLike,
+    sources: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
+    *,
+    sequence_length: int = 128,
+    vocabulary_size: int = 8192,
+    lowercase: bool = True,
+    packing: str = "stream",
+    min_tokens: int = 16,
+    max_characters: int = 2_000_000,
+    max_sequences: int | None = None,
+    jsonl_field: str = "text",
+    skip_undecodable: bool = False,
+    max_unknown_fraction: float = 0.05,
+    rows_per_shard: int = 1 << 20,
+) -> TokenShards:
+    """Builds (or reuses) the token shards of a corpus for masked-LM pretraining.
+
+    Args:
+        output_dir: folder for `manifest.json`, `vocab.txt` and the shards.
+        sources: text/JSONL files or globs; None uses
+            `default_corpus_documents(max_characters)`.
+        sequence_length: L, tokens per row including [CLS] and [SEP]; use it
+            as the BertBackbone's `max_sequence_length`.
+        vocabulary_size: maximum WordPiece vocabulary size; the manifest's
+            `vocabulary_size` (possibly smaller on a small corpus) is what the
+            BertBackbone must use.
+        lowercase: uncased vocabulary and tokenization.
+        packing: ``"stream"`` fills every row, letting documents share rows;
+            ``"document"`` starts every document on a new row.
+        min_tokens: rows with fewer real tokens are dropped (the last piece
+            of a stream or a document).
+        max_characters: size cap of the default corpus (ignored with sources).
+        max_sequences: keep only the first this-many rows.
+        jsonl_field: text field of ``.jsonl`` files.
+        skip_undecodable: drop documents with non-UTF-8 bytes instead of raising.
+        max_unknown_fraction: raise if more [UNK] tokens than this (the
+            vocabulary is too small for the text).
+        rows_per_shard: rows per shard file.
+
+    Returns:
+        The `TokenShards`. If `output_dir` already holds shards built from the
+        same documents and settings (same checksum), they are reused.
+
+    Example:
+    ```python
+    shards = tf_megadp.prepare_corpus("runs/corpus", max_characters=1_000_000)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=shards.vocabulary_size, max_sequence_length=shards.sequence_length,
+        num_layers=2, num_heads=2, hidden_dim=128, intermediate_dim=512)
+    ```
+    """
+    if isinstance(sequence_length, bool) or not isinstance(sequence_length, int) or sequence_length < 8:
+        raise CorpusError(
+            f"sequence_length must be an integer >= 8 ([CLS], [SEP] and at least 6 "
+            f"tokens), got {sequence_length!r}."
+        )
+    if packing not in ("stream", "document"):
+        raise CorpusError(f"packing must be 'stream' or 'document', got {packing!r}.")
+    if not 1 <= min_tokens <= sequence_length - 2:
+        raise CorpusError(
+            f"min_tokens must be in [1, sequence_length - 2 = {sequence_length - 2}], "
+            f"got {min_tokens}."
+        )
+    settings = {
+        "format": _FORMAT_VERSION,
+        "sequence_length": sequence_length,
+        "vocabulary_size": vocabulary_size,
+        "lowercase": lowercase,
+        "packing": packing,
+        "min_tokens": min_tokens,
+        "max_sequences": max_sequences,
+        "max_unknown_fraction": max_unknown_fraction,
+        "rows_per_shard": rows_per_shard,
+        "jsonl_field": jsonl_field,
+        "skip_undecodable": skip_undecodable,
+    }
+    checksum = _inputs_checksum(sources, max_characters, settings)
+    output_dir = os.fspath(output_dir)
+    manifest_path = os.path.join(output_dir, MANIFEST_NAME)
+    if os.path.isfile(manifest_path):
+        with open(manifest_path, encoding="utf-8") as handle:
+            previous = json.load(handle)
+        if previous.get("checksum") == checksum:
+            return TokenShards(output_dir)
+
+    if sources is None:
+        documents, skipped = default_corpus_documents(max_characters), 0
+        description = f"default corpus: docstrings of {', '.join(_DEFAULT_PACKAGES)}"
+    else:
+        documents, skipped = read_documents(
+            sources, jsonl_field=jsonl_field, skip_undecodable=skip_undecodable
+        )
+        description = f"{len(_expand_sources(sources))} file(s)"
+
+    vocabulary = learn_vocabulary(documents, vocabulary_size, lowercase=lowercase)
+    tokens = _tokenize(documents, vocabulary, lowercase)
+    total = sum(len(t) for t in tokens)
+    unknown = sum(int(np.count_nonzero(t == _UNK)) for t in tokens)
+    if total == 0:
+        raise CorpusError("The corpus has no tokens.")
+    if unknown / total > max_unknown_fraction:
+        raise CorpusError(
+            f"{unknown / total:.1%} of the tokens are [UNK] (limit "
+            f"{max_unknown_fraction:.1%}): the vocabulary of {len(vocabulary)} is too "
+            "small for this text. Raise vocabulary_size."
+        )
+    rows = _pack(tokens, sequence_length, packing, min_tokens)
+    if max_sequences is not None:
+        rows = rows[:max_sequences]
+    if len(rows) == 0:
+        raise CorpusError(
+            f"No sequence has {min_tokens} tokens or more ({total} tokens in all): "
+            "use a larger corpus or a smaller min_tokens."
+        )
+    os.makedirs(output_dir, exist_ok=True)
+    _atomic_write_bytes(
+        os.path.join(output_dir, "vocab.txt"),
+        "".join(token + "\n" for token in vocabulary).encode("utf-8"),
+    )
+    write_token_shards(
+        output_dir,
+        [rows],
+        sequence_length=sequence_length,
+        vocabulary_size=len(vocabulary),
+        checksum=checksum,
+        rows_per_shard=rows_per_shard,
+        metadata={
+            "vocabulary_file": "vocab.txt",
+            "special_tokens": {name: index for index, name in enumerate(SPECIAL_TOKENS)},
+            "lowercase": lowercase,
+            "packing": packing,
+            "privacy_unit": f"one sequence of {sequence_length} tokens",
+            "source": description,
+            "num_documents": len(documents),
+            "documents_skipped": skipped,
+            "num_tokens": total,
+            "unknown_fraction": unknown / total,
+        },
+    )
+    return TokenShards(output_dir)
+
+
+def load_vocabulary(shards: TokenShards) -> list[str]:
+    """The vocabulary stored next to shards built by `prepare_corpus`."""
+    path = os.path.join(shards.directory, shards.manifest["vocabulary_file"])
+    with open(path, encoding="utf-8") as handle:
+        return handle.read().split("\n")[:-1]
+
+
+class MaskedLMBatcher:
+    """Turns a micro-batch of token rows into `BertMaskedLM` training inputs.
+
+    Use it as the `map_fn` of a sampler's `as_dataset`. It selects
+    `mask_rate` of each row's real tokens (never [PAD], [CLS], [SEP]) with
+    `keras_hub.layers.MaskedLMMaskGenerator`, replacing 80 % of them by
+    [MASK], 10 % by a random token, and leaving 10 % unchanged.
+
+    Args:
+        vocabulary_size: V of the model.
+        sequence_length: L of the rows.
+        mask_rate: fraction of real tokens to predict.
+        max_predictions: P, the static number of predicted positions per row;
+            default ceil(mask_rate * L).
+        mask_token_rate: share of selected tokens replaced by [MASK].
+        random_token_rate: share replaced by a random token.
+
+    Call arguments:
+        rows: int32 [M, L] token ids ([PAD] = 0).
+        weights: float32 [M], 0 for padding examples.
+
+    Returns:
+        `(x, y, sample_weight)`: x = {"token_ids", "segment_ids",
+        "padding_mask", "mask_positions"}, y = mask_ids int32 [M, P],
+        sample_weight = float32 [M, P] (1 for a predicted position of a real
+        example, 0 otherwise; all zeros for padding examples).
+    """
+
+    def __init__(
+        self,
+        vocabulary_size: int,
+        sequence_length: int,
+        *,
+        mask_rate: float = 0.15,
+        max_predictions: int | None = None,
+        mask_token_rate: float = 0.8,
+        random_token_rate: float = 0.1,
+    ):
+        import keras_hub
+
+        if not 0 < mask_rate < 1:
+            raise ValueError(f"mask_rate must be in (0, 1), got {mask_rate}.")
+        if vocabulary_size <= _MASK:
+            raise ValueError(
+                f"vocabulary_size must exceed the special token ids (> {_MASK}), "
+                f"got {vocabulary_size}."
+            )
+        self.vocabulary_size = vocabulary_size
+        self.sequence_length = sequence_length
+        self.max_predictions = max_predictions or math.ceil(mask_rate * sequence_length)
+        self._generator = keras_hub.layers.MaskedLMMaskGenerator(
+            vocabulary_size=vocabulary_size,
+            mask_selection_rate=mask_rate,
+            mask_token_id=_MASK,
+            mask_selection_length=self.max_predictions,
+            unselectable_token_ids=[_PAD, _CLS, _SEP],
+            mask_token_rate=mask_token_rate,
+            random_token_rate=random_token_rate,
+        )
+
+    @classmethod
+    def from_shards(cls, shards: TokenShards, **kwargs: Any) -> "MaskedLMBatcher":
+        """A batcher with V and L read from the shards' manifest."""
+        return cls(shards.vocabulary_size, shards.sequence_length, **kwargs)
+
+    def __call__(self, rows, weights):
+        import tensorflow as tf
+
+        masked = self._generator(rows)
+        real = tf.not_equal(rows, _PAD)
+        # A padding example has no real token; letting it attend to position 0
+        # keeps its (zero-weight) loss finite, so 0 * loss stays 0, not NaN.
+        is_padding = tf.equal(weights, 0.0)
+        first = tf.one_hot(tf.zeros_like(weights, tf.int32), self.sequence_length, on_value=True, off_value=False, dtype=tf.bool)
+        padding_mask = tf.logical_or(real, tf.logical_and(first, is_padding[:, None]))
+        x = {
+            "token_ids": tf.cast(masked["token_ids"], tf.int32),
+            "segment_ids": tf.zeros_like(rows, tf.int32),
+            "padding_mask": padding_mask,
+            "mask_positions": tf.cast(masked["mask_positions"], tf.int32),
+        }
+        y = tf.cast(masked["mask_ids"], tf.int32)
+        sample_weight = tf.cast(masked["mask_weights"], tf.float32) * weights[:, None]
+        return x, y, sample_weight

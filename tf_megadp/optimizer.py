@@ -9,6 +9,7 @@ privacy ledger that travels with every checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import secrets
 import warnings
@@ -19,6 +20,7 @@ import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from tf_megadp.clipping import get_clipping_strategy
+from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
@@ -166,9 +168,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
-        self._accumulators = [
-            self.add_variable_from_reference(v, name="dp_accumulator") for v in var_list
-        ]
+        self._accumulators = [self._add_replica_sum_variable(v) for v in var_list]
         self.micro_steps = self.add_variable(
             shape=(), dtype="int64", name="micro_steps"
         )
@@ -182,8 +182,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             initializer=keras.initializers.Constant(key),
             name="noise_key",
         )
-        self.nonfinite_examples = self.add_variable(
-            shape=(), dtype="int64", name="nonfinite_examples"
+        self.nonfinite_examples = self._add_replica_sum_variable(
+            None, shape=(), dtype="int64", name="nonfinite_examples"
         )
         self.privacy_ledger = self.add_variable(
             shape=(LEDGER_CAPACITY, len(LEDGER_COLUMNS)),
@@ -195,6 +195,31 @@ class DPOptimizer(keras.optimizers.Optimizer):
         )
         self.inner_optimizer.build(var_list)
         super().build(var_list)
+
+    def _add_replica_sum_variable(self, reference, shape=None, dtype=None, name="dp_accumulator"):
+        """A variable each replica updates locally; it reads (and saves) as the sum.
+
+        Under a `tf.distribute` strategy every replica clips and accumulates
+        its own examples. A plain optimizer variable is mirrored: each replica
+        would write its own copy and a checkpoint would save replica 0's copy
+        only (dropping the others' sums and, on restore, counting replica 0's
+        R times). ON_READ/SUM keeps one local copy per replica, saves their
+        sum and restores it split evenly, so the sum survives a checkpoint.
+        """
+        colocate = contextlib.nullcontext()
+        if reference is not None:
+            shape, dtype = reference.shape, reference.dtype
+            name = f"{reference.path.replace('/', '_')}_{name}"
+            colocate = self._distribution_strategy.extended.colocate_vars_with(
+                reference.value
+            )
+        with colocate, keras.name_scope(self.name, caller=self):
+            variable = keras.Variable(
+                initializer="zeros", shape=shape, dtype=dtype, trainable=False,
+                aggregation="sum", synchronization="on_read", name=name,
+            )
+        self._track_variable(variable)
+        return variable
 
     @property
     def variables(self):
@@ -295,6 +320,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         if not self.built:
             self.build(trainable_variables)
+        if self.schedule is not None:
+            self._check_schedule_layout(micro_batch_size)
         for accumulator, gradient in zip(self._accumulators, gradient_sum):
             if gradient is not None:
                 accumulator.assign_add(tf.cast(gradient, accumulator.dtype))
@@ -308,13 +335,54 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 accumulation_steps * replicas, tf.float32)
         connected = [g is not None for g in gradient_sum]
 
-        def noisy_update():
+        def noisy_update(step, divisor, noise_multiplier):
             self._noisy_update(trainable_variables, connected, step, divisor, noise_multiplier)
             return tf.constant(True)
 
-        return tf.cond(
-            self.micro_steps >= accumulation_steps, noisy_update, lambda: tf.constant(False)
+        def skip():
+            return tf.constant(False)
+
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            return tf.cond(
+                self.micro_steps >= accumulation_steps,
+                lambda: noisy_update(step, divisor, noise_multiplier),
+                skip,
+            )
+
+        # MirroredStrategy and MultiWorkerMirroredStrategy (unless XLA on GPUs)
+        # and TPUStrategy all-reduce through merge_call, which TensorFlow
+        # forbids inside a tf.cond taken in a replica context. Decide in the
+        # cross-replica context instead, as keras' LossScaleOptimizer does:
+        # every replica holds the same micro-step count, so replica 0 decides.
+        def cross_replica(distribution, accumulation_steps, *values):
+            due = self.micro_steps.value >= distribution.experimental_local_results(
+                accumulation_steps)[0]
+
+            def update_every_replica():
+                distribution.extended.call_for_each_replica(noisy_update, args=values)
+                return tf.constant(True)
+
+            return tf.cond(due, update_every_replica, skip)
+
+        return tf.distribute.get_replica_context().merge_call(
+            cross_replica, args=(accumulation_steps, step, divisor, noise_multiplier)
         )
+
+    def _check_schedule_layout(self, micro_batch_size):
+        """A logical step is k_t micro-steps of one m-sized micro-batch per replica.
+
+        A schedule planned for another micro-batch size or replica count
+        would make each logical step hold other examples than the sampler
+        drew and the accountant composed.
+        """
+        check_schedule_matches_strategy(self.schedule, tf.distribute.get_strategy())
+        if isinstance(micro_batch_size, int) and micro_batch_size != self.schedule.micro_batch_size:
+            raise PrivacyConfigurationError(
+                f"Each replica's micro-batch has {micro_batch_size} examples but the "
+                f"schedule was planned for micro_batch_size="
+                f"{self.schedule.micro_batch_size}. Feed micro-batches of that size "
+                "per replica, or rebuild the schedule."
+            )
 
     def _noisy_update(self, trainable_variables, connected, step, divisor, noise_multiplier):
         replica_context = tf.distribute.get_replica_context()

@@ -1,0 +1,254 @@
+"""Running the DP step under `tf.distribute`: strategies and per-replica data.
+
+The DP step itself is strategy-agnostic: under any strategy, each replica
+clips its own examples and sums them into replica-local accumulators; at the
+end of a logical step each replica adds Gaussian noise of variance
+sigma^2 C^2 / R, and the inner Keras optimizer all-reduces (SUM) once, so the
+global sum carries N(0, sigma^2 C^2) exactly once, divided by the global
+logical batch B. This module holds what changes between machines: choosing
+the strategy, and handing every replica its own micro-batches of a logical
+step.
+
+Data layout. A logical step of k micro-steps on R replicas has k * R
+micro-batches of static size m (k * m * R slots; a Poisson step is padded to
+that capacity with zero-weight examples). The *global order* of micro-batches
+is micro-step-major: micro-batch `j * R + r` is replica r's micro-batch in
+micro-step j. `distribute_micro_batches` gives every input pipeline (one per
+worker or TPU host) exactly the micro-batches of its own replicas, so every
+slot is processed once and only once.
+
+Example:
+```python
+strategy = tf_megadp.distribute.resolve_strategy("mirrored")
+with strategy.scope():
+    model = tf_megadp.make_private(build_model())
+    model.compile(optimizer=tf_megadp.DPOptimizer(...), loss=...)
+data = tf_megadp.distribute.distribute_micro_batches(strategy, global_micro_batches)
+model.fit(data, steps_per_epoch=k * logical_steps)
+```
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Sequence
+
+import tensorflow as tf
+
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.schedules import BatchSizeSchedule
+
+__all__ = [
+    "STRATEGIES",
+    "configure_cpu_replicas",
+    "resolve_strategy",
+    "distribute_micro_batches",
+    "replica_micro_batches",
+    "check_schedule_matches_strategy",
+]
+
+STRATEGIES = ("default", "mirrored", "multiworker", "tpu")
+
+
+def configure_cpu_replicas(count: int) -> list:
+    """Splits the host CPU into `count` logical devices (replicas for tests).
+
+    This is how a `MirroredStrategy` with several replicas runs on a machine
+    without accelerators. It must run before TensorFlow initialises its
+    devices (before the first op, strategy or model).
+
+    Args:
+        count: number of logical CPU devices (>= 1).
+
+    Returns:
+        The logical CPU devices.
+
+    Raises:
+        RuntimeError: TensorFlow's devices are already initialised.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}.")
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
+        )
+    except RuntimeError as error:
+        raise RuntimeError(
+            "configure_cpu_replicas must run before TensorFlow initialises its "
+            "devices: call it first thing, before building models, datasets or "
+            f"strategies ({error})."
+        ) from error
+    return tf.config.list_logical_devices("CPU")
+
+
+def resolve_strategy(
+    name: str = "default",
+    *,
+    tpu: str | None = None,
+    devices: Sequence[str] | None = None,
+) -> tf.distribute.Strategy:
+    """The `tf.distribute.Strategy` for a `--strategy` flag.
+
+    Args:
+        name: ``"default"`` (no distribution), ``"mirrored"`` (all local
+            GPUs, or `devices`), ``"multiworker"`` (one process per worker,
+            cluster from the ``TF_CONFIG`` environment variable) or ``"tpu"``.
+        tpu: for ``"tpu"``: the TPU name or address given to
+            `TPUClusterResolver` (``"local"`` on a single TPU VM; the TPU
+            name on every host of a pod slice).
+        devices: for ``"mirrored"``: explicit device names, e.g.
+            ``["/cpu:0", "/cpu:1"]`` after `configure_cpu_replicas(2)`.
+
+    Returns:
+        The strategy. Build the model, the `DPOptimizer` and call `compile`
+        inside `strategy.scope()`.
+
+    Example:
+    ```python
+    strategy = resolve_strategy("tpu", tpu="local")
+    strategy.num_replicas_in_sync   # 8 on a v3-8
+    ```
+    """
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}.")
+    if tpu is not None and name != "tpu":
+        raise ValueError(f"tpu={tpu!r} is only used with strategy 'tpu', not {name!r}.")
+    if devices is not None and name != "mirrored":
+        raise ValueError(f"devices are only used with strategy 'mirrored', not {name!r}.")
+    if name == "default":
+        return tf.distribute.get_strategy()
+    if name == "mirrored":
+        return tf.distribute.MirroredStrategy(devices=None if devices is None else list(devices))
+    if name == "multiworker":
+        _check_tf_config()
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu or "")
+    if tpu != "local":
+        # A TPU pod slice or TPU node is reached through a cluster of TPU
+        # workers; the chips of a single TPU VM ("local") are in-process.
+        tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+    return tf.distribute.TPUStrategy(resolver)
+
+
+def _check_tf_config() -> None:
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        raise ValueError(
+            "strategy 'multiworker' needs the TF_CONFIG environment variable on "
+            "every worker, e.g. TF_CONFIG='{\"cluster\": {\"worker\": "
+            "[\"host0:12345\", \"host1:12345\"]}, \"task\": {\"type\": \"worker\", "
+            "\"index\": 0}}' (index differs per worker)."
+        )
+    try:
+        config = json.loads(raw)
+        workers = config["cluster"]["worker"]
+        task = config["task"]
+        index = int(task["index"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(
+            f"TF_CONFIG must be JSON with cluster.worker and task.type/index: {error}"
+        ) from error
+    if task.get("type") not in ("worker", "chief") or not 0 <= index < len(workers):
+        raise ValueError(
+            f"TF_CONFIG task {task} does not name one of the {len(workers)} workers."
+        )
+
+
+def replica_micro_batches(
+    dataset: tf.data.Dataset, input_context: tf.distribute.InputContext
+) -> tf.data.Dataset:
+    """Keeps, from the global order of micro-batches, this pipeline's own.
+
+    With R replicas in sync served by P input pipelines (workers or TPU
+    hosts), pipeline p owns replicas p*L .. p*L + L - 1 with L = R / P; of
+    every R consecutive micro-batches of `dataset` (one micro-step) it keeps
+    those L, in replica order. Every pipeline must see the same global order
+    (the same sampler seed), so the union over pipelines is every micro-batch
+    exactly once.
+
+    Args:
+        dataset: micro-batches in global order (see the module docstring).
+        input_context: the context `distribute_datasets_from_function` passes.
+
+    Returns:
+        This pipeline's micro-batches, one per local replica per micro-step.
+    """
+    replicas = input_context.num_replicas_in_sync
+    pipelines = input_context.num_input_pipelines
+    if replicas % pipelines:
+        raise ValueError(
+            f"{replicas} replicas cannot be split evenly over {pipelines} input pipelines."
+        )
+    local = replicas // pipelines
+    first = input_context.input_pipeline_id * local
+    if replicas == 1:
+        return dataset
+    return (
+        dataset.enumerate()
+        .filter(lambda index, _: tf.logical_and(
+            index % replicas >= first, index % replicas < first + local))
+        .map(lambda _, element: element)
+    )
+
+
+def distribute_micro_batches(
+    strategy: tf.distribute.Strategy,
+    global_micro_batches: Callable[[tf.distribute.InputContext], tf.data.Dataset],
+) -> tf.distribute.DistributedDataset:
+    """Per-replica micro-batches for `model.fit` under `strategy`.
+
+    Args:
+        strategy: the strategy the model was compiled under.
+        global_micro_batches: called once per input pipeline with its
+            `tf.distribute.InputContext`; returns the dataset of ALL
+            micro-batches in global order, each of static shape [m, ...] (m
+            per replica), identical on every pipeline.
+
+    Returns:
+        A distributed dataset: one micro-batch per replica per fit step.
+
+    Example:
+    ```python
+    def global_micro_batches(context):
+        return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(m, drop_remainder=True)
+    data = distribute_micro_batches(strategy, global_micro_batches)
+    model.fit(data, steps_per_epoch=len(x) // (m * strategy.num_replicas_in_sync))
+    ```
+    """
+    def dataset_fn(input_context):
+        dataset = global_micro_batches(input_context)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"global_micro_batches must return a tf.data.Dataset, got {dataset!r}."
+            )
+        return replica_micro_batches(dataset, input_context)
+
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=True)
+    return strategy.distribute_datasets_from_function(dataset_fn, options)
+
+
+def check_schedule_matches_strategy(
+    schedule: BatchSizeSchedule, strategy: tf.distribute.Strategy
+) -> None:
+    """Fails unless `schedule` describes the replicas `strategy` runs.
+
+    A logical step of phase t takes k_t micro-steps, each consuming one
+    micro-batch per replica. If the schedule was planned for fewer replicas
+    than the strategy has, every logical step would sample more examples than
+    the accountant's q_t = B_t / N assumes.
+
+    Raises:
+        PrivacyConfigurationError: `schedule.num_replicas` differs from
+            `strategy.num_replicas_in_sync`.
+    """
+    replicas = strategy.num_replicas_in_sync
+    if schedule.num_replicas != replicas:
+        raise PrivacyConfigurationError(
+            f"The BatchSizeSchedule was planned for num_replicas="
+            f"{schedule.num_replicas} but the strategy runs {replicas} replicas: "
+            "each logical step would hold a different number of examples than "
+            f"accounted. Rebuild the schedule with num_replicas={replicas}."
+        )

@@ -151,7 +151,7 @@ def test_shuffle_is_reported_as_poisson_with_a_loud_warning():
     assert got == pytest.approx(expected, rel=1e-12)
 
 
-def test_pld_is_tighter_than_rdp_and_both_are_default_choices():
+def test_the_default_accountant_is_pld_which_is_tighter_than_rdp():
     settings = dict(num_examples=60_000, batch_size=256, steps=1_000, noise_multiplier=1.1, delta=1e-5)
     assert accounting.DEFAULT_ACCOUNTANT == "pld"
     assert compute_epsilon(**settings) < compute_epsilon(**settings, accountant="rdp")

@@ -49,7 +49,8 @@ def test_epsilon_prints_a_privacy_statement(capsys):
     epsilon = compute_epsilon(num_examples=60000, batch_size=256, steps=1000,
                               noise_multiplier=1.1, delta=1e-5, accountant="rdp")
     assert status == 0
-    assert out.startswith(f"This training run is ({epsilon:.4g}, 1e-05)-differentially private.")
+    rounded_up = f"{epsilon:.4f}" if round(epsilon, 4) >= epsilon else f"{epsilon + 5e-5:.4f}"
+    assert out.startswith(f"This training run is ({rounded_up}, 1e-05)-differentially private.")
     assert "one training example" in out and "RDP" in out and "sigma = 1.1" in out
 
 

@@ -27,8 +27,8 @@ Sampling kinds:
   sampling.
 
 Two accountants are available: ``"pld"`` (privacy loss distributions, the
-default: the tightest numbers, about 1-2 s per evaluation) and ``"rdp"`` (Renyi
-DP, about 0.05 s, looser by 10-45 %). See docs/privacy.md for the measurements.
+default: essentially exact, 0.3-5 s per evaluation) and ``"rdp"`` (Renyi DP,
+about 0.1 s, 6-135 % looser). See docs/privacy.md for the measurements.
 """
 
 from __future__ import annotations

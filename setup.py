@@ -23,6 +23,7 @@ setup(
         "keras>=3.15",
         "keras-hub>=0.32",
         "tensorflow-text>=2.21,<2.22",
+        "tensorboard>=2.20",
         "dp-accounting>=0.6",
         "numpy",
         "scipy",

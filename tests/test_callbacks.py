@@ -148,6 +148,30 @@ def test_budget_stop_halts_exactly_at_the_last_step_that_fits(data, capsys):
     assert int(optimizer.iterations.numpy()) == 5
 
 
+def test_budget_stop_is_exact_across_a_schedule_phase_change(data):
+    # Two steps at q = 4/N, then steps at q = 8/N: the budget runs out 3
+    # steps into the second phase, so the cached "steps that fit" must be
+    # recomputed when the phase changes.
+    schedule = BatchSizeSchedule([Phase(2, 4, 4), Phase(30, 8, 4)],
+                                 num_examples=N, micro_batch_size=MICRO_BATCH)
+
+    def epsilon(second_phase_steps):
+        return rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent([
+            dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                4 / N, dp_accounting.GaussianDpEvent(1.0)), 2),
+            dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                8 / N, dp_accounting.GaussianDpEvent(1.0)), second_phase_steps),
+        ])).get_epsilon(DELTA)
+
+    target = (epsilon(3) + epsilon(4)) / 2
+    model = private_model(schedule=schedule)
+    callback = PrivacyCallback(delta=DELTA, accountant="rdp", target_epsilon=target, verbose=0)
+    fit(model, data, 5, [callback])
+    assert int(model.optimizer.iterations.numpy()) == 5
+    assert callback.stopped_at_step == 5
+    assert [entry.steps for entry in callback.ledger] == [2, 3]
+
+
 def test_schedule_phases_are_recorded_with_their_rate_and_truncation(data):
     # One step of expected batch 4, then one of expected batch 8 with its own
     # sigma, each in 4 micro-batches of 8 (capacity 32): the 64 rows are

@@ -514,7 +514,7 @@ class PrivacyAccountant:
     ```python
     accountant = PrivacyAccountant(num_examples=60_000, delta=1e-5)
     accountant.record(1000, sampling_rate=256 / 60_000, noise_multiplier=1.1)
-    accountant.epsilon()      # about 1.0 (PLD)
+    accountant.epsilon()      # 0.599 (PLD)
     ```
     """
 
@@ -831,7 +831,7 @@ def compute_epsilon(
     Example:
     ```python
     compute_epsilon(num_examples=60_000, batch_size=256, steps=10_000,
-                    noise_multiplier=1.1, delta=1e-5)
+                    noise_multiplier=1.1, delta=1e-5)     # 1.978
     ```
     """
     return PrivacyAccountant.for_run(
@@ -878,7 +878,7 @@ def calibrate_noise_multiplier(
     Example:
     ```python
     sigma = calibrate_noise_multiplier(
-        3.0, 1e-5, num_examples=60_000, batch_size=256, steps=10_000)
+        3.0, 1e-5, num_examples=60_000, batch_size=256, steps=10_000)  # 0.886
     ```
     """
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):

@@ -75,7 +75,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         schedule: a `tf_megadp.BatchSizeSchedule`; then accumulation steps,
             divisor and (where a phase sets it) the noise multiplier of each
             logical step come from the schedule.
-        clipping: the per-example clipping strategy ("vectorized").
+        clipping: per-example clipping strategy: "vectorized", "ghost" or "auto" (docs/clipping.md).
         name: optimizer name.
 
     Example:

@@ -18,6 +18,15 @@ from tf_megadp.clipping import ClippingStrategy, VectorizedClipping
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
+from tf_megadp.text import (
+    CorpusError,
+    MaskedLMBatcher,
+    default_corpus_documents,
+    load_vocabulary,
+    prepare_corpus,
+    read_documents,
+)
 from tf_megadp.train_step import is_private, make_private
 
 __version__ = "0.1.0"

@@ -215,7 +215,7 @@ def test_calibration_round_trips_within_one_percent_rdp(target):
 
 
 def test_calibration_round_trips_within_one_percent_pld():
-    settings = dict(num_examples=60_000, batch_size=256, steps=2_000)
+    settings = dict(num_examples=100_000, batch_size=5_000, steps=200)
     sigma = calibrate_noise_multiplier(2.0, 1e-5, **settings)
     epsilon = compute_epsilon(noise_multiplier=sigma, delta=1e-5, **settings)
     assert 0.99 * 2.0 <= epsilon <= 2.0

@@ -296,6 +296,9 @@ def test_steps_within_budget_agrees_with_a_naive_search():
         naive += 1
     assert naive == 25
     assert account.steps_within_budget(target, step) == naive
+    assert account.steps_within_budget(target, step, limit=100) == naive
+    assert account.steps_within_budget(target, step, limit=10) == 10
+    assert account.steps_within_budget(target, step, limit=25) == 25
     assert account.steps_within_budget(account.epsilon() * 1.0001, step) == 0
 
 

@@ -610,14 +610,25 @@ class PrivacyAccountant:
         target_epsilon: float,
         entry: LedgerEntry,
         *,
-        limit: int = 2**24,
+        limit: int | None = None,
     ) -> int:
         """How many more steps like `entry` fit in `target_epsilon`.
 
-        Returns the largest n <= limit such that the ledger followed by n
-        steps like `entry` (its own `steps` is ignored) has epsilon <=
-        `target_epsilon`. Epsilon grows with the number of steps, so an
-        exponential then binary search needs O(log n) evaluations.
+        Returns the largest n such that the ledger followed by n steps like
+        `entry` (its own `steps` is ignored) has epsilon <= `target_epsilon`,
+        capped at `limit` (without a limit, below 2**24). The answer never
+        overstates what fits. Epsilon grows with the number of
+        steps, so an exponential then binary search needs O(log n)
+        evaluations; when all `limit` steps fit (e.g. the rest of a schedule
+        phase), one evaluation says so.
+
+        Args:
+            target_epsilon: the budget, > 0.
+            entry: the step to repeat.
+            limit: the most steps worth asking about.
+
+        Returns:
+            n, an int in [0, limit].
         """
         if not target_epsilon > 0:
             raise ValueError(f"target_epsilon must be > 0, got {target_epsilon!r}.")
@@ -627,14 +638,17 @@ class PrivacyAccountant:
             ledger.append(dataclasses.replace(entry, steps=count))
             return self.epsilon(ledger) <= target_epsilon
 
-        if not fits(1):
+        if limit is not None and fits(limit):
+            return limit
+        limit = 2**24 if limit is None else limit
+        if limit < 1 or not fits(1):
             return 0
         low, high = 1, 2
-        while high <= limit and fits(high):
+        while high < limit and fits(high):
             low, high = high, high * 2
-        if high > limit:
-            return limit if fits(limit) else self._bisect(fits, low, limit)
-        return self._bisect(fits, low, high)
+        # fits(low), and min(high, limit) is taken not to fit: that is known,
+        # except at the default cap, where it only makes the answer smaller.
+        return self._bisect(fits, low, min(high, limit))
 
     @staticmethod
     def _bisect(fits, low: int, high: int) -> int:

@@ -299,10 +299,16 @@ class PrivacyCallback(keras.callbacks.Callback):
         entry = self._step_entry(step)
         if entry != self._budget_entry or step >= self._stop_at:
             # Epsilon grows with each step, so one search tells how many steps
-            # like `entry` still fit; recompute only when the step changes.
+            # like `entry` still fit; recompute only when the step changes or
+            # that many have been taken. With a schedule, asking about the
+            # rest of the phase first usually settles it in one evaluation.
+            schedule = self._optimizer.schedule
+            limit = None
+            if schedule is not None and step < schedule.total_steps:
+                limit = schedule.phase_ends[schedule.phase_index(step)] - step
             self._budget_entry = entry
             self._stop_at = step + self._accountant.steps_within_budget(
-                self.target_epsilon, entry
+                self.target_epsilon, entry, limit=limit
             )
         return step < self._stop_at
 

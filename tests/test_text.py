@@ -166,6 +166,14 @@ class TestPrepareCorpus:
         boundaries = ["".join(letters[:j]) for j in range(len(letters) + 1)]
         assert first in boundaries and "".join(letters) == first + second
 
+    def test_a_given_vocabulary_is_used_as_is(self, shards, corpus_file, tmp_path):
+        vocabulary_file = os.path.join(shards.directory, "vocab.txt")
+        again = prepare_corpus(tmp_path / "given", corpus_file, sequence_length=LENGTH, min_tokens=4, vocabulary=vocabulary_file)
+        assert load_vocabulary(again) == load_vocabulary(shards)
+        np.testing.assert_array_equal(again.read(np.arange(len(again))), shards.read(np.arange(len(shards))))
+        with pytest.raises(CorpusError, match="must start with"):
+            prepare_corpus(tmp_path / "bad", corpus_file, vocabulary=["a", "b"])
+
     def test_bad_settings_are_clear_errors(self, corpus_file, tmp_path):
         with pytest.raises(CorpusError, match="sequence_length must be an integer >= 8"):
             prepare_corpus(tmp_path, corpus_file, sequence_length=4)

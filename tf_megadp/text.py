@@ -391,6 +391,7 @@ def prepare_corpus(
     skip_undecodable: bool = False,
     max_unknown_fraction: float = 0.05,
     rows_per_shard: int = 1 << 20,
+    vocabulary: str | os.PathLike | Sequence[str] | None = None,
 ) -> TokenShards:
     """Builds (or reuses) the token shards of a corpus for masked-LM pretraining.
 
@@ -415,6 +416,11 @@ def prepare_corpus(
         max_unknown_fraction: raise if more [UNK] tokens than this (the
             vocabulary is too small for the text).
         rows_per_shard: rows per shard file.
+        vocabulary: a WordPiece vocabulary (list of tokens, or the path of a
+            `vocab.txt`, e.g. one learned from public text) to use instead of
+            learning one from this corpus; it must start with
+            `SPECIAL_TOKENS`. A vocabulary learned from private text is not
+            covered by the DP guarantee.
 
     Returns:
         The `TokenShards`. If `output_dir` already holds shards built from the
@@ -440,8 +446,19 @@ def prepare_corpus(
             f"min_tokens must be in [1, sequence_length - 2 = {sequence_length - 2}], "
             f"got {min_tokens}."
         )
+    if vocabulary is not None:
+        if isinstance(vocabulary, (str, os.PathLike)):
+            with open(vocabulary, encoding="utf-8") as handle:
+                vocabulary = handle.read().split("\n")
+        vocabulary = [token for token in vocabulary if token]
+        if tuple(vocabulary[: len(SPECIAL_TOKENS)]) != SPECIAL_TOKENS:
+            raise CorpusError(
+                f"A given vocabulary must start with {list(SPECIAL_TOKENS)} in this "
+                f"order; it starts with {vocabulary[: len(SPECIAL_TOKENS)]}."
+            )
     settings = {
         "format": _FORMAT_VERSION,
+        "given_vocabulary": vocabulary,
         "sequence_length": sequence_length,
         "vocabulary_size": vocabulary_size,
         "lowercase": lowercase,
@@ -471,7 +488,8 @@ def prepare_corpus(
         )
         description = f"{len(_expand_sources(sources))} file(s)"
 
-    vocabulary = learn_vocabulary(documents, vocabulary_size, lowercase=lowercase)
+    if vocabulary is None:
+        vocabulary = learn_vocabulary(documents, vocabulary_size, lowercase=lowercase)
     tokens = _tokenize(documents, vocabulary, lowercase)
     total = sum(len(t) for t in tokens)
     unknown = sum(int(np.count_nonzero(t == _UNK)) for t in tokens)

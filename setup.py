@@ -18,6 +18,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["tf_megadp", "tf_megadp.*"]),
+    py_modules=["tf_megadp_cli"],
     install_requires=[
         "tensorflow>=2.21,<2.22",
         "keras>=3.15",
@@ -33,5 +34,5 @@ setup(
         "dev": ["pytest>=8", "scikit-learn", "matplotlib"],
         "examples": ["scikit-learn", "matplotlib"],
     },
-    entry_points={"console_scripts": ["tf-megadp=tf_megadp.cli:main"]},
+    entry_points={"console_scripts": ["tf-megadp=tf_megadp_cli:main"]},
 )

@@ -235,11 +235,100 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- pretrain -------------------------------------------------------------------
+
+
+def _add_pretrain_parser(subparsers) -> None:
+    from tf_megadp.pretraining import MODEL_PRESETS, PretrainConfig
+
+    defaults = PretrainConfig()
+    parser = subparsers.add_parser(
+        "pretrain", help="DP masked-LM pretraining of a BERT (the main job)",
+        description="Pretrains a keras-hub BertMaskedLM from scratch with DP-SGD on "
+                    "Poisson-sampled logical batches, and reports held-out MLM accuracy "
+                    "and (epsilon, delta). With no arguments: a BERT-nano on the offline "
+                    "default corpus in a few minutes on a laptop CPU.",
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus", nargs="+", metavar="PATH",
+                      help="text/JSONL files or globs (default: the offline default corpus)")
+    data.add_argument("--sequence-length", type=int, default=defaults.sequence_length)
+    data.add_argument("--vocabulary-size", type=int, default=defaults.vocabulary_size)
+    data.add_argument("--max-characters", type=int, default=defaults.max_characters,
+                      help="size cap of the default corpus")
+    data.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction)
+    model = parser.add_argument_group("model and optimizer")
+    model.add_argument("--model", choices=list(MODEL_PRESETS), default=defaults.model)
+    model.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
+    model.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    model.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
+    model.add_argument("--clipping", default=defaults.clipping,
+                       help="per-example clipping strategy of DPOptimizer")
+    model.add_argument("--dropout", type=float, default=defaults.dropout)
+    batches = parser.add_argument_group("logical steps")
+    batches.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
+    batches.add_argument("--batch-size", type=int, default=defaults.batch_size,
+                         help="expected logical batch (Poisson)")
+    batches.add_argument("--steps", type=int, default=defaults.steps, help="logical steps")
+    batches.add_argument("--schedule", metavar="STEPSxBATCH,...",
+                         help="growing batch, e.g. 40x256,40x1024 (overrides --batch-size/--steps)")
+    privacy = parser.add_argument_group("privacy")
+    privacy.add_argument("--target-epsilon", type=float, default=defaults.target_epsilon,
+                         help="calibrate sigma to spend this epsilon (default %(default)s)")
+    privacy.add_argument("--noise-multiplier", type=float,
+                         help="sigma, instead of --target-epsilon")
+    privacy.add_argument("--delta", type=float, help="default 1/N^1.1")
+    privacy.add_argument("--l2-norm-clip", type=float, default=defaults.l2_norm_clip)
+    privacy.add_argument("--non-private", action="store_true",
+                         help="baseline: same data, model and optimizer; no clipping or noise")
+    run = parser.add_argument_group("run")
+    run.add_argument("--output-dir", help="default: a new folder under ./runs/")
+    run.add_argument("--resume", action="store_true", help="continue the run in --output-dir")
+    run.add_argument("--eval-every", type=int, default=defaults.eval_every,
+                     help="logical steps between held-out evaluations")
+    run.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
+                     help="logical steps between checkpoints (0: at the end only)")
+    run.add_argument("--strategy", default=defaults.strategy,
+                     choices=["default", "mirrored", "multiworker", "tpu"])
+    run.add_argument("--tpu", help="TPU name for --strategy tpu ('local' on a TPU VM)")
+    run.add_argument("--seed", type=int, default=defaults.seed)
+    run.add_argument("--cache-dir", help="where prepared corpora are kept")
+    run.add_argument("--json", action="store_true", help="print report.json at the end")
+    parser.set_defaults(handler=_run_pretrain)
+
+
+def _run_pretrain(args: argparse.Namespace) -> int:
+    from tf_megadp import pretraining
+
+    schedule = pretraining.parse_schedule(args.schedule) if args.schedule else None
+    config = pretraining.PretrainConfig(
+        corpus=args.corpus, output_dir=args.output_dir, model=args.model,
+        sequence_length=args.sequence_length, vocabulary_size=args.vocabulary_size,
+        max_characters=args.max_characters, heldout_fraction=args.heldout_fraction,
+        micro_batch_size=args.micro_batch_size, batch_size=args.batch_size, steps=args.steps,
+        schedule=schedule,
+        target_epsilon=None if (args.noise_multiplier or args.non_private) else args.target_epsilon,
+        noise_multiplier=args.noise_multiplier, delta=args.delta,
+        l2_norm_clip=args.l2_norm_clip, learning_rate=args.learning_rate,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        non_private=args.non_private, clipping=args.clipping, dropout=args.dropout,
+        eval_every=args.eval_every,
+        checkpoint_every=args.checkpoint_every, resume=args.resume, strategy=args.strategy,
+        tpu=args.tpu, seed=args.seed, cache_dir=args.cache_dir,
+    )
+    report = pretraining.run_pretraining(config)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2,
+                         default=str))
+    return 0
+
+
 # -- Entry point ----------------------------------------------------------------
 
 _SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_epsilon_parser,
     _add_calibrate_parser,
+    _add_pretrain_parser,
 )
 
 

@@ -1,0 +1,638 @@
+"""The main job: DP masked-LM pretraining of a keras-hub BERT, end to end.
+
+`run_pretraining(PretrainConfig(...))` prepares (or reuses) the token shards
+of a corpus, splits off a held-out set, plans the logical steps with one
+`BatchSizeSchedule`, calibrates sigma for a target epsilon, trains a
+`keras_hub.models.BertMaskedLM` from scratch with `DPOptimizer` on honest
+Poisson batches, and writes everything into one output directory:
+checkpoints, TensorBoard logs, `history.csv`, `report.json` and `report.png`.
+`tf-megadp pretrain` and `examples/pretrain_bert_mlm.py` are thin wrappers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+__all__ = ["MODEL_PRESETS", "PretrainConfig", "PretrainError", "run_pretraining"]
+
+# (layers, hidden, heads, intermediate). "tiny" is what a 2-core CPU trains in minutes.
+MODEL_PRESETS = {
+    "nano": (2, 64, 2, 256),
+    "tiny": (2, 128, 2, 512),
+    "mini": (4, 256, 4, 1024),
+    "small": (4, 512, 8, 2048),
+    "medium": (8, 512, 8, 2048),
+    "base": (12, 768, 12, 3072),
+    "large": (24, 1024, 16, 4096),
+}
+
+CHECKPOINT_NAME = "checkpoint.keras"
+STATE_NAME = "state.json"
+REPORT_NAME = "report.json"
+PLOT_NAME = "report.png"
+HISTORY_NAME = "history.csv"
+
+
+class PretrainError(ValueError):
+    """Bad input for the pretraining job; the message is one line that names the fix."""
+
+
+@dataclasses.dataclass
+class PretrainConfig:
+    """Settings of one pretraining run (defaults: the README's CPU run).
+
+    Args:
+        corpus: text/JSONL files or globs; None uses the offline default corpus
+            (docstrings of installed packages).
+        output_dir: where the run writes everything; default a new folder
+            under ./runs/.
+        model: a `MODEL_PRESETS` name.
+        sequence_length: L, tokens per sequence (one sequence = one privacy unit).
+        vocabulary_size: WordPiece vocabulary size to learn.
+        max_characters: size cap of the default corpus.
+        heldout_fraction: share of sequences kept out of training for evaluation.
+        micro_batch_size: m, examples per replica per micro-batch.
+        batch_size: expected logical batch B of a constant schedule.
+        steps: logical steps of a constant schedule.
+        schedule: phases [(steps, batch_size), ...] (overrides batch_size/steps).
+        target_epsilon: calibrate sigma to spend exactly this (at `delta`).
+        noise_multiplier: sigma, instead of target_epsilon.
+        delta: default 1 / N^1.1 for N training sequences.
+        l2_norm_clip: C.
+        learning_rate, warmup_steps, weight_decay: AdamW with linear warmup and
+            cosine decay over the logical steps.
+        non_private: the baseline: same data, model and optimizer, plain
+            Keras step (no clipping, no noise).
+        clipping: per-example strategy of DPOptimizer.
+        dropout: BERT dropout rate. Off by default: the DP noise already
+            regularizes, and per-example dropout masks make the vectorized
+            per-example pass slower.
+        eval_every: logical steps between held-out evaluations (and epochs).
+        checkpoint_every: logical steps between checkpoints (0: only at the end).
+        resume: continue the run in `output_dir` from its checkpoint.
+        strategy, tpu: `tf_megadp.distribute.resolve_strategy` arguments.
+        seed: seeds model init, sampling and masking; the DP noise key always
+            comes from OS entropy.
+        cache_dir: where prepared corpora are kept for reuse.
+        verbose: Keras progress-bar verbosity.
+    """
+
+    corpus: Sequence[str] | None = None
+    output_dir: str | None = None
+    model: str = "nano"
+    sequence_length: int = 64
+    vocabulary_size: int = 2048
+    max_characters: int = 3_000_000
+    heldout_fraction: float = 0.05
+    micro_batch_size: int = 64
+    batch_size: int = 512
+    steps: int = 120
+    schedule: Sequence[Sequence[int]] | None = None
+    target_epsilon: float | None = 5.36
+    noise_multiplier: float | None = None
+    delta: float | None = None
+    l2_norm_clip: float = 1.0
+    learning_rate: float = 2e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    non_private: bool = False
+    clipping: str = "vectorized"
+    dropout: float = 0.0
+    eval_every: int = 10
+    checkpoint_every: int = 0
+    resume: bool = False
+    strategy: str = "default"
+    tpu: str | None = None
+    seed: int = 0
+    cache_dir: str | None = None
+    verbose: int | str = "auto"
+
+    def validate(self) -> None:
+        if self.model not in MODEL_PRESETS:
+            raise PretrainError(f"--model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}.")
+        positive = {
+            "sequence_length": self.sequence_length,
+            "vocabulary_size": self.vocabulary_size,
+            "micro_batch_size": self.micro_batch_size,
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "eval_every": self.eval_every,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PretrainError(f"{name} must be a positive integer, got {value!r}.")
+        if not 0 <= self.dropout < 1:
+            raise PretrainError(f"dropout must be in [0, 1), got {self.dropout}.")
+        if not 0 < self.heldout_fraction < 0.5:
+            raise PretrainError(f"heldout_fraction must be in (0, 0.5), got {self.heldout_fraction}.")
+        if self.checkpoint_every < 0:
+            raise PretrainError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}.")
+        if self.non_private:
+            if self.schedule and len(self.schedule) > 1:
+                raise PretrainError(
+                    "The non-private baseline uses one batch size; pass --batch-size "
+                    "and --steps instead of a multi-phase schedule."
+                )
+        elif self.noise_multiplier is None and self.target_epsilon is None:
+            raise PretrainError("Pass --target-epsilon or --noise-multiplier (or --non-private).")
+        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
+            raise PretrainError(
+                f"noise_multiplier must be > 0 for a private run, got {self.noise_multiplier}; "
+                "use --non-private for the baseline."
+            )
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise PretrainError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+        if self.delta is not None and not 0 < self.delta < 1:
+            raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
+        if self.resume and not self.output_dir:
+            raise PretrainError("--resume needs --output-dir of the run to continue.")
+
+    def phases(self) -> list[tuple[int, int]]:
+        if self.schedule:
+            phases = [tuple(int(v) for v in phase) for phase in self.schedule]
+            if any(len(p) != 2 or p[0] < 1 or p[1] < 1 for p in phases):
+                raise PretrainError("schedule phases must be (steps >= 1, batch_size >= 1) pairs.")
+            return phases
+        return [(self.steps, self.batch_size)]
+
+
+def parse_schedule(text: str) -> list[tuple[int, int]]:
+    """'100x256,200x1024' -> [(100, 256), (200, 1024)] (steps x batch size)."""
+    phases = []
+    for part in text.split(","):
+        try:
+            steps, batch = part.lower().split("x")
+            phases.append((int(steps), int(batch)))
+        except ValueError:
+            raise PretrainError(
+                f"Cannot read schedule phase {part!r}: write STEPSxBATCH, e.g. 100x256,200x1024."
+            ) from None
+    return phases
+
+
+def _default_cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "tf_megadp", "corpora")
+
+
+def _corpus_key(config: PretrainConfig) -> str:
+    """Identifies a prepared corpus: its sources (with sizes and times) and settings."""
+    import hashlib
+    import importlib.metadata
+
+    if config.corpus:
+        from tf_megadp import text
+
+        try:
+            files = text._expand_sources(config.corpus)
+        except text.CorpusError as error:
+            raise PretrainError(str(error)) from None
+        sources = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]
+    else:
+        # The default corpus is the docstrings of installed packages.
+        sources = [(name, importlib.metadata.version(name))
+                   for name in ("tensorflow", "keras", "numpy")]
+    key = json.dumps({
+        "sources": sources, "L": config.sequence_length, "V": config.vocabulary_size,
+        "chars": None if config.corpus else config.max_characters,
+        "heldout": config.heldout_fraction, "seed": config.seed,
+    }, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _prepare_data(config: PretrainConfig):
+    """Token shards for training and held-out evaluation, reused across runs."""
+    from tf_megadp import sampling, text
+
+    folder = os.path.join(config.cache_dir or _default_cache_dir(), _corpus_key(config))
+    try:
+        return tuple(sampling.TokenShards(os.path.join(folder, name))
+                     for name in ("all", "train", "heldout"))
+    except (FileNotFoundError, ValueError):
+        pass  # Not prepared yet (or damaged): build it.
+    try:
+        corpus = text.prepare_corpus(
+            os.path.join(folder, "all"),
+            config.corpus,
+            sequence_length=config.sequence_length,
+            vocabulary_size=config.vocabulary_size,
+            max_characters=config.max_characters,
+        )
+    except text.CorpusError as error:
+        raise PretrainError(str(error)) from None
+    total = len(corpus)
+    heldout = max(1, int(round(total * config.heldout_fraction)))
+    if total - heldout < 2:
+        raise PretrainError(f"The corpus has only {total} sequences; it needs at least 3.")
+    split_checksum = f"{corpus.manifest['checksum']}-heldout{heldout}-seed{config.seed}"
+    splits = {}
+    order = np.random.default_rng(config.seed).permutation(total)
+    # The held-out split is written last: its manifest marks the whole folder complete.
+    for name, indices in (("train", np.sort(order[heldout:])), ("heldout", np.sort(order[:heldout]))):
+        directory = os.path.join(folder, name)
+        rows = (corpus.read(indices[i:i + 65536]) for i in range(0, len(indices), 65536))
+        sampling.write_token_shards(
+            directory, rows, sequence_length=corpus.sequence_length,
+            vocabulary_size=corpus.vocabulary_size, checksum=split_checksum,
+            metadata={"vocabulary_file": os.path.join(folder, "all", "vocab.txt")},
+        )
+        splits[name] = sampling.TokenShards(directory)
+    return corpus, splits["train"], splits["heldout"]
+
+
+def _plan_privacy(config: PretrainConfig, schedule) -> tuple[float, float, float]:
+    """(sigma, delta, epsilon of the full schedule)."""
+    from tf_megadp import accounting
+
+    n = schedule.num_examples
+    delta = config.delta if config.delta is not None else 1.0 / n**1.1
+    if config.non_private:
+        return 0.0, delta, math.inf
+    if config.noise_multiplier is not None:
+        sigma = float(config.noise_multiplier)
+    else:
+        try:
+            sigma = accounting.calibrate_noise_multiplier(
+                config.target_epsilon, delta, schedule=schedule)
+        except (ValueError, RuntimeError) as error:
+            raise PretrainError(
+                f"target epsilon {config.target_epsilon} is unreachable for this schedule "
+                f"({schedule.total_steps} steps over N={n}): {error}. Use fewer steps, a "
+                "smaller batch or a larger epsilon."
+            ) from None
+    epsilon = accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma)
+    if config.target_epsilon is not None and epsilon > config.target_epsilon * 1.0001:
+        raise PretrainError(
+            f"noise multiplier {sigma:g} spends epsilon {epsilon:.3f} over the "
+            f"{schedule.total_steps} steps, more than target epsilon {config.target_epsilon}; "
+            "raise --noise-multiplier or drop it to calibrate."
+        )
+    return sigma, delta, epsilon
+
+
+def _build_model(config: PretrainConfig, vocabulary_size: int):
+    import keras_hub
+
+    layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=vocabulary_size,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=hidden,
+        intermediate_dim=intermediate,
+        max_sequence_length=config.sequence_length,
+        dropout=config.dropout,
+    )
+    return keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
+
+
+def _inner_optimizer(config: PretrainConfig, total_steps: int, accumulation_steps: int | None):
+    """AdamW with linear warmup and cosine decay over the logical steps.
+
+    `accumulation_steps` is for the non-private baseline, which accumulates
+    with Keras's own `gradient_accumulation_steps`; Keras then advances the
+    learning-rate schedule every micro-batch, so its horizon is scaled to match.
+    """
+    import keras
+
+    scale = accumulation_steps or 1
+    warmup = min(config.warmup_steps, max(total_steps - 1, 0)) * scale
+    total_steps *= scale
+    learning_rate = keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0 if warmup else config.learning_rate,
+        decay_steps=max(total_steps - warmup, 1),
+        alpha=0.1,
+        warmup_target=config.learning_rate if warmup else None,
+        warmup_steps=warmup,
+    )
+    return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=config.weight_decay,
+                                  gradient_accumulation_steps=accumulation_steps)
+
+
+def _heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
+    """Fixed masked batches of the held-out set, identical at every evaluation."""
+    import tensorflow as tf
+
+    tf.random.set_seed(seed)
+    rows = heldout.read(np.arange(len(heldout))).astype(np.int32)
+    size = len(rows) - len(rows) % micro_batch_size or len(rows)
+    rows = rows[:size]
+    x, y, w = batcher(tf.constant(rows), tf.ones([len(rows)], tf.float32))
+    return {k: v.numpy() for k, v in x.items()}, y.numpy(), w.numpy()
+
+
+def _unigram_accuracy(train, heldout_y, heldout_w, vocabulary_size: int) -> float:
+    """Accuracy of always predicting the most frequent training token (id > 4)."""
+    counts = np.zeros(vocabulary_size, np.int64)
+    for start in range(0, len(train), 65536):
+        rows = train.read(np.arange(start, min(start + 65536, len(train))))
+        counts += np.bincount(rows.ravel(), minlength=vocabulary_size)
+    counts[:5] = 0  # [PAD], [UNK], [CLS], [SEP], [MASK] are never targets.
+    best = int(np.argmax(counts))
+    return float(np.sum((heldout_y == best) * heldout_w) / np.sum(heldout_w))
+
+
+def _divisor_at_most(total: int, wanted: int) -> int:
+    for count in range(min(wanted, total), 0, -1):
+        if total % count == 0:
+            return count
+    return 1
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    directory = os.path.dirname(path) or "."
+    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as handle:
+        json.dump(payload, handle, indent=2, sort_keys=True)
+        temporary = handle.name
+    os.replace(temporary, path)
+
+
+def _plot(history: list[dict[str, Any]], path: str, private: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    figure, accuracy_axis = plt.subplots(figsize=(7, 4))
+    accuracy_axis.plot(steps, [h["heldout_mlm_accuracy"] for h in history], "o-", color="tab:blue")
+    accuracy_axis.set_xlabel("logical step")
+    accuracy_axis.set_ylabel("held-out MLM accuracy", color="tab:blue")
+    if private:
+        epsilon_axis = accuracy_axis.twinx()
+        epsilon_axis.plot(steps, [h["epsilon"] for h in history], "s--", color="tab:red")
+        epsilon_axis.set_ylabel("epsilon", color="tab:red")
+    figure.tight_layout()
+    temporary = path + ".tmp.png"
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    os.replace(temporary, path)
+
+
+def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
+    """Runs (or resumes) one pretraining job and returns its report.
+
+    Everything that can be checked before training is checked first, so bad
+    input raises `PretrainError` before the output directory is created.
+    """
+    config.validate()
+    phases = config.phases()
+    started = time.time()
+
+    from tf_megadp import distribute
+    from tf_megadp.schedules import BatchSizeSchedule
+
+    output_dir = config.output_dir or os.path.join(
+        "runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
+    state_path = os.path.join(output_dir, STATE_NAME)
+    if config.resume and not os.path.exists(os.path.join(output_dir, CHECKPOINT_NAME)):
+        raise PretrainError(f"--resume: no {CHECKPOINT_NAME} in {output_dir}.")
+    if not config.resume and os.path.exists(state_path):
+        raise PretrainError(
+            f"{output_dir} already holds a run; pass --resume to continue it or choose "
+            "another --output-dir."
+        )
+
+    strategy = distribute.resolve_strategy(config.strategy, tpu=config.tpu)
+    replicas = strategy.num_replicas_in_sync
+    log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'})...")
+    corpus, train, heldout = _prepare_data(config)
+    if max(batch for _, batch in phases) > len(train):
+        raise PretrainError(
+            f"The logical batch ({max(b for _, b in phases)}) is larger than the "
+            f"training corpus ({len(train)} sequences); lower --batch-size."
+        )
+    schedule = BatchSizeSchedule.for_poisson(
+        phases, num_examples=len(train), micro_batch_size=config.micro_batch_size,
+        num_replicas=replicas)
+    sigma, delta, planned_epsilon = _plan_privacy(config, schedule)
+
+    created = not os.path.exists(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    try:
+        return _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
+                      strategy, output_dir, started, log)
+    except BaseException:
+        if created and not os.path.exists(os.path.join(output_dir, CHECKPOINT_NAME)):
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+
+
+class _Checkpointer:
+    """Saves model+optimizer (and so the privacy ledger) atomically at logical-step ends."""
+
+    def __init__(self, output_dir: str, history: list):
+        self.output_dir = output_dir
+        self.history = history
+
+    def save(self, model, extra: dict[str, Any]) -> None:
+        path = os.path.join(self.output_dir, CHECKPOINT_NAME)
+        temporary = os.path.join(self.output_dir, "checkpoint.tmp.keras")
+        model.save(temporary)
+        os.replace(temporary, path)
+        _write_json(os.path.join(self.output_dir, STATE_NAME), {
+            "logical_steps": int(model.optimizer.iterations.numpy()),
+            "history": self.history,
+            **extra,
+        })
+
+
+def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
+           strategy, output_dir, started, log):
+    import keras
+    import tensorflow as tf
+
+    import tf_megadp
+    from tf_megadp import sampling, text
+
+    keras.utils.set_random_seed(config.seed)
+    batcher = text.MaskedLMBatcher.from_shards(train)
+    heldout_x, heldout_y, heldout_w = _heldout_batches(heldout, batcher, config.micro_batch_size, config.seed)
+    unigram = _unigram_accuracy(train, heldout_y, heldout_w, train.vocabulary_size)
+    total_steps = schedule.total_steps
+    private = not config.non_private
+
+    history: list[dict[str, Any]] = []
+    resumed_from = 0
+    with strategy.scope():
+        if config.resume:
+            model = keras.models.load_model(os.path.join(output_dir, CHECKPOINT_NAME))
+            with open(os.path.join(output_dir, STATE_NAME)) as handle:
+                state = json.load(handle)
+            history = state.get("history", [])
+            resumed_from = int(model.optimizer.iterations.numpy())
+        else:
+            model = _build_model(config, train.vocabulary_size)
+            if private:
+                optimizer = tf_megadp.DPOptimizer(
+                    _inner_optimizer(config, total_steps, None),
+                    l2_norm_clip=config.l2_norm_clip, noise_multiplier=sigma,
+                    schedule=schedule, clipping=config.clipping)
+            else:
+                k = schedule.phases[0].accumulation_steps
+                optimizer = _inner_optimizer(config, total_steps, k if k > 1 else None)
+            model.compile(
+                optimizer=optimizer,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="mlm_accuracy")],
+            )
+            model.optimizer.build(model.trainable_variables)
+        if private:
+            if not isinstance(model.optimizer, tf_megadp.DPOptimizer):
+                raise PretrainError(f"{output_dir} holds a non-private run; resume it with --non-private.")
+            tf_megadp.make_private(model)
+        elif isinstance(model.optimizer, tf_megadp.DPOptimizer):
+            raise PretrainError(f"{output_dir} holds a private run; resume it without --non-private.")
+
+    # Keras's own accumulation (non-private) also counts logical steps in iterations.
+    logical_done = int(model.optimizer.iterations.numpy())
+    micro_done = int(model.optimizer.micro_steps.numpy()) if private else 0
+    if logical_done >= total_steps:
+        log(f"The run in {output_dir} already completed {logical_done} logical steps.")
+    sampler = sampling.PoissonSampler(
+        train, schedule, seed=config.seed, start_step=min(logical_done, total_steps),
+        start_micro_step=micro_done)
+    dataset = sampler.as_dataset(batcher)
+    if schedule.num_replicas > 1:
+        dataset = dataset.unbatch().batch(config.micro_batch_size, drop_remainder=True)
+        dataset = tf_megadp.distribute_micro_batches(strategy, lambda context: dataset)
+
+    # One fit step consumes one micro-batch per replica: a sampler micro-step.
+    remaining_micro = sampler.total_micro_steps
+    evaluations = max(1, math.ceil((total_steps - logical_done) / config.eval_every))
+    epochs = _divisor_at_most(remaining_micro, evaluations) if remaining_micro else 0
+    steps_per_epoch = remaining_micro // epochs if epochs else 0
+
+    callbacks = []
+    privacy = None
+    if private:
+        privacy = tf_megadp.PrivacyCallback(
+            delta=delta, report_path=os.path.join(output_dir, "privacy.json"),
+            target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
+        callbacks.append(privacy)
+    checkpointer = _Checkpointer(output_dir, history)
+
+    class _Evaluate(keras.callbacks.Callback):
+        """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints."""
+
+        def on_train_batch_end(self, batch, logs=None):
+            if config.checkpoint_every and private:
+                optimizer = self.model.optimizer
+                steps = int(optimizer.iterations.numpy())
+                if (int(optimizer.micro_steps.numpy()) == 0 and steps
+                        and steps % config.checkpoint_every == 0 and steps != self._last_saved):
+                    self._last_saved = steps
+                    checkpointer.save(self.model, {"config": _config_dict(config)})
+
+        def on_train_begin(self, logs=None):
+            self._last_saved = -1
+
+        def on_epoch_end(self, epoch, logs=None):
+            _, accuracy = self.model.evaluate(
+                heldout_x, heldout_y, sample_weight=heldout_w,
+                batch_size=config.micro_batch_size, verbose=0)
+            steps = int(self.model.optimizer.iterations.numpy())
+            record = {
+                "step": steps,
+                "heldout_mlm_accuracy": float(accuracy),
+                "train_mlm_accuracy": float(logs.get("mlm_accuracy", float("nan"))),
+                "loss": float(logs.get("loss", float("nan"))),
+                "epsilon": float(privacy.epsilon) if privacy else math.inf,
+                "wall_time_s": time.time() - started,
+            }
+            history.append(record)
+            if logs is not None:
+                logs["heldout_mlm_accuracy"] = float(accuracy)
+
+    callbacks.append(_Evaluate())
+    callbacks.append(keras.callbacks.CSVLogger(os.path.join(output_dir, HISTORY_NAME), append=config.resume))
+    callbacks.append(keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"), update_freq="epoch"))
+
+    layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
+    log(
+        f"Training BERT-{config.model} ({layers} layers, hidden {hidden}) on N={len(train)} "
+        f"sequences of {train.sequence_length} tokens; held-out {len(heldout)}.\n"
+        f"Schedule: {schedule}; "
+        + (f"sigma={sigma:.4f}, C={config.l2_norm_clip}, delta={delta:.3g}, planned "
+           f"epsilon={planned_epsilon:.3f}." if private else "NON-PRIVATE baseline (no clipping, no noise).")
+    )
+    train_started = time.time()
+    if epochs:
+        model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
+                  callbacks=callbacks, verbose=config.verbose)
+    train_seconds = time.time() - train_started
+
+    final_steps = history[-1]["step"] if history else logical_done
+    checkpointer.save(model, {"config": _config_dict(config)})
+    accuracy = history[-1]["heldout_mlm_accuracy"] if history else float("nan")
+    epsilon = float(privacy.epsilon) if privacy else math.inf
+    report = {
+        "heldout_mlm_accuracy": accuracy,
+        "unigram_baseline_accuracy": unigram,
+        "private": private,
+        "epsilon": epsilon if private else None,
+        "delta": delta if private else None,
+        "noise_multiplier": sigma if private else None,
+        "l2_norm_clip": config.l2_norm_clip if private else None,
+        "accountant": "pld" if private else None,
+        "sampling": "poisson",
+        "schedule": schedule.to_dict(),
+        "logical_steps": final_steps,
+        "examples_processed_expected": schedule.examples_processed(),
+        "wall_time_s": time.time() - started,
+        "train_time_s": train_seconds,
+        "examples_per_s": (sampler.total_micro_steps * schedule.micro_batch_size * schedule.num_replicas)
+        / max(train_seconds, 1e-9),
+        "truncated_steps": sampler.truncated_steps,
+        "resumed_from_step": resumed_from,
+        "model": {"preset": config.model, "layers": layers, "hidden": hidden, "heads": heads,
+                  "vocabulary_size": train.vocabulary_size,
+                  "sequence_length": train.sequence_length},
+        "num_examples": len(train),
+        "heldout_examples": len(heldout),
+        "history": history,
+        "config": _config_dict(config),
+    }
+    _write_json(os.path.join(output_dir, REPORT_NAME), report)
+    if history:
+        _plot(history, os.path.join(output_dir, PLOT_NAME), private)
+    log(_summary(report, output_dir))
+    return report
+
+
+def _config_dict(config: PretrainConfig) -> dict[str, Any]:
+    values = dataclasses.asdict(config)
+    values["corpus"] = list(config.corpus) if config.corpus else None
+    values["schedule"] = [list(p) for p in config.schedule] if config.schedule else None
+    return values
+
+
+def _summary(report: dict[str, Any], output_dir: str) -> str:
+    lines = [
+        "",
+        "=" * 64,
+        f"held-out MLM accuracy   {report['heldout_mlm_accuracy']:.4f}"
+        f"   (unigram baseline {report['unigram_baseline_accuracy']:.4f})",
+    ]
+    if report["private"]:
+        lines.append(
+            f"privacy                 epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}"
+            f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, Poisson, PLD)")
+    else:
+        lines.append("privacy                 NONE (non-private baseline)")
+    lines += [
+        f"logical steps           {report['logical_steps']}   examples/s {report['examples_per_s']:.0f}"
+        f"   wall time {report['wall_time_s']:.0f} s",
+        f"report                  {os.path.join(output_dir, REPORT_NAME)}",
+        "=" * 64,
+    ]
+    return "\n".join(lines)

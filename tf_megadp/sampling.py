@@ -261,6 +261,7 @@ class TokenShards:
                 _Shard(shard_path, int(entry["rows"]), self.sequence_length, self.dtype)
             )
         self._starts = np.cumsum([0] + [int(e["rows"]) for e in manifest["shards"]])
+        self._touched: set[int] = set()
         if int(self._starts[-1]) != int(manifest["num_sequences"]):
             raise ValueError(f"{path}: shard rows do not add up to num_sequences.")
 
@@ -287,12 +288,19 @@ class TokenShards:
             where = owner == shard_index
             shard = self._shards[shard_index]
             out[where] = shard.rows[indices[where] - self._starts[shard_index]]
+            self._touched.add(int(shard_index))
         return out
 
     def release_pages(self) -> None:
-        """Drops this process's mapped pages (they stay in the OS page cache)."""
-        for shard in self._shards:
-            shard.release_pages()
+        """Unmaps the pages read since the last call (they stay in the OS page cache).
+
+        Each scattered row maps a whole page, so without this a process that
+        samples a corpus larger than memory would see its resident set grow
+        toward the corpus size.
+        """
+        for shard_index in self._touched:
+            self._shards[shard_index].release_pages()
+        self._touched.clear()
 
     def close(self) -> None:
         for shard in self._shards:
@@ -418,15 +426,16 @@ class _Sampler:
             (rows int32 [M, L], weights float32 [M]) with M = m * R; padding
             rows are all zeros with weight 0.
         """
-        rows = self.shards.read(draw.indices).astype(np.int32)
-        self.shards.release_pages()
-        filled = np.zeros((draw.capacity, self.shards.sequence_length), np.int32)
-        filled[: rows.shape[0]] = rows
-        weights = np.zeros(draw.capacity, np.float32)
-        weights[: rows.shape[0]] = 1.0
-        for start in range(0, draw.capacity, self.micro_batch_rows):
-            stop = start + self.micro_batch_rows
-            yield filled[start:stop], weights[start:stop]
+        size = self.micro_batch_rows
+        # Read per micro-batch, so memory is O(m * R * L) however big the step.
+        for start in range(0, draw.capacity, size):
+            chosen = draw.indices[start : start + size]
+            rows = np.zeros((size, self.shards.sequence_length), np.int32)
+            rows[: chosen.size] = self.shards.read(chosen)
+            self.shards.release_pages()
+            weights = np.zeros(size, np.float32)
+            weights[: chosen.size] = 1.0
+            yield rows, weights
 
     def micro_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """All micro-batches from the start position, in training order.

@@ -284,6 +284,8 @@ def _add_pretrain_parser(subparsers) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", help="default: a new folder under ./runs/")
     run.add_argument("--resume", action="store_true", help="continue the run in --output-dir")
+    run.add_argument("--stop-after-steps", type=int,
+                     help="end this invocation after this many logical steps (resume later)")
     run.add_argument("--eval-every", type=int, default=defaults.eval_every,
                      help="logical steps between held-out evaluations")
     run.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
@@ -313,7 +315,8 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         non_private=args.non_private, clipping=args.clipping, dropout=args.dropout,
         eval_every=args.eval_every,
-        checkpoint_every=args.checkpoint_every, resume=args.resume, strategy=args.strategy,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        stop_after_steps=args.stop_after_steps, strategy=args.strategy,
         tpu=args.tpu, seed=args.seed, cache_dir=args.cache_dir,
     )
     report = pretraining.run_pretraining(config)
@@ -323,11 +326,48 @@ def _run_pretrain(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- plan -----------------------------------------------------------------------
+
+
+def _add_plan_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="check a TPU run configuration and estimate its cost",
+        description="Validates a run configuration (see tpu_configs/) without running it "
+                    "and prints per-core micro-batch, accumulation steps per phase, logical "
+                    "steps, (epsilon, delta), FLOPs and time per logical step, and per-core "
+                    "memory for vectorized and ghost clipping. An infeasible configuration "
+                    "is an error naming the number that fails.",
+    )
+    parser.add_argument("config", metavar="CONFIG", help="a run configuration (YAML)")
+    parser.add_argument("--accountant", choices=("pld", "rdp"),
+                        help="override the configuration's accountant")
+    parser.add_argument("--json", action="store_true",
+                        help="print a machine-readable JSON plan")
+    parser.set_defaults(handler=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tf_megadp import plan
+
+    config = plan.load_config(args.config)
+    if args.accountant:
+        config = dataclasses.replace(config, accountant=args.accountant)
+    result = plan.make_plan(config)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        print(plan.format_plan(result))
+    return 0
+
+
 # -- Entry point ----------------------------------------------------------------
 
 _SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_epsilon_parser,
     _add_calibrate_parser,
+    _add_plan_parser,
     _add_pretrain_parser,
 )
 

@@ -1,0 +1,434 @@
+"""Planning a DP pretraining run on a TPU pod slice, without running it.
+
+`make_plan` turns a YAML run description (see tpu_configs/) into the numbers
+that decide whether the run fits and what it costs: per-core micro-batch,
+accumulation steps and static capacity per phase, logical steps, (epsilon,
+delta) from the accountant, FLOPs per logical step, a step time at the
+stated peak FLOP/s, and per-core memory for parameters, optimizer state and
+activations under vectorized and ghost clipping. A run that cannot work
+raises `InfeasiblePlanError` naming the number that fails.
+
+All estimates are arithmetic on the BERT architecture (no TensorFlow):
+
+* FLOPs: a multiply-add counts 2. Forward F per sequence = dense layers
+  (2 T p d each) + attention scores and context (4 T^2 H per layer) + the
+  MLM head on the P masked positions. Training = 3 F (backward = 2 F).
+  Vectorized clipping adds 4 FLOPs per parameter per example (squared norm,
+  scaled sum); ghost clipping adds a second backward pass (2 F) plus, per
+  dense layer, the cheaper of the ghost norm 2 T^2 (p + d) and the
+  materialised per-example gradient 2 T p d. Static shapes compute padding
+  slots too, so a step costs its capacity k m R, not its expected batch B.
+* Memory per core: float32 parameters; optimizer state = inner optimizer
+  slots + the DP accumulator (float32, one copy per parameter each);
+  activations with bfloat16 compute about 34 T H + 5 heads T^2 bytes per
+  layer per sequence (no rematerialisation) plus float32 MLM logits.
+  Vectorized clipping materialises m float32 per-example gradients (m *
+  4 * params bytes); ghost clipping holds T^2 Gram matrices per dense layer
+  per example and one extra float32 gradient.
+
+Example:
+```python
+plan = make_plan(load_config("tpu_configs/bert_large_v3_128.yaml"))
+print(format_plan(plan))
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from tf_megadp import accounting
+from tf_megadp.schedules import BatchSizeSchedule, Phase
+
+__all__ = [
+    "InfeasiblePlanError",
+    "ModelSpec",
+    "Hardware",
+    "RunConfig",
+    "load_config",
+    "make_plan",
+    "format_plan",
+]
+
+GIB = 2**30
+# Float32 slots the inner optimizer keeps per parameter.
+OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "lamb": 2, "lion": 1}
+CLIPPING = ("vectorized", "ghost")
+
+
+class InfeasiblePlanError(ValueError):
+    """The configuration cannot run as stated; the message names the number."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A BERT masked-LM architecture.
+
+    Args:
+        num_layers, hidden_dim, num_heads, intermediate_dim, vocabulary_size:
+            the encoder.
+        sequence_length: T, tokens per sequence (one privacy unit).
+        max_predictions: P, masked positions per sequence.
+        type_vocabulary_size: segment ids.
+    """
+
+    num_layers: int
+    hidden_dim: int
+    num_heads: int
+    intermediate_dim: int
+    vocabulary_size: int
+    sequence_length: int
+    max_predictions: int
+    type_vocabulary_size: int = 2
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model.{field.name} must be a positive integer, got {value!r}.")
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(
+                f"model.hidden_dim {self.hidden_dim} is not divisible by num_heads "
+                f"{self.num_heads}."
+            )
+        if self.max_predictions > self.sequence_length:
+            raise ValueError(
+                f"model.max_predictions {self.max_predictions} exceeds sequence_length "
+                f"{self.sequence_length}."
+            )
+
+    def dense_layers(self) -> list[tuple[int, int, int]]:
+        """(tokens, fan_in, fan_out) of every dense kernel, head included."""
+        t, h, i = self.sequence_length, self.hidden_dim, self.intermediate_dim
+        layer = [(t, h, h)] * 4 + [(t, h, i), (t, i, h)]
+        head = [(self.max_predictions, h, h), (self.max_predictions, h, self.vocabulary_size)]
+        return layer * self.num_layers + head
+
+    def parameter_count(self) -> int:
+        """Trainable parameters (the MLM decoder shares the token embedding)."""
+        h, i, v = self.hidden_dim, self.intermediate_dim, self.vocabulary_size
+        embeddings = (v + self.sequence_length + self.type_vocabulary_size) * h + 2 * h
+        layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
+        head = (h * h + h) + 2 * h + v  # transform, its LayerNorm, output bias
+        pooler = h * h + h
+        return embeddings + self.num_layers * layer + head + pooler
+
+    def forward_flops(self) -> float:
+        """FLOPs of one sequence's forward pass."""
+        dense = sum(2.0 * t * p * d for t, p, d in self.dense_layers())
+        attention = self.num_layers * 4.0 * self.sequence_length**2 * self.hidden_dim
+        return dense + attention
+
+    def activation_bytes(self) -> float:
+        """Activation memory of one sequence kept for the backward pass."""
+        t, h = self.sequence_length, self.hidden_dim
+        per_layer = 34.0 * t * h + 5.0 * self.num_heads * t * t
+        logits = 4.0 * self.max_predictions * self.vocabulary_size
+        return self.num_layers * per_layer + logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The accelerator slice, counted in replicas (TensorFlow TPU cores).
+
+    Args:
+        name: e.g. "v3-128".
+        replicas: R, replicas in sync (v3: 2 per chip; v4: 1 per chip).
+        hbm_gib_per_replica: memory each replica may use.
+        peak_tflops_per_replica: peak bfloat16 TFLOP/s of one replica.
+        utilization: fraction of peak assumed for the step-time estimate.
+    """
+
+    name: str
+    replicas: int
+    hbm_gib_per_replica: float
+    peak_tflops_per_replica: float
+    utilization: float = 1.0
+
+    def __post_init__(self):
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"hardware.replicas must be a positive integer, got {self.replicas!r}.")
+        for name in ("hbm_gib_per_replica", "peak_tflops_per_replica"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"hardware.{name} must be a number > 0, got {value!r}.")
+        if not isinstance(self.utilization, (int, float)) or not 0 < self.utilization <= 1:
+            raise ValueError(
+                f"hardware.utilization must be in (0, 1], got {self.utilization!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One planned run: model, hardware and the DP training settings."""
+
+    name: str
+    model: ModelSpec
+    hardware: Hardware
+    micro_batch_size: int
+    clipping: str
+    optimizer: dict
+    noise_multiplier: float
+    l2_norm_clip: float
+    delta: float
+    target_epsilon: float
+    schedule: BatchSizeSchedule
+    accountant: str = accounting.DEFAULT_ACCOUNTANT
+    max_truncation_probability: float = 1e-9
+
+
+_TOP_KEYS = {"name", "model", "hardware", "training"}
+_TRAINING_KEYS = {
+    "micro_batch_size", "clipping", "optimizer", "noise_multiplier", "l2_norm_clip",
+    "delta", "target_epsilon", "num_examples", "phases", "accountant",
+    "max_truncation_probability",
+}
+
+
+def _section(config: dict, key: str, where: str) -> dict:
+    value = config.get(key)
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: '{key}' must be a mapping.")
+    return value
+
+
+def config_from_dict(config: dict, where: str = "config") -> RunConfig:
+    """Validates a parsed YAML run description; see tpu_configs/."""
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} must hold a mapping, got {type(config).__name__}.")
+    unknown = set(config) - _TOP_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected {sorted(_TOP_KEYS)}.")
+    training = _section(config, "training", where)
+    unknown = set(training) - _TRAINING_KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown training keys {sorted(unknown)}.")
+    missing = sorted(_TRAINING_KEYS - {"accountant", "max_truncation_probability"} - set(training))
+    if missing:
+        raise ValueError(f"{where}: training needs {missing}.")
+    try:
+        model = ModelSpec(**_section(config, "model", where))
+        hardware = Hardware(**_section(config, "hardware", where))
+        phases = [Phase(**phase) for phase in training["phases"]]
+    except TypeError as error:
+        raise ValueError(f"{where}: {error}") from error
+    clipping = training["clipping"]
+    if clipping not in CLIPPING:
+        raise ValueError(f"{where}: training.clipping must be one of {CLIPPING}, got {clipping!r}.")
+    optimizer = training["optimizer"]
+    if not isinstance(optimizer, dict) or optimizer.get("name") not in OPTIMIZER_SLOTS:
+        raise ValueError(
+            f"{where}: training.optimizer needs a name in {sorted(OPTIMIZER_SLOTS)}.")
+    for key in ("noise_multiplier", "l2_norm_clip", "delta", "target_epsilon"):
+        value = training[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{where}: training.{key} must be a finite number > 0, got {value!r}.")
+    schedule = BatchSizeSchedule(
+        phases,
+        num_examples=training["num_examples"],
+        micro_batch_size=training["micro_batch_size"],
+        num_replicas=hardware.replicas,
+    )
+    return RunConfig(
+        name=str(config.get("name", where)),
+        model=model,
+        hardware=hardware,
+        micro_batch_size=training["micro_batch_size"],
+        clipping=clipping,
+        optimizer=dict(optimizer),
+        noise_multiplier=float(training["noise_multiplier"]),
+        l2_norm_clip=float(training["l2_norm_clip"]),
+        delta=float(training["delta"]),
+        target_epsilon=float(training["target_epsilon"]),
+        schedule=schedule,
+        accountant=training.get("accountant", accounting.DEFAULT_ACCOUNTANT),
+        max_truncation_probability=float(training.get("max_truncation_probability", 1e-9)),
+    )
+
+
+def load_config(path: str | os.PathLike) -> RunConfig:
+    """Reads and validates a YAML run description.
+
+    Raises:
+        ValueError: the file is unreadable, not YAML, or inconsistent (the
+            message says which field).
+    """
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as stream:
+            raw = yaml.safe_load(stream)
+    except OSError as error:
+        raise ValueError(f"cannot read config {str(path)!r}: {error.strerror}") from error
+    except yaml.YAMLError as error:
+        raise ValueError(f"config {str(path)!r} is not valid YAML: {error}") from error
+    try:
+        return config_from_dict(raw, where=f"config {os.fspath(path)!r}")
+    except ValueError as error:
+        message = str(error)
+        if not message.startswith("config "):
+            message = f"config {os.fspath(path)!r}: {message}"
+        raise ValueError(message) from error
+
+
+def _example_flops(model: ModelSpec, clipping: str) -> float:
+    forward = model.forward_flops()
+    if clipping == "vectorized":
+        return 3.0 * forward + 4.0 * model.parameter_count()
+    ghost_norms = sum(
+        min(2.0 * t * t * (p + d), 2.0 * t * p * d) for t, p, d in model.dense_layers()
+    )
+    return 5.0 * forward + ghost_norms + 4.0 * model.parameter_count()
+
+
+def _memory(config: RunConfig, clipping: str) -> dict[str, float]:
+    model, m = config.model, config.micro_batch_size
+    params = model.parameter_count()
+    slots = OPTIMIZER_SLOTS[config.optimizer["name"]]
+    memory = {
+        "parameters": 4.0 * params,
+        "optimizer_state": 4.0 * params * (slots + 1),
+        "activations": m * model.activation_bytes(),
+    }
+    if clipping == "vectorized":
+        memory["clipping"] = m * 4.0 * params
+    else:
+        grams = sum(2.0 * t * t for t, _, _ in model.dense_layers())
+        memory["clipping"] = m * 4.0 * grams + 4.0 * params
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+def make_plan(config: RunConfig) -> dict[str, Any]:
+    """The plan of `config`; raises `InfeasiblePlanError` if it cannot run.
+
+    Returns:
+        A JSON-ready dict: per phase k_t, capacity, expected batch, sampling
+        rate and truncation probability; totals; epsilon; FLOPs; step times;
+        memory per clipping method.
+
+    Raises:
+        InfeasiblePlanError: memory over the per-core HBM, a phase whose
+            static capacity truncates too often, or epsilon over the target.
+    """
+    schedule, hardware = config.schedule, config.hardware
+    peak = hardware.peak_tflops_per_replica * 1e12 * hardware.replicas * hardware.utilization
+    flops_per_slot = {c: _example_flops(config.model, c) for c in CLIPPING}
+    phases = []
+    for index, phase in enumerate(schedule.phases):
+        capacity = schedule.capacity(phase)
+        truncation = schedule.truncation_probability(phase)
+        if truncation > config.max_truncation_probability:
+            raise InfeasiblePlanError(
+                f"phase {index}: truncation probability {truncation:.3g} per step exceeds "
+                f"max_truncation_probability {config.max_truncation_probability:g} "
+                f"(capacity {capacity} = {phase.accumulation_steps} x "
+                f"{config.micro_batch_size} x {hardware.replicas} for expected batch "
+                f"{phase.batch_size}). Raise accumulation_steps."
+            )
+        flops = capacity * flops_per_slot[config.clipping]
+        phases.append({
+            "steps": phase.steps,
+            "batch_size": phase.batch_size,
+            "accumulation_steps": phase.accumulation_steps,
+            "capacity": capacity,
+            "sampling_rate": phase.batch_size / schedule.num_examples,
+            "truncation_probability": truncation,
+            "noise_multiplier": (config.noise_multiplier if phase.noise_multiplier is None
+                                 else float(phase.noise_multiplier)),
+            "flops_per_logical_step": flops,
+            "seconds_per_logical_step": flops / peak,
+        })
+    memory = {c: _memory(config, c) for c in CLIPPING}
+    hbm = hardware.hbm_gib_per_replica * GIB
+    needed = memory[config.clipping]["total"]
+    if needed > hbm:
+        raise InfeasiblePlanError(
+            f"per-core memory {needed / GIB:.2f} GiB with {config.clipping} clipping at "
+            f"micro_batch_size {config.micro_batch_size} exceeds the "
+            f"{hardware.hbm_gib_per_replica:g} GiB HBM of a {hardware.name} core "
+            f"(parameters {memory[config.clipping]['parameters'] / GIB:.2f}, optimizer state "
+            f"{memory[config.clipping]['optimizer_state'] / GIB:.2f}, activations "
+            f"{memory[config.clipping]['activations'] / GIB:.2f}, clipping "
+            f"{memory[config.clipping]['clipping'] / GIB:.2f} GiB). Lower micro_batch_size "
+            "(and raise accumulation_steps) or use ghost clipping."
+        )
+    epsilon = accounting.compute_epsilon(
+        delta=config.delta, schedule=schedule, noise_multiplier=config.noise_multiplier,
+        accountant=config.accountant,
+    )
+    if epsilon > config.target_epsilon:
+        raise InfeasiblePlanError(
+            f"epsilon {epsilon:.4g} at delta {config.delta:g} ({config.accountant}) exceeds "
+            f"target_epsilon {config.target_epsilon:g}. Raise noise_multiplier (now "
+            f"{config.noise_multiplier:g}) or take fewer steps."
+        )
+    total_seconds = sum(p["steps"] * p["seconds_per_logical_step"] for p in phases)
+    return {
+        "name": config.name,
+        "hardware": dataclasses.asdict(hardware),
+        "model": dataclasses.asdict(config.model),
+        "parameters": config.model.parameter_count(),
+        "micro_batch_size": config.micro_batch_size,
+        "replicas": hardware.replicas,
+        "clipping": config.clipping,
+        "optimizer": config.optimizer,
+        "num_examples": schedule.num_examples,
+        "logical_steps": schedule.total_steps,
+        "examples_processed": schedule.examples_processed(),
+        "phases": phases,
+        "epsilon": epsilon,
+        "delta": config.delta,
+        "target_epsilon": config.target_epsilon,
+        "accountant": config.accountant,
+        "noise_multiplier": config.noise_multiplier,
+        "l2_norm_clip": config.l2_norm_clip,
+        "flops_per_example": flops_per_slot,
+        "training_seconds": total_seconds,
+        "memory_bytes": memory,
+        "hbm_bytes": hbm,
+    }
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """A human-readable rendering of `make_plan`'s result."""
+    hw = plan["hardware"]
+    lines = [
+        f"plan: {plan['name']}",
+        f"  hardware      : {hw['name']}, {plan['replicas']} replicas, "
+        f"{hw['hbm_gib_per_replica']:g} GiB HBM and {hw['peak_tflops_per_replica']:g} "
+        f"TFLOP/s peak per replica (utilization {hw['utilization']:g})",
+        f"  model         : {plan['parameters']:,} parameters "
+        f"({plan['model']['num_layers']} layers, hidden {plan['model']['hidden_dim']}, "
+        f"seq {plan['model']['sequence_length']})",
+        f"  micro-batch   : {plan['micro_batch_size']} per core, clipping "
+        f"{plan['clipping']}, optimizer {plan['optimizer']['name']}",
+        f"  logical steps : {plan['logical_steps']:,} "
+        f"({plan['examples_processed']:,} expected examples, N = {plan['num_examples']:,})",
+    ]
+    for index, phase in enumerate(plan["phases"]):
+        lines.append(
+            f"  phase {index}       : {phase['steps']:,} steps x B = {phase['batch_size']:,}, "
+            f"k = {phase['accumulation_steps']} micro-steps (capacity {phase['capacity']:,}, "
+            f"P[truncate] = {phase['truncation_probability']:.2g}), sigma = "
+            f"{phase['noise_multiplier']:g}, {phase['flops_per_logical_step']:.3e} FLOPs, "
+            f"{phase['seconds_per_logical_step']:.3g} s/step"
+        )
+    lines.append(
+        # Rounded up: the printed epsilon is never below the accountant's.
+        f"  privacy       : epsilon = {math.ceil(plan['epsilon'] * 1e4) / 1e4:.4f} at "
+        f"delta = {plan['delta']:g} "
+        f"({plan['accountant']}; target {plan['target_epsilon']:g}), C = {plan['l2_norm_clip']:g}"
+    )
+    lines.append(f"  training time : {plan['training_seconds'] / 3600:.1f} h at {hw['utilization']:.0%} of peak")
+    for clipping, memory in plan["memory_bytes"].items():
+        mark = " (selected)" if clipping == plan["clipping"] else ""
+        lines.append(
+            f"  memory/core   : {clipping}{mark}: parameters {memory['parameters'] / GIB:.2f} + "
+            f"optimizer state {memory['optimizer_state'] / GIB:.2f} + activations "
+            f"{memory['activations'] / GIB:.2f} + clipping {memory['clipping'] / GIB:.2f} = "
+            f"{memory['total'] / GIB:.2f} GiB of {plan['hbm_bytes'] / GIB:g}"
+        )
+    return "\n".join(lines)

@@ -55,6 +55,10 @@ _MANIFEST_FORMAT = "tf_megadp.token_shards/1"
 # Exact uniform subsets are drawn block by block so that no step allocates
 # anything proportional to N (a permutation of 1e9 rows would be 8 GB).
 _SUBSET_BLOCK = 1 << 20
+# Mapped shard pages are dropped after this many rows have been read: each
+# scattered row maps a whole page, so this caps the mapped pages at about
+# 64 MiB (4 KiB pages) while keeping the unmapping calls rare.
+_RELEASE_EVERY_ROWS = 1 << 14
 
 
 def _atomic_write_bytes(path: str, data: bytes) -> None:
@@ -401,6 +405,7 @@ class _Sampler:
         self.end_step = int(end_step)
         self.micro_batch_rows = schedule.micro_batch_size * schedule.num_replicas
         self._consumed = False
+        self._rows_since_release = 0
 
     def _rng(self, *key: int) -> np.random.Generator:
         # One independent stream per (kind of draw, step): resuming at any step
@@ -432,7 +437,10 @@ class _Sampler:
             chosen = draw.indices[start : start + size]
             rows = np.zeros((size, self.shards.sequence_length), np.int32)
             rows[: chosen.size] = self.shards.read(chosen)
-            self.shards.release_pages()
+            self._rows_since_release += chosen.size
+            if self._rows_since_release >= _RELEASE_EVERY_ROWS:
+                self.shards.release_pages()
+                self._rows_since_release = 0
             weights = np.zeros(size, np.float32)
             weights[: chosen.size] = 1.0
             yield rows, weights

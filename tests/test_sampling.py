@@ -117,6 +117,26 @@ class TestShardStore:
             write_token_shards(tmp_path, [np.full((2, 4), 10)], sequence_length=4, vocabulary_size=10, checksum="x")
 
 
+def rss_file_kib():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
+def test_reading_leaves_no_shard_pages_in_the_resident_set(tmp_path):
+    # 32 MiB of rows, all read at random.
+    shards, rows = make_shards(tmp_path, 32_768, length=512, vocabulary_size=60_000)
+    order = np.random.default_rng(0).permutation(len(shards))
+    before = rss_file_kib()
+    np.testing.assert_array_equal(shards.read(order[:100]), rows[order[:100]])
+    assert shards.read(order).shape == (32_768, 512)
+    assert rss_file_kib() - before < 4 * 1024
+    # Control: a plain memory map of the same shard keeps what it touched.
+    plain = np.load(os.path.join(shards.directory, "shard-00000.npy"), mmap_mode="r")
+    assert int(plain[order].sum()) > 0
+    assert rss_file_kib() - before > 24 * 1024
+
+
 class TestPoissonDistribution:
     N, B, STEPS = 200, 20, 3000  # q = 0.1
 

@@ -76,9 +76,9 @@ def detokenize(ids, vocabulary):
 class TestReadDocuments:
     def test_blank_lines_separate_documents(self, tmp_path):
         path = tmp_path / "a.txt"
-        path.write_text("First one.\nStill first.\n\nSecond.\n\n\n", encoding="utf-8")
+        path.write_bytes(b"First one.\nStill first.\n\nSecond.\r\n  \r\nThird.\n\n\n")
         documents, skipped = read_documents(path)
-        assert documents == ["First one.\nStill first.", "Second."] and skipped == 0
+        assert documents == ["First one.\nStill first.", "Second.", "Third."] and skipped == 0
 
     def test_jsonl_field_and_globs(self, tmp_path):
         (tmp_path / "a.jsonl").write_text('{"body": "one"}\n{"body": "two"}\n', encoding="utf-8")

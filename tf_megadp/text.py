@@ -25,6 +25,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 from typing import Any, Iterator, Sequence
@@ -170,13 +171,19 @@ def _expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) ->
     return paths
 
 
+# A line break (LF or CRLF) ends a JSONL record; a run of blank lines ends a paragraph.
+_JSONL_SEPARATOR = re.compile(rb"\r?\n")
+_PARAGRAPH_SEPARATOR = re.compile(rb"(?:\r?\n[ \t]*){2,}")
+
+
 def _split_units(data: bytes, jsonl: bool) -> list[tuple[int, bytes]]:
     """(byte offset, bytes) of each document: JSONL lines or blank-line paragraphs."""
-    units, offset = [], 0
-    separator = b"\n" if jsonl else b"\n\n"
-    for piece in data.split(separator):
-        units.append((offset, piece))
-        offset += len(piece) + len(separator)
+    separator = _JSONL_SEPARATOR if jsonl else _PARAGRAPH_SEPARATOR
+    units, start = [], 0
+    for match in separator.finditer(data):
+        units.append((start, data[start : match.start()]))
+        start = match.end()
+    units.append((start, data[start:]))
     return units
 
 
@@ -617,8 +624,8 @@ class MaskedLMBatcher:
         # A padding example has no real token; letting it attend to position 0
         # keeps its (zero-weight) loss finite, so 0 * loss stays 0, not NaN.
         is_padding = tf.equal(weights, 0.0)
-        first = tf.one_hot(tf.zeros_like(weights, tf.int32), self.sequence_length, on_value=True, off_value=False, dtype=tf.bool)
-        padding_mask = tf.logical_or(real, tf.logical_and(first, is_padding[:, None]))
+        first = tf.range(self.sequence_length) == 0
+        padding_mask = tf.logical_or(real, tf.logical_and(first[None, :], is_padding[:, None]))
         x = {
             "token_ids": tf.cast(masked["token_ids"], tf.int32),
             "segment_ids": tf.zeros_like(rows, tf.int32),

@@ -9,13 +9,13 @@ logical batch B. This module holds what changes between machines: choosing
 the strategy, and handing every replica its own micro-batches of a logical
 step.
 
-Data layout. A logical step of k micro-steps on R replicas has k * R
-micro-batches of static size m (k * m * R slots; a Poisson step is padded to
-that capacity with zero-weight examples). The *global order* of micro-batches
-is micro-step-major: micro-batch `j * R + r` is replica r's micro-batch in
-micro-step j. `distribute_micro_batches` gives every input pipeline (one per
-worker or TPU host) exactly the micro-batches of its own replicas, so every
-slot is processed once and only once.
+Data layout. A logical step of k micro-steps on R replicas has k * m * R
+static slots (a Poisson step is padded to that capacity with zero-weight
+examples). Each micro-step is one element of m * R rows, as
+`tf_megadp.PoissonSampler.as_dataset` yields them; rows [r*m, (r+1)*m) are
+replica r's micro-batch. `distribute_micro_batches` gives every input
+pipeline (one per worker or TPU host) exactly the rows of its own replicas,
+so every slot is processed once and only once.
 
 Example:
 ```python
@@ -23,7 +23,7 @@ strategy = tf_megadp.distribute.resolve_strategy("mirrored")
 with strategy.scope():
     model = tf_megadp.make_private(build_model())
     model.compile(optimizer=tf_megadp.DPOptimizer(...), loss=...)
-data = tf_megadp.distribute.distribute_micro_batches(strategy, global_micro_batches)
+data = tf_megadp.distribute.distribute_micro_batches(strategy, micro_steps)
 model.fit(data, steps_per_epoch=k * logical_steps)
 ```
 """
@@ -45,6 +45,7 @@ __all__ = [
     "resolve_strategy",
     "distribute_micro_batches",
     "replica_micro_batches",
+    "train_micro_steps",
     "check_schedule_matches_strategy",
 ]
 
@@ -160,21 +161,23 @@ def _check_tf_config() -> None:
 def replica_micro_batches(
     dataset: tf.data.Dataset, input_context: tf.distribute.InputContext
 ) -> tf.data.Dataset:
-    """Keeps, from the global order of micro-batches, this pipeline's own.
+    """Splits each micro-step of m * R rows into this pipeline's replica micro-batches.
 
     With R replicas in sync served by P input pipelines (workers or TPU
-    hosts), pipeline p owns replicas p*L .. p*L + L - 1 with L = R / P; of
-    every R consecutive micro-batches of `dataset` (one micro-step) it keeps
-    those L, in replica order. Every pipeline must see the same global order
-    (the same sampler seed), so the union over pipelines is every micro-batch
-    exactly once.
+    hosts), pipeline p owns replicas p*L .. p*L + L - 1 with L = R / P. Of
+    every micro-step element (leading axis m * R, e.g. what
+    `tf_megadp.PoissonSampler.as_dataset` yields) it keeps rows
+    [p*L*m, (p+1)*L*m) and emits them as L micro-batches of m rows, in
+    replica order. Every pipeline must see the same micro-steps (the same
+    sampler seed), so the union over replicas is every slot exactly once.
 
     Args:
-        dataset: micro-batches in global order (see the module docstring).
+        dataset: micro-steps in training order; every tensor has a static
+            leading axis of m * R.
         input_context: the context `distribute_datasets_from_function` passes.
 
     Returns:
-        This pipeline's micro-batches, one per local replica per micro-step.
+        This pipeline's micro-batches, L per micro-step.
     """
     replicas = input_context.num_replicas_in_sync
     pipelines = input_context.num_input_pipelines
@@ -184,50 +187,92 @@ def replica_micro_batches(
         )
     local = replicas // pipelines
     first = input_context.input_pipeline_id * local
-    if replicas == 1:
-        return dataset
-    return (
-        dataset.enumerate()
-        .filter(lambda index, _: tf.logical_and(
-            index % replicas >= first, index % replicas < first + local))
-        .map(lambda _, element: element)
-    )
+
+    def split(tensor):
+        rows = tensor.shape[0]
+        if rows is None or rows % replicas:
+            raise ValueError(
+                f"Every tensor of a micro-step needs a static leading axis of "
+                f"micro_batch_size * {replicas} replicas; got shape {tensor.shape}."
+            )
+        m = rows // replicas
+        mine = tensor[first * m:(first + local) * m]
+        return tf.reshape(mine, [local, m] + tensor.shape[1:].as_list())
+
+    def keep_local(*element):
+        element = element[0] if len(element) == 1 else element
+        return tf.nest.map_structure(split, element)
+
+    return dataset.map(keep_local).unbatch()
 
 
 def distribute_micro_batches(
     strategy: tf.distribute.Strategy,
-    global_micro_batches: Callable[[tf.distribute.InputContext], tf.data.Dataset],
+    micro_steps: Callable[[tf.distribute.InputContext], tf.data.Dataset],
 ) -> tf.distribute.DistributedDataset:
     """Per-replica micro-batches for `model.fit` under `strategy`.
 
     Args:
         strategy: the strategy the model was compiled under.
-        global_micro_batches: called once per input pipeline with its
+        micro_steps: called once per input pipeline with its
             `tf.distribute.InputContext`; returns the dataset of ALL
-            micro-batches in global order, each of static shape [m, ...] (m
-            per replica), identical on every pipeline.
+            micro-steps (static leading axis m * R), identical on every
+            pipeline.
 
     Returns:
-        A distributed dataset: one micro-batch per replica per fit step.
+        A distributed dataset: one m-row micro-batch per replica per fit step.
 
     Example:
     ```python
-    def global_micro_batches(context):
-        return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(m, drop_remainder=True)
-    data = distribute_micro_batches(strategy, global_micro_batches)
-    model.fit(data, steps_per_epoch=len(x) // (m * strategy.num_replicas_in_sync))
+    def micro_steps(context):
+        sampler = tf_megadp.PoissonSampler(shards, schedule, seed=1234)
+        return sampler.as_dataset(batcher)
+    data = distribute_micro_batches(strategy, micro_steps)
+    model.fit(data, steps_per_epoch=sampler.total_micro_steps)
     ```
     """
     def dataset_fn(input_context):
-        dataset = global_micro_batches(input_context)
+        dataset = micro_steps(input_context)
         if not isinstance(dataset, tf.data.Dataset):
-            raise TypeError(
-                f"global_micro_batches must return a tf.data.Dataset, got {dataset!r}."
-            )
+            raise TypeError(f"micro_steps must return a tf.data.Dataset, got {dataset!r}.")
         return replica_micro_batches(dataset, input_context)
 
-    options = tf.distribute.InputOptions(experimental_fetch_to_device=True)
-    return strategy.distribute_datasets_from_function(dataset_fn, options)
+    return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def train_micro_steps(model, strategy: tf.distribute.Strategy, dataset, steps: int) -> dict:
+    """Runs `steps` micro-steps of the DP train step with `strategy.run`.
+
+    `model.fit` is the normal entry point. Under MultiWorkerMirroredStrategy
+    with more than one worker, Keras 3.15's TensorFlow trainer cannot run
+    `fit` at all: its symbolic build averages the first batch with
+    `strategy.reduce` (which cannot reduce a nested batch across workers)
+    and it reduces scalar logs with `strategy.reduce("MEAN", v, axis=0)`.
+    This loop runs the same private train step that `make_private`
+    installed, one micro-batch per replica per call, without those steps.
+
+    Args:
+        model: a model made private and compiled under `strategy.scope()`.
+        strategy: its strategy.
+        dataset: a distributed dataset (see `distribute_micro_batches`).
+        steps: micro-steps to run (k per logical step).
+
+    Returns:
+        The last step's logs, from the first local replica.
+    """
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def micro_step(iterator):
+        return strategy.run(model.train_step, args=(next(iterator),))
+
+    iterator = iter(dataset)
+    logs = {}
+    for _ in range(steps):
+        logs = micro_step(iterator)
+    return {name: strategy.experimental_local_results(value)[0]
+            for name, value in logs.items()}
 
 
 def check_schedule_matches_strategy(

@@ -1,0 +1,324 @@
+"""Multi-replica scenarios for tests/test_distribute.py, run in fresh processes.
+
+TensorFlow fixes its logical devices (and a process's cluster role) when it
+first initialises, so every scenario set runs in its own interpreter:
+
+    python tests/distributed_scenarios.py replicas R OUT.json
+    python tests/distributed_scenarios.py worker INDEX PORT0,PORT1 OUT.json
+
+Each writes its measurements as JSON; the assertions live in the test file.
+The data, models and single-device runs are defined here once so that the
+test process can reproduce the single-process side of every comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+MICRO_BATCH = 3        # m, per replica
+ACCUMULATION = 2       # k
+LOGICAL_STEPS = 3
+CLIP = 0.8
+NOISE_WIDTH = 50_000   # output units of the noise model: 250_000 coordinates
+NOISE_SIGMA = 1.3
+NOISE_CLIP = 0.7
+
+
+def dense_data(replicas, steps=LOGICAL_STEPS, seed=0):
+    n = MICRO_BATCH * ACCUMULATION * replicas * steps
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(n, 6)) * 2).astype("float32")
+    y = rng.integers(0, 3, n).astype("int32")
+    w = np.ones(n, "float32")
+    w[::5] = 0.0  # padding slots, as in a Poisson step padded to capacity
+    return x, y, w
+
+
+def dense_model(seed=0):
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([
+        keras.Input((6,)),
+        keras.layers.Dense(5, activation="tanh"),
+        keras.layers.Dense(3),
+    ])
+
+
+def compiled(model, *, noise_multiplier=0.0, clip=CLIP, learning_rate=0.5,
+             momentum=0.9, accumulation=ACCUMULATION, seed=0):
+    import warnings
+
+    import keras
+
+    import tf_megadp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "DPOptimizer with noise_multiplier=0")
+        optimizer = tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(learning_rate, momentum=momentum),
+            l2_norm_clip=clip, noise_multiplier=noise_multiplier,
+            accumulation_steps=accumulation, seed=seed,
+        )
+    tf_megadp.make_private(model)
+    model.compile(
+        optimizer=optimizer,
+        loss=__import__("keras").losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def single_device_weights(replicas):
+    """The reference run: one device, micro-batches of m * R, same logical steps."""
+    import tensorflow as tf
+
+    x, y, w = dense_data(replicas)
+    model = compiled(dense_model())
+    model.fit(tf.data.Dataset.from_tensor_slices((x, y, w)).batch(MICRO_BATCH * replicas),
+              epochs=1, verbose=0)
+    return [v.numpy() for v in model.trainable_variables]
+
+
+def global_micro_batches(x, y, w):
+    """Micro-steps of m * R rows, as the Poisson sampler emits them."""
+    import tensorflow as tf
+
+    def make(context):
+        return tf.data.Dataset.from_tensor_slices((x, y, w)).batch(
+            MICRO_BATCH * context.num_replicas_in_sync, drop_remainder=True)
+
+    return make
+
+
+def local_values(strategy, variable):
+    return [np.asarray(v) for v in strategy.experimental_local_results(variable.value)]
+
+
+def replicas_identical(strategy, variables):
+    for variable in variables:
+        values = local_values(strategy, variable)
+        if not all(np.array_equal(values[0], v) for v in values[1:]):
+            return False
+    return True
+
+
+# -- Scenario sets ---------------------------------------------------------------
+
+
+def equality_and_replica_checks(strategy, replicas, tmp_dir, result, checkpoint):
+    """Micro-step 1, [checkpoint and restore into a fresh model], finish the run.
+
+    The same examples go through a single-device run with micro-batches of
+    m * R; every comparison is against that run at the same point.
+    """
+    import tensorflow as tf
+
+    from tf_megadp import distribute
+
+    x, y, w = dense_data(replicas)
+    initial = [v.numpy() for v in dense_model().trainable_variables]
+    slots = MICRO_BATCH * replicas
+    head = tuple(a[:slots] for a in (x, y, w))
+    rest = tuple(a[slots:] for a in (x, y, w))
+
+    with strategy.scope():
+        model = compiled(dense_model())
+    model.fit(distribute.distribute_micro_batches(strategy, global_micro_batches(*head)),
+              epochs=1, verbose=0, steps_per_epoch=1)
+    single = compiled(dense_model())
+    single.fit(tf.data.Dataset.from_tensors(head), epochs=1, verbose=0)
+
+    # Each replica holds the clipped sum of ITS examples only; read in the
+    # cross-replica context the accumulators hold their sum.
+    accumulators = result["accumulators"] = {
+        "single_device": [a.numpy().tolist() for a in single.optimizer._accumulators],
+        "distributed": [a.numpy().tolist() for a in model.optimizer._accumulators],
+    }
+    per_replica = local_values(strategy, model.optimizer._accumulators[-1])
+    result["replica_accumulators_differ"] = not all(
+        np.allclose(per_replica[0], p) for p in per_replica[1:])
+
+    if checkpoint:
+        # Save in the middle of a logical step; restore on a single device and
+        # into a fresh model under the same strategy, which finishes the run.
+        path = os.path.join(tmp_dir, f"mid_step_{replicas}.weights.h5")
+        model.save_weights(path)
+        host = compiled(dense_model(seed=1))
+        host.optimizer.build(host.trainable_variables)
+        host.load_weights(path)
+        accumulators["single_device_restored"] = [
+            a.numpy().tolist() for a in host.optimizer._accumulators]
+        with strategy.scope():
+            model = compiled(dense_model(seed=1))
+            model.optimizer.build(model.trainable_variables)
+        model.load_weights(path)
+        result["restored_micro_steps"] = int(model.optimizer.micro_steps.numpy())
+        accumulators["restored"] = [a.numpy().tolist() for a in model.optimizer._accumulators]
+
+    history = model.fit(
+        distribute.distribute_micro_batches(strategy, global_micro_batches(*rest)),
+        epochs=1, verbose=0, steps_per_epoch=ACCUMULATION * LOGICAL_STEPS - 1)
+    single.fit(tf.data.Dataset.from_tensor_slices(rest).batch(slots), epochs=1, verbose=0)
+    optimizer = model.optimizer
+    result["logical_steps"] = int(optimizer.iterations.numpy())
+    result["micro_steps"] = int(optimizer.micro_steps.numpy())
+    result["loss"] = float(history.history["loss"][-1])
+    result["distributed_update"] = [
+        (v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)]
+    result["single_device_update"] = [
+        (v.numpy() - i).tolist() for v, i in zip(single.trainable_variables, initial)]
+    result["weights_identical_across_replicas"] = replicas_identical(
+        strategy, list(model.trainable_variables) + list(optimizer.inner_optimizer.variables))
+
+
+def noise_checks(strategy, replicas, result):
+    """All-padding steps: the update is exactly -noise / B, SGD(lr=1)."""
+    import keras
+    import tensorflow as tf
+
+    import tf_megadp
+
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(NOISE_WIDTH)])
+        model = tf_megadp.make_private(model)
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=NOISE_CLIP,
+            noise_multiplier=NOISE_SIGMA, accumulation_steps=1, seed=1234),
+            loss="mse")
+    steps = 2
+    n = 2 * replicas * steps
+    x = np.ones((n, 2), "float32")
+    y = np.ones((n, NOISE_WIDTH), "float32")
+    w = np.zeros(n, "float32")
+    before = [v.numpy() for v in model.trainable_variables]
+    sums_of_squares, coordinates = [], 0
+    data = tf.data.Dataset.from_tensor_slices((x, y, w)).batch(2 * replicas)
+    for step, batch in enumerate(data):
+        model.fit(tf.data.Dataset.from_tensors(batch), epochs=1, verbose=0)
+        after = [v.numpy() for v in model.trainable_variables]
+        delta = np.concatenate([(a - b).ravel() for a, b in zip(after, before)]).astype(np.float64)
+        sums_of_squares.append(float(np.sum(delta**2)))
+        coordinates = delta.size
+        before = after
+    result["noise"] = {
+        "sums_of_squares": sums_of_squares,
+        "coordinates": coordinates,
+        "divisor": 2 * replicas,
+        "sigma": NOISE_SIGMA,
+        "clip": NOISE_CLIP,
+        "identical_across_replicas": replicas_identical(strategy, model.trainable_variables),
+        "logical_steps": int(model.optimizer.iterations.numpy()),
+    }
+
+
+def mixed_bfloat16_checks(strategy, replicas, result):
+    """The full run under mixed_bfloat16, distributed, vs the float32 result."""
+    import keras
+    import tensorflow as tf
+
+    from tf_megadp import distribute
+
+    x, y, w = dense_data(replicas)
+    initial = [v.numpy() for v in dense_model().trainable_variables]
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        with strategy.scope():
+            model = compiled(dense_model())
+        model.fit(distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w)),
+                  epochs=1, verbose=0, steps_per_epoch=ACCUMULATION * LOGICAL_STEPS)
+        # Tracing (not compiling) the clipping function shows its dtypes.
+        slots = slice(0, MICRO_BATCH)
+        batch = model.optimizer.clipping_strategy._function_for(model).get_concrete_function(
+            x[slots], y[slots], w[slots], tf.constant(CLIP)).structured_outputs
+        dtypes = {
+            "compute": model.dtype_policy.compute_dtype,
+            "variables": sorted({v.dtype for v in model.trainable_variables}),
+            "accumulators": sorted({a.dtype for a in model.optimizer._accumulators}),
+            "norms": batch.norms.dtype.name,
+            "clipped_sum": sorted({g.dtype.name for g in batch.gradient_sum if g is not None}),
+            "losses": batch.losses.dtype.name,
+        }
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    result["mixed_bfloat16"] = {
+        "update": [(v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)],
+        "dtypes": dtypes,
+    }
+
+
+def run_replicas(replicas, out_path):
+    import tempfile
+
+    from tf_megadp import distribute
+
+    distribute.configure_cpu_replicas(replicas)
+    strategy = distribute.resolve_strategy(
+        "mirrored", devices=[f"/cpu:{i}" for i in range(replicas)])
+    result = {"replicas": strategy.num_replicas_in_sync}
+    seconds = result["seconds"] = {}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        equality_and_replica_checks(strategy, replicas, tmp_dir, result,
+                                    checkpoint=replicas == 2)
+    seconds["equality"] = time.perf_counter() - start
+    noise_checks(strategy, replicas, result)
+    seconds["noise"] = time.perf_counter() - start - seconds["equality"]
+    if replicas == 2:
+        mixed_bfloat16_checks(strategy, replicas, result)
+    seconds["total"] = time.perf_counter() - start
+    _write(out_path, result)
+
+
+def run_worker(index, ports, out_path):
+    workers = [f"127.0.0.1:{port}" for port in ports]
+    os.environ["TF_CONFIG"] = json.dumps(
+        {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+    from tf_megadp import distribute
+
+    strategy = distribute.resolve_strategy("multiworker")
+    replicas = strategy.num_replicas_in_sync
+    x, y, w = dense_data(replicas)
+    with strategy.scope():
+        model = compiled(dense_model())
+        noisy = compiled(dense_model(), noise_multiplier=1.0, seed=7)
+    for each in (model, noisy):
+        # model.fit cannot run under multi-worker Keras 3.15 (see
+        # distribute.train_micro_steps); the private train step can.
+        data = distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w))
+        distribute.train_micro_steps(each, strategy, data, ACCUMULATION * LOGICAL_STEPS)
+    _write(out_path, {
+        "replicas": replicas,
+        "logical_steps": int(model.optimizer.iterations.numpy()),
+        "weights": [v.numpy().tolist() for v in model.trainable_variables],
+        "noisy_weights": [v.numpy().tolist() for v in noisy.trainable_variables],
+    })
+
+
+def _write(path, result):
+    temporary = path + ".tmp"
+    with open(temporary, "w", encoding="utf-8") as stream:
+        json.dump(result, stream)
+    os.replace(temporary, path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "replicas":
+        run_replicas(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "worker":
+        run_worker(int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")], sys.argv[4])
+    else:
+        raise SystemExit(f"unknown scenario set {sys.argv[1]!r}")

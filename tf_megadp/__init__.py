@@ -3,7 +3,7 @@
 The public API is re-exported here; everything else is private to its module.
 """
 
-from tf_megadp import audit
+from tf_megadp import audit, distribute
 from tf_megadp.accounting import (
     LedgerEntry,
     PrivacyAccountant,

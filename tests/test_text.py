@@ -286,7 +286,7 @@ def test_batches_train_a_bert_masked_lm_built_from_the_manifest(shards):
         weighted_metrics=[],
         run_eagerly=True,
     )
-    schedule = BatchSizeSchedule.constant(2, 8, num_examples=len(shards), micro_batch_size=8)
+    schedule = BatchSizeSchedule.constant(1, 8, num_examples=len(shards), micro_batch_size=8)
     dataset = PoissonSampler(shards, schedule, seed=0).as_dataset(MaskedLMBatcher.from_shards(shards))
-    history = model.fit(dataset, epochs=1, verbose=0)
+    history = model.fit(dataset.take(2), epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][-1])

@@ -103,7 +103,9 @@ def _forward(model, rules, x, y, sample_weight):
     batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         recorder = Recorder(tape, batch_size, model.trainable_variables)
-        scope = ReadCheckingScope(recorder)
+        # Read every variable once, up front, as VectorizedClipping does.
+        values = [(v, tf.convert_to_tensor(v.value)) for v in model.trainable_variables]
+        scope = ReadCheckingScope(recorder, state_mapping=values)
         with contextlib.ExitStack() as stack:
             for rule in rules:
                 stack.enter_context(rule.installed(recorder))
@@ -129,13 +131,20 @@ def _forward(model, rules, x, y, sample_weight):
             value = scope.updated_value(variable)
             if value is not None:
                 variable.assign(value)
-        losses = _per_example_losses(model, x, y, y_pred, sample_weight)
-        total = tf.reduce_sum(losses)
-    gradients = tape.gradient(total, recorder.watched)
+    # Each example's loss gradient with respect to its own predictions comes
+    # from a per-example pass; one backward pass of the model then carries
+    # all of them. (Differentiating through `vectorized_map` instead makes
+    # XLA treat inputs and weights as compile-time constants: a recompilation
+    # at every step.)
+    losses, loss_gradients = _per_example_losses(model, x, y, y_pred, sample_weight)
+    gradients = tape.gradient(
+        tf.nest.flatten(y_pred), recorder.watched, output_gradients=loss_gradients
+    )
     return recorder.terms(gradients), recorder.batch_axes_consistent(), losses, y_pred
 
 
 def _per_example_losses(model, x, y, y_pred, sample_weight):
+    """(losses [m], d loss_i / d y_pred_i for every leaf of y_pred)."""
     elements = {"x": x, "y_pred": y_pred}
     if y is not None:
         elements["y"] = y
@@ -143,13 +152,20 @@ def _per_example_losses(model, x, y, y_pred, sample_weight):
         elements["sample_weight"] = sample_weight
 
     def one_example(e):
-        return base.per_example_loss(
-            model,
-            base.add_batch_axis(e["x"]),
-            base.add_batch_axis(e.get("y")),
-            base.add_batch_axis(e["y_pred"]),
-            base.add_batch_axis(e.get("sample_weight")),
-        )
+        y_pred_i = base.add_batch_axis(e["y_pred"])
+        with tf.GradientTape() as tape:
+            tape.watch(y_pred_i)
+            loss = base.per_example_loss(
+                model,
+                base.add_batch_axis(e["x"]),
+                base.add_batch_axis(e.get("y")),
+                y_pred_i,
+                base.add_batch_axis(e.get("sample_weight")),
+            )
+        leaves = tf.nest.flatten(y_pred_i)
+        gradients = tape.gradient(loss, leaves)
+        gradients = [tf.zeros_like(t) if g is None else g for g, t in zip(gradients, leaves)]
+        return loss, [g[0] for g in gradients]
 
     return tf.vectorized_map(one_example, elements)
 

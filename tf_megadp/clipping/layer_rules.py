@@ -526,7 +526,9 @@ class PerExampleRule(Rule):
 
     def call(self, recorder, original, *args, **kwargs):
         layer, m = self.layer, recorder.batch_size
-        copies = [tf.broadcast_to(v.value, tf.concat([[m], tf.shape(v.value)], 0))
+        # tf.tile, not tf.broadcast_to(tf.shape(v)): XLA would need the
+        # variable as a compile-time constant and recompile whenever it changes.
+        copies = [tf.tile(tf.expand_dims(v.value, 0), [m] + [1] * v.shape.rank)
                   for v in self.variables]
         indices = [recorder.watch(c) for c in copies]
         leaves = tf.nest.flatten((args, kwargs))

@@ -14,7 +14,7 @@ from tf_megadp.accounting import (
 )
 from tf_megadp.audit import AuditCallback, run_audit
 from tf_megadp.callbacks import PrivacyCallback, read_ledger
-from tf_megadp.clipping import ClippingStrategy, VectorizedClipping
+from tf_megadp.clipping import ClippingStrategy, GhostClipping, VectorizedClipping
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.schedules import BatchSizeSchedule, Phase

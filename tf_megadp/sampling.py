@@ -58,8 +58,9 @@ _SUBSET_BLOCK = 1 << 20
 # `TokenShards.read` unmaps the shard pages after every this-many rows. One
 # scattered row can map far more than its own bytes (the kernel maps cached
 # neighbours, whole large folios, on each fault: 100-300 KiB per row measured
-# on a 10M-row corpus), so unmapping often is what keeps memory flat.
-_RELEASE_EVERY_ROWS = 64
+# on a 10M-row corpus), so unmapping often is what keeps memory flat; 16 rows
+# cost 18 MiB of peak memory and ~70k rows/s (benchmarks/input_pipeline.py).
+_RELEASE_EVERY_ROWS = 16
 
 
 def _atomic_write_bytes(path: str, data: bytes) -> None:

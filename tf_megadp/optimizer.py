@@ -19,15 +19,16 @@ import keras
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
+from tf_megadp.accounting import LEDGER_COLUMNS
 from tf_megadp.clipping import get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
-__all__ = ["DPOptimizer", "LEDGER_CAPACITY", "LEDGER_COLUMNS"]
+__all__ = ["DPOptimizer", "LEDGER_CAPACITY"]
 
+# Rows of phases the ledger variable can hold; consecutive identical steps share a row.
 LEDGER_CAPACITY = 256
-LEDGER_COLUMNS = ("steps", "sampling_rate", "noise_multiplier", "max_batch_size", "sampling_kind")
 
 
 def _positive_finite(name: str, value, allow_zero: bool = False) -> float:

@@ -26,6 +26,7 @@ __all__ = ["MODEL_PRESETS", "PretrainConfig", "PretrainError", "run_pretraining"
 
 # (layers, hidden, heads, intermediate). "tiny" is what a 2-core CPU trains in minutes.
 MODEL_PRESETS = {
+    "pico": (1, 32, 2, 64),
     "nano": (2, 64, 2, 256),
     "tiny": (2, 128, 2, 512),
     "mini": (4, 256, 4, 1024),
@@ -35,8 +36,8 @@ MODEL_PRESETS = {
     "large": (24, 1024, 16, 4096),
 }
 
-CHECKPOINT_NAME = "checkpoint.keras"
-STATE_NAME = "state.json"
+CHECKPOINT_NAME = "checkpoint"
+MODEL_NAME = "model.keras"
 REPORT_NAME = "report.json"
 PLOT_NAME = "report.png"
 HISTORY_NAME = "history.csv"
@@ -78,7 +79,10 @@ class PretrainConfig:
             per-example pass slower.
         eval_every: logical steps between held-out evaluations (and epochs).
         checkpoint_every: logical steps between checkpoints (0: only at the end).
-        resume: continue the run in `output_dir` from its checkpoint.
+        resume: continue the run in `output_dir` from its checkpoint; the
+            settings must be those the run was started with.
+        stop_after_steps: end this invocation after this many logical steps
+            (with a checkpoint), e.g. to fit a time slice; resume later.
         strategy, tpu: `tf_megadp.distribute.resolve_strategy` arguments.
         seed: seeds model init, sampling and masking; the DP noise key always
             comes from OS entropy.
@@ -110,6 +114,7 @@ class PretrainConfig:
     eval_every: int = 10
     checkpoint_every: int = 0
     resume: bool = False
+    stop_after_steps: int | None = None
     strategy: str = "default"
     tpu: str | None = None
     seed: int = 0
@@ -134,6 +139,8 @@ class PretrainConfig:
             raise PretrainError(f"dropout must be in [0, 1), got {self.dropout}.")
         if not 0 < self.heldout_fraction < 0.5:
             raise PretrainError(f"heldout_fraction must be in (0, 0.5), got {self.heldout_fraction}.")
+        if self.stop_after_steps is not None and self.stop_after_steps < 1:
+            raise PretrainError(f"stop_after_steps must be >= 1, got {self.stop_after_steps}.")
         if self.checkpoint_every < 0:
             raise PretrainError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}.")
         if self.non_private:
@@ -226,6 +233,8 @@ def _prepare_data(config: PretrainConfig):
             sequence_length=config.sequence_length,
             vocabulary_size=config.vocabulary_size,
             max_characters=config.max_characters,
+            # Short leftovers (stream ends) waste a row; keep rows at least half full.
+            min_tokens=max(1, min(16, config.sequence_length // 2)),
         )
     except text.CorpusError as error:
         raise PretrainError(str(error)) from None
@@ -393,10 +402,10 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
 
     output_dir = config.output_dir or os.path.join(
         "runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
-    state_path = os.path.join(output_dir, STATE_NAME)
-    if config.resume and not os.path.exists(os.path.join(output_dir, CHECKPOINT_NAME)):
+    has_checkpoint = os.path.exists(os.path.join(output_dir, CHECKPOINT_NAME))
+    if config.resume and not has_checkpoint:
         raise PretrainError(f"--resume: no {CHECKPOINT_NAME} in {output_dir}.")
-    if not config.resume and os.path.exists(state_path):
+    if not config.resume and has_checkpoint:
         raise PretrainError(
             f"{output_dir} already holds a run; pass --resume to continue it or choose "
             "another --output-dir."
@@ -428,22 +437,30 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
 
 
 class _Checkpointer:
-    """Saves model+optimizer (and so the privacy ledger) atomically at logical-step ends."""
+    """Saves model and optimizer (so the privacy ledger) atomically at logical-step ends."""
 
-    def __init__(self, output_dir: str, history: list):
-        self.output_dir = output_dir
+    def __init__(self, output_dir: str, history: list, config: PretrainConfig):
+        self.directory = os.path.join(output_dir, CHECKPOINT_NAME)
         self.history = history
+        self.config = config
 
-    def save(self, model, extra: dict[str, Any]) -> None:
-        path = os.path.join(self.output_dir, CHECKPOINT_NAME)
-        temporary = os.path.join(self.output_dir, "checkpoint.tmp.keras")
-        model.save(temporary)
-        os.replace(temporary, path)
-        _write_json(os.path.join(self.output_dir, STATE_NAME), {
+    def save(self, model) -> None:
+        from tf_megadp.checkpointing import save_training_state
+
+        save_training_state(model, self.directory, extra={
             "logical_steps": int(model.optimizer.iterations.numpy()),
             "history": self.history,
-            **extra,
+            "config": _config_dict(self.config),
         })
+
+
+def _compile_kwargs():
+    import keras
+
+    return {
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "weighted_metrics": [keras.metrics.SparseCategoricalAccuracy(name="mlm_accuracy")],
+    }
 
 
 def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
@@ -464,14 +481,16 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     history: list[dict[str, Any]] = []
     resumed_from = 0
     with strategy.scope():
+        model = _build_model(config, train.vocabulary_size)
         if config.resume:
-            model = keras.models.load_model(os.path.join(output_dir, CHECKPOINT_NAME))
-            with open(os.path.join(output_dir, STATE_NAME)) as handle:
-                state = json.load(handle)
+            from tf_megadp.checkpointing import restore_training_state
+
+            state = restore_training_state(
+                model, os.path.join(output_dir, CHECKPOINT_NAME), _compile_kwargs())
+            _check_same_run(state.get("config", {}), config)
             history = state.get("history", [])
             resumed_from = int(model.optimizer.iterations.numpy())
         else:
-            model = _build_model(config, train.vocabulary_size)
             if private:
                 optimizer = tf_megadp.DPOptimizer(
                     _inner_optimizer(config, total_steps, None),
@@ -480,11 +499,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             else:
                 k = schedule.phases[0].accumulation_steps
                 optimizer = _inner_optimizer(config, total_steps, k if k > 1 else None)
-            model.compile(
-                optimizer=optimizer,
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="mlm_accuracy")],
-            )
+            model.compile(optimizer=optimizer, **_compile_kwargs())
             model.optimizer.build(model.trainable_variables)
         if private:
             if not isinstance(model.optimizer, tf_megadp.DPOptimizer):
@@ -498,9 +513,13 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     micro_done = int(model.optimizer.micro_steps.numpy()) if private else 0
     if logical_done >= total_steps:
         log(f"The run in {output_dir} already completed {logical_done} logical steps.")
+    start_step = min(logical_done, total_steps)
+    end_step = total_steps
+    if config.stop_after_steps:
+        end_step = min(total_steps, start_step + config.stop_after_steps)
     sampler = sampling.PoissonSampler(
-        train, schedule, seed=config.seed, start_step=min(logical_done, total_steps),
-        start_micro_step=micro_done)
+        train, schedule, seed=config.seed, start_step=start_step,
+        start_micro_step=micro_done, end_step=end_step)
     dataset = sampler.as_dataset(batcher)
     if schedule.num_replicas > 1:
         dataset = dataset.unbatch().batch(config.micro_batch_size, drop_remainder=True)
@@ -519,7 +538,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             delta=delta, report_path=os.path.join(output_dir, "privacy.json"),
             target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
         callbacks.append(privacy)
-    checkpointer = _Checkpointer(output_dir, history)
+    checkpointer = _Checkpointer(output_dir, history, config)
 
     class _Evaluate(keras.callbacks.Callback):
         """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints."""
@@ -531,7 +550,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                 if (int(optimizer.micro_steps.numpy()) == 0 and steps
                         and steps % config.checkpoint_every == 0 and steps != self._last_saved):
                     self._last_saved = steps
-                    checkpointer.save(self.model, {"config": _config_dict(config)})
+                    checkpointer.save(self.model)
 
         def on_train_begin(self, logs=None):
             self._last_saved = -1
@@ -572,7 +591,10 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     train_seconds = time.time() - train_started
 
     final_steps = history[-1]["step"] if history else logical_done
-    checkpointer.save(model, {"config": _config_dict(config)})
+    checkpointer.save(model)
+    model_path = os.path.join(output_dir, MODEL_NAME)
+    model.save(model_path + ".tmp.keras")
+    os.replace(model_path + ".tmp.keras", model_path)
     accuracy = history[-1]["heldout_mlm_accuracy"] if history else float("nan")
     epsilon = float(privacy.epsilon) if privacy else math.inf
     report = {
@@ -587,6 +609,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "sampling": "poisson",
         "schedule": schedule.to_dict(),
         "logical_steps": final_steps,
+        "completed": final_steps >= total_steps,
         "examples_processed_expected": schedule.examples_processed(),
         "wall_time_s": time.time() - started,
         "train_time_s": train_seconds,
@@ -607,6 +630,24 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         _plot(history, os.path.join(output_dir, PLOT_NAME), private)
     log(_summary(report, output_dir))
     return report
+
+
+_RUN_CONTROL_FIELDS = {"resume", "stop_after_steps", "verbose", "output_dir", "cache_dir"}
+
+
+def _check_same_run(saved: dict[str, Any], config: PretrainConfig) -> None:
+    """A resumed run must keep the settings its ledger and schedule were planned with."""
+    current = _config_dict(config)
+    changed = sorted(
+        name for name in current
+        if name not in _RUN_CONTROL_FIELDS and name in saved and saved[name] != current[name]
+    )
+    if changed:
+        details = ", ".join(f"{name}: {saved[name]!r} -> {current[name]!r}" for name in changed)
+        raise PretrainError(
+            f"--resume with different settings ({details}); resume with the settings the "
+            "run was started with."
+        )
 
 
 def _config_dict(config: PretrainConfig) -> dict[str, Any]:

@@ -1,0 +1,57 @@
+"""Specification of `save_training_state` / `restore_training_state`."""
+
+import keras
+import numpy as np
+import pytest
+
+import tf_megadp
+from tf_megadp.checkpointing import restore_training_state, save_training_state
+from tests import reference
+
+
+def private_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    model = tf_megadp.make_private(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.Adam(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
+        accumulation_steps=2, seed=3), loss="mse")
+    return model
+
+
+def test_round_trip_mid_accumulation_continues_the_same_run(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(12, 3)).astype("float32")
+    y = rng.normal(size=(12, 2)).astype("float32")
+    straight = private_model()
+    straight.fit(x, y, batch_size=4, shuffle=False, verbose=0)
+
+    first = private_model()
+    first.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
+    save_training_state(first, str(tmp_path / "ckpt"), extra={"note": "mid"})
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "model.weights.h5", "optimizer_variables.npz", "training_state.json"]
+
+    resumed = tf_megadp.make_private(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    extra = restore_training_state(resumed, str(tmp_path / "ckpt"), {"loss": "mse"})
+    assert extra == {"note": "mid"}
+    assert int(resumed.optimizer.iterations.numpy()) == 1
+    resumed.fit(x[8:], y[8:], batch_size=4, shuffle=False, verbose=0)
+    assert int(resumed.optimizer.iterations.numpy()) == 1
+    assert int(resumed.optimizer.micro_steps.numpy()) == 1
+    for a, b in zip(reference.weights(resumed), reference.weights(straight)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_missing_checkpoint_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No checkpoint"):
+        restore_training_state(private_model(), str(tmp_path), {"loss": "mse"})
+
+
+def test_checkpoint_from_another_model_is_refused(tmp_path):
+    save_training_state(private_model(), str(tmp_path))
+    other = tf_megadp.make_private(
+        keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(2)]))
+    with pytest.raises(ValueError):
+        restore_training_state(other, str(tmp_path), {"loss": "mse"})

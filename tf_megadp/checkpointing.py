@@ -1,0 +1,115 @@
+"""Training checkpoints that keep the DP state, for any Keras model.
+
+`model.save` / `keras.models.load_model` restore a `DPOptimizer` (its
+accumulators, micro-step counter, noise key and privacy ledger) for models
+whose `compile` Keras can replay. keras-hub tasks such as `BertMaskedLM`
+override `compile`, so Keras skips it on load and the optimizer state is lost.
+`save_training_state` / `restore_training_state` keep that state in files of
+their own: the model weights, every optimizer variable, and the optimizer's
+config, each written to a temporary file and renamed into place, with a small
+JSON index written last, so a crash never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import keras
+import numpy as np
+
+__all__ = ["save_training_state", "restore_training_state"]
+
+_INDEX = "training_state.json"
+_WEIGHTS = "model.weights.h5"
+_OPTIMIZER = "optimizer_variables.npz"
+
+
+def _replace_into(directory: str, name: str, write) -> None:
+    # Keras checks the file name, so the temporary keeps the full name as its suffix.
+    handle, temporary = tempfile.mkstemp(dir=directory, suffix=f".tmp-{name}")
+    os.close(handle)
+    try:
+        write(temporary)
+        os.replace(temporary, os.path.join(directory, name))
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any] | None = None) -> None:
+    """Writes model weights, optimizer variables and optimizer config atomically.
+
+    Args:
+        model: a compiled, built model.
+        directory: the checkpoint folder (created if missing).
+        extra: JSON-serializable data stored in the index (e.g. run state).
+    """
+    os.makedirs(directory, exist_ok=True)
+    optimizer = model.optimizer
+    _replace_into(directory, _WEIGHTS, model.save_weights)
+    values = {f"v{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)}
+
+    def write_variables(path):
+        with open(path, "wb") as handle:
+            np.savez(handle, **values)
+
+    _replace_into(directory, _OPTIMIZER, write_variables)
+    index = {
+        "optimizer": keras.saving.serialize_keras_object(optimizer),
+        "variable_paths": [v.path for v in optimizer.variables],
+        "extra": extra or {},
+    }
+
+    def write_index(path):
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(index, handle, indent=2, default=str)
+
+    _replace_into(directory, _INDEX, write_index)
+
+
+def restore_training_state(model: keras.Model, directory: str, compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Restores what `save_training_state` wrote into a freshly built `model`.
+
+    The optimizer is rebuilt from its saved config, `model.compile(optimizer,
+    **compile_kwargs)` is called, and every optimizer variable is restored.
+
+    Args:
+        model: the same architecture, freshly built.
+        directory: the checkpoint folder.
+        compile_kwargs: loss, metrics etc. for `model.compile`.
+
+    Returns:
+        The `extra` dict saved with the checkpoint.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint in `directory`.
+        ValueError: the optimizer variables do not match.
+    """
+    index_path = os.path.join(directory, _INDEX)
+    if not os.path.exists(index_path):
+        raise FileNotFoundError(f"No checkpoint ({_INDEX}) in {directory}.")
+    with open(index_path, encoding="utf-8") as handle:
+        index = json.load(handle)
+    model.load_weights(os.path.join(directory, _WEIGHTS))
+    optimizer = keras.saving.deserialize_keras_object(index["optimizer"])
+    model.compile(optimizer=optimizer, **compile_kwargs)
+    optimizer.build(model.trainable_variables)
+    with np.load(os.path.join(directory, _OPTIMIZER)) as saved:
+        values = [saved[f"v{i:05d}"] for i in range(len(saved.files))]
+    if len(values) != len(optimizer.variables):
+        raise ValueError(
+            f"The checkpoint holds {len(values)} optimizer variables but the rebuilt "
+            f"optimizer has {len(optimizer.variables)}: it was saved from another model."
+        )
+    for variable, value in zip(optimizer.variables, values):
+        if tuple(variable.shape) != value.shape:
+            raise ValueError(
+                f"Optimizer variable {variable.path} has shape {tuple(variable.shape)} "
+                f"but the checkpoint has {value.shape}: it was saved from another model."
+            )
+        variable.assign(value)
+    return index["extra"]

@@ -29,11 +29,11 @@ def _import_tensorflow_quietly() -> None:
         os.close(devnull)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     _import_tensorflow_quietly()
     from tf_megadp.cli import main as cli_main
 
-    return cli_main()
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

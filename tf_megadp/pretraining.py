@@ -99,7 +99,7 @@ class PretrainConfig:
     heldout_fraction: float = 0.05
     micro_batch_size: int = 64
     batch_size: int = 512
-    steps: int = 120
+    steps: int = 80
     schedule: Sequence[Sequence[int]] | None = None
     target_epsilon: float | None = 5.36
     noise_multiplier: float | None = None

@@ -288,5 +288,9 @@ def test_batches_train_a_bert_masked_lm_built_from_the_manifest(shards):
     )
     schedule = BatchSizeSchedule.constant(1, 8, num_examples=len(shards), micro_batch_size=8)
     dataset = PoissonSampler(shards, schedule, seed=0).as_dataset(MaskedLMBatcher.from_shards(shards))
+    spec_x, spec_y, spec_w = dataset.element_spec
+    p = int(np.ceil(0.15 * LENGTH))
+    assert all(spec.shape == (8, LENGTH) for name, spec in spec_x.items() if name != "mask_positions")
+    assert spec_x["mask_positions"].shape == spec_y.shape == spec_w.shape == (8, p)
     history = model.fit(dataset.take(2), epochs=1, verbose=0)
     assert np.isfinite(history.history["loss"][-1])

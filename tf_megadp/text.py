@@ -626,12 +626,15 @@ class MaskedLMBatcher:
         is_padding = tf.equal(weights, 0.0)
         first = tf.range(self.sequence_length) == 0
         padding_mask = tf.logical_or(real, tf.logical_and(first[None, :], is_padding[:, None]))
+        # The mask generator densifies through a ragged tensor and loses the
+        # static batch size; XLA and the DP step need it back.
+        predictions = [rows.shape[0], self.max_predictions]
         x = {
             "token_ids": tf.cast(masked["token_ids"], tf.int32),
             "segment_ids": tf.zeros_like(rows, tf.int32),
             "padding_mask": padding_mask,
-            "mask_positions": tf.cast(masked["mask_positions"], tf.int32),
+            "mask_positions": tf.ensure_shape(tf.cast(masked["mask_positions"], tf.int32), predictions),
         }
-        y = tf.cast(masked["mask_ids"], tf.int32)
+        y = tf.ensure_shape(tf.cast(masked["mask_ids"], tf.int32), predictions)
         sample_weight = tf.cast(masked["mask_weights"], tf.float32) * weights[:, None]
-        return x, y, sample_weight
+        return x, y, tf.ensure_shape(sample_weight, predictions)

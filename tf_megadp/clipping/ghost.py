@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 
-import keras
 import tensorflow as tf
 
 from tf_megadp.clipping import base

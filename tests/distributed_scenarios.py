@@ -59,7 +59,7 @@ def dense_model(seed=0):
 
 
 def compiled(model, *, noise_multiplier=0.0, clip=CLIP, learning_rate=0.5,
-             momentum=0.9, accumulation=ACCUMULATION, seed=0):
+             momentum=0.9, accumulation=ACCUMULATION, seed=0, clipping="vectorized"):
     import warnings
 
     import keras
@@ -71,7 +71,7 @@ def compiled(model, *, noise_multiplier=0.0, clip=CLIP, learning_rate=0.5,
         optimizer = tf_megadp.DPOptimizer(
             keras.optimizers.SGD(learning_rate, momentum=momentum),
             l2_norm_clip=clip, noise_multiplier=noise_multiplier,
-            accumulation_steps=accumulation, seed=seed,
+            accumulation_steps=accumulation, seed=seed, clipping=clipping,
         )
     tf_megadp.make_private(model)
     model.compile(
@@ -184,6 +184,31 @@ def equality_and_replica_checks(strategy, replicas, tmp_dir, result, checkpoint)
         strategy, list(model.trainable_variables) + list(optimizer.inner_optimizer.variables))
 
 
+def ghost_checks(strategy, replicas, result):
+    """Ghost clipping: the distributed run equals its single-device run."""
+    import tensorflow as tf
+
+    from tf_megadp import distribute
+
+    x, y, w = dense_data(replicas)
+    initial = [v.numpy() for v in dense_model().trainable_variables]
+    with strategy.scope():
+        model = compiled(dense_model(), clipping="ghost")
+    model.fit(distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w)),
+              epochs=1, verbose=0, steps_per_epoch=ACCUMULATION * LOGICAL_STEPS)
+    single = compiled(dense_model(), clipping="ghost")
+    single.fit(tf.data.Dataset.from_tensor_slices((x, y, w)).batch(MICRO_BATCH * replicas),
+               epochs=1, verbose=0)
+    result["ghost"] = {
+        "logical_steps": int(model.optimizer.iterations.numpy()),
+        "distributed_update": [
+            (v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)],
+        "single_device_update": [
+            (v.numpy() - i).tolist() for v, i in zip(single.trainable_variables, initial)],
+        "identical_across_replicas": replicas_identical(strategy, model.trainable_variables),
+    }
+
+
 def noise_checks(strategy, replicas, result):
     """All-padding steps: the update is exactly -noise / B, SGD(lr=1)."""
     import keras
@@ -279,6 +304,7 @@ def run_replicas(replicas, out_path):
     seconds["noise"] = time.perf_counter() - start - seconds["equality"]
     if replicas == 2:
         mixed_bfloat16_checks(strategy, replicas, result)
+        ghost_checks(strategy, replicas, result)
     seconds["total"] = time.perf_counter() - start
     _write(out_path, result)
 

@@ -183,6 +183,18 @@ class TestMixedBfloat16:
         assert f32 @ bf16 / (np.linalg.norm(f32) * np.linalg.norm(bf16)) > 0.999
 
 
+class TestGhostClipping:
+    def test_distributed_ghost_step_equals_single_device(self, replicated):
+        if replicated["replicas"] != 2:
+            pytest.skip("ghost clipping is checked on the 2-replica run")
+        ghost = replicated["ghost"]
+        assert ghost["logical_steps"] == scenarios.LOGICAL_STEPS
+        assert ghost["identical_across_replicas"]
+        for distributed, single in zip(ghost["distributed_update"],
+                                       ghost["single_device_update"]):
+            np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
+
+
 class TestMultiWorker:
     def test_two_workers_on_loopback_match_one_process(self, two_workers):
         first, second = two_workers

@@ -44,6 +44,7 @@ def dense_data(replicas, steps=LOGICAL_STEPS, seed=0):
     y = rng.integers(0, 3, n).astype("int32")
     w = np.ones(n, "float32")
     w[::5] = 0.0  # padding slots, as in a Poisson step padded to capacity
+    x[7] = np.inf  # one real example with a non-finite gradient: dropped, counted
     return x, y, w
 
 
@@ -176,6 +177,8 @@ def equality_and_replica_checks(strategy, replicas, tmp_dir, result, checkpoint)
     result["logical_steps"] = int(optimizer.iterations.numpy())
     result["micro_steps"] = int(optimizer.micro_steps.numpy())
     result["loss"] = float(history.history["loss"][-1])
+    result["nonfinite_logged"] = float(history.history["nonfinite_examples"][-1])
+    result["nonfinite_counted"] = int(optimizer.nonfinite_examples.numpy())
     result["distributed_update"] = [
         (v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)]
     result["single_device_update"] = [
@@ -325,10 +328,13 @@ def run_worker(index, ports, out_path):
         # model.fit cannot run under multi-worker Keras 3.15 (see
         # distribute.train_micro_steps); the private train step can.
         data = distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w))
-        distribute.train_micro_steps(each, strategy, data, ACCUMULATION * LOGICAL_STEPS)
+        logs = distribute.train_micro_steps(each, strategy, data, ACCUMULATION * LOGICAL_STEPS)
+        if each is model:
+            model_logs = logs
     _write(out_path, {
         "replicas": replicas,
         "logical_steps": int(model.optimizer.iterations.numpy()),
+        "nonfinite_logged": float(model_logs["nonfinite_examples"]),
         "weights": [v.numpy().tolist() for v in model.trainable_variables],
         "noisy_weights": [v.numpy().tolist() for v in noisy.trainable_variables],
     })

@@ -119,6 +119,12 @@ class TestMirroredReplicas:
                                        replicated["single_device_update"]):
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
 
+    def test_nonfinite_examples_are_counted_once_globally(self, replicated):
+        # One real example with an infinite input: dropped, and the logged
+        # count is the global one, not the mean of the replicas' counts.
+        assert replicated["nonfinite_counted"] == 1
+        assert replicated["nonfinite_logged"] == 1.0
+
     def test_replicas_are_bit_identical_after_several_steps(self, replicated):
         assert replicated["weights_identical_across_replicas"]
         assert replicated["noise"]["identical_across_replicas"]
@@ -200,6 +206,7 @@ class TestMultiWorker:
         first, second = two_workers
         assert first["replicas"] == second["replicas"] == 2
         assert first["logical_steps"] == scenarios.LOGICAL_STEPS
+        assert first["nonfinite_logged"] == second["nonfinite_logged"] == 1.0
         for a, b in zip(first["weights"], second["weights"]):
             np.testing.assert_array_equal(a, b)
         for a, b in zip(first["noisy_weights"], second["noisy_weights"]):
@@ -293,6 +300,6 @@ class TestScheduleMustMatchTheReplicas:
                 keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
                 schedule=self._schedule(replicas, micro_batch)),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        x, y, _ = scenarios.dense_data(replicas=1, steps=1)
+        x, y, _ = scenarios.dense_data(replicas=2, steps=1)
         with pytest.raises(PrivacyConfigurationError, match=message):
             model.fit(x[:4], y[:4], batch_size=4, verbose=0)

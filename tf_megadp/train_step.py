@@ -126,5 +126,12 @@ def _private_train_step(model: keras.Model, data):
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
     model._loss_tracker.update_state(mean_loss, sample_weight=real_examples)
     logs = model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
-    logs["nonfinite_examples"] = optimizer.nonfinite_examples.value
+    nonfinite = optimizer.nonfinite_examples.value
+    replica_context = tf.distribute.get_replica_context()
+    if replica_context is not None and replica_context.num_replicas_in_sync > 1:
+        # Each replica counts only its own examples and Keras averages logs
+        # over replicas: report the global count.
+        nonfinite = replica_context.all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
+    logs["nonfinite_examples"] = nonfinite
     return logs

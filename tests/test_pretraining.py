@@ -39,8 +39,8 @@ def tiny_config(corpus, cache_dir, output_dir, **overrides):
     settings = dict(
         corpus=[corpus], output_dir=str(output_dir), cache_dir=str(cache_dir),
         model="pico", sequence_length=16, vocabulary_size=200, micro_batch_size=8,
-        batch_size=16, steps=4, eval_every=2, checkpoint_every=1, target_epsilon=8.0,
-        warmup_steps=1, verbose=0,
+        batch_size=16, steps=4, eval_every=2, checkpoint_every=1, target_epsilon=None,
+        noise_multiplier=1.0, accountant="rdp", warmup_steps=1, verbose=0,
     )
     settings.update(overrides)
     return PretrainConfig(**settings)
@@ -82,9 +82,9 @@ class TestEndToEnd:
         schedule = BatchSizeSchedule.from_dict(report["schedule"])
         expected = accounting.compute_epsilon(
             delta=report["delta"], schedule=schedule,
-            noise_multiplier=report["noise_multiplier"])
+            noise_multiplier=report["noise_multiplier"], accountant="rdp")
+        assert report["noise_multiplier"] == 1.0
         assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
-        assert report["epsilon"] <= 8.0
         assert report["history"][-1]["epsilon"] == pytest.approx(expected, rel=1e-9)
 
     def test_the_run_writes_its_artifacts(self, resumed_run):
@@ -101,10 +101,8 @@ class TestEndToEnd:
         root, corpus, cache = workspace
         _, _, output = resumed_run
         with pytest.raises(ValueError, match="noise_multiplier"):
-            run_pretraining(
-                tiny_config(corpus, cache, output, resume=True, noise_multiplier=2.0,
-                            target_epsilon=None),
-                log=lambda *_: None)
+            run_pretraining(tiny_config(corpus, cache, output, resume=True, noise_multiplier=2.0),
+                            log=lambda *_: None)
 
 
 class TestBadInput:
@@ -116,7 +114,7 @@ class TestBadInput:
         root, corpus, cache = workspace
         return ["--cache-dir", str(cache), "--output-dir", str(output), "--model", "pico",
                 "--sequence-length", "16", "--vocabulary-size", "200",
-                "--micro-batch-size", "8"]
+                "--micro-batch-size", "8", "--accountant", "rdp"]
 
     @pytest.mark.parametrize(
         "arguments, message",

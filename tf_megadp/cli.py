@@ -279,6 +279,7 @@ def _add_pretrain_parser(subparsers) -> None:
                          help="sigma, instead of --target-epsilon")
     privacy.add_argument("--delta", type=float, help="default 1/N^1.1")
     privacy.add_argument("--l2-norm-clip", type=float, default=defaults.l2_norm_clip)
+    privacy.add_argument("--accountant", choices=["pld", "rdp"], default=defaults.accountant)
     privacy.add_argument("--non-private", action="store_true",
                          help="baseline: same data, model and optimizer; no clipping or noise")
     run = parser.add_argument_group("run")
@@ -311,7 +312,7 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         schedule=schedule,
         target_epsilon=None if (args.noise_multiplier or args.non_private) else args.target_epsilon,
         noise_multiplier=args.noise_multiplier, delta=args.delta,
-        l2_norm_clip=args.l2_norm_clip, learning_rate=args.learning_rate,
+        l2_norm_clip=args.l2_norm_clip, accountant=args.accountant, learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         non_private=args.non_private, clipping=args.clipping, dropout=args.dropout,
         eval_every=args.eval_every,

@@ -69,6 +69,7 @@ class PretrainConfig:
         noise_multiplier: sigma, instead of target_epsilon.
         delta: default 1 / N^1.1 for N training sequences.
         l2_norm_clip: C.
+        accountant: "pld" (default, tighter) or "rdp" (faster).
         learning_rate, warmup_steps, weight_decay: AdamW with linear warmup and
             cosine decay over the logical steps.
         non_private: the baseline: same data, model and optimizer, plain
@@ -105,6 +106,7 @@ class PretrainConfig:
     noise_multiplier: float | None = None
     delta: float | None = None
     l2_norm_clip: float = 1.0
+    accountant: str = "pld"
     learning_rate: float = 2e-3
     warmup_steps: int = 10
     weight_decay: float = 0.01
@@ -158,6 +160,8 @@ class PretrainConfig:
             )
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise PretrainError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+        if self.accountant not in ("pld", "rdp"):
+            raise PretrainError(f"accountant must be 'pld' or 'rdp', got {self.accountant!r}.")
         if self.delta is not None and not 0 < self.delta < 1:
             raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
         if self.resume and not self.output_dir:
@@ -271,14 +275,15 @@ def _plan_privacy(config: PretrainConfig, schedule) -> tuple[float, float, float
     else:
         try:
             sigma = accounting.calibrate_noise_multiplier(
-                config.target_epsilon, delta, schedule=schedule)
+                config.target_epsilon, delta, schedule=schedule, accountant=config.accountant)
         except (ValueError, RuntimeError) as error:
             raise PretrainError(
                 f"target epsilon {config.target_epsilon} is unreachable for this schedule "
                 f"({schedule.total_steps} steps over N={n}): {error}. Use fewer steps, a "
                 "smaller batch or a larger epsilon."
             ) from None
-    epsilon = accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma)
+    epsilon = accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma,
+                                         accountant=config.accountant)
     if config.target_epsilon is not None and epsilon > config.target_epsilon * 1.0001:
         raise PretrainError(
             f"noise multiplier {sigma:g} spends epsilon {epsilon:.3f} over the "
@@ -527,7 +532,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
 
     # One fit step consumes one micro-batch per replica: a sampler micro-step.
     remaining_micro = sampler.total_micro_steps
-    evaluations = max(1, math.ceil((total_steps - logical_done) / config.eval_every))
+    evaluations = max(1, math.ceil((end_step - start_step) / config.eval_every))
     epochs = _divisor_at_most(remaining_micro, evaluations) if remaining_micro else 0
     steps_per_epoch = remaining_micro // epochs if epochs else 0
 
@@ -535,7 +540,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     privacy = None
     if private:
         privacy = tf_megadp.PrivacyCallback(
-            delta=delta, report_path=os.path.join(output_dir, "privacy.json"),
+            delta=delta, accountant=config.accountant, report_path=os.path.join(output_dir, "privacy.json"),
             target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
         callbacks.append(privacy)
     checkpointer = _Checkpointer(output_dir, history, config)
@@ -605,7 +610,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "delta": delta if private else None,
         "noise_multiplier": sigma if private else None,
         "l2_norm_clip": config.l2_norm_clip if private else None,
-        "accountant": "pld" if private else None,
+        "accountant": config.accountant if private else None,
         "sampling": "poisson",
         "schedule": schedule.to_dict(),
         "logical_steps": final_steps,
@@ -667,7 +672,8 @@ def _summary(report: dict[str, Any], output_dir: str) -> str:
     if report["private"]:
         lines.append(
             f"privacy                 epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}"
-            f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, Poisson, PLD)")
+            f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, Poisson, "
+            f"{report['accountant'].upper()})")
     else:
         lines.append("privacy                 NONE (non-private baseline)")
     lines += [

@@ -23,6 +23,7 @@ __all__ = [
     "ClippedBatch",
     "ClippingStrategy",
     "clip_factors",
+    "clipped_batch",
     "example_weights_present",
     "per_example_loss",
 ]
@@ -74,6 +75,20 @@ class ClippingStrategy(abc.ABC):
         Returns:
             A `ClippedBatch`.
         """
+
+
+def clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite) -> ClippedBatch:
+    """Assembles a strategy's result; reported losses count real, finite examples only."""
+    losses = tf.where(tf.logical_and(is_real > 0, tf.math.is_finite(losses)),
+                      losses, tf.zeros_like(losses))
+    return ClippedBatch(
+        gradient_sum=gradient_sum,
+        losses=losses,
+        y_pred=y_pred,
+        norms=norms,
+        is_real=is_real,
+        nonfinite=nonfinite,
+    )
 
 
 def example_weights_present(sample_weight, batch_size) -> tf.Tensor:

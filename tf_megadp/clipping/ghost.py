@@ -286,13 +286,4 @@ def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip):
         _clipped_sum(*groups[i], factors, keep, v) if i in groups else None
         for i, v in enumerate(variables)
     ]
-    losses = tf.where(tf.logical_and(is_real > 0, tf.math.is_finite(losses)),
-                      losses, tf.zeros_like(losses))
-    return base.ClippedBatch(
-        gradient_sum=gradient_sum,
-        losses=losses,
-        y_pred=y_pred,
-        norms=norms,
-        is_real=is_real,
-        nonfinite=nonfinite,
-    )
+    return base.clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite)

@@ -128,13 +128,4 @@ def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip):
         return tf.tensordot(factors, g, axes=1)
 
     gradient_sum = [None if g is None else weighted_sum(g) for g in gradients]
-    losses = tf.where(tf.logical_and(is_real > 0, tf.math.is_finite(losses)),
-                      losses, tf.zeros_like(losses))
-    return base.ClippedBatch(
-        gradient_sum=gradient_sum,
-        losses=losses,
-        y_pred=y_pred,
-        norms=norms,
-        is_real=is_real,
-        nonfinite=nonfinite,
-    )
+    return base.clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite)

@@ -29,6 +29,10 @@ setup(
         "numpy",
         "scipy",
         "pyyaml",
+        # tf_megadp.audit (exported at top level) uses scikit-learn's metrics;
+        # the pretraining job plots its report with matplotlib.
+        "scikit-learn",
+        "matplotlib",
     ],
     extras_require={
         "dev": ["pytest>=8", "scikit-learn", "matplotlib"],

@@ -175,6 +175,31 @@ class TestAccumulation:
         for p, t, w0 in zip(reference.weights(padded), reference.weights(trimmed), before):
             np.testing.assert_allclose(p - w0, t - w0, rtol=1e-5, atol=1e-7)
 
+    def test_micro_batch_of_only_padding_skips_the_per_example_pass(self):
+        class CountingClipping(tf_megadp.VectorizedClipping):
+            calls = tf.Variable(0)
+
+            def clip_and_sum(self, *args):
+                self.calls.assign_add(1)
+                return super().clip_and_sum(*args)
+
+        x, y = dense_data(n=8, seed=2)
+        weight = np.array([1, 1, 1, 1, 0, 0, 0, 0], "float32")
+        padded, trimmed = dense_model(seed=4), dense_model(seed=4)
+        before = reference.weights(padded)
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), l2_norm_clip=0.5,
+                                          noise_multiplier=0.0, accumulation_steps=2,
+                                          normalize_by=4)
+        optimizer.clipping_strategy = CountingClipping()
+        tf_megadp.make_private(padded)
+        padded.compile(optimizer=optimizer, loss=LOSS)
+        padded.fit(x, y, sample_weight=weight, batch_size=4, shuffle=False, verbose=0)
+        assert int(CountingClipping.calls.numpy()) == 1
+        assert int(optimizer.iterations.numpy()) == 1
+        train_private(trimmed, x[:4], y[:4], clip=0.5, micro_batch=4, steps=1, normalize_by=4)
+        for p, t, w0 in zip(reference.weights(padded), reference.weights(trimmed), before):
+            np.testing.assert_allclose(p - w0, t - w0, rtol=1e-5, atol=1e-7)
+
     def test_nonfinite_example_is_dropped_and_counted(self):
         model = dense_model()
         x, y = dense_data(n=4)

@@ -385,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_LIBRARY_INTERNAL_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs `tf-megadp`; returns the exit status.
 
@@ -408,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = 2
     seen = set()
     for warning in caught:
+        if issubclass(warning.category, _LIBRARY_INTERNAL_WARNINGS):
+            continue  # Addressed to library authors, not to someone running a job.
         message = " ".join(str(warning.message).split())
         if message not in seen:
             seen.add(message)

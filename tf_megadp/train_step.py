@@ -12,6 +12,7 @@ import functools
 import keras
 import tensorflow as tf
 
+from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
 
@@ -113,12 +114,10 @@ def _private_train_step(model: keras.Model, data):
     if not model.trainable_weights:
         raise ValueError("The model has no trainable weights to train privately.")
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    batch = optimizer.clipping_strategy.clip_and_sum(
-        model, x, y, sample_weight, optimizer.l2_norm_clip
-    )
     micro_batch_size = tf.nest.flatten(x)[0].shape[0]
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+    batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size)
     optimizer.accumulate(
         batch.gradient_sum, model.trainable_variables, micro_batch_size, batch.nonfinite
     )
@@ -135,3 +134,41 @@ def _private_train_step(model: keras.Model, data):
             tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
     logs["nonfinite_examples"] = nonfinite
     return logs
+
+
+def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size):
+    """The strategy's clipped sum, skipping micro-batches that hold only padding.
+
+    Poisson steps are padded to a static k*m capacity above the expected
+    batch, so the last micro-batches of a step are often all padding. Their
+    exact contribution is zero; skipping their per-example pass (the costly
+    part) changes no number and saves up to a third of a small step.
+    """
+    strategy = optimizer.clipping_strategy
+    clip = optimizer.l2_norm_clip
+    if sample_weight is None:
+        return strategy.clip_and_sum(model, x, y, sample_weight, clip)
+    is_real = example_weights_present(sample_weight, micro_batch_size)
+    variables = model.trainable_variables
+    reached = []
+
+    def compute():
+        batch = strategy.clip_and_sum(model, x, y, sample_weight, clip)
+        reached[:] = [g is not None for g in batch.gradient_sum]
+        gradients = [tf.zeros_like(v.value) if g is None else g
+                     for g, v in zip(batch.gradient_sum, variables)]
+        return (gradients, tf.cast(batch.losses, tf.float32), batch.y_pred,
+                tf.cast(batch.norms, tf.float32), batch.is_real, batch.nonfinite)
+
+    def skip():
+        zeros = tf.zeros_like(is_real)
+        # Metrics still need predictions; they carry weight zero.
+        y_pred = model(x, training=False)
+        return ([tf.zeros_like(v.value) for v in variables], zeros, y_pred, zeros, zeros,
+                tf.constant(0, tf.int64))
+
+    gradients, losses, y_pred, norms, is_real, nonfinite = tf.cond(
+        tf.reduce_any(is_real > 0), compute, skip)
+    # Variables the loss does not reach stay None: neither noised nor updated.
+    gradients = [g if connected else None for g, connected in zip(gradients, reached)]
+    return ClippedBatch(gradients, losses, y_pred, norms, is_real, nonfinite)

@@ -137,3 +137,52 @@ class TestBadInput:
         errors = [line for line in lines if line.startswith("tf-megadp: error:")]
         assert len(errors) == 1 and message in errors[0], lines
         assert not output.exists()
+
+
+@pytest.fixture(scope="module")
+def canary_run(workspace):
+    root, corpus, cache = workspace
+    output = root / "canaries"
+    report = run_pretraining(
+        tiny_config(corpus, cache, output, canaries=2, non_private=True, noise_multiplier=None,
+                    checkpoint_every=0),
+        log=lambda *_: None)
+    return report, output
+
+
+class TestCanariesAndAudit:
+    """`pretrain --canaries N` plants secrets in the training split; `audit` measures them."""
+
+    def test_canaries_are_extra_training_sequences(self, canary_run, resumed_run):
+        report, output = canary_run
+        _, plain, _ = resumed_run
+        # 2 canaries for each r in (1, 4, 16): 42 more rows, each one privacy unit.
+        assert report["num_examples"] == plain["num_examples"] + 2 * (1 + 4 + 16)
+        assert report["canaries"]["per_repetition"] == 2
+
+    def test_the_run_keeps_its_secrets_for_the_audit(self, canary_run):
+        from tf_megadp.audit import load_canaries
+
+        _, output = canary_run
+        canaries = load_canaries(output / "canaries.json")
+        assert sorted(c.repetitions for c in canaries) == [0, 0, 1, 1, 4, 4, 16, 16]
+        assert len({c.secret for c in canaries}) == len(canaries)
+
+    def test_audit_command_reports_attacks_and_epsilon(self, canary_run, capsys):
+        _, output = canary_run
+        assert cli.main(["audit", str(output), "--members", "40", "--json"]) == 0
+        printed = json.loads(capsys.readouterr().out.split("=" * 64)[-1])
+        saved = json.loads((output / "audit.json").read_text())
+        assert printed["mia_auc"] == saved["mia_auc"]
+        assert 0.0 <= saved["mia_auc"] <= 1.0
+        # Sequences too short to get a masked position carry no loss and are left out.
+        assert 30 <= saved["mia_num_members"] <= 40
+        assert saved["theoretical_epsilon"] == "Infinity" or saved["theoretical_epsilon"] == float("inf")
+        ceiling = np.log2(1000)
+        for r in (0, 1, 4, 16):
+            assert 0.0 <= saved[f"exposure_r{r}_mean"] <= ceiling + 1e-9
+
+    def test_audit_of_a_folder_without_a_run_is_one_line_exit_2(self, tmp_path, capsys):
+        assert cli.main(["audit", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "not a completed pretraining run" in err[0]

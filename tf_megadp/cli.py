@@ -257,6 +257,9 @@ def _add_pretrain_parser(subparsers) -> None:
     data.add_argument("--max-characters", type=int, default=defaults.max_characters,
                       help="size cap of the default corpus")
     data.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction)
+    data.add_argument("--canaries", type=int, default=defaults.canaries, metavar="N",
+                      help="insert N secret canaries per repetition count (1, 4, 16) into the "
+                           "training split for `tf-megadp audit` (default: none)")
     model = parser.add_argument_group("model and optimizer")
     model.add_argument("--model", choices=list(MODEL_PRESETS), default=defaults.model)
     model.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
@@ -315,7 +318,7 @@ def _run_pretrain(args: argparse.Namespace) -> int:
         l2_norm_clip=args.l2_norm_clip, accountant=args.accountant, learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
         non_private=args.non_private, clipping=args.clipping, dropout=args.dropout,
-        eval_every=args.eval_every,
+        eval_every=args.eval_every, canaries=args.canaries,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
         stop_after_steps=args.stop_after_steps, strategy=args.strategy,
         tpu=args.tpu, seed=args.seed, cache_dir=args.cache_dir,
@@ -363,6 +366,38 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- audit ----------------------------------------------------------------------
+
+
+def _add_audit_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "audit", help="membership inference and canary exposure of a pretraining run",
+        description="Audits a finished `tf-megadp pretrain` run: loss-based membership "
+                    "inference (training vs held-out sequences), exposure of the canaries "
+                    "it was trained with (`pretrain --canaries N`), and an empirical lower "
+                    "bound on epsilon to set beside the accountant's. Writes audit.json "
+                    "into the run directory.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output-dir of the run")
+    parser.add_argument("--members", type=int, default=1000,
+                        help="training (and at most as many held-out) sequences to attack")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", help="where the run's prepared corpus is kept")
+    parser.add_argument("--json", action="store_true", help="print audit.json at the end")
+    parser.set_defaults(handler=_run_audit)
+
+
+def _run_audit(args: argparse.Namespace) -> int:
+    from tf_megadp.audit.job import audit_pretraining_run
+
+    result = audit_pretraining_run(args.run_dir, num_members=args.members,
+                                   cache_dir=args.cache_dir, seed=args.seed)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "canaries"}, indent=2,
+                         default=str))
+    return 0
+
+
 # -- Entry point ----------------------------------------------------------------
 
 _SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
@@ -370,6 +405,7 @@ _SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
     _add_calibrate_parser,
     _add_plan_parser,
     _add_pretrain_parser,
+    _add_audit_parser,
 )
 
 

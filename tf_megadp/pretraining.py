@@ -37,6 +37,13 @@ MODEL_PRESETS = {
 }
 
 CHECKPOINT_NAME = "checkpoint"
+CANARIES_NAME = "canaries.json"
+AUDIT_NAME = "audit.json"
+# Secret-sharer canaries "the key is D D D": 1000 candidates, ranked exactly.
+CANARY_PREFIX = "the key is"
+CANARY_SECRET_LENGTH = 3
+CANARY_ALPHABET = tuple("0123456789")
+CANARY_REPETITIONS = (1, 4, 16)
 MODEL_NAME = "model.keras"
 REPORT_NAME = "report.json"
 PLOT_NAME = "report.png"
@@ -63,6 +70,11 @@ class PretrainConfig:
             small BERT leaves the unigram plateau in fewer steps than at 2048.
         max_characters: size cap of the default corpus.
         heldout_fraction: share of sequences kept out of training for evaluation.
+        canaries: for a privacy audit (`tf-megadp audit`), insert this many
+            secret-sharer canaries per repetition count r in (1, 4, 16) into
+            the training split, r copies each (every copy is one more
+            training sequence, counted in N), and keep as many never-inserted
+            controls; 0 (default) inserts none.
         micro_batch_size: m, examples per replica per micro-batch.
         batch_size: expected logical batch B of a constant schedule.
         steps: logical steps of a constant schedule.
@@ -100,6 +112,7 @@ class PretrainConfig:
     vocabulary_size: int = 512
     max_characters: int = 3_000_000
     heldout_fraction: float = 0.05
+    canaries: int = 0
     micro_batch_size: int = 64
     batch_size: int = 256
     steps: int = 300
@@ -145,6 +158,8 @@ class PretrainConfig:
             raise PretrainError(f"heldout_fraction must be in (0, 0.5), got {self.heldout_fraction}.")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
             raise PretrainError(f"stop_after_steps must be >= 1, got {self.stop_after_steps}.")
+        if not isinstance(self.canaries, int) or self.canaries < 0:
+            raise PretrainError(f"canaries must be a non-negative integer, got {self.canaries!r}.")
         if self.checkpoint_every < 0:
             raise PretrainError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}.")
         if self.non_private:
@@ -262,6 +277,63 @@ def _prepare_data(config: PretrainConfig):
         )
         splits[name] = sampling.TokenShards(directory)
     return corpus, splits["train"], splits["heldout"]
+
+
+def _canary_split(config: PretrainConfig, train):
+    """The training split with `config.canaries` canaries per repetition count inserted.
+
+    Returns:
+        (shards, canaries, canary_index): canary_index gives, for each row,
+        the index of the canary it holds or -1.
+    """
+    from tf_megadp import sampling, text
+    from tf_megadp.audit import canaries as canary_lib
+
+    folder = os.path.join(os.path.dirname(train.directory), f"train-canaries{config.canaries}")
+    try:
+        shards = sampling.TokenShards(folder)
+        return (shards, canary_lib.load_canaries(os.path.join(folder, CANARIES_NAME)),
+                np.load(os.path.join(folder, "canary_index.npy")))
+    except (FileNotFoundError, ValueError):
+        pass  # Not prepared yet (or damaged): build it.
+    canary_format = _canary_format(text.load_vocabulary(train))
+    canaries = canary_lib.make_canaries(
+        canary_format, repetitions=CANARY_REPETITIONS, canaries_per_repetition=config.canaries,
+        num_controls=config.canaries, seed=config.seed)
+    rows, canary_index = canary_lib.insert_canaries(
+        train.read(np.arange(len(train))), canaries, seed=config.seed)
+    # Shard files and the canary list first: the manifest, written last, marks the folder complete.
+    os.makedirs(folder, exist_ok=True)
+    canary_lib.save_canaries(os.path.join(folder, CANARIES_NAME), canaries)
+    with tempfile.NamedTemporaryFile(dir=folder, suffix=".npy", delete=False) as handle:
+        np.save(handle, canary_index)
+    os.replace(handle.name, os.path.join(folder, "canary_index.npy"))
+    sampling.write_token_shards(
+        folder, [rows], sequence_length=train.sequence_length,
+        vocabulary_size=train.vocabulary_size,
+        checksum=f"{train.manifest['checksum']}-canaries{config.canaries}-seed{config.seed}",
+        metadata={"vocabulary_file": train.manifest["vocabulary_file"]})
+    return sampling.TokenShards(folder), canaries, canary_index
+
+
+def _canary_format(vocabulary: list[str]):
+    """"[CLS] the key is D D D [SEP]", tokenized the way the corpus was."""
+    import keras_hub
+
+    from tf_megadp.audit.canaries import CanaryFormat
+
+    ids = {token: index for index, token in enumerate(vocabulary)}
+    missing = [digit for digit in CANARY_ALPHABET if digit not in ids]
+    if missing:
+        raise PretrainError(
+            f"Cannot make canaries: the vocabulary lacks the digit tokens {missing}; "
+            "use a corpus with digits or pass --canaries 0."
+        )
+    tokenizer = keras_hub.tokenizers.WordPieceTokenizer(vocabulary=vocabulary, lowercase=True,
+                                                        oov_token="[UNK]")
+    words = [int(t) for t in np.asarray(tokenizer.tokenize(CANARY_PREFIX))]
+    template = [ids["[CLS]"], *words, *([None] * CANARY_SECRET_LENGTH), ids["[SEP]"]]
+    return CanaryFormat(template, [ids[digit] for digit in CANARY_ALPHABET])
 
 
 def _plan_privacy(config: PretrainConfig, schedule) -> tuple[float, float, float]:
@@ -422,6 +494,9 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
     replicas = strategy.num_replicas_in_sync
     log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'})...")
     corpus, train, heldout = _prepare_data(config)
+    canaries = None
+    if config.canaries:
+        train, canaries, _ = _canary_split(config, train)
     if max(batch for _, batch in phases) > len(train):
         raise PretrainError(
             f"The logical batch ({max(b for _, b in phases)}) is larger than the "
@@ -435,6 +510,10 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
     created = not os.path.exists(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
+        if canaries is not None:
+            from tf_megadp.audit.canaries import save_canaries
+
+            save_canaries(os.path.join(output_dir, CANARIES_NAME), canaries)
         return _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
                       strategy, output_dir, started, log)
     except BaseException:
@@ -628,6 +707,9 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                   "vocabulary_size": train.vocabulary_size,
                   "sequence_length": train.sequence_length},
         "num_examples": len(train),
+        "canaries": ({"per_repetition": config.canaries, "repetitions": list(CANARY_REPETITIONS),
+                      "controls": config.canaries, "file": CANARIES_NAME}
+                     if config.canaries else None),
         "heldout_examples": len(heldout),
         "history": history,
         "config": _config_dict(config),

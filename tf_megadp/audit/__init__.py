@@ -6,6 +6,8 @@
 * `scoring`: log-likelihoods and losses from a masked LM.
 * `runner.run_audit`: the whole audit of one model, as a dict of numbers.
 * `callback.AuditCallback`: the audit at epoch ends, written into `logs`.
+* `job.audit_pretraining_run`: the audit of a `tf-megadp pretrain` run
+  (`tf-megadp audit RUN_DIR`).
 """
 
 from tf_megadp.audit.callback import AuditCallback
@@ -24,6 +26,7 @@ from tf_megadp.audit.empirical import (
     epsilon_lower_bound,
     epsilon_lower_bound_from_scores,
 )
+from tf_megadp.audit.job import audit_pretraining_run
 from tf_megadp.audit.membership import membership_metrics, membership_scores
 from tf_megadp.audit.runner import run_audit
 from tf_megadp.audit.scoring import MaskedLMScorer

@@ -1,0 +1,142 @@
+"""Audits a finished `tf-megadp pretrain` run: what `tf-megadp audit RUN_DIR` does.
+
+The run directory holds everything needed: the trained model
+(`model.keras`), the run's settings (in `report.json`), which locate the
+prepared corpus in the cache, and, when the run was started with
+`--canaries N`, the inserted canaries (`canaries.json`). Members are
+training sequences that are not canaries; non-members are the held-out
+split, which the model never saw. Both are masked once, with a fixed seed,
+so every attack sees the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["audit_pretraining_run"]
+
+
+def _masked_batches(rows: np.ndarray, batcher, batch_size: int, seed: int) -> list:
+    import tensorflow as tf
+
+    tf.random.set_seed(seed)
+    x, y, w = batcher(tf.constant(rows.astype(np.int32)), tf.ones([len(rows)], tf.float32))
+    x = {key: value.numpy() for key, value in x.items()}
+    y, w = y.numpy(), w.numpy()
+    return [
+        ({key: value[start:start + batch_size] for key, value in x.items()},
+         y[start:start + batch_size], w[start:start + batch_size])
+        for start in range(0, len(rows), batch_size)
+    ]
+
+
+def audit_pretraining_run(
+    output_dir: str,
+    *,
+    num_members: int = 1000,
+    cache_dir: str | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Runs `tf_megadp.audit.run_audit` on a pretraining run and writes `audit.json`.
+
+    Args:
+        output_dir: the `--output-dir` of a completed `tf-megadp pretrain` run.
+        num_members: training sequences used as members; as many held-out
+            sequences as exist up to this number are the non-members.
+        cache_dir: where the run's prepared corpus is kept (default: the
+            pretraining default).
+        seed: seed of the member choice and of the masking.
+        log: where progress lines go.
+
+    Returns:
+        The audit report: `run_audit`'s numbers plus "theoretical_epsilon",
+        "delta", "private" and "heldout_mlm_accuracy" of the run.
+
+    Raises:
+        PretrainError: the folder is not a completed run, or its corpus is
+            no longer in the cache.
+    """
+    import keras
+
+    from tf_megadp import pretraining, text
+    from tf_megadp.audit.canaries import load_canaries
+    from tf_megadp.audit.runner import run_audit
+
+    report_path = os.path.join(output_dir, pretraining.REPORT_NAME)
+    model_path = os.path.join(output_dir, pretraining.MODEL_NAME)
+    if not (os.path.isfile(report_path) and os.path.isfile(model_path)):
+        raise pretraining.PretrainError(
+            f"{output_dir} is not a completed pretraining run (it needs {pretraining.REPORT_NAME} "
+            f"and {pretraining.MODEL_NAME}); run `tf-megadp pretrain --output-dir {output_dir}` first."
+        )
+    if num_members < 2:
+        raise pretraining.PretrainError(f"num_members must be >= 2, got {num_members}.")
+    with open(report_path, encoding="utf-8") as handle:
+        run = json.load(handle)
+    settings = dict(run["config"])
+    settings.update(output_dir=output_dir, resume=False, cache_dir=cache_dir or settings.get("cache_dir"))
+    config = pretraining.PretrainConfig(**settings)
+    _, train, heldout = pretraining._prepare_data(config)
+    canaries, canary_index = [], np.full(len(train), -1)
+    if config.canaries:
+        train, canaries, canary_index = pretraining._canary_split(config, train)
+
+    rng = np.random.default_rng(seed)
+    candidates = np.flatnonzero(canary_index < 0)
+    members = np.sort(rng.choice(candidates, size=min(num_members, len(candidates)), replace=False))
+    nonmembers = np.arange(min(len(heldout), num_members))
+    batcher = text.MaskedLMBatcher.from_shards(train)
+    batch_size = 256
+    member_batches = _masked_batches(train.read(members), batcher, batch_size, seed)
+    nonmember_batches = _masked_batches(heldout.read(nonmembers), batcher, batch_size, seed + 1)
+
+    log(f"Auditing {output_dir}: {len(members)} members, {len(nonmembers)} non-members, "
+        f"{len(canaries)} canaries (controls included).")
+    with warnings.catch_warnings():
+        # Only the weights matter here; the saved optimizer state is not restored.
+        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+        model = keras.models.load_model(model_path, compile=False)
+    delta = run["delta"] if run["private"] else 1.0 / len(train) ** 1.1
+    result = run_audit(
+        model, member_batches, nonmember_batches, canaries,
+        mask_token_id=text.SPECIAL_TOKENS.index("[MASK]"),
+        pad_token_id=text.SPECIAL_TOKENS.index("[PAD]"),
+        delta=delta, batch_size=batch_size, seed=seed,
+    )
+    result.update(
+        private=run["private"],
+        theoretical_epsilon=run["epsilon"] if run["private"] else math.inf,
+        delta=delta,
+        heldout_mlm_accuracy=run["heldout_mlm_accuracy"],
+        canaries_per_repetition=config.canaries,
+    )
+    pretraining._write_json(os.path.join(output_dir, pretraining.AUDIT_NAME), result)
+    log(_summary(result, output_dir))
+    return result
+
+
+def _summary(result: dict[str, Any], output_dir: str) -> str:
+    epsilon = result["theoretical_epsilon"]
+    lines = [
+        "",
+        "=" * 64,
+        f"theoretical epsilon     {'inf (non-private)' if math.isinf(epsilon) else f'{epsilon:.3f}'}"
+        f"   delta {result['delta']:.3g}",
+        f"membership inference    AUC {result['mia_auc']:.4f}   TPR@1%FPR "
+        f"{result['mia_tpr_at_fpr_0.01']:.4f}   TPR@0.1%FPR {result['mia_tpr_at_fpr_0.001']:.4f}",
+        f"empirical epsilon (LB)  {result.get('mia_eps_lower_bound', float('nan')):.3f} "
+        "(membership inference, 95% Clopper-Pearson)",
+    ]
+    for count in sorted({c["repetitions"] for c in result["canaries"]}):
+        label = "controls (never seen)" if count == 0 else f"canaries inserted {count}x"
+        lines.append(f"exposure {label:<24} mean {result[f'exposure_r{count}_mean']:.2f} bits, "
+                     f"max {result[f'exposure_r{count}_max']:.2f}")
+    lines += [f"report                  {os.path.join(output_dir, 'audit.json')}", "=" * 64]
+    return "\n".join(lines)

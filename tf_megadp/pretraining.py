@@ -540,12 +540,15 @@ class _Checkpointer:
         })
 
 
-def _compile_kwargs():
+def _compile_kwargs(private: bool):
     import keras
 
     return {
         "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         "weighted_metrics": [keras.metrics.SparseCategoricalAccuracy(name="mlm_accuracy")],
+        # Keras leaves XLA off on CPU-only machines; the DP step compiles its
+        # per-example pass with XLA, so the baseline must too to compare fairly.
+        "jit_compile": not private,
     }
 
 
@@ -572,7 +575,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             from tf_megadp.checkpointing import restore_training_state
 
             state = restore_training_state(
-                model, os.path.join(output_dir, CHECKPOINT_NAME), _compile_kwargs())
+                model, os.path.join(output_dir, CHECKPOINT_NAME), _compile_kwargs(private))
             _check_same_run(state.get("config", {}), config)
             history = state.get("history", [])
             resumed_from = int(model.optimizer.iterations.numpy())
@@ -585,7 +588,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             else:
                 k = schedule.phases[0].accumulation_steps
                 optimizer = _inner_optimizer(config, total_steps, k if k > 1 else None)
-            model.compile(optimizer=optimizer, **_compile_kwargs())
+            model.compile(optimizer=optimizer, **_compile_kwargs(private))
             model.optimizer.build(model.trainable_variables)
         if private:
             if not isinstance(model.optimizer, tf_megadp.DPOptimizer):

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -675,8 +676,12 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     )
     train_started = time.time()
     if epochs:
-        model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
-                  callbacks=callbacks, verbose=config.verbose)
+        with warnings.catch_warnings():
+            # BertMaskedLM never uses the backbone's pooler; Keras's optimizer
+            # warns about it on every non-private run.
+            warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
+            model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
+                      callbacks=callbacks, verbose=config.verbose)
     train_seconds = time.time() - train_started
 
     final_steps = history[-1]["step"] if history else logical_done

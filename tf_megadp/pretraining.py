@@ -40,8 +40,9 @@ MODEL_PRESETS = {
 CHECKPOINT_NAME = "checkpoint"
 CANARIES_NAME = "canaries.json"
 AUDIT_NAME = "audit.json"
-# Secret-sharer canaries "the key is D D D": 1000 candidates, ranked exactly.
-CANARY_PREFIX = "the key is"
+# Secret-sharer canaries "the key of W1 W2 is D D D" (a random name W1 W2 per
+# canary): 1000 candidate secrets each, ranked exactly.
+CANARY_CONTEXT = ("the key of", "is")
 CANARY_SECRET_LENGTH = 3
 CANARY_ALPHABET = tuple("0123456789")
 CANARY_REPETITIONS = (1, 4, 16)
@@ -297,10 +298,7 @@ def _canary_split(config: PretrainConfig, train):
                 np.load(os.path.join(folder, "canary_index.npy")))
     except (FileNotFoundError, ValueError):
         pass  # Not prepared yet (or damaged): build it.
-    canary_format = _canary_format(text.load_vocabulary(train))
-    canaries = canary_lib.make_canaries(
-        canary_format, repetitions=CANARY_REPETITIONS, canaries_per_repetition=config.canaries,
-        num_controls=config.canaries, seed=config.seed)
+    canaries = _make_canaries(text.load_vocabulary(train), config.canaries, config.seed)
     rows, canary_index = canary_lib.insert_canaries(
         train.read(np.arange(len(train))), canaries, seed=config.seed)
     # Shard files and the canary list first: the manifest, written last, marks the folder complete.
@@ -317,11 +315,17 @@ def _canary_split(config: PretrainConfig, train):
     return sampling.TokenShards(folder), canaries, canary_index
 
 
-def _canary_format(vocabulary: list[str]):
-    """"[CLS] the key is D D D [SEP]", tokenized the way the corpus was."""
+def _make_canaries(vocabulary: list[str], per_repetition: int, seed: int) -> list:
+    """Canaries "[CLS] the key of W1 W2 is D D D [SEP]", tokenized like the corpus.
+
+    Each canary has its own random name W1 W2 (two whole-word tokens of the
+    vocabulary), so its secret is tied to a context only it has, as in the
+    secret sharer; with one shared context a model could at most learn the
+    digits' overall frequencies there.
+    """
     import keras_hub
 
-    from tf_megadp.audit.canaries import CanaryFormat
+    from tf_megadp.audit.canaries import Canary, CanaryFormat
 
     ids = {token: index for index, token in enumerate(vocabulary)}
     missing = [digit for digit in CANARY_ALPHABET if digit not in ids]
@@ -330,11 +334,31 @@ def _canary_format(vocabulary: list[str]):
             f"Cannot make canaries: the vocabulary lacks the digit tokens {missing}; "
             "use a corpus with digits or pass --canaries 0."
         )
+    names = [index for token, index in ids.items() if token.isalpha() and len(token) >= 3]
+    plan = [r for r in CANARY_REPETITIONS for _ in range(per_repetition)] + [0] * per_repetition
+    if len(names) ** 2 < 2 * len(plan):
+        raise PretrainError(
+            f"Cannot make {len(plan)} canaries: the vocabulary has only {len(names)} whole "
+            "words to name them; lower --canaries."
+        )
     tokenizer = keras_hub.tokenizers.WordPieceTokenizer(vocabulary=vocabulary, lowercase=True,
                                                         oov_token="[UNK]")
-    words = [int(t) for t in np.asarray(tokenizer.tokenize(CANARY_PREFIX))]
-    template = [ids["[CLS]"], *words, *([None] * CANARY_SECRET_LENGTH), ids["[SEP]"]]
-    return CanaryFormat(template, [ids[digit] for digit in CANARY_ALPHABET])
+    prefix, infix = (
+        [int(t) for t in np.asarray(tokenizer.tokenize(text))] for text in CANARY_CONTEXT)
+    alphabet = [ids[digit] for digit in CANARY_ALPHABET]
+    rng = np.random.default_rng(seed)
+    canaries, used = [], set()
+    for repetitions in plan:
+        name = tuple(int(t) for t in rng.choice(names, size=2))
+        while name in used:
+            name = tuple(int(t) for t in rng.choice(names, size=2))
+        used.add(name)
+        template = [ids["[CLS]"], *prefix, *name, *infix,
+                    *([None] * CANARY_SECRET_LENGTH), ids["[SEP]"]]
+        canary_format = CanaryFormat(template, alphabet)
+        secret = tuple(int(t) for t in canary_format.sample_secrets(rng, 1)[0])
+        canaries.append(Canary(canary_format, secret, repetitions))
+    return canaries
 
 
 def _plan_privacy(config: PretrainConfig, schedule) -> tuple[float, float, float]:

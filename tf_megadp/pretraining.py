@@ -366,7 +366,7 @@ def _plan_privacy(config: PretrainConfig, schedule) -> tuple[float, float, float
     from tf_megadp import accounting
 
     n = schedule.num_examples
-    delta = config.delta if config.delta is not None else 1.0 / n**1.1
+    delta = config.delta if config.delta is not None else default_delta(n)
     if config.non_private:
         return 0.0, delta, math.inf
     if config.noise_multiplier is not None:
@@ -431,16 +431,25 @@ def _inner_optimizer(config: PretrainConfig, total_steps: int, accumulation_step
                                   gradient_accumulation_steps=accumulation_steps)
 
 
-def _heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
-    """Fixed masked batches of the held-out set, identical at every evaluation."""
+def default_delta(num_examples: int) -> float:
+    """The job's delta when none is given: 1 / N^1.1, below 1/N."""
+    return 1.0 / num_examples**1.1
+
+
+def masked_rows(rows: np.ndarray, batcher, seed: int):
+    """(x, y, sample_weight) as NumPy arrays: `rows` masked once, reproducibly for `seed`."""
     import tensorflow as tf
 
     tf.random.set_seed(seed)
-    rows = heldout.read(np.arange(len(heldout))).astype(np.int32)
-    size = len(rows) - len(rows) % micro_batch_size or len(rows)
-    rows = rows[:size]
-    x, y, w = batcher(tf.constant(rows), tf.ones([len(rows)], tf.float32))
+    x, y, w = batcher(tf.constant(rows.astype(np.int32)), tf.ones([len(rows)], tf.float32))
     return {k: v.numpy() for k, v in x.items()}, y.numpy(), w.numpy()
+
+
+def _heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
+    """Fixed masked batches of the held-out set, identical at every evaluation."""
+    rows = heldout.read(np.arange(len(heldout)))
+    size = len(rows) - len(rows) % micro_batch_size or len(rows)
+    return masked_rows(rows[:size], batcher, seed)
 
 
 def _unigram_accuracy(train, heldout_y, heldout_w, vocabulary_size: int) -> float:

@@ -23,12 +23,9 @@ __all__ = ["audit_pretraining_run"]
 
 
 def _masked_batches(rows: np.ndarray, batcher, batch_size: int, seed: int) -> list:
-    import tensorflow as tf
+    from tf_megadp.pretraining import masked_rows
 
-    tf.random.set_seed(seed)
-    x, y, w = batcher(tf.constant(rows.astype(np.int32)), tf.ones([len(rows)], tf.float32))
-    x = {key: value.numpy() for key, value in x.items()}
-    y, w = y.numpy(), w.numpy()
+    x, y, w = masked_rows(rows, batcher, seed)
     return [
         ({key: value[start:start + batch_size] for key, value in x.items()},
          y[start:start + batch_size], w[start:start + batch_size])
@@ -103,7 +100,7 @@ def audit_pretraining_run(
         # Only the weights matter here; the saved optimizer state is not restored.
         warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
         model = keras.models.load_model(model_path, compile=False)
-    delta = run["delta"] if run["private"] else 1.0 / len(train) ** 1.1
+    delta = run["delta"] if run["private"] else pretraining.default_delta(len(train))
     result = run_audit(
         model, member_batches, nonmember_batches, canaries,
         mask_token_id=text.SPECIAL_TOKENS.index("[MASK]"),

@@ -269,6 +269,67 @@ class TestModelIsLeftUnchanged:
         np.testing.assert_array_equal(model.predict(x, verbose=0), before)
 
 
+# Ops whose listed inputs XLA must know at compile time.
+_COMPILE_TIME_INPUTS = {
+    "Reshape": [1], "Fill": [0], "Tile": [1], "BroadcastTo": [1], "Range": [0, 1, 2],
+    "Slice": [1, 2], "StridedSlice": [1, 2, 3], "Transpose": [1], "Sum": [1], "Mean": [1],
+    "ExpandDims": [1], "Pad": [1], "GatherV2": [2], "UnsortedSegmentSum": [2],
+}
+_SHAPE_ONLY_OPS = {"Shape", "ShapeN", "Size", "Rank", "Const"}
+
+
+def values_xla_must_fold(graph):
+    """Compile-time-constant inputs that depend on a function call's output.
+
+    XLA does not look inside a nested function call to see that an output is
+    only a shape; it then treats the call's inputs (the batch, the weights)
+    as compile-time constants and recompiles whenever they change.
+    """
+    def reaches_a_call(tensor, seen):
+        op = tensor.op
+        if op.name in seen or op.type in _SHAPE_ONLY_OPS:
+            return False
+        seen.add(op.name)
+        if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+            return True
+        return any(reaches_a_call(t, seen) for t in op.inputs)
+
+    return [f"{op.type} {op.name}" for op in graph.get_operations()
+            for i in _COMPILE_TIME_INPUTS.get(op.type, [])
+            if i < len(op.inputs) and reaches_a_call(op.inputs[i], set())]
+
+
+class TestUnknownMicroBatchAxis:
+    """`fit` on arrays leaves the batch axis unknown at trace time (partial last batch)."""
+
+    def test_fallback_layers_keep_the_batch_a_runtime_value(self):
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"),
+                               keras.layers.LayerNormalization(), keras.layers.Dense(3))
+        model.compile(loss=LOSS)
+        strategy = GhostClipping()
+        x, y = sequences(), labels((6, 5))
+        strategy.clip_and_sum(model, x, y, None, 1.0)  # creates the traced function
+        step = strategy._functions[model].get_concrete_function(
+            tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None,
+            tf.TensorSpec([]))
+        assert values_xla_must_fold(step.graph) == []
+
+    def test_unknown_batch_axis_gives_the_same_clipping(self):
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"),
+                               keras.layers.LayerNormalization(), keras.layers.Dense(3))
+        model.compile(loss=LOSS)
+        strategy = GhostClipping(jit_compile=False)
+        x, y = sequences(), labels((6, 5))
+        expected = strategy.clip_and_sum(model, x, y, None, 1.0)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 5, 4]),
+                                      tf.TensorSpec([None, 5], tf.int32)])
+        def unknown_batch(x, y):
+            return strategy.clip_and_sum(model, x, y, None, 1.0)
+
+        assert_batches_equal(model, expected, unknown_batch(x, y))
+
+
 def test_strategy_names():
     assert isinstance(get_clipping_strategy("ghost"), GhostClipping)
     auto = get_clipping_strategy("auto")

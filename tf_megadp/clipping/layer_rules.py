@@ -557,10 +557,12 @@ class PerExampleRule(Rule):
                 outputs = original(*example_args, **example_kwargs)
             return tf.nest.map_structure(lambda t: t[0], outputs)
 
-        mapped = [leaf for leaf, is_batched in zip(leaves, batched) if is_batched]
+        mapped = [_dense_gradient_boundary(leaf)
+                  for leaf, is_batched in zip(leaves, batched) if is_batched]
         recorder.suspended += 1
         try:
-            outputs = tf.vectorized_map(one_example, (mapped, copies, varying))
+            outputs = tf.vectorized_map(
+                one_example, (mapped, [_dense_gradient_boundary(c) for c in copies], varying))
         finally:
             recorder.suspended -= 1
         base.advance_seed_states(layer)
@@ -575,6 +577,32 @@ class PerExampleRule(Rule):
 
         recorder.on_gradients(finish)
         return outputs
+
+
+def _dense_gradient_boundary(tensor):
+    """Identity whose gradient is made dense here, against `tensor`'s own shape.
+
+    Differentiating through `vectorized_map` yields IndexedSlices whose dense
+    shape is computed inside pfor's backward function. When the micro-batch
+    axis is not static (e.g. `fit` on arrays with a partial last batch), XLA
+    cannot see through that function, so it would treat every input and
+    weight as a compile-time constant and recompile at every step. The shape
+    of `tensor`, taken outside, is one XLA can resolve.
+    """
+    if not tensor.dtype.is_floating:
+        return tensor
+
+    @tf.custom_gradient
+    def boundary(value):
+        def gradient(upstream):
+            if isinstance(upstream, tf.IndexedSlices):
+                return tf.math.unsorted_segment_sum(
+                    upstream.values, upstream.indices, tf.shape(value)[0])
+            return upstream
+
+        return tf.identity(value), gradient
+
+    return boundary(tensor)
 
 
 class _OwnVariablesScope(keras_backend.StatelessScope):

@@ -22,6 +22,7 @@ like the DP step's per-example pass (a non-XLA baseline is printed as well).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -82,6 +83,7 @@ def measure(model, batch, args):
     # must be the step's working set, not the compiler's.
     for _ in range(args.warmup):
         step()
+    gc.collect()  # models of earlier rows must not count
     with PeakRss() as memory:
         seconds = time_per_call(step, 0, args.repeats)
     return seconds, memory.peak_increase
@@ -117,22 +119,29 @@ def sweep(args, clippings):
     budget = args.memory_budget_gib * 2**30
     for size in args.sizes.split(","):
         args.layers, args.hidden, args.heads = SIZES[size]
-        keras.utils.set_random_seed(0)
-        baseline = build_model(args)
-        compile_model(baseline, keras.optimizers.Adam(1e-4), jit_compile=True)
-        private = {clipping: private_model(args, clipping) for clipping in clippings}
         for micro_batch in [int(m) for m in args.micro_batches.split(",")]:
             args.micro_batch = micro_batch
             batch = make_batch(args, np.random.default_rng(0))
+            # Fresh models for every shape: each step is traced once, with a
+            # static micro-batch axis, as in training, and no earlier shape's
+            # graphs or compilations linger in the timed steps.
+            keras.backend.clear_session()
+            keras.utils.set_random_seed(0)
+            baseline = build_model(args)
+            compile_model(baseline, keras.optimizers.Adam(1e-4), jit_compile=True)
             base_time, base_memory = measure(baseline, batch, args)
-            for clipping, model in private.items():
+            del baseline
+            for clipping in clippings:
                 head = f"{size:6} {micro_batch:4d} {clipping:10}"
+                keras.utils.set_random_seed(0)
+                model = private_model(args, clipping)
                 estimate = per_example_gradient_bytes(model, micro_batch)
                 if clipping == "vectorized" and estimate > budget:
                     print(f"{head} skipped: per-example gradients alone need "
                           f"{estimate / 2**30:.1f} GiB > budget", flush=True)
                     continue
                 dp_time, dp_memory = measure(model, batch, args)
+                del model
                 print(f"{head} {base_time * 1e3:9.1f} {dp_time * 1e3:9.1f} "
                       f"{dp_time / base_time:7.2f} {base_memory / 2**20:9.1f} "
                       f"{dp_memory / 2**20:9.1f} {dp_memory / max(base_memory, 1):7.2f}",

@@ -252,7 +252,11 @@ def _clipped_sum(outer, gather, explicit, factors, keep, variable):
     parts = []
     if outer is not None:
         left = _rows(outer.left, keep) * factors[:, None, None]
-        parts.append(tf.einsum("mtp,mtd->pd", left, _rows(outer.right, keep)))
+        right = _rows(outer.right, keep)
+        # One [p, m*T] x [m*T, d] product: XLA on CPU runs it about twice as
+        # fast as the equivalent two-axis einsum "mtp,mtd->pd".
+        parts.append(tf.matmul(tf.reshape(left, [-1, left.shape[-1]]),
+                               tf.reshape(right, [-1, right.shape[-1]]), transpose_a=True))
     if gather is not None:
         values = _rows(gather.values, keep) * factors[:, None, None]
         parts.append(tf.math.unsorted_segment_sum(

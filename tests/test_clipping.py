@@ -150,8 +150,33 @@ class TestGhostEqualsVectorizedPerLayer:
         model = keras.Model(inputs, embedding(hidden, reverse=True))
         assert_same_clipping(model, tokens(), labels((6, 5), classes=7))
 
-    def test_layer_normalization(self):
-        model = sequence_model(keras.layers.LayerNormalization(), keras.layers.Dense(3))
+    @pytest.mark.parametrize("options", [
+        {},
+        {"rms_scaling": True},
+        {"center": False},
+        {"scale": False},
+        {"axis": [1, 2]},
+    ], ids=["default", "rms_scaling", "no_center", "no_scale", "two_axes"])
+    @pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")
+    def test_layer_normalization(self, options):
+        # Random gamma and beta: the initial ones and zeros would hide a
+        # gradient taken with respect to the wrong one.
+        normalization = keras.layers.LayerNormalization(
+            gamma_initializer="random_normal", beta_initializer="random_normal", **options)
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"), normalization,
+                               keras.layers.Dense(3))
+        assert_same_clipping(model, sequences(), labels((6, 5)))
+
+    def test_layer_normalization_over_the_batch_axis_is_refused(self):
+        inputs = keras.Input((5, 4), batch_size=6)
+        model = keras.Model(inputs, keras.layers.LayerNormalization(axis=[0, 2])(inputs))
+        model.compile(loss=LOSS)
+        with pytest.raises(PrivacyConfigurationError, match="mixes examples"):
+            GhostClipping(jit_compile=False).clip_and_sum(model, sequences(), labels((6, 5)),
+                                                          None, 1.0)
+
+    def test_small_layers_without_a_rule_get_per_example_gradients(self):
+        model = sequence_model(keras.layers.RMSNormalization(), keras.layers.Dense(3))
         assert_same_clipping(model, sequences(), labels((6, 5)))
 
     def test_layer_called_twice(self):
@@ -304,7 +329,7 @@ class TestUnknownMicroBatchAxis:
 
     def test_fallback_layers_keep_the_batch_a_runtime_value(self):
         model = sequence_model(keras.layers.Dense(4, activation="tanh"),
-                               keras.layers.LayerNormalization(), keras.layers.Dense(3))
+                               keras.layers.RMSNormalization(), keras.layers.Dense(3))
         model.compile(loss=LOSS)
         strategy = GhostClipping()
         x, y = sequences(), labels((6, 5))
@@ -316,7 +341,7 @@ class TestUnknownMicroBatchAxis:
 
     def test_unknown_batch_axis_gives_the_same_clipping(self):
         model = sequence_model(keras.layers.Dense(4, activation="tanh"),
-                               keras.layers.LayerNormalization(), keras.layers.Dense(3))
+                               keras.layers.RMSNormalization(), keras.layers.Dense(3))
         model.compile(loss=LOSS)
         strategy = GhostClipping(jit_compile=False)
         x, y = sequences(), labels((6, 5))

@@ -505,6 +505,60 @@ class MaskedLMHeadRule(Rule):
         return outputs
 
 
+class LayerNormalizationRule(Rule):
+    """`keras.layers.LayerNormalization`: closed-form per-example gradients.
+
+    The layer is `normalized(x) * gamma + beta`; example i's gradients are
+    `sum(normalized(x_i) * g_i)` and `sum(g_i)` over its non-normalized axes,
+    with `g` the output gradient. Much cheaper than `PerExampleRule`, which
+    would run the layer per example with per-example copies of gamma and beta.
+    """
+
+    @classmethod
+    def matches(cls, layer):
+        cls_ = keras.layers.LayerNormalization
+        return isinstance(layer, cls_) and type(layer).call is cls_.call
+
+    def call(self, recorder, original, inputs):
+        layer = self.layer
+        recorder.check_batch_axis(inputs, layer)
+        rank = inputs.shape.rank
+        axes = sorted(a % rank for a in layer.axis)
+        if 0 in axes:
+            raise PrivacyConfigurationError(
+                f"Layer '{layer.name}' normalizes over the micro-batch axis, which "
+                "mixes examples; no per-example gradient exists. Normalize over "
+                "feature axes only."
+            )
+        shape = [1] * rank
+        for a in axes:
+            shape[a] = inputs.shape[a]
+        normalized = keras.ops.layer_normalization(
+            _as_float(inputs), None, None, axes, layer.epsilon, rms_scaling=layer.rms_scaling)
+        outputs = normalized
+        if layer.gamma is not None:
+            outputs = outputs * tf.reshape(_as_float(layer.gamma), shape)
+        if layer.beta is not None:
+            outputs = outputs + tf.reshape(_as_float(layer.beta), shape)
+        outputs, index = recorder.probe(outputs, layer)
+        summed = [a for a in range(1, rank) if a not in axes]
+
+        def finish(gradient_of):
+            gradient = gradient_of(index)
+            if gradient is None:
+                return []
+            per_example = lambda t: Explicit(tf.reduce_sum(t, axis=summed))
+            records = []
+            if layer.gamma is not None:
+                records.append((layer.gamma, per_example(normalized * gradient)))
+            if layer.beta is not None:
+                records.append((layer.beta, per_example(gradient)))
+            return records
+
+        recorder.on_gradients(finish)
+        return tf.cast(outputs, layer.compute_dtype)
+
+
 class PerExampleRule(Rule):
     """Any layer: its forward pass runs per example with per-example variables.
 
@@ -626,6 +680,7 @@ GHOST_RULES = (
     EmbeddingRule,
     PositionEmbeddingRule,
     MaskedLMHeadRule,
+    LayerNormalizationRule,
 )
 
 

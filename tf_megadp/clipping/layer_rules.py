@@ -59,7 +59,8 @@ class Explicit(NamedTuple):
 
 
 # Layers with few parameters whose per-example gradients are cheap to
-# materialise; `clipping="ghost"` accepts these without ghost rules.
+# materialise; `clipping="ghost"` accepts these without ghost rules
+# (LayerNormalization has one; a subclass overriding `call` lands here).
 SMALL_LAYERS = (
     keras.layers.LayerNormalization,
     keras.layers.RMSNormalization,

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
-import tempfile
 import warnings
 from typing import Any, Iterable, Iterator, Sequence
 
@@ -47,6 +45,7 @@ import numpy as np
 from dp_accounting import mechanism_calibration, pld, rdp
 from scipy import stats
 
+from tf_megadp.files import write_json_atomically
 from tf_megadp.schedules import BatchSizeSchedule
 
 __all__ = [
@@ -704,17 +703,7 @@ class PrivacyAccountant:
 
     def save_report(self, path: str | os.PathLike, settings: dict[str, Any] | None = None) -> None:
         """Writes `report(settings)` as JSON to `path`, atomically."""
-        text = json.dumps(self.report(settings), indent=2, sort_keys=True) + "\n"
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                stream.write(text)
-            os.replace(temporary, path)
-        except BaseException:
-            os.unlink(temporary)
-            raise
+        write_json_atomically(path, self.report(settings))
 
     @classmethod
     def from_report(cls, report: dict[str, Any]) -> "PrivacyAccountant":

@@ -14,30 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any
 
 import keras
 import numpy as np
+
+from tf_megadp.files import atomic_write, write_json_atomically
 
 __all__ = ["save_training_state", "restore_training_state"]
 
 _INDEX = "training_state.json"
 _WEIGHTS = "model.weights.h5"
 _OPTIMIZER = "optimizer_variables.npz"
-
-
-def _replace_into(directory: str, name: str, write) -> None:
-    # Keras checks the file name, so the temporary keeps the full name as its suffix.
-    handle, temporary = tempfile.mkstemp(dir=directory, suffix=f".tmp-{name}")
-    os.close(handle)
-    try:
-        write(temporary)
-        os.replace(temporary, os.path.join(directory, name))
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
 
 
 def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any] | None = None) -> None:
@@ -50,25 +38,20 @@ def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any
     """
     os.makedirs(directory, exist_ok=True)
     optimizer = model.optimizer
-    _replace_into(directory, _WEIGHTS, model.save_weights)
+    atomic_write(os.path.join(directory, _WEIGHTS), model.save_weights)
     values = {f"v{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)}
 
     def write_variables(path):
         with open(path, "wb") as handle:
             np.savez(handle, **values)
 
-    _replace_into(directory, _OPTIMIZER, write_variables)
+    atomic_write(os.path.join(directory, _OPTIMIZER), write_variables)
     index = {
         "optimizer": keras.saving.serialize_keras_object(optimizer),
         "variable_paths": [v.path for v in optimizer.variables],
         "extra": extra or {},
     }
-
-    def write_index(path):
-        with open(path, "w", encoding="utf-8") as handle:
-            json.dump(index, handle, indent=2, default=str)
-
-    _replace_into(directory, _INDEX, write_index)
+    write_json_atomically(os.path.join(directory, _INDEX), index, default=str)
 
 
 def restore_training_state(model: keras.Model, directory: str, compile_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -16,14 +16,16 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 import warnings
 from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["MODEL_PRESETS", "PretrainConfig", "PretrainError", "run_pretraining"]
+from tf_megadp.files import atomic_write, write_json_atomically
+
+__all__ = ["MODEL_PRESETS", "PretrainConfig", "PretrainError", "canary_split", "prepare_data",
+           "run_pretraining"]
 
 # (layers, hidden, heads, intermediate). "tiny" is what a 2-core CPU trains in minutes.
 MODEL_PRESETS = {
@@ -239,8 +241,23 @@ def _corpus_key(config: PretrainConfig) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _prepare_data(config: PretrainConfig):
-    """Token shards for training and held-out evaluation, reused across runs."""
+def prepare_data(config: PretrainConfig):
+    """Tokenizes `config.corpus` once into the cache and splits it; reused across runs.
+
+    The cache folder is keyed by everything that changes the tokens (corpus,
+    sequence length, vocabulary size, seed, held-out fraction), so a run and
+    its later audit find the same split.
+
+    Args:
+        config: the run's settings.
+
+    Returns:
+        (all, train, heldout): `TokenShards` of the whole corpus and of its
+        two disjoint splits.
+
+    Raises:
+        PretrainError: the corpus cannot be read or is too small.
+    """
     from tf_megadp import sampling, text
 
     folder = os.path.join(config.cache_dir or _default_cache_dir(), _corpus_key(config))
@@ -281,7 +298,7 @@ def _prepare_data(config: PretrainConfig):
     return corpus, splits["train"], splits["heldout"]
 
 
-def _canary_split(config: PretrainConfig, train):
+def canary_split(config: PretrainConfig, train):
     """The training split with `config.canaries` canaries per repetition count inserted.
 
     Returns:
@@ -304,9 +321,8 @@ def _canary_split(config: PretrainConfig, train):
     # Shard files and the canary list first: the manifest, written last, marks the folder complete.
     os.makedirs(folder, exist_ok=True)
     canary_lib.save_canaries(os.path.join(folder, CANARIES_NAME), canaries)
-    with tempfile.NamedTemporaryFile(dir=folder, suffix=".npy", delete=False) as handle:
-        np.save(handle, canary_index)
-    os.replace(handle.name, os.path.join(folder, "canary_index.npy"))
+    atomic_write(os.path.join(folder, "canary_index.npy"),
+                 lambda temporary: np.save(temporary, canary_index))
     sampling.write_token_shards(
         folder, [rows], sequence_length=train.sequence_length,
         vocabulary_size=train.vocabulary_size,
@@ -470,14 +486,6 @@ def _divisor_at_most(total: int, wanted: int) -> int:
     return 1
 
 
-def _write_json(path: str, payload: dict[str, Any]) -> None:
-    directory = os.path.dirname(path) or "."
-    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True)
-        temporary = handle.name
-    os.replace(temporary, path)
-
-
 def _plot(history: list[dict[str, Any]], path: str, private: bool) -> None:
     import matplotlib
 
@@ -494,10 +502,8 @@ def _plot(history: list[dict[str, Any]], path: str, private: bool) -> None:
         epsilon_axis.plot(steps, [h["epsilon"] for h in history], "s--", color="tab:red")
         epsilon_axis.set_ylabel("epsilon", color="tab:red")
     figure.tight_layout()
-    temporary = path + ".tmp.png"
-    figure.savefig(temporary, dpi=100)
+    atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=100))
     plt.close(figure)
-    os.replace(temporary, path)
 
 
 def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
@@ -527,10 +533,10 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
     strategy = distribute.resolve_strategy(config.strategy, tpu=config.tpu)
     replicas = strategy.num_replicas_in_sync
     log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'})...")
-    corpus, train, heldout = _prepare_data(config)
+    corpus, train, heldout = prepare_data(config)
     canaries = None
     if config.canaries:
-        train, canaries, _ = _canary_split(config, train)
+        train, canaries, _ = canary_split(config, train)
     if max(batch for _, batch in phases) > len(train):
         raise PretrainError(
             f"The logical batch ({max(b for _, b in phases)}) is larger than the "
@@ -589,7 +595,6 @@ def _compile_kwargs(private: bool):
 def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
            strategy, output_dir, started, log):
     import keras
-    import tensorflow as tf
 
     import tf_megadp
     from tf_megadp import sampling, text
@@ -720,8 +725,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     final_steps = history[-1]["step"] if history else logical_done
     checkpointer.save(model)
     model_path = os.path.join(output_dir, MODEL_NAME)
-    model.save(model_path + ".tmp.keras")
-    os.replace(model_path + ".tmp.keras", model_path)
+    atomic_write(model_path, model.save)
     accuracy = history[-1]["heldout_mlm_accuracy"] if history else float("nan")
     epsilon = float(privacy.epsilon) if privacy else math.inf
     report = {
@@ -755,7 +759,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "history": history,
         "config": _config_dict(config),
     }
-    _write_json(os.path.join(output_dir, REPORT_NAME), report)
+    write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
     if history:
         _plot(history, os.path.join(output_dir, PLOT_NAME), private)
     log(_summary(report, output_dir))

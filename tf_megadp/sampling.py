@@ -32,12 +32,12 @@ import json
 import math
 import mmap
 import os
-import tempfile
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from tf_megadp.files import atomic_write, write_json_atomically
 from tf_megadp.schedules import BatchSizeSchedule
 
 __all__ = [
@@ -61,21 +61,6 @@ _SUBSET_BLOCK = 1 << 20
 # on a 10M-row corpus), so unmapping often is what keeps memory flat; 16 rows
 # cost 18 MiB of peak memory and ~70k rows/s (benchmarks/input_pipeline.py).
 _RELEASE_EVERY_ROWS = 16
-
-
-def _atomic_write_bytes(path: str, data: bytes) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _sha256_file(path: str) -> str:
@@ -132,15 +117,7 @@ def write_token_shards(
     def flush(block: np.ndarray) -> None:
         name = f"shard-{len(shards):05d}.npy"
         path = os.path.join(directory, name)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npy")
-        os.close(fd)
-        try:
-            np.save(tmp, block, allow_pickle=False)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, lambda temporary: np.save(temporary, block, allow_pickle=False))
         shards.append({"file": name, "rows": int(block.shape[0]), "sha256": _sha256_file(path)})
 
     for block in rows:
@@ -173,10 +150,7 @@ def write_token_shards(
         "shards": shards,
         **(metadata or {}),
     }
-    _atomic_write_bytes(
-        os.path.join(directory, MANIFEST_NAME),
-        json.dumps(manifest, indent=2, sort_keys=True).encode("utf-8"),
-    )
+    write_json_atomically(os.path.join(directory, MANIFEST_NAME), manifest)
     return manifest
 
 

@@ -32,12 +32,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from tf_megadp.sampling import (
-    MANIFEST_NAME,
-    TokenShards,
-    _atomic_write_bytes,
-    write_token_shards,
-)
+from tf_megadp.files import write_bytes_atomically
+from tf_megadp.sampling import MANIFEST_NAME, TokenShards, write_token_shards
 
 __all__ = [
     "CorpusError",
@@ -517,7 +513,7 @@ def prepare_corpus(
             "use a larger corpus or a smaller min_tokens."
         )
     os.makedirs(output_dir, exist_ok=True)
-    _atomic_write_bytes(
+    write_bytes_atomically(
         os.path.join(output_dir, "vocab.txt"),
         "".join(token + "\n" for token in vocabulary).encode("utf-8"),
     )

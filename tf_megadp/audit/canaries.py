@@ -37,13 +37,13 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from scipy import stats
 
 from tf_megadp.audit.empirical import clopper_pearson
+from tf_megadp.files import write_json_atomically
 
 __all__ = [
     "CanaryFormat",
@@ -340,15 +340,7 @@ def save_canaries(path: str | os.PathLike, canaries: Sequence[Canary]) -> None:
             for c in canaries
         ]
     }
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, temporary = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as stream:
-            json.dump(payload, stream, indent=1)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_json_atomically(path, payload)
 
 
 def load_canaries(path: str | os.PathLike) -> list[Canary]:

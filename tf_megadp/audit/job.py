@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from tf_megadp.files import write_json_atomically
+
 __all__ = ["audit_pretraining_run"]
 
 
@@ -63,7 +65,6 @@ def audit_pretraining_run(
     import keras
 
     from tf_megadp import pretraining, text
-    from tf_megadp.audit.canaries import load_canaries
     from tf_megadp.audit.runner import run_audit
 
     report_path = os.path.join(output_dir, pretraining.REPORT_NAME)
@@ -80,10 +81,10 @@ def audit_pretraining_run(
     settings = dict(run["config"])
     settings.update(output_dir=output_dir, resume=False, cache_dir=cache_dir or settings.get("cache_dir"))
     config = pretraining.PretrainConfig(**settings)
-    _, train, heldout = pretraining._prepare_data(config)
+    _, train, heldout = pretraining.prepare_data(config)
     canaries, canary_index = [], np.full(len(train), -1)
     if config.canaries:
-        train, canaries, canary_index = pretraining._canary_split(config, train)
+        train, canaries, canary_index = pretraining.canary_split(config, train)
 
     rng = np.random.default_rng(seed)
     candidates = np.flatnonzero(canary_index < 0)
@@ -114,7 +115,7 @@ def audit_pretraining_run(
         heldout_mlm_accuracy=run["heldout_mlm_accuracy"],
         canaries_per_repetition=config.canaries,
     )
-    pretraining._write_json(os.path.join(output_dir, pretraining.AUDIT_NAME), result)
+    write_json_atomically(os.path.join(output_dir, pretraining.AUDIT_NAME), result)
     log(_summary(result, output_dir))
     return result
 

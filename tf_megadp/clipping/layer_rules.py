@@ -196,6 +196,24 @@ def _swapped(layer, name, value):
         object.__setattr__(layer, name, original)
 
 
+def _call_with_probed_activation(recorder, layer, original, *args, **kwargs):
+    """Runs `original` with a zero probe before `layer.activation`.
+
+    Returns:
+        (outputs, index of the probe's gradient): that gradient is the output
+        gradient with respect to the pre-activation values.
+    """
+    activation, slot = layer.activation, {}
+
+    def probed_activation(x):
+        x, slot["index"] = recorder.probe(x, layer)
+        return x if activation is None else activation(x)
+
+    with _swapped(layer, "activation", probed_activation):
+        outputs = original(*args, **kwargs)
+    return outputs, slot["index"]
+
+
 def _as_float(tensor):
     return tf.cast(tensor, tf.float32)
 
@@ -273,19 +291,13 @@ class DenseRule(Rule):
         return _plain(layer, keras.layers.Dense)
 
     def call(self, recorder, original, inputs, *args, **kwargs):
-        layer, slot = self.layer, {}
-        activation = layer.activation
-
-        def probed_activation(x):
-            x, slot["index"] = recorder.probe(x, layer)
-            return x if activation is None else activation(x)
-
+        layer = self.layer
         recorder.check_batch_axis(inputs, layer)
-        with _swapped(layer, "activation", probed_activation):
-            outputs = original(inputs, *args, **kwargs)
+        outputs, index = _call_with_probed_activation(
+            recorder, layer, original, inputs, *args, **kwargs)
 
         def finish(gradient_of):
-            gradient = gradient_of(slot["index"])
+            gradient = gradient_of(index)
             if gradient is None:
                 return []
             m = recorder.batch_size
@@ -348,20 +360,14 @@ class EinsumDenseRule(Rule):
                 and einsum_plan(layer.equation) is not None)
 
     def call(self, recorder, original, inputs, *args, **kwargs):
-        layer, slot = self.layer, {}
-        activation = layer.activation
+        layer = self.layer
         plan = einsum_plan(layer.equation)
-
-        def probed_activation(x):
-            x, slot["index"] = recorder.probe(x, layer)
-            return x if activation is None else activation(x)
-
         recorder.check_batch_axis(inputs, layer)
-        with _swapped(layer, "activation", probed_activation):
-            outputs = original(inputs, *args, **kwargs)
+        outputs, index = _call_with_probed_activation(
+            recorder, layer, original, inputs, *args, **kwargs)
 
         def finish(gradient_of):
-            gradient = gradient_of(slot["index"])
+            gradient = gradient_of(index)
             if gradient is None:
                 return []
             m = recorder.batch_size
@@ -488,18 +494,11 @@ class MaskedLMHeadRule(Rule):
                 and layer.token_embedding is not None)
 
     def call(self, recorder, original, *args, **kwargs):
-        layer, slot = self.layer, {}
-        activation = layer.activation
-
-        def probed_activation(x):
-            x, slot["index"] = recorder.probe(x, layer)
-            return x if activation is None else activation(x)
-
-        with _swapped(layer, "activation", probed_activation):
-            outputs = original(*args, **kwargs)
+        layer = self.layer
+        outputs, index = _call_with_probed_activation(recorder, layer, original, *args, **kwargs)
 
         def finish(gradient_of):
-            gradient = gradient_of(slot["index"])
+            gradient = gradient_of(index)
             return [] if gradient is None else [(layer._bias, _bias_gradient(gradient, layer._bias))]
 
         recorder.on_gradients(finish)

@@ -1,0 +1,75 @@
+"""Atomic file writes: a reader finds the old file or the whole new one, never a part.
+
+Every file tf_megadp writes (checkpoints, privacy reports, token shards and
+their manifests, canary lists, run reports, plots) goes through `atomic_write`,
+so a crash or a full disk mid-write cannot leave a truncated file where a
+complete one is expected.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Callable
+
+__all__ = ["atomic_write", "write_bytes_atomically", "write_json_atomically"]
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Calls `write(temporary_path)`, flushes the result to disk and renames it onto `path`.
+
+    The temporary file lives in `path`'s folder (a rename is atomic only within
+    one file system) and its name ends with `path`'s own name, so writers that
+    check the extension (Keras `.keras` / `.weights.h5`, NumPy `.npy`,
+    Matplotlib) accept it. It is removed if `write` fails.
+
+    Args:
+        path: the destination file; its folder must exist.
+        write: writes the complete file at the path it is given.
+
+    Example:
+    ```python
+    atomic_write("model.keras", model.save)
+    ```
+    """
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=f"-{name}")
+    os.close(handle)
+    try:
+        write(temporary)
+        descriptor = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> None:
+    """Writes `data` to `path` atomically."""
+
+    def write(temporary: str) -> None:
+        with open(temporary, "wb") as stream:
+            stream.write(data)
+
+    atomic_write(path, write)
+
+
+def write_json_atomically(path: str | os.PathLike, payload: Any, *,
+                          default: Callable[[Any], Any] | None = None) -> None:
+    """Writes `payload` as indented JSON (sorted keys, final newline) to `path` atomically.
+
+    Args:
+        path: the destination file; its folder must exist.
+        payload: JSON-serializable data.
+        default: as in `json.dumps`: converts values JSON cannot represent
+            (without it they raise `TypeError`, and nothing is written).
+    """
+    text = json.dumps(payload, indent=2, sort_keys=True, default=default) + "\n"
+    write_bytes_atomically(path, text.encode("utf-8"))

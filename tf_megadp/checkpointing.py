@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import keras
@@ -77,7 +78,12 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
         raise FileNotFoundError(f"No checkpoint ({_INDEX}) in {directory}.")
     with open(index_path, encoding="utf-8") as handle:
         index = json.load(handle)
-    model.load_weights(os.path.join(directory, _WEIGHTS))
+    with warnings.catch_warnings():
+        # The weights file carries the optimizer's variables too; the fresh
+        # model's optimizer is not built yet, so Keras skips them and warns.
+        # They are restored below, from the file that holds them exactly.
+        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+        model.load_weights(os.path.join(directory, _WEIGHTS))
     optimizer = keras.saving.deserialize_keras_object(index["optimizer"])
     model.compile(optimizer=optimizer, **compile_kwargs)
     optimizer.build(model.trainable_variables)

@@ -28,6 +28,8 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from tf_megadp.files import write_json_atomically  # noqa: E402
+
 MICRO_BATCH = 3        # m, per replica
 ACCUMULATION = 2       # k
 LOGICAL_STEPS = 3
@@ -309,7 +311,7 @@ def run_replicas(replicas, out_path):
         mixed_bfloat16_checks(strategy, replicas, result)
         ghost_checks(strategy, replicas, result)
     seconds["total"] = time.perf_counter() - start
-    _write(out_path, result)
+    write_json_atomically(out_path, result)
 
 
 def run_worker(index, ports, out_path):
@@ -331,20 +333,13 @@ def run_worker(index, ports, out_path):
         logs = distribute.train_micro_steps(each, strategy, data, ACCUMULATION * LOGICAL_STEPS)
         if each is model:
             model_logs = logs
-    _write(out_path, {
+    write_json_atomically(out_path, {
         "replicas": replicas,
         "logical_steps": int(model.optimizer.iterations.numpy()),
         "nonfinite_logged": float(model_logs["nonfinite_examples"]),
         "weights": [v.numpy().tolist() for v in model.trainable_variables],
         "noisy_weights": [v.numpy().tolist() for v in noisy.trainable_variables],
     })
-
-
-def _write(path, result):
-    temporary = path + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as stream:
-        json.dump(result, stream)
-    os.replace(temporary, path)
 
 
 if __name__ == "__main__":

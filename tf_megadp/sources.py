@@ -1,0 +1,150 @@
+"""What feeds a private `fit`, as the accountant must know it.
+
+Epsilon depends on two facts about the training data that no optimizer
+setting can tell: how many examples there are (N) and how each logical step
+chose its examples. A `DataSource` states both, together with how each was
+established:
+
+* a tf_megadp sampler (Poisson over token shards, arrays or indexable
+  records) attaches its `DataSource` to the `tf.data.Dataset` it returns:
+  N is measured, every step is a Poisson draw of the sampler's schedule;
+* NumPy arrays and tensors passed to `fit` are measured by the private
+  `fit` itself: N is their length, and their batches are fixed-size
+  (sampling ``"shuffle"``), for which the Poisson epsilon is an estimate,
+  not a proven guarantee;
+* any other input (a `tf.data.Dataset` no sampler returned, a
+  `keras.utils.PyDataset`, a generator) has no measurable N: the user states
+  it (`PrivacyCallback(num_examples=...)`), and the report says it was
+  stated.
+
+A sampler's dataset must reach `fit` as it was returned: any transformation
+(`cache`, `repeat`, `map`, ...) could replay or mix its draws, so `source_of`
+refuses a dataset derived from a sampler's (it finds the sampler's marker in
+the dataset graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any
+
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.schedules import BatchSizeSchedule
+
+__all__ = ["DataSource", "attach_source", "source_of", "FIXED_SIZE_SAMPLING"]
+
+# The accountant's code for batches that no tf_megadp sampler drew.
+FIXED_SIZE_SAMPLING = "shuffle"
+_ATTRIBUTE = "_tf_megadp_source"
+_MARKER_PREFIX = "tf_megadp_sampler_"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+    """How the logical steps of a run choose their examples.
+
+    Attributes:
+        sampling: ``"poisson"`` (a tf_megadp sampler drew every step) or
+            ``"shuffle"`` (fixed-size batches that no sampler drew).
+        num_examples: N, the number of privacy units.
+        num_examples_measured: True when N was counted from the data, False
+            when the user stated it.
+        description: one line for logs and the privacy report.
+        schedule: the Poisson sampler's `BatchSizeSchedule` (its q_t and
+            static capacity per step); None for fixed-size batches.
+        start_step: the first logical step the sampler draws.
+        seeded: the sampling randomness came from an explicit seed, so
+            anyone who can guess it can recompute every batch.
+    """
+
+    sampling: str
+    num_examples: int
+    num_examples_measured: bool
+    description: str
+    schedule: BatchSizeSchedule | None = None
+    start_step: int = 0
+    seeded: bool = False
+
+    def __post_init__(self):
+        if self.sampling not in ("poisson", FIXED_SIZE_SAMPLING):
+            raise ValueError(
+                f"DataSource.sampling must be 'poisson' or {FIXED_SIZE_SAMPLING!r}, "
+                f"got {self.sampling!r}."
+            )
+        if self.sampling == "poisson" and self.schedule is None:
+            raise ValueError("A Poisson DataSource needs the sampler's schedule.")
+        if self.schedule is not None and self.schedule.num_examples != self.num_examples:
+            raise ValueError(
+                f"DataSource.num_examples={self.num_examples} differs from its "
+                f"schedule's num_examples={self.schedule.num_examples}."
+            )
+
+    def report(self) -> dict[str, Any]:
+        """The source as it appears in the privacy report."""
+        return {
+            "sampling": self.sampling,
+            "description": self.description,
+            "num_examples_measured": self.num_examples_measured,
+            "seeded_sampling": self.seeded,
+        }
+
+
+def attach_source(dataset, source: DataSource):
+    """Marks `dataset` as drawn by a tf_megadp sampler described by `source`.
+
+    Returns a dataset that yields the same elements, carries `source`, and
+    holds a marker in its graph so that datasets derived from it are
+    recognised (and refused) by `source_of`.
+
+    Args:
+        dataset: the sampler's `tf.data.Dataset`.
+        source: its `DataSource`.
+
+    Returns:
+        The marked `tf.data.Dataset`; pass it to `fit` as it is.
+    """
+    if not isinstance(source, DataSource):
+        raise TypeError(f"source must be a DataSource, got {source!r}.")
+    marked = dataset.take(-1, name=_MARKER_PREFIX + secrets.token_hex(4))
+    setattr(marked, _ATTRIBUTE, source)
+    return marked
+
+
+def source_of(data) -> DataSource | None:
+    """The `DataSource` a tf_megadp sampler attached to `data`, if any.
+
+    Args:
+        data: what is passed to `fit` as `x`.
+
+    Returns:
+        The sampler's `DataSource`, or None for data no sampler returned.
+
+    Raises:
+        PrivacyConfigurationError: `data` is a dataset derived from a
+            sampler's dataset (for example through `cache` or `repeat`,
+            which replay its draws).
+    """
+    source = getattr(data, _ATTRIBUTE, None)
+    if source is not None:
+        return source
+    serialize = getattr(data, "_as_serialized_graph", None)
+    if serialize is None:
+        return None
+    import tensorflow as tf
+
+    try:
+        graph = serialize(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN
+        ).numpy()
+    except (tf.errors.OpError, ValueError, TypeError):
+        return None
+    if _MARKER_PREFIX.encode() in graph:
+        raise PrivacyConfigurationError(
+            "This dataset was derived from a tf_megadp sampler's dataset "
+            "(cache, repeat, map, batch, ...). A transformation can replay or mix "
+            "the sampler's draws, which the accountant does not cover. Pass the "
+            "dataset that `sampler.as_dataset(map_fn)` returns to fit as it is; "
+            "put per-micro-batch processing into its map_fn."
+        )
+    return None

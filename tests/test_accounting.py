@@ -6,6 +6,7 @@ accountant, independently of the module's own event construction.
 """
 
 import json
+import logging
 import math
 import warnings
 
@@ -16,6 +17,7 @@ from dp_accounting import pld, rdp
 from scipy import stats
 
 from tf_megadp import accounting
+from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.accounting import (
     LedgerEntry,
     PrivacyAccountant,
@@ -233,6 +235,132 @@ def test_calibration_with_a_schedule_keeps_phases_that_fix_their_noise():
     fixed = BatchSizeSchedule([Phase(10, 100, 1, 1.0)], num_examples=1_000, micro_batch_size=100)
     with pytest.raises(ValueError, match="nothing to calibrate"):
         calibrate_noise_multiplier(1.0, 1e-4, schedule=fixed)
+
+
+class _Records(logging.Handler):
+    """Collects the records that reach the absl logger's handlers."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def absl_records():
+    logger = logging.getLogger("absl")
+    handler = _Records()
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_calibration_prints_no_unconverged_order_warnings_and_is_right(absl_records):
+    # q = 0.1 at sigma near 1: dp_accounting's RDP excludes the fractional
+    # orders whose series does not converge and logs one absl warning per
+    # order (15 here before the fix; the issue saw 21 on another run).
+    settings = dict(num_examples=1_000, batch_size=100, steps=50)
+    rdp.RdpAccountant().compose(poisson(50, 0.1, 1.0)).get_epsilon(1e-5)
+    direct = [m for m in absl_records if "failed to converge" in m]
+    assert direct, "the direct dp_accounting call at these inputs must trigger the warnings"
+    absl_records.clear()
+    accounting._epsilon.cache_clear()  # A cached epsilon would never reach dp_accounting.
+
+    sigma = calibrate_noise_multiplier(2.0, 1e-5, accountant="rdp", **settings)
+
+    assert not [m for m in absl_records if "failed to converge" in m]
+    # Still right: a fresh dp_accounting accountant, given the same run,
+    # spends at most the target at sigma and more than it at 1 % less noise.
+    spent = reference_epsilon([poisson(50, 0.1, sigma)], 1e-5, "rdp")
+    assert 0.99 * 2.0 <= spent <= 2.0
+    assert reference_epsilon([poisson(50, 0.1, 0.99 * sigma)], 1e-5, "rdp") > 2.0
+
+
+def test_other_absl_records_of_dp_accounting_still_pass(absl_records):
+    logger = logging.getLogger("absl")
+    with accounting._quiet_unconverged_orders():
+        logger.warning("Negative Renyi divergence of %s", -1.0)
+        logger.warning("_compute_log_a_frac failed to converge after %d iterations", 1000)
+    assert absl_records == ["Negative Renyi divergence of -1.0"]
+
+
+# -- epochs= instead of steps, as in tensorflow-privacy and Opacus ---------------
+
+
+@pytest.mark.parametrize(
+    "epochs, num_examples, batch_size, steps",
+    [(3, 60_000, 256, 704), (0.3, 1_000, 100, 3), (2, 1_000, 10, 200), (1e-9, 1_000, 10, 1)],
+)
+def test_epochs_account_ceil_of_epochs_n_over_b_steps(epochs, num_examples, batch_size, steps):
+    # steps = ceil(epochs * N / B), computed here by hand, and epsilon against
+    # a direct dp_accounting call on that many Poisson steps.
+    assert accounting.steps_for_epochs(
+        epochs, num_examples=num_examples, batch_size=batch_size) == steps
+    expected = reference_epsilon(
+        [poisson(steps, batch_size / num_examples, 1.1)], 1e-6, "rdp")
+    got = compute_epsilon(num_examples=num_examples, batch_size=batch_size, epochs=epochs,
+                          noise_multiplier=1.1, delta=1e-6, accountant="rdp")
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_calibration_with_epochs_meets_the_target_on_those_steps():
+    sigma = calibrate_noise_multiplier(2.0, 1e-5, num_examples=60_000, batch_size=256,
+                                       epochs=3, accountant="rdp")
+    spent = reference_epsilon([poisson(704, 256 / 60_000, sigma)], 1e-5, "rdp")
+    assert 0.99 * 2.0 <= spent <= 2.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(steps=10, epochs=1), "not both"),
+        (dict(steps=None, epochs=0), "epochs must be a finite number > 0"),
+        (dict(steps=None, epochs=-2), "epochs must be a finite number > 0"),
+        (dict(steps=None, epochs=float("nan")), "epochs must be a finite number > 0"),
+        (dict(steps=None, epochs=True), "epochs must be a finite number > 0"),
+    ],
+)
+def test_epochs_misuse_raises_naming_the_fix(overrides, message):
+    settings = dict(num_examples=1_000, batch_size=10, steps=10, noise_multiplier=1.0,
+                    delta=1e-4, accountant="rdp")
+    settings.update(overrides)
+    with pytest.raises(PrivacyConfigurationError, match=message):
+        compute_epsilon(**settings)
+    settings.pop("noise_multiplier")
+    with pytest.raises(PrivacyConfigurationError, match=message):
+        calibrate_noise_multiplier(1.0, settings.pop("delta"), **settings)
+
+
+def test_epochs_with_a_schedule_raises():
+    schedule = BatchSizeSchedule.constant(10, 100, num_examples=1_000, micro_batch_size=100)
+    with pytest.raises(PrivacyConfigurationError, match="BatchSizeSchedule sets the steps"):
+        compute_epsilon(schedule=schedule, epochs=2, noise_multiplier=1.0, delta=1e-4)
+    with pytest.raises(PrivacyConfigurationError, match="BatchSizeSchedule sets the steps"):
+        calibrate_noise_multiplier(1.0, 1e-4, schedule=schedule, epochs=2)
+
+
+def test_neither_steps_nor_epochs_names_both():
+    with pytest.raises(ValueError, match=r"steps \(or epochs\)"):
+        compute_epsilon(num_examples=1_000, batch_size=10, noise_multiplier=1.0, delta=1e-4)
+
+
+# -- Sampling kinds ---------------------------------------------------------------
+
+
+def test_a_sampling_kind_without_an_accounting_rule_raises(monkeypatch):
+    # A kind added to SAMPLING_KINDS (say, balls-in-bins) but given no rule in
+    # the accountant used to fall through to Poisson and report its epsilon.
+    monkeypatch.setattr(accounting, "SAMPLING_KINDS", (*accounting.SAMPLING_KINDS, "balls_in_bins"))
+    ledger = PrivacyLedger([LedgerEntry(10, 0.01, 1.0, sampling="balls_in_bins")])
+    account = PrivacyAccountant(1_000, 1e-4, accountant="rdp", ledger=ledger)
+    with pytest.raises(PrivacyConfigurationError, match="No accounting rule.*balls_in_bins"):
+        account.epsilon()
+    with pytest.raises(PrivacyConfigurationError, match="No accounting rule"):
+        account.dp_event()
 
 
 # -- The ledger ------------------------------------------------------------------

@@ -33,8 +33,11 @@ about 0.1 s, 6-135 % looser). See docs/privacy.md for the measurements.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fractions
 import functools
+import logging
 import math
 import os
 import warnings
@@ -45,6 +48,7 @@ import numpy as np
 from dp_accounting import mechanism_calibration, pld, rdp
 from scipy import stats
 
+from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import write_json_atomically
 from tf_megadp.schedules import BatchSizeSchedule
 
@@ -57,6 +61,7 @@ __all__ = [
     "PrivacyLedger",
     "PrivacyAccountant",
     "ledger_from_schedule",
+    "steps_for_epochs",
     "compute_epsilon",
     "calibrate_noise_multiplier",
 ]
@@ -387,6 +392,15 @@ def ledger_from_schedule(
 
 
 def _entry_event(entry: LedgerEntry, num_examples: int) -> dp_accounting.DpEvent:
+    """The `dp_accounting` event of `entry`'s steps.
+
+    Every sampling kind is matched explicitly: a kind added to
+    `SAMPLING_KINDS` without an accounting rule here must not be accounted as
+    Poisson by default, which could understate what it spends.
+
+    Raises:
+        PrivacyConfigurationError: `entry.sampling` has no accounting rule.
+    """
     if entry.sampling == "poisson" and entry.max_batch_size:
         step = dp_accounting.TruncatedSubsampledGaussianDpEvent(
             dataset_size=num_examples,
@@ -394,11 +408,48 @@ def _entry_event(entry: LedgerEntry, num_examples: int) -> dp_accounting.DpEvent
             truncated_batch_size=entry.max_batch_size,
             noise_multiplier=entry.noise_multiplier,
         )
-    else:
+    elif entry.sampling == "poisson" or entry.sampling == "shuffle":
+        # "shuffle" is accounted as if Poisson, always with _SHUFFLE_WARNING.
         step = dp_accounting.PoissonSampledDpEvent(
             entry.sampling_rate, dp_accounting.GaussianDpEvent(entry.noise_multiplier)
         )
+    else:
+        raise PrivacyConfigurationError(
+            f"No accounting rule for sampling kind {entry.sampling!r}: tf_megadp "
+            "accounts only 'poisson' and 'shuffle' (as Poisson, with a warning). "
+            "Draw the batches with tf_megadp.PoissonSampler, or record the steps "
+            "with sampling='shuffle'."
+        )
     return dp_accounting.SelfComposedDpEvent(step, entry.steps)
+
+
+class _DropUnconvergedOrders(logging.Filter):
+    """Drops dp_accounting's "_compute_log_a_frac failed to converge" records.
+
+    The RDP accountant logs one such warning (through absl) for each
+    fractional Renyi order whose series does not converge within 1000 terms,
+    which happens at small noise multipliers and large sampling rates, i.e.
+    exactly where a calibration's bracket search probes. That order is then
+    excluded (its RDP is taken as infinite), which can only make the epsilon
+    bound looser, never smaller: the reported epsilon stays an upper bound
+    and the records say nothing a user must act on. Every other record
+    (e.g. "Negative Renyi divergence", a real numerical problem) passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("_compute_log_a_frac failed to converge")
+
+
+@contextlib.contextmanager
+def _quiet_unconverged_orders():
+    """While active, the absl logger drops only the records `_DropUnconvergedOrders` names."""
+    logger = logging.getLogger("absl")
+    record_filter = _DropUnconvergedOrders()
+    logger.addFilter(record_filter)
+    try:
+        yield
+    finally:
+        logger.removeFilter(record_filter)
 
 
 def _engine(accountant: str) -> dp_accounting.PrivacyAccountant:
@@ -495,7 +546,8 @@ def _epsilon(
     event = dp_accounting.ComposedDpEvent(
         [_entry_event(entry, num_examples) for entry in entries]
     )
-    return float(_TruncationAwareAccountant(accountant).compose(event).get_epsilon(delta))
+    with _quiet_unconverged_orders():
+        return float(_TruncationAwareAccountant(accountant).compose(event).get_epsilon(delta))
 
 
 class PrivacyAccountant:
@@ -545,6 +597,7 @@ class PrivacyAccountant:
         sampling: str = "poisson",
         max_batch_size: int | None = None,
         accountant: str = DEFAULT_ACCOUNTANT,
+        epochs: float | None = None,
     ) -> "PrivacyAccountant":
         """The accountant of a whole planned run; arguments as in `compute_epsilon`."""
         num_examples, ledger = _run_ledger(
@@ -555,6 +608,7 @@ class PrivacyAccountant:
             noise_multiplier=noise_multiplier,
             sampling=sampling,
             max_batch_size=max_batch_size,
+            epochs=epochs,
         )
         return cls(num_examples, delta, accountant=accountant, ledger=ledger)
 
@@ -736,6 +790,48 @@ def _dp_accounting_version() -> str:
         return "unknown"
 
 
+def steps_for_epochs(epochs: float, *, num_examples: int, batch_size: int) -> int:
+    """Logical steps of `epochs` passes over N examples at expected batch B.
+
+    One epoch of Poisson steps is N / B steps in expectation (each example
+    joins each step with probability q = B / N), as in tensorflow-privacy's
+    `compute_dp_sgd_privacy` and Opacus. The count is rounded up, so the
+    accounted run is never shorter than the one asked for; `epochs` is read as
+    the decimal the user wrote (0.3 epochs of N = 1000, B = 100 is 3 steps,
+    not 4 from binary round-off).
+
+    Args:
+        epochs: passes over the data, a finite number > 0.
+        num_examples: N.
+        batch_size: expected logical batch B.
+
+    Returns:
+        ceil(epochs * N / B), an int >= 1.
+
+    Raises:
+        PrivacyConfigurationError: `epochs` is not a finite number > 0.
+
+    Example:
+    ```python
+    steps_for_epochs(3, num_examples=60_000, batch_size=256)    # 704
+    ```
+    """
+    if (
+        isinstance(epochs, bool)
+        or not isinstance(epochs, (int, float, np.integer, np.floating))
+        or not math.isfinite(epochs)
+        or epochs <= 0
+    ):
+        raise PrivacyConfigurationError(
+            f"epochs must be a finite number > 0, got {epochs!r}; or pass steps= instead."
+        )
+    num_examples = _check_num_examples(num_examples)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    exact = fractions.Fraction(repr(float(epochs))) * int(num_examples) / int(batch_size)
+    return max(1, math.ceil(exact))
+
+
 def _run_ledger(
     *,
     schedule: BatchSizeSchedule | None,
@@ -745,10 +841,24 @@ def _run_ledger(
     noise_multiplier: float | None,
     sampling: str,
     max_batch_size: int | None,
+    epochs: float | None = None,
 ) -> tuple[int, PrivacyLedger]:
     """(N, ledger) from either a schedule or plain constant-batch settings."""
     if sampling not in SAMPLING_KINDS:
         raise ValueError(f"sampling must be one of {SAMPLING_KINDS}, got {sampling!r}.")
+    if epochs is not None:
+        if schedule is not None:
+            raise PrivacyConfigurationError(
+                "epochs= describes a constant-batch run, but a BatchSizeSchedule "
+                "sets the steps of each phase itself: drop epochs (pass steps= to "
+                "stop early) or describe the run by num_examples, batch_size and "
+                "epochs without a schedule."
+            )
+        if steps is not None:
+            raise PrivacyConfigurationError(
+                f"Pass steps or epochs, not both (got steps={steps!r}, "
+                f"epochs={epochs!r}): one of them fixes the number of logical steps."
+            )
     if schedule is not None:
         if batch_size is not None or max_batch_size is not None:
             raise ValueError(
@@ -768,7 +878,7 @@ def _run_ledger(
         for name, value in (
             ("num_examples", num_examples),
             ("batch_size", batch_size),
-            ("steps", steps),
+            ("steps (or epochs)", steps if epochs is None else epochs),
             ("noise_multiplier", noise_multiplier),
         )
         if value is None
@@ -786,6 +896,8 @@ def _run_ledger(
             f"batch_size {batch_size} is larger than num_examples {num_examples}: "
             "the sampling rate q = B / N would exceed 1."
         )
+    if epochs is not None:
+        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size)
     ledger = PrivacyLedger()
     ledger.record(
         steps,
@@ -808,13 +920,15 @@ def compute_epsilon(
     sampling: str = "poisson",
     max_batch_size: int | None = None,
     accountant: str = DEFAULT_ACCOUNTANT,
+    epochs: float | None = None,
 ) -> float:
     """Epsilon of a DP-SGD run at `delta`.
 
     Describe the run either by a `BatchSizeSchedule` (plus `noise_multiplier`
     for phases that do not set their own; Poisson steps are truncated at each
-    phase's capacity) or by constant `num_examples`, `batch_size`, `steps` and
-    `noise_multiplier` (optionally truncated at `max_batch_size`).
+    phase's capacity) or by constant `num_examples`, `batch_size`, `steps` (or
+    `epochs`) and `noise_multiplier` (optionally truncated at
+    `max_batch_size`).
 
     Args:
         delta: target delta in (0, 1).
@@ -827,14 +941,22 @@ def compute_epsilon(
             warning).
         max_batch_size: truncation of untruncated-schedule Poisson steps.
         accountant: ``"pld"`` or ``"rdp"``.
+        epochs: instead of `steps` (not with a schedule): passes over the
+            data; steps = ceil(epochs * N / B), see `steps_for_epochs`.
 
     Returns:
         epsilon (a float; 0.0 for zero steps).
+
+    Raises:
+        PrivacyConfigurationError: both `steps` and `epochs`, or `epochs`
+            with a schedule.
 
     Example:
     ```python
     compute_epsilon(num_examples=60_000, batch_size=256, steps=10_000,
                     noise_multiplier=1.1, delta=1e-5)     # 1.978
+    compute_epsilon(num_examples=60_000, batch_size=256, epochs=3,
+                    noise_multiplier=1.1, delta=1e-5)     # 704 steps
     ```
     """
     return PrivacyAccountant.for_run(
@@ -847,6 +969,7 @@ def compute_epsilon(
         sampling=sampling,
         max_batch_size=max_batch_size,
         accountant=accountant,
+        epochs=epochs,
     ).epsilon()
 
 
@@ -861,6 +984,7 @@ def calibrate_noise_multiplier(
     sampling: str = "poisson",
     max_batch_size: int | None = None,
     accountant: str = DEFAULT_ACCOUNTANT,
+    epochs: float | None = None,
 ) -> float:
     """The smallest noise multiplier whose run meets (target_epsilon, target_delta).
 
@@ -873,17 +997,30 @@ def calibrate_noise_multiplier(
         target_epsilon: the budget, > 0.
         target_delta: delta in (0, 1).
         schedule, num_examples, batch_size, steps, sampling, max_batch_size,
-        accountant: as in `compute_epsilon`.
+        accountant, epochs: as in `compute_epsilon`.
 
     Returns:
         sigma, a float.
+
+    Raises:
+        PrivacyConfigurationError: both `steps` and `epochs`, or `epochs`
+            with a schedule.
 
     Example:
     ```python
     sigma = calibrate_noise_multiplier(
         3.0, 1e-5, num_examples=60_000, batch_size=256, steps=10_000)  # 0.886
+    sigma = calibrate_noise_multiplier(
+        3.0, 1e-5, num_examples=60_000, batch_size=256, epochs=40)
     ```
     """
+    if epochs is not None:
+        # Resolved once, so the search below and its RDP seed see plain steps.
+        steps = _run_ledger(
+            schedule=schedule, num_examples=num_examples, batch_size=batch_size,
+            steps=steps, noise_multiplier=1.0, sampling=sampling,
+            max_batch_size=max_batch_size, epochs=epochs,
+        )[1].total_steps
     if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)):
         raise ValueError(f"target_epsilon must be a number > 0, got {target_epsilon!r}.")
     if not (math.isfinite(target_epsilon) and target_epsilon > 0):
@@ -965,13 +1102,16 @@ def calibrate_noise_multiplier(
             ]
         )
 
-    return float(
-        mechanism_calibration.calibrate_dp_mechanism(
-            make_fresh_accountant=lambda: _TruncationAwareAccountant(accountant),
-            make_event_from_param=make_event,
-            target_epsilon=target_epsilon,
-            target_delta=accountant_.delta,
-            bracket_interval=mechanism_calibration.ExplicitBracketInterval(low, high),
-            tol=low * 1e-3,
+    # The search composes events itself (outside `_epsilon`): keep its
+    # unconverged-order records quiet too.
+    with _quiet_unconverged_orders():
+        return float(
+            mechanism_calibration.calibrate_dp_mechanism(
+                make_fresh_accountant=lambda: _TruncationAwareAccountant(accountant),
+                make_event_from_param=make_event,
+                target_epsilon=target_epsilon,
+                target_delta=accountant_.delta,
+                bracket_interval=mechanism_calibration.ExplicitBracketInterval(low, high),
+                tol=low * 1e-3,
+            )
         )
-    )

@@ -85,6 +85,31 @@ def test_calibrate_finds_the_smallest_sigma_within_one_percent(capsys):
     assert out.startswith(f"noise multiplier: {sigma:.6g}")
 
 
+def test_epochs_instead_of_steps_match_dp_accounting(capsys):
+    # 3 epochs of N = 60000 at B = 256: ceil(3 * 60000 / 256) = 704 steps.
+    run_args = ["--num-examples", "60000", "--batch-size", "256", "--epochs", "3",
+                "--delta", "1e-5", "--accountant", "rdp", "--json"]
+    status, out, err = run(capsys, "epsilon", *run_args, "--noise-multiplier", "1.1")
+    assert status == 0 and err == ""
+    report = json.loads(out)
+    assert report["steps"] == 704
+    assert report["epsilon"] == pytest.approx(
+        rdp_epsilon([poisson(704, 256 / 60000, 1.1)], 1e-5), rel=1e-12)
+    status, out, err = run(capsys, "calibrate", "--target-epsilon", "2", *run_args)
+    assert status == 0 and err == ""
+    sigma = json.loads(out)["noise_multiplier"]
+    assert 0.99 * 2 <= rdp_epsilon([poisson(704, 256 / 60000, sigma)], 1e-5) <= 2
+
+
+def test_calibrate_prints_no_absl_warnings(capsys):
+    # q = 0.1 near sigma 1: dp_accounting logs one "failed to converge"
+    # warning per excluded RDP order unless tf_megadp drops them.
+    status, out, err = run(capsys, "calibrate", "--target-epsilon", "2", "--num-examples",
+                           "1000", "--batch-size", "100", "--steps", "50", "--delta", "1e-5",
+                           "--accountant", "rdp")
+    assert status == 0 and "converge" not in err and "converge" not in out
+
+
 def test_shuffle_is_reported_with_the_warning_on_stderr(capsys):
     status, out, err = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
                            "--accountant", "rdp", "--sampling", "shuffle")
@@ -109,12 +134,24 @@ def test_shuffle_is_reported_with_the_warning_on_stderr(capsys):
         (["epsilon", "--schedule", "/nonexistent.json", "--delta", "1e-5",
           "--noise-multiplier", "1"], "cannot read schedule"),
         (["calibrate", *RUN], "--target-epsilon"),
+        (["epsilon", *RUN, "--epochs", "2", "--noise-multiplier", "1"], "not both"),
+        (["epsilon", *RUN[:4], "--delta", "1e-5", "--noise-multiplier", "1"],
+         "--steps or --epochs is required"),
+        (["epsilon", *RUN[:4], "--epochs", "0", "--delta", "1e-5", "--noise-multiplier", "1"],
+         "epochs must be a finite number > 0"),
+        (["calibrate", "--target-epsilon", "1", "--schedule", "SCHEDULE", "--epochs", "2",
+          "--delta", "1e-5"], "BatchSizeSchedule sets the steps"),
         (["calibrate", "--target-epsilon", "-1", *RUN], "target_epsilon must be"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
 )
-def test_bad_arguments_print_one_line_and_exit_2(capsys, argv, message):
+def test_bad_arguments_print_one_line_and_exit_2(capsys, tmp_path, argv, message):
+    if "SCHEDULE" in argv:
+        path = tmp_path / "schedule.json"
+        path.write_text(json.dumps(BatchSizeSchedule.constant(
+            10, 100, num_examples=1000, micro_batch_size=100).to_dict()))
+        argv = [str(path) if a == "SCHEDULE" else a for a in argv]
     status, out, err = run(capsys, *argv)
     assert status == 2 and out == ""
     errors = [line for line in err.splitlines() if not line.startswith("tf-megadp: warning:")]

@@ -12,7 +12,7 @@ Example:
 tf-megadp epsilon --num-examples 60000 --batch-size 256 --noise-multiplier 1.1 \\
     --steps 10000 --delta 1e-5
 tf-megadp calibrate --target-epsilon 3 --num-examples 60000 --batch-size 256 \\
-    --steps 10000 --delta 1e-5 --json
+    --epochs 40 --delta 1e-5 --json
 ```
 """
 
@@ -60,6 +60,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
                      help="expected logical batch size B (sampling rate q = B/N)")
     run.add_argument("--steps", type=int, metavar="T",
                      help="logical steps (with --schedule: defaults to its total)")
+    run.add_argument("--epochs", type=float, metavar="E",
+                     help="instead of --steps: passes over the data, "
+                          "steps = ceil(E * N / B) (not with --schedule)")
     if with_noise:
         run.add_argument("--noise-multiplier", type=float, metavar="SIGMA",
                          help="sigma (with --schedule: for phases without their own)")
@@ -115,16 +118,20 @@ def _run_keywords(args: argparse.Namespace) -> dict[str, Any]:
         "num_examples": args.num_examples,
         "batch_size": args.batch_size,
         "steps": args.steps,
+        "epochs": args.epochs,
         "max_batch_size": args.max_batch_size,
         "sampling": args.sampling,
         "accountant": args.accountant,
         "schedule": _load_schedule(args.schedule) if args.schedule else None,
     }
     if keywords["schedule"] is None:
-        for flag, name in (("--num-examples", "num_examples"),
-                           ("--batch-size", "batch_size"), ("--steps", "steps")):
+        for flag, name in (("--num-examples", "num_examples"), ("--batch-size", "batch_size")):
             if keywords[name] is None:
                 raise UsageError(f"{flag} is required (or pass --schedule FILE).")
+        if args.steps is None and args.epochs is None:
+            raise UsageError("--steps or --epochs is required (or pass --schedule FILE).")
+    # Both, or --epochs with --schedule, are refused by the accounting code,
+    # whose message names the fix in terms of these same flags' names.
     return keywords
 
 

@@ -185,53 +185,200 @@ def _private_dense(seed=3):
 
 
 class TestPersistence:
-    def test_save_and_load_mid_accumulation_continue_the_same_run(self, tmp_path):
+    def test_a_mid_step_save_resumes_at_the_step_boundary(self, tmp_path):
         rng = np.random.default_rng(0)
-        x = rng.normal(size=(24, 4)).astype("float32")
-        y = rng.normal(size=(24, 2)).astype("float32")
-        straight = _private_dense()
-        _train_micro_batches(straight, x, y, batch=4)  # 6 micro-batches = 2 steps
-
-        resumed = _private_dense()
-        _train_micro_batches(resumed, x[:16], y[:16], batch=4)  # 1 step + 1 micro
-        accumulators = [a.numpy() for a in resumed.optimizer._accumulators]
-        path = tmp_path / "mid.keras"
-        resumed.save(path)
-        loaded = keras.models.load_model(path)
+        x = rng.normal(size=(16, 4)).astype("float32")
+        y = rng.normal(size=(16, 2)).astype("float32")
+        model = _private_dense()
+        checkpoint = keras.callbacks.ModelCheckpoint(tmp_path / "mid.keras", save_freq=4)
+        # 4 micro-batches of 4 with k = 3: the save happens one micro-batch
+        # into logical step 2, and the fit ends by discarding it.
+        with pytest.warns(UserWarning, match="Discarded the last 1 micro-batches"):
+            _train_micro_batches(model, x, y, batch=4, callbacks=[checkpoint])
+        assert int(model.optimizer.micro_steps.numpy()) == 0
+        loaded = keras.models.load_model(tmp_path / "mid.keras")
         optimizer = loaded.optimizer
         assert isinstance(optimizer, tf_megadp.DPOptimizer)
         assert int(optimizer.iterations.numpy()) == 1
-        assert int(optimizer.micro_steps.numpy()) == 1
-        for a, b in zip(optimizer._accumulators, accumulators):
-            np.testing.assert_array_equal(a.numpy(), b)
-        np.testing.assert_array_equal(optimizer.noise_key.numpy(),
-                                      resumed.optimizer.noise_key.numpy())
+        assert int(optimizer.micro_steps.numpy()) == 0
+        assert all(not np.any(a.numpy()) for a in optimizer._in_memory.accumulators)
+        assert tf_megadp.read_ledger(optimizer).total_steps == 1
         tf_megadp.make_private(loaded)
-        _train_micro_batches(loaded, x[16:], y[16:], batch=4)
+        _train_micro_batches(loaded, x[:12], y[:12], batch=4)
         assert int(optimizer.iterations.numpy()) == 2
-        for a, b in zip(reference.weights(loaded), reference.weights(straight)):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert tf_megadp.read_ledger(optimizer).total_steps == 2
 
     def test_loaded_model_without_make_private_refuses_to_train(self, tmp_path):
         model = _private_dense()
-        x = np.zeros((4, 4), "float32")
-        y = np.zeros((4, 2), "float32")
+        x = np.zeros((12, 4), "float32")
+        y = np.zeros((12, 2), "float32")
         _train_micro_batches(model, x, y, batch=4)
         model.save(tmp_path / "m.keras")
         loaded = keras.models.load_model(tmp_path / "m.keras")
         with pytest.raises(PrivacyConfigurationError, match="make_private"):
             loaded.fit(x, y, verbose=0)
 
-    def test_model_checkpoint_keeps_micro_step_and_accumulators(self, tmp_path):
+
+def _h5_arrays(path):
+    """Every dataset in an HDF5 file (Keras .weights.h5), as NumPy arrays."""
+    import h5py
+
+    arrays = []
+    with h5py.File(path, "r") as handle:
+        handle.visititems(lambda _, item: arrays.append(np.asarray(item))
+                          if isinstance(item, h5py.Dataset) else None)
+    return arrays
+
+
+def _file_arrays(path):
+    """Every array an attacker can read from a file tf_megadp or Keras wrote."""
+    import zipfile
+
+    path = str(path)
+    if path.endswith(".keras"):
+        with zipfile.ZipFile(path) as archive:
+            archive.extract("model.weights.h5", path + ".unzipped")
+        return _h5_arrays(path + ".unzipped/model.weights.h5")
+    if path.endswith(".h5"):
+        return _h5_arrays(path)
+    with np.load(path) as saved:
+        return [saved[name] for name in saved.files]
+
+
+def _recovered_sum(update, key, divisor):
+    """The attack: regenerate step 0's noise from `key` and remove it from the update.
+
+    The update of SGD(learning_rate=1) is -(clipped sum + sigma C z) / B, and
+    the DP step draws z from the key folded with the step (0), the replica
+    (0) and the variable's index.
+    """
+    import tensorflow as tf
+
+    step = replica = tf.constant(0, tf.int64)
+    folded = tf.random.experimental.stateless_fold_in(tf.constant(key, tf.int64), step)
+    folded = tf.random.experimental.stateless_fold_in(folded, replica)
+    recovered = []
+    for index, delta in enumerate(update):
+        noise = tf.random.stateless_normal(
+            delta.shape, seed=tf.random.experimental.stateless_fold_in(folded, index))
+        recovered.append(-divisor * delta - SIGMA * CLIP * noise.numpy())
+    return recovered
+
+
+class TestSecrets:
+    """Attacks on what a run writes: nothing in a file may remove the noise."""
+
+    def test_no_file_holds_the_noise_key_or_the_clipped_sum(self, tmp_path):
+        rng = np.random.default_rng(2)
+        x = rng.normal(size=(6, 3)).astype("float32")
+        y = rng.normal(size=(6, 2)).astype("float32")
+        keras.utils.set_random_seed(1)
+        model = tf_megadp.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), l2_norm_clip=CLIP,
+                                          noise_multiplier=SIGMA, accumulation_steps=2,
+                                          normalize_by=DIVISOR)
+        model.compile(optimizer=optimizer, loss="mse")
+        before = reference.weights(model)
+        clipped_sum = [-DIVISOR * u for u in reference.naive_clipped_update(
+            model, keras.losses.MeanSquaredError(), x[:4], y[:4], CLIP, DIVISOR)]
+        files = {
+            "checkpoint": tmp_path / "checkpoint.keras",
+            "model": tmp_path / "model.keras",
+            "weights": tmp_path / "model.weights.h5",
+        }
+        # Saved after 3 micro-batches: one noisy step applied, one micro-batch
+        # (the un-noised sum of x[4:6]) accumulated.
+        checkpoint = keras.callbacks.ModelCheckpoint(files["checkpoint"], save_freq=3)
+        with pytest.warns(UserWarning, match="Discarded"):
+            model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[checkpoint])
+        update = [a - b for a, b in zip(reference.weights(model), before)]
+        key = optimizer._in_memory.noise_key.numpy()
+
+        # The attack works with the real key: the test can fail.
+        recovered = _recovered_sum(update, key, DIVISOR)
+        for r, c in zip(recovered, clipped_sum):
+            np.testing.assert_allclose(r, c, atol=1e-4)
+
+        model.save(files["model"])
+        model.save_weights(files["weights"])
+        tf_megadp.save_training_state(model, str(tmp_path / "state"))
+        files["state"] = tmp_path / "state" / "optimizer_variables.npz"
+        files["state_weights"] = tmp_path / "state" / "model.weights.h5"
+        tf_megadp.export_model(model, tmp_path / "release.keras")
+        files["release"] = tmp_path / "release.keras"
+        noise_error = np.sqrt(sum(np.sum((-DIVISOR * u - c) ** 2)
+                                  for u, c in zip(update, clipped_sum)))
+        for name, path in files.items():
+            arrays = _file_arrays(path)
+            integers = np.concatenate([a.ravel() for a in arrays
+                                       if np.issubdtype(a.dtype, np.integer)] or [np.zeros(0)])
+            assert not np.isin(key, integers).any(), name
+            candidates = [a.ravel().astype(np.int64)[i:i + 2]
+                          for a in arrays if np.issubdtype(a.dtype, np.integer) and a.size >= 2
+                          for i in range(a.size - 1)]
+            for candidate in candidates:
+                error = np.sqrt(sum(np.sum((r - c) ** 2) for r, c in zip(
+                    _recovered_sum(update, candidate, DIVISOR), clipped_sum)))
+                assert error > 0.1 * noise_error, (name, candidate)
+            # The partial step's un-noised sum of x[4:6] is in no file either.
+            partial = [-DIVISOR * u for u in reference.naive_clipped_update(
+                model, keras.losses.MeanSquaredError(), x[4:], y[4:], CLIP, DIVISOR)]
+            for array in arrays:
+                for p in partial:
+                    assert not (array.shape == p.shape and np.allclose(array, p, atol=1e-5)), name
+
+    def test_the_release_file_has_no_optimizer(self, tmp_path):
         model = _private_dense()
-        rng = np.random.default_rng(1)
-        x = rng.normal(size=(16, 4)).astype("float32")
-        y = rng.normal(size=(16, 2)).astype("float32")
-        path = tmp_path / "ckpt.keras"
-        checkpoint = keras.callbacks.ModelCheckpoint(path, save_freq=4)
-        _train_micro_batches(model, x, y, batch=4, callbacks=[checkpoint])
-        loaded = keras.models.load_model(path)
-        assert int(loaded.optimizer.iterations.numpy()) == 1
-        assert int(loaded.optimizer.micro_steps.numpy()) == 1
-        for a, b in zip(loaded.optimizer._accumulators, model.optimizer._accumulators):
-            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        x = np.zeros((12, 4), "float32")
+        _train_micro_batches(model, x, np.zeros((12, 2), "float32"), batch=4)
+        tf_megadp.export_model(model, tmp_path / "release.keras")
+        released = keras.models.load_model(tmp_path / "release.keras")
+        assert getattr(released, "optimizer", None) is None
+        import zipfile
+
+        with zipfile.ZipFile(tmp_path / "release.keras") as archive:
+            assert b"dp_optimizer" not in archive.read("config.json")
+            archive.extract("model.weights.h5", tmp_path)
+        import h5py
+
+        with h5py.File(tmp_path / "model.weights.h5") as handle:
+            assert "optimizer" not in handle
+        for a, b in zip(reference.weights(released), reference.weights(model)):
+            np.testing.assert_array_equal(a, b)
+        assert isinstance(model.optimizer, tf_megadp.DPOptimizer)  # Left as it was.
+
+    def test_an_integer_seed_warns_and_is_marked(self):
+        with pytest.warns(UserWarning, match="NOT private against them"):
+            optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, seed=3)
+        assert optimizer.seeded_noise
+        assert not tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0).seeded_noise
+
+    def test_accumulation_from_user_code_raises(self):
+        model = _private_dense()
+        model.optimizer.build(model.trainable_variables)
+        gradients = [np.full(v.shape, 100.0, "float32") for v in model.trainable_variables]
+        with pytest.raises(PrivacyConfigurationError, match="make_private"):
+            model.optimizer.accumulate(gradients, model.trainable_variables, 4, 0)
+        with pytest.raises(PrivacyConfigurationError, match="make_private"):
+            model.optimizer._accumulate_clipped(object(), gradients, model.trainable_variables, 4, 0)
+        assert int(model.optimizer.micro_steps.numpy()) == 0
+
+
+class TestImmutableSettings:
+    @pytest.mark.parametrize("name, value", [
+        ("noise_multiplier", 10.0), ("l2_norm_clip", 5.0), ("accumulation_steps", 1),
+        ("normalize_by", 2.0), ("schedule", None), ("clipping", "ghost"), ("seed", 1),
+    ])
+    def test_privacy_settings_cannot_change_after_construction(self, name, value):
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0,
+                                          accumulation_steps=4)
+        with pytest.raises(PrivacyConfigurationError, match="compile the model again"):
+            setattr(optimizer, name, value)
+
+    def test_loss_scaling_inner_optimizers_are_refused(self):
+        with pytest.raises(PrivacyConfigurationError, match="rescales the loss"):
+            tf_megadp.DPOptimizer(
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), 1.0, 1.0)
+        with pytest.raises(PrivacyConfigurationError, match="gradient_accumulation_steps"):
+            tf_megadp.DPOptimizer(
+                keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), 1.0, 1.0)

@@ -3,8 +3,21 @@
 The optimizer never sees per-example gradients: the private train step (see
 `tf_megadp.make_private`) clips them and hands over each micro-batch's clipped
 sum. This module owns what happens next: the accumulators, the micro-step
-counter, the noise RNG, the single noisy update per logical step, and the
-privacy ledger that travels with every checkpoint.
+counter, the secret noise key, the single noisy update per logical step, and
+the privacy ledger that travels with every checkpoint.
+
+What is saved and what is not is a privacy decision, not a convenience:
+
+* saved (`model.save`, `save_weights`, `ModelCheckpoint`,
+  `tf_megadp.save_training_state`): the inner optimizer's state, the
+  logical-step counter, the privacy ledger and the record of the steps the
+  compiled step applied;
+* never saved, held only in memory: the noise key (whoever holds it can
+  regenerate the noise and subtract it from the released update) and the
+  mid-step state (the accumulators hold the exact, un-noised clipped sum).
+  A restored optimizer therefore resumes at a logical-step boundary with a
+  fresh key; the discarded partial step was never released, so it cost no
+  privacy, and fresh noise is as private as the old.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ import contextlib
 import math
 import secrets
 import warnings
+import dataclasses
 from typing import Any
 
 import keras
@@ -25,10 +39,43 @@ from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
-__all__ = ["DPOptimizer", "LEDGER_CAPACITY"]
+__all__ = ["DPOptimizer", "LEDGER_CAPACITY", "APPLIED_STEP_COLUMNS"]
 
 # Rows of phases the ledger variable can hold; consecutive identical steps share a row.
 LEDGER_CAPACITY = 256
+# What the compiled step records of every noisy update it applies, as it used
+# them; the ledger keeper of the private `fit` turns these rows into ledger
+# entries (adding N and the sampling) after every batch, so the buffer only
+# needs to hold the steps of one `steps_per_execution` call.
+APPLIED_STEP_COLUMNS = (
+    "steps", "noise_multiplier", "accumulation_steps", "rows", "divisor"
+)
+_APPLIED_CAPACITY = 64
+# Settings that fix the privacy of every step; they cannot change after
+# construction (Keras caches the compiled step, so a change would be recorded
+# but not used).
+_FROZEN_SETTINGS = frozenset({
+    "l2_norm_clip", "noise_multiplier", "accumulation_steps", "normalize_by",
+    "seed", "schedule", "clipping", "clipping_strategy", "inner_optimizer",
+})
+# Only the private train step may hand clipped sums to the optimizer.
+_PRIVATE_STEP = object()
+
+
+@dataclasses.dataclass
+class _InMemoryState:
+    """Optimizer state that must never reach a file.
+
+    A plain object, not a Keras or TensorFlow trackable: neither Keras saving
+    (which walks `optimizer.variables`) nor `tf.train.Checkpoint` (which walks
+    trackable attributes) can see through it.
+    """
+
+    noise_key: Any = None
+    accumulators: list = dataclasses.field(default_factory=list)
+    micro_steps: Any = None
+    step_rows: Any = None
+    nonfinite_examples: Any = None
 
 
 def _positive_finite(name: str, value, allow_zero: bool = False) -> float:
@@ -40,6 +87,38 @@ def _positive_finite(name: str, value, allow_zero: bool = False) -> float:
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
     return number
+
+
+def _check_inner_does_not_rescale(optimizer: keras.optimizers.Optimizer) -> None:
+    """Refuses inner optimizers that rescale the loss or average updates.
+
+    The DP step clips unscaled per-example gradients and never calls
+    `scale_loss`, so a loss-scaling wrapper (LossScaleOptimizer and its kin)
+    would divide every noisy update by its scale; Keras's own gradient
+    accumulation would average several noisy steps into one update that the
+    ledger counts as several.
+    """
+    if getattr(optimizer, "loss_scale_factor", None):
+        raise PrivacyConfigurationError(
+            "The inner optimizer has loss_scale_factor set; the DP step does "
+            "not scale losses, so the update would be rescaled after "
+            "clipping. Remove loss_scale_factor."
+        )
+    if type(optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss:
+        raise PrivacyConfigurationError(
+            f"{type(optimizer).__name__} rescales the loss (a loss-scaling "
+            "wrapper such as LossScaleOptimizer): the DP step clips unscaled "
+            "gradients, so every update would be divided by the loss scale. Wrap "
+            "the plain optimizer (e.g. DPOptimizer(keras.optimizers.SGD(...))); "
+            "for mixed precision use the 'mixed_bfloat16' policy, which needs no "
+            "loss scaling."
+        )
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise PrivacyConfigurationError(
+            "The inner optimizer has gradient_accumulation_steps set: Keras would "
+            "average several noisy updates into one. Accumulate with "
+            "DPOptimizer(accumulation_steps=...) or a BatchSizeSchedule instead."
+        )
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
@@ -116,12 +195,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "DPOptimizer cannot wrap another DPOptimizer (noise would be "
                 "added twice and accounted once). Wrap the plain optimizer."
             )
-        if getattr(optimizer, "loss_scale_factor", None):
-            raise PrivacyConfigurationError(
-                "The inner optimizer has loss_scale_factor set; the DP step does "
-                "not scale losses, so the update would be rescaled after "
-                "clipping. Remove loss_scale_factor."
-            )
+        _check_inner_does_not_rescale(optimizer)
         l2_norm_clip = _positive_finite("l2_norm_clip", l2_norm_clip)
         noise_multiplier = _positive_finite("noise_multiplier", noise_multiplier, allow_zero=True)
         if isinstance(schedule, dict):
@@ -144,6 +218,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
             normalize_by = _positive_finite("normalize_by", normalize_by)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be None or an int, got {seed!r}.")
+        if seed is not None:
+            warnings.warn(
+                f"DPOptimizer(seed={seed}) makes the noise reproducible: anyone who "
+                "can guess the seed can regenerate the noise and subtract it from "
+                "the released model, so the run is NOT private against them. The "
+                "privacy report marks it 'seeded noise: not for release'. Use "
+                "seed=None (the default, OS entropy) for any run you publish.",
+                UserWarning,
+                stacklevel=2,
+            )
         super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
         self.inner_optimizer = optimizer
         self.l2_norm_clip = l2_norm_clip
@@ -154,6 +238,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.schedule = schedule
         self.clipping = clipping
         self.clipping_strategy = get_clipping_strategy(clipping)
+        self._settings_frozen = True
         if self.noise_multiplier == 0 or any(
             p.noise_multiplier == 0 for p in (schedule.phases if schedule else ())
         ):
@@ -164,28 +249,41 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 stacklevel=2,
             )
 
+    def __setattr__(self, name, value):
+        if name in _FROZEN_SETTINGS and getattr(self, "_settings_frozen", False):
+            raise PrivacyConfigurationError(
+                f"DPOptimizer.{name} cannot change after construction: Keras "
+                "compiles the train step once, so a new value would be recorded "
+                "but not used. Build a new DPOptimizer with the new setting and "
+                "compile the model again (the privacy ledger carries over)."
+            )
+        super().__setattr__(name, value)
+
+    @property
+    def seeded_noise(self) -> bool:
+        """Whether the noise comes from an explicit seed (not for release)."""
+        return self.seed is not None
+
     # -- Keras plumbing -------------------------------------------------------
 
     def build(self, var_list):
         if self.built:
             return
-        self._accumulators = [self._add_replica_sum_variable(v) for v in var_list]
-        self.micro_steps = self.add_variable(
-            shape=(), dtype="int64", name="micro_steps"
-        )
-        if self.seed is None:
-            key = [secrets.randbits(62), secrets.randbits(62)]
-        else:
-            key = [self.seed, 0]
-        self.noise_key = self.add_variable(
-            shape=(2,),
-            dtype="int64",
-            initializer=keras.initializers.Constant(key),
-            name="noise_key",
-        )
-        self.nonfinite_examples = self._add_replica_sum_variable(
+        state = _InMemoryState()
+        state.accumulators = [self._replica_sum_variable(v) for v in var_list]
+        state.micro_steps = self._in_memory_variable("micro_steps", (), "int64")
+        state.step_rows = self._in_memory_variable("step_rows", (), "int64")
+        state.nonfinite_examples = self._replica_sum_variable(
             None, shape=(), dtype="int64", name="nonfinite_examples"
         )
+        if self.seed is None:
+            key = [secrets.randbits(63), secrets.randbits(63)]
+        else:
+            key = [self.seed, 0]
+        state.noise_key = self._in_memory_variable(
+            "noise_key", (2,), "int64", initializer=keras.initializers.Constant(key)
+        )
+        self._in_memory = state
         self.privacy_ledger = self.add_variable(
             shape=(LEDGER_CAPACITY, len(LEDGER_COLUMNS)),
             dtype="float64",
@@ -194,18 +292,41 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.privacy_ledger_rows = self.add_variable(
             shape=(), dtype="int64", name="privacy_ledger_rows"
         )
+        # Ledger steps taken by earlier optimizers of the same model.
+        self.carried_steps = self.add_variable(shape=(), dtype="int64", name="carried_steps")
+        # Steps whose privacy cannot be accounted (data of unknown size, or
+        # applied outside fit) and steps without noise: epsilon cannot be
+        # reported, or is infinite, once there are any.
+        self.unaccounted_steps = self.add_variable(
+            shape=(), dtype="int64", name="unaccounted_steps")
+        self.noiseless_steps = self.add_variable(shape=(), dtype="int64", name="noiseless_steps")
+        self.applied_steps = self.add_variable(
+            shape=(_APPLIED_CAPACITY, len(APPLIED_STEP_COLUMNS)),
+            dtype="float64",
+            aggregation="only_first_replica",
+            name="applied_steps",
+        )
+        self.applied_rows = self.add_variable(
+            shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows"
+        )
         self.inner_optimizer.build(var_list)
         super().build(var_list)
 
-    def _add_replica_sum_variable(self, reference, shape=None, dtype=None, name="dp_accumulator"):
-        """A variable each replica updates locally; it reads (and saves) as the sum.
+    def _in_memory_variable(self, name, shape, dtype, initializer="zeros"):
+        """An optimizer variable that `variables`, saving and checkpoints never see."""
+        with keras.name_scope(self.name, caller=self):
+            return keras.Variable(
+                initializer=initializer, shape=shape, dtype=dtype, trainable=False,
+                aggregation="none", name=name,
+            )
+
+    def _replica_sum_variable(self, reference, shape=None, dtype=None, name="dp_accumulator"):
+        """An in-memory variable each replica updates locally; it reads as the sum.
 
         Under a `tf.distribute` strategy every replica clips and accumulates
-        its own examples. A plain optimizer variable is mirrored: each replica
-        would write its own copy and a checkpoint would save replica 0's copy
-        only (dropping the others' sums and, on restore, counting replica 0's
-        R times). ON_READ/SUM keeps one local copy per replica, saves their
-        sum and restores it split evenly, so the sum survives a checkpoint.
+        its own examples. A plain mirrored variable would make each replica
+        write its own copy; ON_READ/SUM keeps one local copy per replica and
+        reads as their sum.
         """
         colocate = contextlib.nullcontext()
         if reference is not None:
@@ -215,16 +336,50 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 reference.value
             )
         with colocate, keras.name_scope(self.name, caller=self):
-            variable = keras.Variable(
+            return keras.Variable(
                 initializer="zeros", shape=shape, dtype=dtype, trainable=False,
                 aggregation="sum", synchronization="on_read", name=name,
             )
-        self._track_variable(variable)
-        return variable
+
+    @property
+    def micro_steps(self):
+        """Micro-batches accumulated in the current logical step (in memory only)."""
+        return self._in_memory.micro_steps
+
+    @property
+    def nonfinite_examples(self):
+        """Examples of the current logical step dropped for a non-finite gradient."""
+        return self._in_memory.nonfinite_examples
 
     @property
     def variables(self):
         return self._variables + self.inner_optimizer.variables
+
+    def discard_partial_step(self) -> int:
+        """Drops the micro-batches accumulated since the last noisy update.
+
+        Nothing computed from them was released, so discarding them spends
+        no privacy, and no example of theirs can reach a later noisy sum.
+
+        Returns:
+            The number of micro-batches discarded.
+        """
+        if not self.built:
+            return 0
+        state = self._in_memory
+        discarded = int(state.micro_steps.numpy())
+        for accumulator in state.accumulators:
+            accumulator.assign(tf.zeros_like(accumulator.value))
+        state.micro_steps.assign(0)
+        state.step_rows.assign(0)
+        state.nonfinite_examples.assign(0)
+        return discarded
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        if self.built:
+            # A restored optimizer resumes at a logical-step boundary.
+            self.discard_partial_step()
 
     @property
     def iterations(self):
@@ -251,6 +406,22 @@ class DPOptimizer(keras.optimizers.Optimizer):
     apply = _fail_aggregated
     apply_gradients = _fail_aggregated
     stateless_apply = _fail_aggregated
+
+    def accumulate(self, *args, **kwargs):
+        """Not public: only the private train step may add clipped sums.
+
+        Raises:
+            PrivacyConfigurationError: always. Gradients from user code are
+                not clipped per example; use `tf_megadp.make_private(model)`
+                and `model.fit` / `model.train_step` instead.
+        """
+        raise PrivacyConfigurationError(
+            "DPOptimizer.accumulate is not public: gradients from user code are "
+            "not clipped per example, so their sum has no sensitivity bound. Call "
+            "`model = tf_megadp.make_private(model)` and train with `model.fit`, "
+            "`model.train_on_batch` or `model.train_step(data)` in a custom loop; "
+            "the private step clips each example before it reaches the optimizer."
+        )
 
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
@@ -307,10 +478,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
                   else float(p.noise_multiplier) for p in phases], tf.float32),
         )
 
-    def accumulate(self, gradient_sum, trainable_variables, micro_batch_size, nonfinite):
+    def _accumulate_clipped(self, token, gradient_sum, trainable_variables, micro_batch_size,
+                            nonfinite):
         """Adds one micro-batch's clipped sum; applies the noisy update when due.
 
-        Called by the private train step in a replica context; not public API.
+        Called by the private train step in a replica context, with its token.
 
         Args:
             gradient_sum: clipped per-example gradient sum per trainable
@@ -319,25 +491,30 @@ class DPOptimizer(keras.optimizers.Optimizer):
             micro_batch_size: m (a Python int or scalar tensor).
             nonfinite: count of examples dropped for non-finite gradients.
         """
+        if token is not _PRIVATE_STEP:
+            self.accumulate()  # Raises, naming make_private.
         if not self.built:
             self.build(trainable_variables)
         if self.schedule is not None:
             self._check_schedule_layout(micro_batch_size)
-        for accumulator, gradient in zip(self._accumulators, gradient_sum):
+        state = self._in_memory
+        for accumulator, gradient in zip(state.accumulators, gradient_sum):
             if gradient is not None:
                 accumulator.assign_add(tf.cast(gradient, accumulator.dtype))
-        self.micro_steps.assign_add(1)
-        self.nonfinite_examples.assign_add(tf.cast(nonfinite, tf.int64))
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        state.micro_steps.assign_add(1)
+        state.step_rows.assign_add(tf.cast(micro_batch_size, tf.int64) * replicas)
+        state.nonfinite_examples.assign_add(tf.cast(nonfinite, tf.int64))
         step = tf.cast(self.iterations, tf.int64)
         accumulation_steps, divisor, noise_multiplier = self._phase_values(step)
         if divisor is None:
-            replicas = tf.distribute.get_strategy().num_replicas_in_sync
             divisor = tf.cast(micro_batch_size, tf.float32) * tf.cast(
                 accumulation_steps * replicas, tf.float32)
         connected = [g is not None for g in gradient_sum]
 
         def noisy_update(step, divisor, noise_multiplier):
             self._noisy_update(trainable_variables, connected, step, divisor, noise_multiplier)
+            self._record_applied_step(noise_multiplier, accumulation_steps, divisor)
             return tf.constant(True)
 
         def skip():
@@ -345,7 +522,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
         if tf.__internal__.distribute.strategy_supports_no_merge_call():
             return tf.cond(
-                self.micro_steps >= accumulation_steps,
+                state.micro_steps >= accumulation_steps,
                 lambda: noisy_update(step, divisor, noise_multiplier),
                 skip,
             )
@@ -356,7 +533,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # cross-replica context instead, as keras' LossScaleOptimizer does:
         # every replica holds the same micro-step count, so replica 0 decides.
         def cross_replica(distribution, accumulation_steps, *values):
-            due = self.micro_steps.value >= distribution.experimental_local_results(
+            due = state.micro_steps.value >= distribution.experimental_local_results(
                 accumulation_steps)[0]
 
             def update_every_replica():
@@ -392,11 +569,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         # Each replica adds independent noise of variance sigma^2 C^2 / R, so the
         # all-reduced SUM carries exactly N(0, sigma^2 C^2) per coordinate.
         stddev = noise_multiplier * self.l2_norm_clip / math.sqrt(replicas)
-        key = tf.random.experimental.stateless_fold_in(self.noise_key.value, step)
+        state = self._in_memory
+        key = tf.random.experimental.stateless_fold_in(state.noise_key.value, step)
         key = tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
         gradients, variables = [], []
         for index, (accumulator, variable, is_connected) in enumerate(
-            zip(self._accumulators, trainable_variables, connected)
+            zip(state.accumulators, trainable_variables, connected)
         ):
             if not is_connected:
                 continue
@@ -409,9 +587,48 @@ class DPOptimizer(keras.optimizers.Optimizer):
             gradients.append(tf.cast(noisy_sum / divisor, accumulator.dtype))
             variables.append(variable)
         self.inner_optimizer.apply(gradients, variables)
-        for accumulator in self._accumulators:
+        for accumulator in state.accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
-        self.micro_steps.assign(0)
+        state.micro_steps.assign(0)
+
+    def _record_applied_step(self, noise_multiplier, accumulation_steps, divisor):
+        """Appends the step just applied to `applied_steps`, as the graph used it.
+
+        Consecutive identical steps share a row. A full buffer stops
+        recording and sets the row count past capacity, which the ledger
+        keeper refuses (it drains the buffer after every batch, so only
+        `steps_per_execution` far above the capacity can fill it).
+        """
+        state = self._in_memory
+        row = tf.stack([
+            tf.constant(1.0, tf.float64),
+            tf.cast(noise_multiplier, tf.float64),
+            tf.cast(accumulation_steps, tf.float64),
+            tf.cast(state.step_rows.value, tf.float64),
+            tf.cast(divisor, tf.float64),
+        ])
+        state.step_rows.assign(0)
+        count = self.applied_rows.value
+        table = self.applied_steps.value
+        last = tf.maximum(count - 1, 0)
+        same = tf.logical_and(
+            count > 0,
+            tf.logical_and(count <= _APPLIED_CAPACITY,
+                           tf.reduce_all(tf.gather(table, last)[1:] == row[1:])),
+        )
+
+        def merge():
+            return tf.tensor_scatter_nd_add(table, [[last, 0]], [1.0]), count
+
+        def append():
+            index = tf.minimum(count, _APPLIED_CAPACITY - 1)
+            updated = tf.tensor_scatter_nd_update(table, [[index]], [row])
+            full = count >= _APPLIED_CAPACITY
+            return tf.where(full, table, updated), count + 1
+
+        table, count = tf.cond(same, merge, append)
+        self.applied_steps.assign(table)
+        self.applied_rows.assign(count)
 
     # -- Serialization ---------------------------------------------------------
 

@@ -14,10 +14,12 @@ from tf_megadp.accounting import (
 )
 from tf_megadp.audit import AuditCallback, run_audit
 from tf_megadp.callbacks import PrivacyCallback, read_ledger
+from tf_megadp.checkpointing import export_model, restore_training_state, save_training_state
 from tf_megadp.clipping import ClippingStrategy, GhostClipping, VectorizedClipping
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.sources import DataSource
 from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
 from tf_megadp.text import (
     CorpusError,

@@ -1,17 +1,28 @@
-"""Keras callbacks that keep a DP run's privacy spend visible and bounded.
+"""Keras callbacks that keep a DP run's privacy spend recorded, visible and bounded.
 
-`PrivacyCallback` watches the `DPOptimizer`'s logical-step counter, records
-each completed logical step in the optimizer's `privacy_ledger` variable (so
-`model.save` and `ModelCheckpoint` carry the spend, and a resumed run
-continues it), writes `epsilon` and `delta` into the Keras `logs`, and, given
-a `target_epsilon`, stops training before the logical step that would exceed
-the budget.
+Two callbacks share the work:
+
+* `LedgerKeeper` (added by the private `fit` itself, first in the list, so
+  no user can forget it): after every batch it turns the steps the compiled
+  step applied (`DPOptimizer.applied_steps`, written in the graph with the
+  values that step used) into privacy-ledger entries, adding what only the
+  data can tell, N and how each step chose its examples
+  (`tf_megadp.sources.DataSource`). The ledger lives in the optimizer's
+  `privacy_ledger` variable, so `model.save`, `ModelCheckpoint` and
+  `tf_megadp.save_training_state` carry the spend and a resumed run
+  continues it. It also ends partial logical steps where an example could
+  otherwise enter one noisy sum twice.
+* `PrivacyCallback` (the user's): writes `epsilon` and `delta` into the
+  Keras `logs`, enforces a `target_epsilon` budget and writes the
+  publishable report.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
+import weakref
 from typing import Any
 
 import keras
@@ -19,14 +30,34 @@ import numpy as np
 
 from tf_megadp.accounting import (
     DEFAULT_ACCOUNTANT,
-    SAMPLING_KINDS,
     LedgerEntry,
     PrivacyAccountant,
     PrivacyLedger,
+    _check_accountant,
+    _check_delta,
 )
-from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer
+from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
 
-__all__ = ["PrivacyCallback", "read_ledger"]
+__all__ = ["LedgerKeeper", "PrivacyCallback", "read_ledger", "RELEASED_OUTSIDE_EPSILON"]
+
+# What a private Keras run publishes that epsilon does not cover.
+RELEASED_OUTSIDE_EPSILON = (
+    "training loss and metrics on training batches (exact batch statistics, in "
+    "logs, History, CSV and TensorBoard)",
+    "nonfinite_examples, when make_private(log_nonfinite_examples=True)",
+    "step timings and the number of steps taken",
+    "truncated-step counts of the Poisson sampler",
+)
+
+_FIXED_SIZE_WARNING = (
+    "{description}: no tf_megadp sampler drew these batches, so each logical "
+    "step holds a fixed number of examples. The epsilon reported for them is "
+    "the Poisson-sampling estimate, NOT a proven guarantee (shuffled "
+    "fixed-size batches can be much less private; Chua et al., 2024). For a "
+    "guarantee, feed tf_megadp.PoissonSampler.from_arrays(x, y, ...).as_dataset()."
+)
 
 
 def read_ledger(optimizer: DPOptimizer) -> PrivacyLedger:
@@ -59,27 +90,342 @@ def _write_ledger(optimizer: DPOptimizer, ledger: PrivacyLedger) -> None:
     optimizer.privacy_ledger_rows.assign(len(rows))
 
 
+def _number(variable) -> int:
+    return int(keras.ops.convert_to_numpy(variable))
+
+
+def _dp_optimizer(model) -> DPOptimizer:
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, DPOptimizer):
+        raise PrivacyConfigurationError(
+            "Private training needs a model compiled with tf_megadp.DPOptimizer "
+            f"(and made private with tf_megadp.make_private); got {optimizer!r}."
+        )
+    return optimizer
+
+
+class LedgerKeeper(keras.callbacks.Callback):
+    """Records every applied logical step in the privacy ledger; added by `fit`.
+
+    The private `fit` (see `tf_megadp.make_private`) puts one first in the
+    callback list; there is no need to create one. What it checks before
+    the first step, each with an error that names the fix:
+
+    * N: measured from the data when it can be; a stated
+      `PrivacyCallback(num_examples=...)` must agree with it;
+    * a sampler's dataset: its schedule is the optimizer's and it starts at
+      the optimizer's logical step;
+    * `require_poisson_sampling`: no data that no sampler drew.
+
+    Args:
+        source: the `DataSource` of the data, or None when it has no
+            measurable size.
+        stated_num_examples: N as the user stated it, if they did.
+        require_poisson_sampling: refuse fixed-size batches.
+        micro_batch_size: the micro-batch size of array inputs.
+    """
+
+    def __init__(
+        self,
+        source: DataSource | None,
+        stated_num_examples: int | None = None,
+        *,
+        require_poisson_sampling: bool = False,
+        micro_batch_size: int | None = None,
+    ):
+        super().__init__()
+        self.source = source
+        self.stated_num_examples = stated_num_examples
+        self.require_poisson_sampling = require_poisson_sampling
+        self.micro_batch_size = micro_batch_size
+        self.num_examples: int | None = None
+        self.ledger = PrivacyLedger()
+        self._last_rows: float | None = None
+
+    # -- What the run is -------------------------------------------------------
+
+    @property
+    def sampling(self) -> str:
+        return self.source.sampling if self.source is not None else FIXED_SIZE_SAMPLING
+
+    @property
+    def num_examples_measured(self) -> bool:
+        return self.source is not None and self.source.num_examples_measured
+
+    def data_report(self) -> dict[str, Any]:
+        """The data's part of the privacy report."""
+        if self.source is not None:
+            report = self.source.report()
+        else:
+            report = {
+                "sampling": FIXED_SIZE_SAMPLING,
+                "description": "data of unknown size; N stated by the user",
+                "num_examples_measured": False,
+                "seeded_sampling": False,
+            }
+        report["poisson_guarantee"] = self.sampling == "poisson"
+        return report
+
+    def _resolve_num_examples(self) -> int | None:
+        stated = self.stated_num_examples
+        if self.source is None:
+            return stated
+        measured = self.source.num_examples
+        if stated is not None and stated != measured:
+            kind = "measured" if self.source.num_examples_measured else "stated"
+            raise PrivacyConfigurationError(
+                f"PrivacyCallback(num_examples={stated}) but fit is given "
+                f"{measured} examples ({kind}: {self.source.description}). Remove "
+                "num_examples from PrivacyCallback: N is measured from the data."
+            )
+        return measured
+
+    # -- Keras hooks -------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        optimizer = _dp_optimizer(self.model)
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        self._carry_ledger_of_a_previous_optimizer(optimizer)
+        discarded = optimizer.discard_partial_step()
+        if discarded:
+            warnings.warn(
+                f"Discarded {discarded} micro-batches of a logical step left "
+                "unfinished by an earlier fit call: a logical step never spans two "
+                "fit calls (an example could enter its noisy sum twice). They were "
+                "never released and cost no privacy.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if _number(optimizer.applied_rows):
+            # Steps applied outside fit (train_on_batch, custom loops): their
+            # data is unknown here, so their privacy cannot be accounted.
+            steps = int(optimizer.applied_steps.numpy()[: _number(optimizer.applied_rows), 0].sum())
+            optimizer.unaccounted_steps.assign_add(steps)
+            optimizer.applied_rows.assign(0)
+        self.num_examples = self._resolve_num_examples()
+        self._check_source(optimizer)
+        self.ledger = read_ledger(optimizer)
+        self._check_consistent(optimizer)
+        self.model._tf_megadp_keeper = self
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.drain()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.drain()
+        if self.sampling != "poisson":
+            # The next epoch is a new pass over the data: a logical step that
+            # continued into it could hold an example twice.
+            self._end_partial_step("an epoch")
+
+    def on_train_end(self, logs=None):
+        self.drain()
+        self._end_partial_step("a fit call")
+        # A weak reference: Keras saving would otherwise save the optimizer twice.
+        self.model._tf_megadp_ledger_owner = weakref.ref(_dp_optimizer(self.model))
+
+    # -- Checks --------------------------------------------------------------------
+
+    def _carry_ledger_of_a_previous_optimizer(self, optimizer: DPOptimizer) -> None:
+        owner = getattr(self.model, "_tf_megadp_ledger_owner", None)
+        previous = owner() if owner is not None else None
+        if previous is None or previous is optimizer or not previous.built:
+            return
+        spent = read_ledger(previous)
+        carried = spent.total_steps + _number(previous.unaccounted_steps)
+        if not carried and not _number(previous.noiseless_steps):
+            return
+        if _number(optimizer.iterations) or read_ledger(optimizer).total_steps:
+            raise PrivacyConfigurationError(
+                "The model was trained privately with another DPOptimizer and is "
+                "now compiled with one that has its own history: their privacy "
+                "ledgers cannot both be right. Compile with a fresh DPOptimizer "
+                "(the spent privacy carries over) or restore the run with "
+                "tf_megadp.restore_training_state."
+            )
+        _write_ledger(optimizer, spent)
+        optimizer.carried_steps.assign(_number(previous.carried_steps) + _number(previous.iterations))
+        optimizer.unaccounted_steps.assign(_number(previous.unaccounted_steps))
+        optimizer.noiseless_steps.assign(_number(previous.noiseless_steps))
+        warnings.warn(
+            f"Compiled with a new DPOptimizer: the {carried} logical steps of the "
+            "previous one stay in the privacy ledger.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _check_source(self, optimizer: DPOptimizer) -> None:
+        source = self.source
+        if self.require_poisson_sampling and self.sampling != "poisson":
+            description = source.description if source else "this data"
+            raise PrivacyConfigurationError(
+                f"make_private(require_poisson_sampling=True) refuses {description}: "
+                "no tf_megadp Poisson sampler drew it, so its epsilon would not be a "
+                "proven guarantee. Feed tf_megadp.PoissonSampler(...).as_dataset() "
+                "(or PoissonSampler.from_arrays for arrays)."
+            )
+        schedule = optimizer.schedule
+        if source is not None and source.schedule is not None:
+            if schedule != source.schedule:
+                raise PrivacyConfigurationError(
+                    f"The sampler draws steps of {source.schedule} but the optimizer "
+                    f"follows {schedule}: each step would hold other examples than the "
+                    "accountant composes. Build the DPOptimizer with "
+                    "schedule=sampler.schedule."
+                )
+            iterations = _number(optimizer.iterations)
+            if source.start_step != iterations:
+                raise PrivacyConfigurationError(
+                    f"The sampler starts at logical step {source.start_step} but the "
+                    f"optimizer is at step {iterations}. Create the sampler with "
+                    "start_step=int(optimizer.iterations)."
+                )
+        elif schedule is not None and self.num_examples is not None and (
+                schedule.num_examples != self.num_examples):
+            raise PrivacyConfigurationError(
+                f"The optimizer's schedule was planned for num_examples="
+                f"{schedule.num_examples} but fit is given {self.num_examples} "
+                "examples. Build the schedule with the data's size."
+            )
+        if self.sampling != "poisson":
+            description = source.description if source else "Data of unknown size"
+            warnings.warn(_FIXED_SIZE_WARNING.format(description=description),
+                          UserWarning, stacklevel=3)
+
+    def _check_consistent(self, optimizer: DPOptimizer) -> None:
+        recorded = (self.ledger.total_steps + _number(optimizer.unaccounted_steps)
+                    + _number(optimizer.noiseless_steps))
+        applied = _number(optimizer.carried_steps) + _number(optimizer.iterations)
+        if recorded != applied:
+            raise PrivacyConfigurationError(
+                f"The optimizer's privacy ledger records {recorded} logical steps but "
+                f"{applied} were applied: the optimizer state was restored only in "
+                "part. Restore the optimizer and its ledger together (model.save / "
+                "load_model, or tf_megadp.save_training_state / "
+                "restore_training_state)."
+            )
+
+    def _end_partial_step(self, boundary: str) -> None:
+        discarded = _dp_optimizer(self.model).discard_partial_step()
+        if discarded:
+            warnings.warn(
+                f"Discarded the last {discarded} micro-batches: they did not complete "
+                f"a logical step before the end of {boundary}, and a logical step "
+                "must not span it. They were never released and cost no privacy.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    # -- Turning applied steps into ledger entries -------------------------------
+
+    def drain(self) -> None:
+        """Moves the steps the compiled step applied into the ledger."""
+        optimizer = _dp_optimizer(self.model)
+        count = _number(optimizer.applied_rows)
+        if not count:
+            return
+        capacity = optimizer.applied_steps.shape[0]
+        if count > capacity:
+            raise PrivacyConfigurationError(
+                f"More than {capacity} differently configured logical steps ran in "
+                "one batch call, beyond what the step can record. Lower "
+                "steps_per_execution."
+            )
+        table = optimizer.applied_steps.numpy()[:count]
+        optimizer.applied_rows.assign(0)
+        step = (self.ledger.total_steps + _number(optimizer.unaccounted_steps)
+                + _number(optimizer.noiseless_steps) - _number(optimizer.carried_steps))
+        for values in table:
+            row = dict(zip(APPLIED_STEP_COLUMNS, values.tolist()))
+            steps = int(row["steps"])
+            self._record(optimizer, step, steps, row)
+            step += steps
+        _write_ledger(optimizer, self.ledger)
+        self._check_consistent(optimizer)
+
+    def _record(self, optimizer: DPOptimizer, first_step: int, steps: int, row: dict) -> None:
+        self._last_rows = row["rows"]
+        if row["noise_multiplier"] == 0:
+            optimizer.noiseless_steps.assign_add(steps)
+            return
+        if self.num_examples is None:
+            optimizer.unaccounted_steps.assign_add(steps)
+            return
+        for step in range(first_step, first_step + steps):
+            self.ledger.append(self._entry(optimizer, step, row))
+
+    def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
+        sigma = row["noise_multiplier"]
+        if self.sampling == "poisson":
+            schedule = self.source.schedule
+            phase = schedule.phase_at(step)
+            used = (row["accumulation_steps"], row["rows"], row["divisor"])
+            planned = (phase.accumulation_steps, schedule.capacity(phase), phase.batch_size)
+            if not np.allclose(used, planned, rtol=1e-6) or not math.isclose(
+                    sigma, optimizer.noise_multiplier_at(step), rel_tol=1e-6):
+                raise PrivacyConfigurationError(
+                    f"Logical step {step} used (accumulation steps, rows, divisor, sigma) "
+                    f"= {used + (sigma,)} but the sampler planned "
+                    f"{planned + (optimizer.noise_multiplier_at(step),)}. Feed the "
+                    "sampler's micro-batches unchanged, with the optimizer built from "
+                    "schedule=sampler.schedule."
+                )
+            return LedgerEntry(1, phase.batch_size / self.num_examples, sigma,
+                               schedule.capacity(phase), "poisson")
+        return self._fixed_size_entry(row["rows"], sigma)
+
+    def _fixed_size_entry(self, rows: float, sigma: float) -> LedgerEntry:
+        if rows > self.num_examples:
+            raise PrivacyConfigurationError(
+                f"A logical step held {int(rows)} rows but the data has "
+                f"{self.num_examples} examples: some example entered one noisy sum "
+                "twice (a logical step spanning a pass over the data). Lower "
+                "accumulation_steps or the batch size so that a logical step fits in "
+                "one epoch."
+            )
+        return LedgerEntry(1, rows / self.num_examples, sigma, 0, FIXED_SIZE_SAMPLING)
+
+    def next_entry(self, step: int) -> LedgerEntry | None:
+        """The ledger entry logical step `step` will get, when it can be known."""
+        optimizer = _dp_optimizer(self.model)
+        sigma = optimizer.noise_multiplier_at(step)
+        if self.num_examples is None or sigma == 0:
+            return None
+        if self.sampling == "poisson":
+            schedule = self.source.schedule
+            phase = schedule.phase_at(step)
+            return LedgerEntry(1, phase.batch_size / self.num_examples, sigma,
+                               schedule.capacity(phase), "poisson")
+        rows = self._last_rows
+        if rows is None and self.micro_batch_size is not None:
+            replicas = optimizer._distribution_strategy.num_replicas_in_sync
+            rows = optimizer.accumulation_steps_at(step) * self.micro_batch_size * replicas
+        if rows is None:
+            return None
+        return self._fixed_size_entry(min(rows, self.num_examples), sigma)
+
+
 class PrivacyCallback(keras.callbacks.Callback):
-    """Reports epsilon during `fit`, persists the ledger, enforces a budget.
+    """Reports epsilon during `fit`, enforces a budget, writes the report.
+
+    Epsilon is computed from the privacy ledger that the private `fit` keeps
+    (see `LedgerKeeper`): the steps the compiled step applied, N measured
+    from the data, and the way each step chose its examples. Nothing here is
+    taken on trust: a value you pass is checked against what `fit` consumes.
 
     Place it before `CSVLogger` and `TensorBoard` in the callback list so that
     they see the `epsilon` and `delta` it adds to each epoch's logs (the
     progress bar and `History` always see them).
 
     Args:
-        num_examples: N, the number of training examples (privacy units).
-            Optional when the optimizer has a `BatchSizeSchedule`, whose N is
-            used (and must match if both are given).
         delta: the delta of the reported (epsilon, delta); at most 1/N.
-        batch_size: the expected logical batch size B (q = B / N) when the
-            optimizer has no schedule. Default: the optimizer's
-            `normalize_by`, which for Poisson sampling is the expected batch
-            size.
-        sampling: ``"poisson"`` (default) or ``"shuffle"`` (reported as if
-            Poisson, with a warning; see `tf_megadp.accounting`).
-        max_batch_size: without a schedule, the static size at which Poisson
-            steps are truncated (default: not truncated). With a schedule,
-            Poisson steps are truncated at each phase's capacity.
+        num_examples: N, only for data whose size `fit` cannot measure (a
+            `tf.data.Dataset` or `PyDataset` that no tf_megadp sampler
+            returned); the report then says N was stated. For arrays and
+            sampler datasets N is measured, and a different value raises.
+        batch_size: optional check of the expected logical batch size: a
+            value different from what the run's steps hold raises.
         accountant: ``"pld"`` (default) or ``"rdp"``.
         target_epsilon: optional budget. At the end of every logical step, if
             one more step would make epsilon exceed it, training stops, so
@@ -93,22 +439,19 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     Example:
     ```python
-    callback = tf_megadp.PrivacyCallback(num_examples=60_000, delta=1e-5,
-                                         target_epsilon=3.0)
-    model.fit(dataset, epochs=10, callbacks=[callback])
+    callback = tf_megadp.PrivacyCallback(delta=1e-5, target_epsilon=3.0)
+    model.fit(sampler.as_dataset(), callbacks=[callback])
     callback.epsilon              # spent so far
-    callback.report()             # publishable dict; see PrivacyAccountant
+    callback.report()             # publishable dict
     ```
     """
 
     def __init__(
         self,
-        num_examples: int | None = None,
         delta: float | None = None,
+        num_examples: int | None = None,
         *,
         batch_size: int | None = None,
-        sampling: str = "poisson",
-        max_batch_size: int | None = None,
         accountant: str = DEFAULT_ACCOUNTANT,
         target_epsilon: float | None = None,
         log_every_steps: int | None = None,
@@ -116,10 +459,15 @@ class PrivacyCallback(keras.callbacks.Callback):
         verbose: int = 1,
     ):
         super().__init__()
+        if isinstance(delta, int) and not isinstance(delta, bool) and delta >= 1 and (
+                num_examples is None or isinstance(num_examples, float)):
+            raise TypeError(
+                "PrivacyCallback takes delta first: PrivacyCallback(delta=1e-5). "
+                "N is measured from the data; pass num_examples= only for data of "
+                "unknown size."
+            )
         if delta is None:
             raise ValueError("PrivacyCallback needs delta (at most 1/num_examples).")
-        if sampling not in SAMPLING_KINDS:
-            raise ValueError(f"sampling must be one of {SAMPLING_KINDS}, got {sampling!r}.")
         if target_epsilon is not None and not (
             isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < float("inf")
         ):
@@ -132,91 +480,49 @@ class PrivacyCallback(keras.callbacks.Callback):
             raise ValueError(
                 f"log_every_steps must be a positive integer, got {log_every_steps!r}."
             )
+        if batch_size is not None and (
+                isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
         # Validates N, delta and the accountant now rather than at fit time.
-        self._accountant = (
+        if num_examples is not None:
             PrivacyAccountant(num_examples, delta, accountant=accountant)
-            if num_examples is not None
-            else None
-        )
+        else:
+            _check_delta(delta, None)
+            _check_accountant(accountant)
+        self._accountant: PrivacyAccountant | None = None
         self.num_examples = num_examples
         self.delta = delta
         self.batch_size = batch_size
-        self.sampling = sampling
-        self.max_batch_size = max_batch_size
         self.accountant_name = accountant
         self.target_epsilon = target_epsilon
         self.log_every_steps = log_every_steps
         self.report_path = report_path
         self.verbose = verbose
         self.stopped_at_step: int | None = None
-        self._seen_steps = 0
+        self._keeper: LedgerKeeper | None = None
+        self._seen_iterations = 0
         self._stop_at: int | None = None
         self._budget_entry: LedgerEntry | None = None
-
-    # -- What one logical step is --------------------------------------------------
-
-    @property
-    def _optimizer(self) -> DPOptimizer:
-        optimizer = getattr(self.model, "optimizer", None)
-        if not isinstance(optimizer, DPOptimizer):
-            raise ValueError(
-                "PrivacyCallback needs a model compiled with tf_megadp.DPOptimizer "
-                f"(and made private with tf_megadp.make_private); got {optimizer!r}."
-            )
-        return optimizer
-
-    def _step_entry(self, step: int) -> LedgerEntry:
-        """The ledger entry of logical step `step` (0-based), one step long."""
-        optimizer = self._optimizer
-        schedule = optimizer.schedule
-        max_batch_size = 0
-        if schedule is not None:
-            phase = schedule.phase_at(step)
-            batch_size = phase.batch_size
-            if self.sampling == "poisson":
-                max_batch_size = schedule.capacity(phase)
-        else:
-            batch_size = self.batch_size or optimizer.normalize_by
-            if batch_size is None:
-                raise ValueError(
-                    "PrivacyCallback needs the expected logical batch size: pass "
-                    "batch_size=B, or give DPOptimizer normalize_by=B or a "
-                    "BatchSizeSchedule."
-                )
-            max_batch_size = self.max_batch_size or 0
-        return LedgerEntry(
-            1,
-            sampling_rate=batch_size / self._accountant.num_examples,
-            noise_multiplier=optimizer.noise_multiplier_at(step),
-            max_batch_size=max_batch_size,
-            sampling=self.sampling,
-        )
-
-    def _record_until(self, iterations: int) -> None:
-        """Records logical steps `_seen_steps .. iterations - 1` in the ledger."""
-        if iterations <= self._seen_steps:
-            return
-        for step in range(self._seen_steps, iterations):
-            self._accountant.ledger.append(self._step_entry(step))
-        self._seen_steps = iterations
-        _write_ledger(self._optimizer, self._accountant.ledger)
-
-    def _iterations(self) -> int:
-        return int(keras.ops.convert_to_numpy(self._optimizer.iterations))
 
     # -- Results -------------------------------------------------------------------
 
     @property
     def epsilon(self) -> float:
-        """Epsilon spent by the logical steps recorded so far."""
-        if self._accountant is None:
+        """Epsilon spent by the logical steps recorded so far (inf without noise)."""
+        if self._keeper is None:
             return 0.0
-        return self._accountant.epsilon()
+        if _number(self._optimizer.noiseless_steps):
+            return math.inf
+        return self._accountant.epsilon(self._keeper.ledger)
 
     @property
     def ledger(self) -> PrivacyLedger:
         """A copy of the steps recorded so far."""
-        return self._accountant.ledger.copy() if self._accountant else PrivacyLedger()
+        return self._keeper.ledger.copy() if self._keeper else PrivacyLedger()
+
+    @property
+    def _optimizer(self) -> DPOptimizer:
+        return _dp_optimizer(self.model)
 
     def _settings(self) -> dict[str, Any]:
         optimizer = self._optimizer
@@ -227,32 +533,71 @@ class PrivacyCallback(keras.callbacks.Callback):
             "normalize_by": optimizer.normalize_by,
             "schedule": optimizer.schedule.to_dict() if optimizer.schedule else None,
             "optimizer": type(optimizer.inner_optimizer).__name__,
+            "clipping": optimizer.clipping,
             "target_epsilon": self.target_epsilon,
         }
 
     def report(self) -> dict[str, Any]:
-        """The publishable report of the run (see `PrivacyAccountant.report`)."""
-        return self._accountant.report(self._settings())
+        """The publishable report of the run.
+
+        The accountant's report (see `PrivacyAccountant.report`) plus what the
+        data and the randomness were: whether N was measured or stated,
+        whether the steps were Poisson draws, whether noise or sampling came
+        from an explicit seed, and what the run releases outside epsilon.
+        """
+        keeper, optimizer = self._keeper, self._optimizer
+        accountant = PrivacyAccountant(
+            self._accountant.num_examples, self.delta, accountant=self.accountant_name,
+            ledger=keeper.ledger)
+        report = accountant.report(self._settings())
+        data = keeper.data_report()
+        report["data"] = data
+        report["num_examples_measured"] = data["num_examples_measured"]
+        report["seeded_noise"] = optimizer.seeded_noise
+        report["released_outside_epsilon"] = list(RELEASED_OUTSIDE_EPSILON)
+        notes = report["warnings"]
+        if _number(optimizer.noiseless_steps):
+            report["epsilon"] = math.inf
+            notes.append(f"{_number(optimizer.noiseless_steps)} logical steps had no "
+                         "noise: the run is NOT differentially private.")
+        if optimizer.seeded_noise:
+            notes.append("seeded noise: not for release (DPOptimizer(seed=...)).")
+        if data["seeded_sampling"]:
+            notes.append("seeded sampling: not for release (the sampler's seed= makes "
+                         "its draws recomputable).")
+        if not data["num_examples_measured"]:
+            notes.append("num_examples was stated by the user, not measured.")
+        return report
+
+    def save_report(self, path: str | os.PathLike) -> None:
+        """Writes `report()` as JSON to `path`, atomically."""
+        from tf_megadp.files import write_json_atomically
+
+        write_json_atomically(path, self.report())
 
     # -- Keras hooks ---------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        keeper = getattr(self.model, "_tf_megadp_keeper", None)
         optimizer = self._optimizer
-        if not optimizer.built:
-            optimizer.build(self.model.trainable_variables)
-        schedule = optimizer.schedule
-        num_examples = self.num_examples
-        if schedule is not None:
-            if num_examples is not None and num_examples != schedule.num_examples:
-                raise ValueError(
-                    f"PrivacyCallback num_examples={num_examples} differs from the "
-                    f"optimizer's schedule (num_examples={schedule.num_examples})."
-                )
-            num_examples = schedule.num_examples
-        if num_examples is None:
-            raise ValueError(
-                "PrivacyCallback needs num_examples (or a DPOptimizer with a "
-                "BatchSizeSchedule)."
+        if keeper is None or keeper.model is not self.model:
+            raise PrivacyConfigurationError(
+                "PrivacyCallback needs the private fit of tf_megadp.make_private(model)."
+            )
+        if keeper.num_examples is None:
+            raise PrivacyConfigurationError(
+                "fit cannot measure the size of this data (a dataset that no "
+                "tf_megadp sampler returned): pass PrivacyCallback(num_examples=N, "
+                "...) and the report will say N was stated, or feed arrays or a "
+                "tf_megadp sampler's dataset."
+            )
+        unaccounted = _number(optimizer.unaccounted_steps)
+        if unaccounted:
+            raise PrivacyConfigurationError(
+                f"{unaccounted} logical steps of this model were taken on data whose "
+                "size was unknown (or outside fit, e.g. train_on_batch), so their "
+                "privacy cannot be accounted. Train with a PrivacyCallback from the "
+                "first step (with num_examples=N for data of unknown size)."
             )
         if self.target_epsilon is not None and getattr(self.model, "steps_per_execution", 1) != 1:
             raise ValueError(
@@ -260,43 +605,41 @@ class PrivacyCallback(keras.callbacks.Callback):
                 "stop exactly before the step that would exceed the budget: compile "
                 "with steps_per_execution=1."
             )
-        # The optimizer's ledger is the source of truth: it survives save/load.
-        ledger = read_ledger(optimizer)
-        iterations = self._iterations()
-        if ledger.total_steps > iterations:
-            raise ValueError(
-                f"The optimizer's privacy ledger records {ledger.total_steps} logical "
-                f"steps but its iteration counter is {iterations}: the checkpoint is "
-                "inconsistent. Restore the optimizer and its ledger together."
-            )
+        self._keeper = keeper
         self._accountant = PrivacyAccountant(
-            num_examples, self.delta, accountant=self.accountant_name, ledger=ledger
-        )
-        self._seen_steps = ledger.total_steps
+            keeper.num_examples, self.delta, accountant=self.accountant_name)
         self._stop_at = None
         self._budget_entry = None
         self.stopped_at_step = None
-        self._step_entry(iterations)  # Fails now, not after a step, if not private.
-        if iterations > self._seen_steps:
-            warnings.warn(
-                f"{iterations - self._seen_steps} logical steps were taken without a "
-                "PrivacyCallback; recording them with the optimizer's current "
-                "settings and this callback's sampling assumptions.",
-                UserWarning,
-                stacklevel=2,
-            )
-            self._record_until(iterations)
+        iterations = _number(optimizer.iterations)
+        self._seen_iterations = iterations
+        self._check_batch_size(keeper.next_entry(iterations))
         if self.target_epsilon is not None and not self._next_step_fits(iterations):
             raise RuntimeError(
                 f"The privacy budget is spent: epsilon is {self.epsilon:.4g} after "
-                f"{iterations} logical steps and one more step would exceed "
-                f"target_epsilon={self.target_epsilon:g}. Raise target_epsilon or "
-                "stop training."
+                f"{keeper.ledger.total_steps} logical steps and one more step would "
+                f"exceed target_epsilon={self.target_epsilon:g}. Raise target_epsilon "
+                "or stop training."
+            )
+
+    def _check_batch_size(self, entry: LedgerEntry | None) -> None:
+        if self.batch_size is None or entry is None:
+            return
+        actual = entry.sampling_rate * self._keeper.num_examples
+        if not math.isclose(actual, self.batch_size, rel_tol=1e-9):
+            raise PrivacyConfigurationError(
+                f"PrivacyCallback(batch_size={self.batch_size}) but each logical step "
+                f"of this run holds {actual:g} examples (expected). Remove batch_size: "
+                "it is derived from the data and the optimizer."
             )
 
     def _next_step_fits(self, step: int) -> bool:
         """Whether logical step `step` keeps epsilon within the budget."""
-        entry = self._step_entry(step)
+        if _number(self._optimizer.noiseless_steps):
+            return False
+        entry = self._keeper.next_entry(step)
+        if entry is None:
+            return True  # Known after the first step, which the budget then checks.
         if entry != self._budget_entry or step >= self._stop_at:
             # Epsilon grows with each step, so one search tells how many steps
             # like `entry` still fit; recompute only when the step changes or
@@ -307,17 +650,17 @@ class PrivacyCallback(keras.callbacks.Callback):
             if schedule is not None and step < schedule.total_steps:
                 limit = schedule.phase_ends[schedule.phase_index(step)] - step
             self._budget_entry = entry
+            self._accountant.ledger = self._keeper.ledger.copy()
             self._stop_at = step + self._accountant.steps_within_budget(
                 self.target_epsilon, entry, limit=limit
             )
         return step < self._stop_at
 
     def on_train_batch_end(self, batch, logs=None):
-        iterations = self._iterations()
-        if iterations == self._seen_steps:
+        iterations = _number(self._optimizer.iterations)
+        if iterations == self._seen_iterations:
             return  # Mid-accumulation: no noisy update was released.
-        previous = self._seen_steps
-        self._record_until(iterations)
+        previous, self._seen_iterations = self._seen_iterations, iterations
         if logs is not None and self.log_every_steps and (
             iterations // self.log_every_steps > previous // self.log_every_steps
         ):
@@ -334,12 +677,10 @@ class PrivacyCallback(keras.callbacks.Callback):
                 )
 
     def on_epoch_end(self, epoch, logs=None):
-        self._record_until(self._iterations())
         if logs is not None:
             logs["epsilon"] = self.epsilon
             logs["delta"] = self.delta
 
     def on_train_end(self, logs=None):
-        self._record_until(self._iterations())
         if self.report_path is not None:
-            self._accountant.save_report(self.report_path, self._settings())
+            self.save_report(self.report_path)

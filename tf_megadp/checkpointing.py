@@ -1,13 +1,26 @@
-"""Training checkpoints that keep the DP state, for any Keras model.
+"""Training checkpoints that keep the DP state, and the release export.
+
+Which files of a run may be published:
+
+* `export_model(model, path)` writes the model alone (architecture and
+  weights, no optimizer, no compile settings): the file to release.
+* A training checkpoint (`save_training_state`, `model.save`,
+  `ModelCheckpoint`) holds the optimizer state as well: the inner
+  optimizer's moments are functions of the noisy updates, like the weights,
+  but keep such files like the training data unless you need to publish
+  them. None of them holds the noise key or a mid-step (un-noised) sum: the
+  `DPOptimizer` keeps those in memory only, so a restored run resumes at a
+  logical-step boundary with fresh noise.
 
 `model.save` / `keras.models.load_model` restore a `DPOptimizer` (its
-accumulators, micro-step counter, noise key and privacy ledger) for models
-whose `compile` Keras can replay. keras-hub tasks such as `BertMaskedLM`
-override `compile`, so Keras skips it on load and the optimizer state is lost.
+inner optimizer, logical-step counter and privacy ledger) for models whose
+`compile` Keras can replay. keras-hub tasks such as `BertMaskedLM` override
+`compile`, so Keras skips it on load and the optimizer state is lost.
 `save_training_state` / `restore_training_state` keep that state in files of
-their own: the model weights, every optimizer variable, and the optimizer's
-config, each written to a temporary file and renamed into place, with a small
-JSON index written last, so a crash never leaves a half-written checkpoint.
+their own: the model weights, the optimizer's saved variables, and the
+optimizer's config, each written to a temporary file and renamed into place,
+with a small JSON index written last, so a crash never leaves a half-written
+checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +35,7 @@ import numpy as np
 
 from tf_megadp.files import atomic_write, write_json_atomically
 
-__all__ = ["save_training_state", "restore_training_state"]
+__all__ = ["save_training_state", "restore_training_state", "export_model"]
 
 _INDEX = "training_state.json"
 _WEIGHTS = "model.weights.h5"
@@ -40,7 +53,11 @@ def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any
     os.makedirs(directory, exist_ok=True)
     optimizer = model.optimizer
     atomic_write(os.path.join(directory, _WEIGHTS), model.save_weights)
-    values = {f"v{i:05d}": np.asarray(v.numpy()) for i, v in enumerate(optimizer.variables)}
+    # The optimizer's own choice of what is saved: a DPOptimizer leaves out
+    # its noise key and mid-step accumulators.
+    store: dict[str, Any] = {}
+    optimizer.save_own_variables(store)
+    values = {f"v{int(key):05d}": np.asarray(value) for key, value in store.items()}
 
     def write_variables(path):
         with open(path, "wb") as handle:
@@ -89,16 +106,52 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
     optimizer.build(model.trainable_variables)
     with np.load(os.path.join(directory, _OPTIMIZER)) as saved:
         values = [saved[f"v{i:05d}"] for i in range(len(saved.files))]
-    if len(values) != len(optimizer.variables):
+    expected: dict[str, Any] = {}
+    optimizer.save_own_variables(expected)
+    if len(values) != len(expected):
         raise ValueError(
             f"The checkpoint holds {len(values)} optimizer variables but the rebuilt "
-            f"optimizer has {len(optimizer.variables)}: it was saved from another model."
+            f"optimizer has {len(expected)}: it was saved from another model."
         )
-    for variable, value in zip(optimizer.variables, values):
-        if tuple(variable.shape) != value.shape:
+    for index_, (current, value) in enumerate(zip(expected.values(), values)):
+        if np.shape(current) != value.shape:
             raise ValueError(
-                f"Optimizer variable {variable.path} has shape {tuple(variable.shape)} "
-                f"but the checkpoint has {value.shape}: it was saved from another model."
+                f"Optimizer variable {index_} has shape {np.shape(current)} but the "
+                f"checkpoint has {value.shape}: it was saved from another model."
             )
-        variable.assign(value)
+    optimizer.load_own_variables({str(i): value for i, value in enumerate(values)})
     return index["extra"]
+
+
+def export_model(model: keras.Model, path: str | os.PathLike) -> None:
+    """Writes the model for release: architecture and weights, no optimizer state.
+
+    The file holds no optimizer variables, no compile configuration (so no
+    clipping, noise or seed settings) and no training state; it is what a
+    DP run may publish. Written atomically.
+
+    Args:
+        model: the trained model.
+        path: the `.keras` file to write.
+
+    Example:
+    ```python
+    model.fit(...)
+    tf_megadp.export_model(model, "release/model.keras")
+    released = keras.models.load_model("release/model.keras")
+    ```
+    """
+    path = os.fspath(path)
+    if not path.endswith(".keras"):
+        raise ValueError(f"export_model writes a .keras file, got {path!r}.")
+    optimizer = getattr(model, "optimizer", None)
+    compiled = getattr(model, "compiled", False)
+    try:
+        # Keras saves the optimizer and the compile settings of a compiled
+        # model; detach both for the duration of the write.
+        model.optimizer = None
+        model.compiled = False
+        atomic_write(path, model.save)
+    finally:
+        model.optimizer = optimizer
+        model.compiled = compiled

@@ -34,7 +34,7 @@ import tensorflow as tf
 from keras.src.saving import serialization_lib
 
 from tf_megadp.accounting import LEDGER_COLUMNS
-from tf_megadp.clipping import get_clipping_strategy
+from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
@@ -155,7 +155,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         schedule: a `tf_megadp.BatchSizeSchedule`; then accumulation steps,
             divisor and (where a phase sets it) the noise multiplier of each
             logical step come from the schedule.
-        clipping: per-example clipping strategy: "vectorized", "ghost" or "auto" (docs/clipping.md).
+        clipping: per-example clipping strategy: "vectorized", "ghost" or "auto"
+            (docs/clipping.md), or a `ClippingStrategy` instance (not restored by
+            `from_config`).
         name: optimizer name.
 
     Example:
@@ -176,7 +178,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         normalize_by: float | None = None,
         seed: int | None = None,
         schedule: BatchSizeSchedule | dict | None = None,
-        clipping: str = "vectorized",
+        clipping: str | ClippingStrategy = "vectorized",
         name: str | None = None,
         **kwargs,
     ):
@@ -236,8 +238,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.normalize_by = normalize_by
         self.seed = seed
         self.schedule = schedule
-        self.clipping = clipping
-        self.clipping_strategy = get_clipping_strategy(clipping)
+        if isinstance(clipping, ClippingStrategy):
+            self.clipping_strategy = clipping
+            self.clipping = type(clipping).__name__
+        else:
+            self.clipping_strategy = get_clipping_strategy(clipping)
+            self.clipping = clipping
         self._settings_frozen = True
         if self.noise_multiplier == 0 or any(
             p.noise_multiplier == 0 for p in (schedule.phases if schedule else ())
@@ -348,7 +354,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     @property
     def nonfinite_examples(self):
-        """Examples of the current logical step dropped for a non-finite gradient."""
+        """Examples dropped for a non-finite gradient since the optimizer was built (in memory)."""
         return self._in_memory.nonfinite_examples
 
     @property
@@ -372,7 +378,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
             accumulator.assign(tf.zeros_like(accumulator.value))
         state.micro_steps.assign(0)
         state.step_rows.assign(0)
-        state.nonfinite_examples.assign(0)
         return discarded
 
     def load_own_variables(self, store):

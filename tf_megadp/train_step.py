@@ -8,13 +8,17 @@ model's class, weights, `evaluate`, `predict` and saving are untouched.
 from __future__ import annotations
 
 import functools
+import inspect
+import math
 
 import keras
 import tensorflow as tf
 
+from tf_megadp import sources
+from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer
 
 __all__ = ["make_private", "is_private"]
 
@@ -29,7 +33,12 @@ def is_private(model: keras.Model) -> bool:
     return bool(getattr(model, _PRIVATE_FLAG, False))
 
 
-def make_private(model: keras.Model) -> keras.Model:
+def make_private(
+    model: keras.Model,
+    *,
+    require_poisson_sampling: bool = False,
+    log_nonfinite_examples: bool = False,
+) -> keras.Model:
     """Turns on differentially private training for `model` (in place).
 
     After this call every training step of `model.fit` (and `train_on_batch`)
@@ -38,6 +47,14 @@ def make_private(model: keras.Model) -> keras.Model:
     handed to the `DPOptimizer`, which adds noise once per logical step. The
     model must be compiled with a `DPOptimizer`; anything else raises.
 
+    Every private `fit` keeps the privacy ledger from what it is fed (see
+    `tf_megadp.sources`): N is measured from arrays and from tf_megadp
+    samplers, and each applied step is recorded with the values the compiled
+    step used. A logical step never spans two `fit` calls nor, for data that
+    no sampler drew, two epochs: a partial logical step there is discarded
+    (it was never released, so it costs no privacy). Compiling again with a
+    new `DPOptimizer` carries the spent privacy over to it.
+
     The same object is returned, so `model = make_private(model)` and
     `make_private(model)` are equivalent. Saved models do not remember the
     opt-in: call `make_private` again after `keras.models.load_model`
@@ -45,6 +62,13 @@ def make_private(model: keras.Model) -> keras.Model:
 
     Args:
         model: a Keras 3 model (Sequential, Functional or subclassed).
+        require_poisson_sampling: refuse data that no tf_megadp Poisson
+            sampler drew (arrays, other datasets), whose epsilon is only an
+            estimate. The main job's default.
+        log_nonfinite_examples: add the number of examples of the current
+            logical step whose gradient was not finite to the training logs.
+            Off by default: the exact count is a statistic outside epsilon
+            (a record known to produce NaN reveals its membership).
 
     Returns:
         The same model, with a private train step.
@@ -58,7 +82,7 @@ def make_private(model: keras.Model) -> keras.Model:
     model = tf_megadp.make_private(keras.Sequential([...]))
     model.compile(optimizer=tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1),
                   l2_norm_clip=1.0, noise_multiplier=1.0), loss="mse")
-    model.fit(x, y, batch_size=32)
+    model.fit(x, y, batch_size=32, callbacks=[tf_megadp.PrivacyCallback(delta=1e-5)])
     ```
     """
     if not isinstance(model, keras.Model):
@@ -71,23 +95,86 @@ def make_private(model: keras.Model) -> keras.Model:
             "must replace with the DP step. Move custom loss logic into "
             "`compute_loss` (it is evaluated per example) and remove train_step."
         )
-    model.train_step = functools.partial(_private_train_step, model)
-    original_fit = type(model).fit.__get__(model)
+    model.train_step = functools.partial(
+        _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
+    if not is_private(model):
+        model.fit = _private_fit(model, type(model).fit.__get__(model))
+    model._tf_megadp_require_poisson = bool(require_poisson_sampling)
+    setattr(model, _PRIVATE_FLAG, True)
+    return model
+
+
+def _private_fit(model: keras.Model, original_fit):
+    signature = inspect.signature(original_fit)
 
     @functools.wraps(original_fit)
-    def fit(*args, class_weight=None, **kwargs):
-        if class_weight is not None:
+    def fit(*args, **kwargs):
+        arguments = {}
+        for name, value in signature.bind(*args, **kwargs).arguments.items():
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)  # keras-hub tasks take fit(x, y, ..., **kwargs).
+            else:
+                arguments[name] = value
+        if arguments.get("class_weight") is not None:
             raise PrivacyConfigurationError(
                 "class_weight is not supported by the DP step. Put per-class "
                 "weights into sample_weight of your dataset instead: they then "
                 "scale each example's loss before clipping, which keeps the "
                 "sensitivity bound."
             )
-        return original_fit(*args, **kwargs)
+        callbacks = list(arguments.get("callbacks") or [])
+        privacy = [c for c in callbacks if isinstance(c, PrivacyCallback)]
+        keeper = LedgerKeeper(
+            source=_fit_source(arguments),
+            stated_num_examples=privacy[0].num_examples if privacy else None,
+            require_poisson_sampling=model._tf_megadp_require_poisson,
+            micro_batch_size=_array_micro_batch_size(arguments),
+        )
+        # First, so that every other callback sees the ledger it kept.
+        arguments["callbacks"] = [keeper] + callbacks
+        return original_fit(**arguments)
 
-    model.fit = fit
-    setattr(model, _PRIVATE_FLAG, True)
-    return model
+    return fit
+
+
+def _is_array_input(x) -> bool:
+    if x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
+        return False
+    leaves = tf.nest.flatten(x)
+    return bool(leaves) and all(
+        hasattr(leaf, "shape") and hasattr(leaf, "dtype") and len(leaf.shape) > 0
+        and not isinstance(leaf, tf.data.Dataset)
+        for leaf in leaves
+    )
+
+
+def _fit_source(arguments) -> sources.DataSource | None:
+    """What `fit` is fed, measured where it can be (see `tf_megadp.sources`)."""
+    x = arguments.get("x")
+    source = sources.source_of(x)
+    if source is not None or not _is_array_input(x):
+        return source
+    rows = int(tf.nest.flatten(x)[0].shape[0])
+    split = float(arguments.get("validation_split") or 0.0)
+    if split:
+        # Keras trains on the first floor(N * (1 - split)) rows.
+        rows = int(math.floor(rows * (1.0 - split)))
+    batch_size = _array_micro_batch_size(arguments)
+    order = "shuffled" if arguments.get("shuffle", True) else "in order"
+    return sources.DataSource(
+        sampling=sources.FIXED_SIZE_SAMPLING,
+        num_examples=rows,
+        num_examples_measured=True,
+        description=f"arrays passed to fit: {rows} examples in fixed-size batches "
+                    f"of {batch_size}, {order}",
+    )
+
+
+def _array_micro_batch_size(arguments) -> int | None:
+    if not _is_array_input(arguments.get("x")):
+        return None
+    # Keras's default batch size for arrays.
+    return int(arguments.get("batch_size") or 32)
 
 
 def _check_no_example_mixing(model: keras.Model):
@@ -101,7 +188,7 @@ def _check_no_example_mixing(model: keras.Model):
             )
 
 
-def _private_train_step(model: keras.Model, data):
+def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False):
     optimizer = model.optimizer
     if not isinstance(optimizer, DPOptimizer):
         raise PrivacyConfigurationError(
@@ -118,13 +205,16 @@ def _private_train_step(model: keras.Model, data):
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size)
-    optimizer.accumulate(
-        batch.gradient_sum, model.trainable_variables, micro_batch_size, batch.nonfinite
+    optimizer._accumulate_clipped(
+        _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables, micro_batch_size,
+        batch.nonfinite,
     )
     real_examples = tf.reduce_sum(batch.is_real)
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
     model._loss_tracker.update_state(mean_loss, sample_weight=real_examples)
     logs = model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
+    if not log_nonfinite_examples:
+        return logs
     nonfinite = optimizer.nonfinite_examples.value
     replica_context = tf.distribute.get_replica_context()
     if replica_context is not None and replica_context.num_replicas_in_sync > 1:

@@ -2,18 +2,26 @@
 
 Statistical checks use fixed seeds and significance level 1e-3; each is paired
 with a negative control showing that the same check rejects a sampler that
-breaks the property.
+breaks the property. The secret-randomness tests are written as the attack:
+they look for the sampling entropy wherever a user, a log or a file could
+see it.
 """
 
+import copy
 import json
+import math
 import os
+import pickle
+import secrets
 import warnings
 
 import numpy as np
 import pytest
 from scipy import stats
 
+from tf_megadp import sampling
 from tf_megadp.accounting import ledger_from_schedule
+from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.sampling import (
     MANIFEST_NAME,
     PoissonSampler,
@@ -22,8 +30,13 @@ from tf_megadp.sampling import (
     write_token_shards,
 )
 from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.sources import DataSource, source_of
 
 ALPHA = 1e-3
+SEED_WARNING = "An explicit sampling seed"
+# The statistical checks use fixed seeds so that they are reproducible; the
+# seed's warning itself is specified in TestSecretRandomness.
+pytestmark = pytest.mark.filterwarnings(f"ignore:{SEED_WARNING}:UserWarning")
 
 
 def make_shards(directory, num_rows, length=4, vocabulary_size=1000, rows_per_shard=1 << 20):
@@ -241,16 +254,43 @@ class TestStaticMicroBatches:
         with pytest.raises(RuntimeError, match="start_step"):
             list(sampler.micro_batches())
 
-    def test_resuming_reproduces_the_uninterrupted_draws(self, small):
+    def test_a_sampler_dataset_cannot_be_iterated_twice(self, small):
+        import tensorflow as tf
+
+        shards, _ = small
+        schedule = BatchSizeSchedule.constant(1, 20, num_examples=200, micro_batch_size=8)
+        dataset = PoissonSampler(shards, schedule, seed=3).as_dataset()
+        assert len(list(dataset)) == schedule.phases[0].accumulation_steps
+        with pytest.raises(tf.errors.OpError, match="already consumed"):
+            list(dataset)
+
+    def test_steps_depend_only_on_the_randomness_and_the_step(self, small):
+        # What several hosts sharing one secret rely on: a sampler started at
+        # step 2 draws exactly what an uninterrupted one draws from step 2.
         shards, _ = small
         schedule = BatchSizeSchedule([Phase(3, 20, 3), Phase(3, 40, 6)], num_examples=200, micro_batch_size=8)
         full = list(PoissonSampler(shards, schedule, seed=11).micro_batches())
-        # Resume at logical step 2, one micro-batch into it (k = 3 in phase 0).
-        resumed = list(PoissonSampler(shards, schedule, seed=11, start_step=2, start_micro_step=1).micro_batches())
-        assert len(resumed) == len(full) - 7
-        for (a, wa), (b, wb) in zip(full[7:], resumed):
+        later = list(PoissonSampler(shards, schedule, seed=11, start_step=2).micro_batches())
+        assert len(later) == len(full) - 6
+        for (a, wa), (b, wb) in zip(full[6:], later):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(wa, wb)
+
+    def test_resuming_draws_fresh_whole_steps_in_the_optimizer_phase(self, small):
+        shards, _ = small
+        schedule = BatchSizeSchedule([Phase(3, 20, 3), Phase(3, 40, 6)], num_examples=200, micro_batch_size=8)
+        first = PoissonSampler(shards, schedule)
+        resumed = PoissonSampler(shards, schedule, start_step=3)
+        # A logical step is always drawn whole: steps 3..5 of phase 1, k = 6.
+        assert resumed.total_micro_steps == 3 * 6
+        assert len(list(resumed.micro_batches())) == 18
+        # Fresh entropy: the resumed run's steps are new draws, not the old ones.
+        assert any(
+            not np.array_equal(first.draw(step).indices, resumed.draw(step).indices)
+            for step in range(3, 6)
+        )
+        with pytest.raises(TypeError, match="start_micro_step"):
+            PoissonSampler(shards, schedule, start_step=2, start_micro_step=1)
 
     def test_different_seeds_give_different_draws(self, small):
         shards, _ = small
@@ -262,8 +302,8 @@ class TestStaticMicroBatches:
     def test_schedule_must_describe_this_corpus(self, small):
         shards, _ = small
         schedule = BatchSizeSchedule.constant(1, 20, num_examples=201, micro_batch_size=8)
-        with pytest.raises(ValueError, match="num_examples=len"):
-            PoissonSampler(shards, schedule, seed=0)
+        with pytest.raises(PrivacyConfigurationError, match="num_examples=len"):
+            PoissonSampler(shards, schedule)
 
 
 class TestTruncation:
@@ -331,3 +371,421 @@ class TestShuffleSampler:
         shards, _ = small
         schedule = BatchSizeSchedule.constant(1, 20, num_examples=200, micro_batch_size=8)
         assert PoissonSampler(shards, schedule, seed=0).sampling_kind == "poisson"
+
+
+# -- Secret sampling randomness ---------------------------------------------------------
+
+
+def public_surface(sampler, dataset):
+    """Every text a user, a log line, a report or a file can get from a sampler."""
+    texts = [repr(sampler), str(sampler)]
+    for name in dir(sampler):
+        if not name.startswith("_"):
+            texts.append(f"{name}={getattr(sampler, name)!r}")
+    source = source_of(dataset)
+    texts += [repr(source), json.dumps(source.report()), repr(dataset), repr(dataset.element_spec)]
+    texts.append(dataset._as_serialized_graph().numpy().decode("latin-1"))
+    return "\n".join(texts)
+
+
+def secret_spellings(secret):
+    return [str(secret), f"{secret:x}", f"{secret:X}", secret.to_bytes(16, "little").decode("latin-1"),
+            secret.to_bytes(16, "big").decode("latin-1")]
+
+
+class TestSecretRandomness:
+    SCHEDULE = BatchSizeSchedule.constant(5, 20, num_examples=200, micro_batch_size=8)
+
+    def test_samplers_without_a_seed_draw_different_steps(self, small):
+        shards, _ = small
+        for make in (
+            lambda: PoissonSampler(shards, self.SCHEDULE),
+            lambda: PoissonSampler.from_arrays(np.arange(200), np.zeros(200), schedule=self.SCHEDULE),
+        ):
+            a, b = make(), make()
+            assert all(not np.array_equal(a.draw(t).indices, b.draw(t).indices) for t in range(5))
+        with pytest.warns(UserWarning, match="Chua"):
+            a, b = ShuffleSampler(shards, self.SCHEDULE), ShuffleSampler(shards, self.SCHEDULE)
+        assert not np.array_equal(a.draw(0).indices, b.draw(0).indices)
+        # Control: the comparison does see equal draws when they are equal.
+        a, b = (PoissonSampler(shards, self.SCHEDULE, seed=5) for _ in range(2))
+        assert all(np.array_equal(a.draw(t).indices, b.draw(t).indices) for t in range(5))
+
+    @pytest.mark.parametrize("kind", ["shards", "arrays", "records", "shuffle"])
+    def test_the_entropy_reaches_no_public_attribute_repr_report_or_graph(self, small, monkeypatch, kind):
+        shards, _ = small
+        secret = 0x5EC12E7_0DD_BA11_F00D_CAFE_1234_5678  # stands in for the OS draw
+        monkeypatch.setattr(sampling, "_os_entropy", lambda: secret)
+        records = [(np.float32(i), i % 2) for i in range(200)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make = {
+                "shards": lambda: PoissonSampler(shards, self.SCHEDULE),
+                "arrays": lambda: PoissonSampler.from_arrays(np.arange(200.0), np.zeros(200), schedule=self.SCHEDULE),
+                "records": lambda: PoissonSampler.from_records(records, schedule=self.SCHEDULE),
+                "shuffle": lambda: ShuffleSampler(shards, self.SCHEDULE),
+            }[kind]
+            sampler, twin = make(), make()
+            dataset = sampler.as_dataset()
+            elements = list(dataset)
+        # The patched value really is the randomness: it fixes every draw.
+        assert all(np.array_equal(sampler.draw(t).indices, twin.draw(t).indices) for t in range(5))
+        assert len(elements) == sampler.total_micro_steps
+        surface = public_surface(sampler, dataset) + "".join(str(w.message) for w in caught)
+        public_vars = {k: v for k, v in vars(sampler).items() if not k.startswith("_")}
+        for spelling in secret_spellings(secret):
+            assert spelling not in surface
+            assert spelling not in repr(public_vars)
+        assert not hasattr(sampler, "seed")
+        # Control: the same search finds it where it is kept (privately).
+        assert str(secret) in repr(vars(sampler))
+        # Pickling or copying would write the secret out (and clone the stream).
+        for leak in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(TypeError, match="secret sampling randomness"):
+                leak(sampler)
+        assert not sampler.seeded and not source_of(dataset).seeded
+
+    def test_an_explicit_seed_warns_and_marks_the_source_seeded(self, small):
+        shards, _ = small
+        with pytest.warns(UserWarning, match="not private") as caught:
+            sampler = PoissonSampler(shards, self.SCHEDULE, seed=7)
+        assert caught[0].filename == __file__  # points at the user's line
+        source = source_of(sampler.as_dataset())
+        assert sampler.seeded and source.seeded and source.report()["seeded_sampling"] is True
+        assert "seeded (not private)" in repr(sampler)
+        with pytest.warns(UserWarning, match="not private"):
+            arrays = PoissonSampler.from_arrays(np.arange(200), np.zeros(200), schedule=self.SCHEDULE, seed=7)
+        assert source_of(arrays.as_dataset()).seeded
+        # Control: the secret default neither warns nor is marked.
+        with warnings.catch_warnings(record=True) as quiet:
+            warnings.simplefilter("always")
+            default = PoissonSampler(shards, self.SCHEDULE)
+        assert not [w for w in quiet if SEED_WARNING in str(w.message)]
+        assert not default.seeded and source_of(default.as_dataset()).report()["seeded_sampling"] is False
+
+    def test_hosts_sharing_a_secret_draw_the_same_steps_unmarked_and_silently(self, small):
+        shards, _ = small
+        secret = secrets.randbits(128)
+        with warnings.catch_warnings(record=True) as quiet:
+            warnings.simplefilter("always")
+            host_a = PoissonSampler(shards, self.SCHEDULE, shared_secret=secret)
+            host_b = PoissonSampler(shards, self.SCHEDULE, shared_secret=secret)
+            other = PoissonSampler(shards, self.SCHEDULE, shared_secret=secrets.randbits(128))
+        assert not quiet
+        assert all(np.array_equal(host_a.draw(t).indices, host_b.draw(t).indices) for t in range(5))
+        assert any(not np.array_equal(host_a.draw(t).indices, other.draw(t).indices) for t in range(5))
+        assert not host_a.seeded and not source_of(host_a.as_dataset()).seeded
+        for spelling in secret_spellings(secret):
+            assert spelling not in repr(host_a)
+
+    def test_seed_and_shared_secret_together_or_a_guessable_secret_are_refused(self, small):
+        shards, _ = small
+        with pytest.raises(PrivacyConfigurationError, match="not both"):
+            PoissonSampler(shards, self.SCHEDULE, seed=1, shared_secret=secrets.randbits(128))
+        with pytest.raises(PrivacyConfigurationError, match="guessable") as error:
+            PoissonSampler(shards, self.SCHEDULE, shared_secret=123_456)
+        assert "123456" not in str(error.value) and "123_456" not in str(error.value)
+        for bad in (True, -1, 1.5, "7"):
+            with pytest.raises(TypeError, match="non-negative integer"):
+                PoissonSampler(shards, self.SCHEDULE, seed=bad)
+        # A secret arriving as a NumPy integer (e.g. from a tensor) is fine.
+        PoissonSampler(shards, self.SCHEDULE, shared_secret=np.uint64(secrets.randbits(64) | 1 << 63))
+
+
+# -- DataSource on every sampler's dataset ---------------------------------------------
+
+
+class TestDataSource:
+    def test_token_shard_samplers_attach_their_source(self, small):
+        shards, _ = small
+        schedule = BatchSizeSchedule([Phase(3, 20, 3), Phase(3, 40, 6)], num_examples=200, micro_batch_size=8)
+        dataset = PoissonSampler(shards, schedule, start_step=2).as_dataset(lambda rows, weights: (rows, rows, weights))
+        assert source_of(dataset) == DataSource(
+            sampling="poisson", num_examples=200, num_examples_measured=True,
+            description="PoissonSampler over 200 token rows", schedule=schedule, start_step=2, seeded=False)
+        with pytest.warns(UserWarning, match="Chua"):
+            shuffled = ShuffleSampler(shards, schedule).as_dataset()
+        source = source_of(shuffled)
+        assert source.sampling == "shuffle" and source.schedule == schedule and not source.seeded
+        assert source.description == "ShuffleSampler over 200 token rows"
+
+    def test_array_and_record_samplers_attach_their_source(self):
+        x, y = np.zeros((1280, 2)), np.zeros(1280)
+        arrays = PoissonSampler.from_arrays(x, y, batch_size=64, epochs=1, micro_batch_size=16)
+        source = source_of(arrays.as_dataset())
+        assert source.sampling == "poisson" and source.num_examples == 1280 and source.num_examples_measured
+        assert source.description == "PoissonSampler over 1,280 examples in arrays"
+        assert source.schedule == arrays.schedule and source.start_step == 0
+        records = PoissonSampler.from_records(list(zip(x, y)), batch_size=64, epochs=1, micro_batch_size=16)
+        assert source_of(records.as_dataset()).description == "PoissonSampler over 1,280 records of a list"
+        assert json.loads(json.dumps(source.report()))["sampling"] == "poisson"
+
+    @pytest.mark.parametrize("transform", [
+        lambda d: d.cache(), lambda d: d.repeat(2), lambda d: d.map(lambda *e: e), lambda d: d.take(2),
+    ], ids=["cache", "repeat", "map", "take"])
+    def test_a_derived_dataset_is_refused(self, small, transform):
+        shards, _ = small
+        schedule = BatchSizeSchedule.constant(2, 20, num_examples=200, micro_batch_size=8)
+        dataset = PoissonSampler(shards, schedule).as_dataset()
+        assert source_of(dataset) is not None
+        with pytest.raises(PrivacyConfigurationError, match="as it is"):
+            source_of(transform(dataset))
+
+
+# -- Poisson sampling of arrays and indexable records ----------------------------------
+
+
+def example_data(n, rng=None):
+    """x = {"id": example number, "feature": [n, 3] float64}, y = id % 3."""
+    rng = rng or np.random.default_rng(0)
+    return {"id": np.arange(n), "feature": rng.normal(size=(n, 3))}, np.arange(n) % 3
+
+
+def as_records(x, y, sample_weight=None):
+    if sample_weight is None:
+        return [({"id": x["id"][i], "feature": x["feature"][i]}, y[i]) for i in range(len(y))]
+    return [({"id": x["id"][i], "feature": x["feature"][i]}, y[i], sample_weight[i]) for i in range(len(y))]
+
+
+def make_example_sampler(kind, x, y, sample_weight=None, **kwargs):
+    if kind == "arrays":
+        return PoissonSampler.from_arrays(x, y, sample_weight, **kwargs)
+    return PoissonSampler.from_records(as_records(x, y, sample_weight), **kwargs)
+
+
+def emitted_steps(sampler):
+    """Per logical step, the emitted micro-batches (x, y, w) in order."""
+    batches = iter(sampler.micro_batches())
+    return [
+        [next(batches) for _ in range(sampler.schedule.phase_at(step).accumulation_steps)]
+        for step in range(sampler.start_step, sampler.end_step)
+    ]
+
+
+def emitted_inclusions(sampler):
+    """[steps, N] 0/1 matrix read back from what the dataset would emit (ids of weighted rows)."""
+    steps = emitted_steps(sampler)
+    matrix = np.zeros((len(steps), sampler.schedule.num_examples), np.int16)
+    for t, micro_batches in enumerate(steps):
+        ids = np.concatenate([x["id"][w > 0] for x, _, w in micro_batches])
+        np.add.at(matrix[t], ids, 1)
+    return matrix
+
+
+def inclusion_pvalues(counts, steps, q):
+    """P-values of per-example inclusion counts against Binomial(steps, q), independent.
+
+    Returns (chi-square over all examples, Bonferroni-corrected smallest
+    per-example two-sided binomial test).
+    """
+    statistic = ((counts - steps * q) ** 2 / (steps * q * (1 - q))).sum()
+    smallest = min(stats.binomtest(int(c), steps, q).pvalue for c in counts)
+    return stats.chi2.sf(statistic, df=len(counts)), min(1.0, len(counts) * smallest)
+
+
+class TestExamplePoisson:
+    N, B, STEPS = 100, 10, 2000  # q = 0.1; epochs = STEPS * B / N
+
+    @pytest.fixture(scope="class", params=["arrays", "records"])
+    def kind(self, request):
+        return request.param
+
+    @pytest.fixture(scope="class")
+    def inclusions(self, kind):
+        x, y = example_data(self.N)
+        sampler = make_example_sampler(kind, x, y, batch_size=self.B, epochs=self.STEPS * self.B / self.N,
+                                       micro_batch_size=8, seed=21)
+        assert sampler.schedule.total_steps == self.STEPS
+        return emitted_inclusions(sampler)
+
+    def test_each_example_is_included_at_rate_q(self, inclusions):
+        assert inclusions.max() == 1  # never twice in one step
+        counts = inclusions.sum(axis=0)
+        chi_square, binomial = inclusion_pvalues(counts, self.STEPS, self.B / self.N)
+        assert chi_square > ALPHA and binomial > ALPHA
+        # Negative control: the same tests reject the data against a wrong q.
+        chi_square, binomial = inclusion_pvalues(counts, self.STEPS, 1.2 * self.B / self.N)
+        assert chi_square < ALPHA and binomial < ALPHA
+
+    def test_step_sizes_are_binomial(self, inclusions):
+        sizes = inclusions.sum(axis=1)
+        assert chi_square_binomial_sizes(sizes, self.N, self.B / self.N) > ALPHA
+        # Negative control: a q 10 % off is rejected.
+        assert chi_square_binomial_sizes(sizes, self.N, 1.1 * self.B / self.N) < ALPHA
+
+    def test_static_micro_batches_with_zero_padding_of_weight_zero(self, kind):
+        x, y = example_data(40)
+        sampler = make_example_sampler(kind, x, y, batch_size=6, epochs=1, micro_batch_size=4, seed=2)
+        k = sampler.schedule.phases[0].accumulation_steps
+        dataset = sampler.as_dataset()
+        spec_x, spec_y, spec_w = dataset.element_spec
+        assert spec_x["id"].shape == spec_y.shape == spec_w.shape == (4,) and spec_x["feature"].shape == (4, 3)
+        assert spec_x["feature"].dtype.name == "float32" and spec_w.dtype.name == "float32"
+        assert int(dataset.cardinality()) == sampler.total_micro_steps == k * math.ceil(40 / 6)
+        sampler = make_example_sampler(kind, x, y, batch_size=6, epochs=1, micro_batch_size=4, seed=2)
+        for step, micro_batches in enumerate(emitted_steps(sampler)):
+            ids = []
+            for bx, by, bw in micro_batches:
+                assert bx["feature"].shape == (4, 3) and by.shape == bw.shape == (4,)
+                real, pad = bw == 1, bw == 0
+                assert np.all(real | pad)
+                assert np.all(bx["id"][pad] == 0) and np.all(bx["feature"][pad] == 0) and np.all(by[pad] == 0)
+                np.testing.assert_allclose(bx["feature"][real], x["feature"][bx["id"][real]], rtol=1e-6)
+                np.testing.assert_array_equal(by[real], y[bx["id"][real]])
+                ids.extend(bx["id"][real])
+            np.testing.assert_array_equal(ids, sampler.draw(step).indices)
+
+    def test_user_sample_weights_are_kept_on_real_rows(self, kind):
+        x, y = example_data(40)
+        per_example = 0.5 + np.arange(40) / 40
+        per_token = np.outer(per_example, [1.0, 0.0, 2.0])
+        for weights in (per_example, per_token):
+            sampler = make_example_sampler(kind, x, y, weights, batch_size=6, epochs=1, micro_batch_size=4, seed=4)
+            assert sampler.as_dataset().element_spec[2].shape == (4, *weights.shape[1:])
+            seen = 0
+            for bx, _, bw in (b for step in emitted_steps(sampler) for b in step):
+                real = np.any(bw != 0, axis=tuple(range(1, bw.ndim)))
+                np.testing.assert_allclose(bw[real], weights[bx["id"][real]], rtol=1e-6)
+                assert np.all(bw[~real] == 0) and np.all(bx["id"][~real] == 0)
+                seen += real.sum()
+            assert seen == sum(len(sampler.draw(t).indices) for t in range(sampler.schedule.total_steps))
+
+    def test_truncation_is_counted_and_warned(self, kind):
+        # Capacity 22 for an expected batch of 20 of 200: about 27 % of steps truncate.
+        schedule = BatchSizeSchedule([Phase(200, 20, 11)], num_examples=200, micro_batch_size=2)
+        x, y = example_data(200)
+        sampler = make_example_sampler(kind, x, y, schedule=schedule, seed=9)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            steps = emitted_steps(sampler)
+        sizes = [sum(int((w > 0).sum()) for _, _, w in step) for step in steps]
+        assert max(sizes) == 22 and 20 < sampler.truncated_steps < 100
+        assert len([w for w in caught if "capacity" in str(w.message)]) == sampler.truncated_steps
+
+    def test_from_arrays_builds_the_poisson_schedule(self, kind):
+        x, y = example_data(1000)
+        sampler = make_example_sampler(kind, x, y, batch_size=64, epochs=3, micro_batch_size=16)
+        assert sampler.schedule == BatchSizeSchedule.for_poisson(
+            [(math.ceil(3 * 1000 / 64), 64)], num_examples=1000, micro_batch_size=16)
+        assert sampler.schedule.total_steps == 47
+        explicit = BatchSizeSchedule.constant(5, 64, num_examples=1000, micro_batch_size=16, num_replicas=2)
+        sampler = make_example_sampler(kind, x, y, schedule=explicit)
+        assert sampler.schedule is explicit and sampler.micro_batch_rows == 32
+        with pytest.raises(ValueError, match="not both"):
+            make_example_sampler(kind, x, y, schedule=explicit, batch_size=64)
+        with pytest.raises(TypeError, match="missing: epochs"):
+            make_example_sampler(kind, x, y, batch_size=64, micro_batch_size=16)
+        with pytest.raises(ValueError, match="exceeds"):
+            make_example_sampler(kind, x, y, batch_size=1001, epochs=1, micro_batch_size=16)
+        wrong = BatchSizeSchedule.constant(5, 64, num_examples=999, micro_batch_size=16)
+        with pytest.raises(PrivacyConfigurationError, match="N = 1000"):
+            make_example_sampler(kind, x, y, schedule=wrong)
+
+
+class TestExampleStores:
+    def test_records_are_read_only_when_sampled(self):
+        class Disk:
+            """An indexable collection that counts its reads."""
+
+            def __init__(self):
+                self.reads = 0
+
+            def __len__(self):
+                return 10_000
+
+            def __getitem__(self, index):
+                self.reads += 1
+                return np.full(4, index, np.int32), index % 2
+
+        disk = Disk()
+        sampler = PoissonSampler.from_records(disk, batch_size=20, epochs=0.01, micro_batch_size=16, seed=1)
+        reads_at_start = disk.reads
+        emitted = [b for step in emitted_steps(sampler) for b in step]
+        drawn = sum(len(sampler.draw(t).indices) for t in range(sampler.schedule.total_steps))
+        assert reads_at_start == 1 and disk.reads - reads_at_start == drawn < 200
+        assert sum(int(w.sum()) for _, _, w in emitted) == drawn
+
+    def test_bad_arrays_and_records_are_clear_errors(self):
+        import keras
+
+        with pytest.raises(ValueError, match="leading lengths"):
+            PoissonSampler.from_arrays(np.zeros(10), np.zeros(9), batch_size=2, epochs=1, micro_batch_size=2)
+        with pytest.raises(TypeError, match="needs x and y"):
+            PoissonSampler.from_arrays(np.zeros(10), None, batch_size=2, epochs=1, micro_batch_size=2)
+        with pytest.raises(TypeError, match="dtype object"):
+            PoissonSampler.from_arrays(np.array([{}] * 10), np.zeros(10), batch_size=2, epochs=1, micro_batch_size=2)
+        ragged = [(np.zeros(3), 0)] * 9 + [(np.zeros(4), 0)]
+        sampler = PoissonSampler.from_records(ragged, batch_size=9, epochs=1, micro_batch_size=10, seed=0)
+        with pytest.raises(ValueError, match=r"records\[9\].*pad or truncate"):
+            sampler.step_micro_batches(sampling.StepDraw(0, np.arange(10), 10, 10)).__next__()
+        with pytest.raises(TypeError, match="from_arrays"):
+            PoissonSampler.from_records(np.zeros((10, 2)), batch_size=2, epochs=1, micro_batch_size=2)
+        with pytest.raises(TypeError, match=r"records\[0\] is a int"):
+            PoissonSampler.from_records(list(range(10)), batch_size=2, epochs=1, micro_batch_size=2)
+
+        class Batches(keras.utils.PyDataset):
+            def __len__(self):
+                return 10
+
+            def __getitem__(self, index):
+                return np.zeros((32, 2)), np.zeros(32)
+
+        with pytest.raises(PrivacyConfigurationError, match="batch one privacy unit"):
+            PoissonSampler.from_records(Batches(), batch_size=2, epochs=1, micro_batch_size=2)
+        with pytest.raises(TypeError, match="from_arrays"):
+            PoissonSampler(np.zeros((10, 2)), BatchSizeSchedule.constant(1, 2, num_examples=10, micro_batch_size=2))
+
+    def test_shuffle_sampler_over_arrays_gives_fixed_batches(self):
+        x, y = example_data(50)
+        with pytest.warns(UserWarning, match="Chua"):
+            sampler = ShuffleSampler.from_arrays(x, y, batch_size=10, epochs=2, micro_batch_size=4)
+        assert sampler.schedule.total_steps == 10 and sampler.schedule.phases[0].accumulation_steps == 3
+        assert source_of(sampler.as_dataset()).sampling == "shuffle"
+        seen = [np.concatenate([bx["id"][w > 0] for bx, _, w in step]) for step in emitted_steps(sampler)]
+        assert all(len(ids) == 10 for ids in seen)
+        np.testing.assert_array_equal(np.sort(np.concatenate(seen[:5])), np.arange(50))
+
+
+# -- The one-line flow through Keras -------------------------------------------------
+
+
+class TestKerasFit:
+    def test_one_fit_consumes_every_micro_batch_and_epochs_need_steps_per_epoch(self):
+        import keras
+        import tensorflow as tf
+
+        x, y = np.random.default_rng(0).normal(size=(48, 3)), np.arange(48) % 2
+
+        def fit(**kwargs):
+            sampler = PoissonSampler.from_arrays(x, y, batch_size=8, epochs=1, micro_batch_size=8)
+            model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2)])
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            history = model.fit(sampler.as_dataset(), verbose=0, **kwargs)
+            return sampler, sum(len(history.history["loss"]) for _ in [0]), history
+
+        sampler, _, _ = fit()
+        assert sampler.total_micro_steps == 6 * sampler.schedule.phases[0].accumulation_steps
+        # epochs=E with steps_per_epoch keeps one iterator across epochs.
+        sampler, epochs, _ = fit(epochs=2, steps_per_epoch=sampler.total_micro_steps // 2)
+        assert epochs == 2
+        # Without steps_per_epoch, Keras re-iterates each epoch: refused, never replayed.
+        with pytest.raises(tf.errors.OpError, match="already consumed"):
+            fit(epochs=2)
+
+    def test_private_fit_runs_every_logical_step_of_the_sampler_schedule(self):
+        import keras
+
+        import tf_megadp
+
+        x, y = np.random.default_rng(1).normal(size=(64, 3)).astype("float32"), np.arange(64) % 2
+        sampler = tf_megadp.PoissonSampler.from_arrays(x, y, batch_size=16, epochs=1, micro_batch_size=8)
+        model = tf_megadp.make_private(keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2)]))
+        model.compile(
+            optimizer=tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.1,
+                                            schedule=sampler.schedule),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        callback = tf_megadp.PrivacyCallback(delta=1e-5)
+        model.fit(sampler.as_dataset(), verbose=0, callbacks=[callback])
+        assert int(model.optimizer.iterations.numpy()) == sampler.schedule.total_steps == 4
+        assert 0 < callback.epsilon < float("inf")

@@ -1,20 +1,28 @@
-"""Samplers that build logical batches from a memory-mapped corpus of token rows.
+"""Samplers that build logical batches from token shards, arrays or indexable records.
 
 The accountant assumes Poisson sampling: in every logical step each of the N
 examples joins the batch independently with probability q_t. `PoissonSampler`
 does exactly that, in two exact stages: the step size b ~ Binomial(N, q_t),
-then a uniformly random b-subset of the N rows. Rows are read by random access
-from memory-mapped shard files, so a step costs memory in proportion to its
-batch, never to N.
+then a uniformly random b-subset of the N examples. The same sampler reads
+from a small "record store": memory-mapped token shards (the constructor),
+in-memory arrays (`PoissonSampler.from_arrays`) or any collection with
+`len` and `records[i]` (`PoissonSampler.from_records`). Examples are read by
+random access, so a step costs memory in proportion to its batch, never to N.
 
 Accelerators need static shapes, so every step is emitted as exactly k_t
 micro-batches of M = m * R rows (the schedule's capacity), the unused slots
 filled with all-zero rows of weight 0. A step that samples more than capacity
-rows keeps a uniformly random subset of capacity rows: that is the truncated
+examples keeps a uniformly random subset of capacity: that is the truncated
 Poisson mechanism, which the accountant covers with
 `TruncatedSubsampledGaussianDpEvent(max_batch_size=schedule.capacity(phase))`.
 The schedule sizes capacity so that this almost never happens; when it does,
 the sampler counts it and warns.
+
+The DP guarantee holds only while the draws stay secret, so every sampler
+takes its randomness from OS entropy by default and keeps it in a private
+attribute only; an explicit `seed=` warns and marks the run as seeded, and
+`shared_secret=` lets several hosts draw the same steps. Every dataset a
+sampler returns carries its `tf_megadp.sources.DataSource`.
 
 `ShuffleSampler` gives fixed-size batches from shuffled epochs for users who
 want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
@@ -26,19 +34,25 @@ samplers are its only readers; `tf_megadp.text` writes it from raw text.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import json
 import math
 import mmap
+import numbers
 import os
+import secrets
+import sys
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Self
 
 import numpy as np
 
+from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, write_json_atomically
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.sources import DataSource, attach_source
 
 __all__ = [
     "MANIFEST_NAME",
@@ -324,8 +338,338 @@ class StepDraw:
         return self.sampled_size > self.capacity
 
 
-class _Sampler:
-    """Shared machinery: phases from the schedule, static micro-batches, tf.data."""
+# -- Record stores: what a sampler reads examples from ------------------------------
+#
+# One sampler implementation serves every kind of data. A store says how many
+# examples there are (N, measured), the per-example shape and dtype of each of
+# its leaves, how to read some examples, and how a padded micro-batch is laid
+# out as the element `fit` receives. The sampler does everything else (the
+# draw, truncation, padding, tf.data), so the privacy-relevant code exists once.
+
+
+class _RecordStore(abc.ABC):
+    """N examples, each a fixed structure of fixed-shape arrays ("leaves").
+
+    Attributes:
+        num_examples: N.
+        noun: what one example is, for descriptions ("token rows").
+        leaves: per leaf, (shape of one example's value, emitted NumPy dtype).
+    """
+
+    num_examples: int
+    noun: str
+    leaves: list[tuple[tuple[int, ...], np.dtype]]
+
+    @abc.abstractmethod
+    def read(self, indices: np.ndarray) -> list[np.ndarray]:
+        """One array [len(indices), *shape] per leaf, for the examples at `indices`."""
+
+    @abc.abstractmethod
+    def arrange(self, leaves: list[Any], weights: Any) -> Any:
+        """The emitted element from padded leaves and the 0/1 real-row weights.
+
+        Works alike on arrays and on `tf.TensorSpec`s (to build the signature).
+        """
+
+
+class _TokenShardStore(_RecordStore):
+    """Token rows of a `TokenShards`; elements are `(rows int32 [M, L], weights [M])`."""
+
+    noun = "token rows"
+
+    def __init__(self, shards: TokenShards):
+        self.shards = shards
+        self.num_examples = len(shards)
+        self.leaves = [((shards.sequence_length,), np.dtype(np.int32))]
+
+    def read(self, indices: np.ndarray) -> list[np.ndarray]:
+        return [self.shards.read(indices)]
+
+    def arrange(self, leaves: list[Any], weights: Any) -> Any:
+        return leaves[0], weights
+
+
+def _flatten(structure: Any) -> tuple[list[Any], Any]:
+    """Leaves of a nest of dicts, tuples and lists, and the tree to rebuild it.
+
+    The tree is a hashable, comparable description (a leaf is None), so two
+    records can be checked for the same structure with `==`.
+    """
+    if isinstance(structure, dict):
+        try:
+            # Sorted as tf.nest does, so that key order never makes two records differ.
+            keys = tuple(sorted(structure))
+        except TypeError:
+            keys = tuple(structure)
+        parts = [_flatten(structure[key]) for key in keys]
+        tree = ("dict", keys, tuple(t for _, t in parts))
+    elif isinstance(structure, (tuple, list)):
+        parts = [_flatten(item) for item in structure]
+        tree = ("tuple", tuple(t for _, t in parts))
+    else:
+        return [structure], None
+    return [leaf for leaves, _ in parts for leaf in leaves], tree
+
+
+def _unflatten(tree: Any, leaves: list[Any]) -> Any:
+    """Inverse of `_flatten` (lists come back as tuples, as tf.data wants them)."""
+    position = iter(leaves)
+
+    def build(node):
+        if node is None:
+            return next(position)
+        if node[0] == "dict":
+            return {key: build(child) for key, child in zip(node[1], node[2])}
+        return tuple(build(child) for child in node[1])
+
+    return build(tree)
+
+
+def _count_leaves(tree: Any) -> int:
+    if tree is None:
+        return 1
+    return sum(_count_leaves(child) for child in tree[-1])
+
+
+def _emitted_dtype(dtype: np.dtype, what: str, *, weight: bool) -> np.dtype:
+    """The dtype a leaf is emitted in: floats as float32 (as Keras does with NumPy input)."""
+    if dtype.kind == "O" or dtype.kind == "V":
+        raise TypeError(
+            f"{what} has dtype {dtype}: convert it to a numeric or string NumPy array "
+            "(every leaf needs a fixed shape and a tf.data dtype)."
+        )
+    if weight:
+        if dtype.kind not in "biuf":
+            raise TypeError(f"{what} (a sample weight) must be numeric, got dtype {dtype}.")
+        return np.dtype(np.float32)
+    if dtype.kind == "f" and dtype.itemsize > 4:
+        return np.dtype(np.float32)
+    return dtype
+
+
+class _ExampleStore(_RecordStore):
+    """Shared layout of array and record stores: elements `(x, y, sample_weight)`.
+
+    The stored structure is `(x, y)` or `(x, y, sample_weight)`; without user
+    weights the emitted weight is the 0/1 real-row mask, with them it is the
+    user's weights, whose padding rows are zero like every padded leaf.
+    """
+
+    _tree: Any
+    _weighted: bool
+
+    def _set_layout(
+        self, tree: Any, layout: list[tuple[tuple[int, ...], np.dtype]], what: Callable[[int], str]
+    ) -> None:
+        """Records the structure and, per leaf, one example's shape and emitted dtype."""
+        self._tree = tree
+        self._weighted = len(tree[1]) == 3
+        first_weight = _count_leaves(tree[1][0]) + _count_leaves(tree[1][1])
+        self.leaves = [
+            (tuple(shape), _emitted_dtype(dtype, what(i), weight=i >= first_weight))
+            for i, (shape, dtype) in enumerate(layout)
+        ]
+
+    def arrange(self, leaves: list[Any], weights: Any) -> Any:
+        rebuilt = _unflatten(self._tree, leaves)
+        return rebuilt if self._weighted else (*rebuilt, weights)
+
+
+class _ArrayStore(_ExampleStore):
+    """In-memory (or memory-mapped) arrays: one example is one row of every array."""
+
+    noun = "examples in arrays"
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any):
+        if x is None or y is None:
+            raise TypeError(
+                "from_arrays needs x and y (labels). For a loss without labels, "
+                "pass y=np.zeros(len(x)) and ignore it in the loss."
+            )
+        structure = (x, y) if sample_weight is None else (x, y, sample_weight)
+        leaves, tree = _flatten(structure)
+        arrays = [np.asarray(leaf) for leaf in leaves]
+        for array in arrays:
+            if array.ndim == 0:
+                raise ValueError(
+                    "Every array in x, y and sample_weight needs a leading example "
+                    f"axis; got a scalar of dtype {array.dtype}."
+                )
+        lengths = sorted({int(array.shape[0]) for array in arrays})
+        if len(lengths) != 1:
+            raise ValueError(
+                f"x, y and sample_weight must all have one row per example; got "
+                f"leading lengths {lengths}."
+            )
+        if lengths[0] == 0:
+            raise ValueError("from_arrays needs at least one example; the arrays are empty.")
+        self._arrays = arrays
+        self.num_examples = lengths[0]
+        self._set_layout(
+            tree,
+            [(array.shape[1:], array.dtype) for array in arrays],
+            lambda i: f"array {i} of (x, y, sample_weight)",
+        )
+
+    def read(self, indices: np.ndarray) -> list[np.ndarray]:
+        # Fancy indexing copies only the chosen rows (also from an np.memmap).
+        return [array[indices] for array in self._arrays]
+
+
+class _IndexableStore(_ExampleStore):
+    """Any `records` with `len(records)` and `records[i] -> (x_i, y_i[, w_i])`.
+
+    Only the sampled records are read, so memory is O(batch) however big N
+    is; every read record is checked against record 0's structure, shapes
+    and dtypes (static shapes).
+    """
+
+    def __init__(self, records: Any):
+        _refuse_batched(records)
+        if not (hasattr(records, "__len__") and hasattr(records, "__getitem__")):
+            raise TypeError(
+                f"records must support len(records) and records[i] -> (x_i, y_i) or "
+                f"(x_i, y_i, sample_weight_i); got {type(records).__name__}."
+            )
+        self._records = records
+        self.num_examples = int(len(records))
+        if self.num_examples == 0:
+            raise ValueError("from_records needs at least one record; len(records) is 0.")
+        self.noun = f"records of a {type(records).__name__}"
+        leaves, tree = self._example(0)
+        self._set_layout(
+            tree, [(leaf.shape, leaf.dtype) for leaf in leaves], lambda i: f"leaf {i} of record 0"
+        )
+
+    def _example(self, index: int) -> tuple[list[np.ndarray], Any]:
+        record = self._records[index]
+        if not isinstance(record, (tuple, list)) or len(record) not in (2, 3):
+            raise TypeError(
+                f"records[{index}] is a {type(record).__name__}; each record must be a "
+                "tuple (x_i, y_i) or (x_i, y_i, sample_weight_i), x_i an array or a "
+                "dict/tuple of arrays. For whole arrays use from_arrays."
+            )
+        leaves, tree = _flatten(tuple(record))
+        return [np.asarray(leaf) for leaf in leaves], tree
+
+    def read(self, indices: np.ndarray) -> list[np.ndarray]:
+        columns: list[list[np.ndarray]] = [[] for _ in self.leaves]
+        for index in indices:
+            leaves, tree = self._example(int(index))
+            if tree != self._tree:
+                raise ValueError(
+                    f"records[{index}] has a different structure than records[0]; every "
+                    "record needs the same nesting of x_i, y_i (and sample_weight_i)."
+                )
+            for leaf_index, (column, value, (shape, dtype)) in enumerate(
+                zip(columns, leaves, self.leaves)
+            ):
+                strings = value.dtype.kind in "US" and dtype.kind in "US"
+                if value.shape != shape or not (
+                    strings or np.can_cast(value.dtype, dtype, "same_kind")
+                ):
+                    raise ValueError(
+                        f"Leaf {leaf_index} of records[{index}] is "
+                        f"{value.dtype}{list(value.shape)}, but records[0] set it to {dtype}{list(shape)}. Static shapes need "
+                        "every record alike: pad or truncate them before sampling."
+                    )
+                column.append(value)
+        return [
+            np.stack(column) if column else np.empty((0, *shape), dtype)
+            for column, (shape, dtype) in zip(columns, self.leaves)
+        ]
+
+
+def _refuse_batched(records: Any) -> None:
+    """Refuses collections whose items are batches: the privacy unit would be a batch."""
+    import keras
+    import tensorflow as tf
+
+    if isinstance(records, (keras.utils.PyDataset, tf.data.Dataset)):
+        raise PrivacyConfigurationError(
+            f"from_records got a {type(records).__name__}, whose items are batches "
+            "(or which cannot be indexed per example): sampling it would make a whole "
+            "batch one privacy unit. Pass a collection whose records[i] is one "
+            "example, or the arrays themselves to from_arrays."
+        )
+    if isinstance(records, (np.ndarray, str, bytes)):
+        raise TypeError(
+            f"from_records got a {type(records).__name__}; pass arrays to "
+            "from_arrays(x, y) instead."
+        )
+
+
+def _tensor_spec(shape: tuple[int, ...], dtype: np.dtype):
+    import tensorflow as tf
+
+    return tf.TensorSpec(shape, tf.string if dtype.kind in "US" else tf.as_dtype(dtype))
+
+
+# -- Secret sampling randomness -------------------------------------------------------
+
+# Values below this cannot be a secret drawn from OS entropy (a 128-bit draw is
+# below it with probability 2**-96); they are seeds passed as shared_secret.
+_MIN_SHARED_SECRET = 1 << 32
+
+
+def _os_entropy() -> int:
+    """128 bits from the OS's cryptographic source, as `np.random.SeedSequence()` draws."""
+    return secrets.randbits(128)
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    # Point the warning at the user's line, however deep inside this module
+    # (a classmethod, a subclass constructor) it was raised.
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _non_negative_integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise TypeError(f"{name} must be a non-negative integer, got {type(value).__name__}.")
+    return int(value)
+
+
+def _sampling_entropy(seed: int | None, shared_secret: int | None) -> tuple[int, bool]:
+    """(entropy, seeded): OS entropy by default, else the caller's seed or shared secret."""
+    if seed is not None and shared_secret is not None:
+        raise PrivacyConfigurationError(
+            "Pass seed= or shared_secret=, not both: shared_secret keeps the draws "
+            "secret across hosts, seed makes them reproducible (and public to anyone "
+            "who can guess it)."
+        )
+    if shared_secret is not None:
+        secret = _non_negative_integer("shared_secret", shared_secret)
+        if secret < _MIN_SHARED_SECRET:
+            # Messages never repeat the value: it is meant to be secret.
+            raise PrivacyConfigurationError(
+                "shared_secret is below 2**32, so it is a guessable seed, not a "
+                "secret: draw it from OS entropy (secrets.randbits(128), or "
+                "tf_megadp.distribute.shared_sampling_secret(strategy) on several "
+                "hosts), or pass seed= for a reproducible, non-private debug run."
+            )
+        return secret, False
+    if seed is not None:
+        seed = _non_negative_integer("seed", seed)
+        _warn(
+            "An explicit sampling seed makes every batch computable by anyone who can "
+            "guess or learn the seed: against them the draws, and with them the DP "
+            "guarantee, are not private. Use seed= only for tests and debugging (the "
+            "privacy report marks the run as seeded); omit it for secret OS entropy, "
+            "or pass shared_secret= so that several hosts draw the same steps.",
+            UserWarning,
+        )
+        return seed, True
+    return _os_entropy(), False
+
+
+# -- Samplers ----------------------------------------------------------------------
+
+
+class _Sampler(abc.ABC):
+    """Shared machinery: secret randomness, phases, static micro-batches, tf.data."""
 
     sampling_kind: str = ""
 
@@ -334,82 +678,296 @@ class _Sampler:
         shards: TokenShards,
         schedule: BatchSizeSchedule,
         *,
-        seed: int | None,
-        start_step: int,
-        start_micro_step: int,
-        end_step: int | None,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
     ):
-        if not isinstance(shards, TokenShards):
-            raise TypeError(f"shards must be a TokenShards, got {shards!r}.")
+        if isinstance(shards, TokenShards):
+            store: _RecordStore = _TokenShardStore(shards)
+        elif isinstance(shards, _RecordStore):
+            store = shards  # from from_arrays / from_records
+        else:
+            raise TypeError(
+                f"{type(self).__name__} takes a TokenShards; got {type(shards).__name__}. "
+                f"For arrays use {type(self).__name__}.from_arrays(x, y, ...), for a "
+                f"collection of examples {type(self).__name__}.from_records(records, ...)."
+            )
         if not isinstance(schedule, BatchSizeSchedule):
             raise TypeError(f"schedule must be a BatchSizeSchedule, got {schedule!r}.")
-        if schedule.num_examples != len(shards):
+        if schedule.num_examples != store.num_examples:
             # The accountant's N comes from the schedule; a mismatch would
             # report the wrong sampling rate.
-            raise ValueError(
-                f"schedule.num_examples = {schedule.num_examples} but the corpus in "
-                f"{shards.directory} has {len(shards)} sequences. Build the schedule "
-                f"with num_examples=len(shards)."
+            raise PrivacyConfigurationError(
+                f"schedule.num_examples = {schedule.num_examples} but the data has "
+                f"{store.num_examples:,} {store.noun}. Build the schedule with "
+                f"num_examples=len(shards) (N = {store.num_examples}), or let "
+                "from_arrays/from_records build it from batch_size and epochs."
             )
+        start_step = _non_negative_integer("start_step", start_step)
         end_step = schedule.total_steps if end_step is None else end_step
-        if not 0 <= start_step <= end_step:
+        end_step = _non_negative_integer("end_step", end_step)
+        if start_step > end_step:
             raise ValueError(
                 f"Need 0 <= start_step <= end_step, got start_step={start_step}, "
                 f"end_step={end_step}."
             )
-        first_k = schedule.phase_at(start_step).accumulation_steps
-        if not 0 <= start_micro_step < max(first_k, 1):
-            raise ValueError(
-                f"start_micro_step must be in [0, {first_k}) for step {start_step}, "
-                f"got {start_micro_step}."
-            )
-        if seed is None:
-            seed = np.random.SeedSequence().entropy
-        self.shards = shards
+        self._store = store
+        self.shards = store.shards if isinstance(store, _TokenShardStore) else None
         self.schedule = schedule
-        self.seed = int(seed)
-        self.start_step = int(start_step)
-        self.start_micro_step = int(start_micro_step)
-        self.end_step = int(end_step)
+        self.start_step = start_step
+        self.end_step = end_step
         self.micro_batch_rows = schedule.micro_batch_size * schedule.num_replicas
         self._consumed = False
+        entropy, self.seeded = _sampling_entropy(seed, shared_secret)
+        # The only copy of the sampling randomness: private (name-mangled),
+        # never in repr, pickles or the DataSource. Set last, so that no
+        # traceback of a failed constructor has it in a frame's locals.
+        self.__entropy = entropy
+
+    @classmethod
+    def from_arrays(
+        cls,
+        x: Any,
+        y: Any,
+        sample_weight: Any = None,
+        *,
+        batch_size: int | None = None,
+        epochs: float | None = None,
+        micro_batch_size: int | None = None,
+        num_replicas: int | None = None,
+        truncation_probability: float | None = None,
+        schedule: BatchSizeSchedule | None = None,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+    ) -> Self:
+        """A sampler over in-memory arrays: one example is one row of every array.
+
+        Either give `batch_size`, `epochs` and `micro_batch_size` (the sampler
+        builds the schedule, N measured from the arrays) or an explicit
+        `schedule`. Hand `sampler.schedule` to `DPOptimizer(schedule=...)`.
+
+        Args:
+            x: a NumPy array (or memmap, or anything `np.asarray` takes) or a
+                dict/tuple/list nest of them, each with N rows.
+            y: labels, an array or nest of arrays with N rows.
+            sample_weight: optional per-example (or per-token) weights with N
+                rows; they are kept for real rows and zero on padding rows.
+            batch_size: the expected logical batch size B (q = B / N).
+            epochs: passes over the data, E > 0 (may be fractional); the run
+                has ceil(E * N / B) logical steps.
+            micro_batch_size: m, the static per-replica micro-batch size.
+            num_replicas: R (default 1): each element is a global micro-batch
+                of m * R rows.
+            truncation_probability: Poisson only: per-step bound on
+                P[b > capacity] used to size k (default 1e-9).
+            schedule: an explicit `BatchSizeSchedule` instead of the four
+                settings above.
+            seed, shared_secret, start_step, end_step: as in the constructor.
+
+        Returns:
+            The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
+
+        Example:
+        ```python
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x_train, y_train, batch_size=256, epochs=3, micro_batch_size=32)
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.Adam(1e-3), l2_norm_clip=1.0,
+                                          noise_multiplier=1.1, schedule=sampler.schedule)
+        ```
+        """
+        store = _ArrayStore(x, y, sample_weight)
+        schedule = cls._resolve_schedule(
+            store.num_examples, schedule, batch_size, epochs, micro_batch_size,
+            num_replicas, truncation_probability,
+        )
+        return cls(
+            store, schedule, seed=seed, shared_secret=shared_secret,
+            start_step=start_step, end_step=end_step,
+        )
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Any,
+        *,
+        batch_size: int | None = None,
+        epochs: float | None = None,
+        micro_batch_size: int | None = None,
+        num_replicas: int | None = None,
+        truncation_probability: float | None = None,
+        schedule: BatchSizeSchedule | None = None,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+    ) -> Self:
+        """A sampler over any indexable collection of examples, read lazily.
+
+        `records` needs `len(records)` (N) and `records[i]` returning example
+        i as `(x_i, y_i)` or `(x_i, y_i, sample_weight_i)`, where x_i is an
+        array or a dict/tuple of arrays. All records must have the same
+        structure, shapes and dtypes as record 0. Only sampled records are read.
+
+        Args:
+            records: e.g. a list of `(x_i, y_i)` pairs or a class reading
+                examples from disk. Not a `keras.utils.PyDataset` (its items
+                are batches).
+            batch_size, epochs, micro_batch_size, num_replicas,
+            truncation_probability, schedule, seed, shared_secret, start_step,
+            end_step: as in `from_arrays`.
+
+        Returns:
+            The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
+
+        Example:
+        ```python
+        pairs = [(image, label) for image, label in my_examples]
+        sampler = tf_megadp.PoissonSampler.from_records(
+            pairs, batch_size=256, epochs=3, micro_batch_size=32)
+        ```
+        """
+        store = _IndexableStore(records)
+        schedule = cls._resolve_schedule(
+            store.num_examples, schedule, batch_size, epochs, micro_batch_size,
+            num_replicas, truncation_probability,
+        )
+        return cls(
+            store, schedule, seed=seed, shared_secret=shared_secret,
+            start_step=start_step, end_step=end_step,
+        )
+
+    @classmethod
+    def _resolve_schedule(
+        cls, num_examples, schedule, batch_size, epochs, micro_batch_size,
+        num_replicas, truncation_probability,
+    ) -> BatchSizeSchedule:
+        settings = {
+            "batch_size": batch_size, "epochs": epochs, "micro_batch_size": micro_batch_size,
+            "num_replicas": num_replicas, "truncation_probability": truncation_probability,
+        }
+        given = [name for name, value in settings.items() if value is not None]
+        if schedule is not None:
+            if given:
+                raise ValueError(
+                    f"Pass either schedule= or batch_size/epochs/micro_batch_size, not "
+                    f"both (got schedule and {', '.join(given)})."
+                )
+            return schedule
+        missing = [n for n in ("batch_size", "epochs", "micro_batch_size") if settings[n] is None]
+        if missing:
+            raise TypeError(
+                f"{cls.__name__} needs batch_size, epochs and micro_batch_size to build "
+                f"its schedule (missing: {', '.join(missing)}), or an explicit schedule=."
+            )
+        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (
+            0 < epochs < math.inf
+        ):
+            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        if batch_size > num_examples:
+            raise ValueError(
+                f"batch_size {batch_size} exceeds the {num_examples} examples: the "
+                "sampling rate would exceed 1. Use a smaller batch_size."
+            )
+        return cls._schedule_for(
+            num_examples, batch_size, float(epochs), micro_batch_size,
+            1 if num_replicas is None else num_replicas, truncation_probability,
+        )
+
+    @classmethod
+    @abc.abstractmethod
+    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
+                      truncation_probability) -> BatchSizeSchedule:
+        """The schedule `from_arrays`/`from_records` build from batch_size and epochs."""
+
+    # -- Randomness ------------------------------------------------------------
 
     def _rng(self, *key: int) -> np.random.Generator:
-        # One independent stream per (kind of draw, step): resuming at any step
-        # reproduces exactly the draws an uninterrupted run would have made.
-        return np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.seed, spawn_key=key)))
+        # One independent stream per (kind of draw, step): the draws of a step
+        # depend only on (entropy, step), so hosts sharing a secret draw the
+        # same steps, and drawing a step twice gives the same examples.
+        sequence = np.random.SeedSequence(self.__entropy, spawn_key=key)
+        return np.random.Generator(np.random.PCG64(sequence))
 
+    def __reduce_ex__(self, protocol):
+        # Pickling (or copying) would write the secret randomness to a file,
+        # or clone a stream that must be consumed once.
+        raise TypeError(
+            f"A {type(self).__name__} holds secret sampling randomness and cannot be "
+            "pickled or copied. To resume, create a new sampler with "
+            "start_step=int(optimizer.iterations): it draws fresh, equally private steps."
+        )
+
+    def __repr__(self) -> str:
+        randomness = "seeded (not private)" if self.seeded else "secret"
+        return (
+            f"<{self.description}: steps [{self.start_step}, {self.end_step}) of "
+            f"{self.schedule!r}, {randomness} randomness>"
+        )
+
+    # -- What the accountant is told -------------------------------------------
+
+    @property
+    def description(self) -> str:
+        """One line for logs and the privacy report, e.g. "PoissonSampler over 1,280 token rows"."""
+        return f"{type(self).__name__} over {self._store.num_examples:,} {self._store.noun}"
+
+    @property
+    def source(self) -> DataSource:
+        """The `DataSource` attached to this sampler's datasets (no secret in it)."""
+        return DataSource(
+            sampling=self.sampling_kind,
+            num_examples=self._store.num_examples,
+            num_examples_measured=True,
+            description=self.description,
+            schedule=self.schedule,
+            start_step=self.start_step,
+            seeded=self.seeded,
+        )
+
+    # -- Micro-batches -----------------------------------------------------------
+
+    @abc.abstractmethod
     def draw(self, step: int) -> StepDraw:
-        raise NotImplementedError
+        """The examples of logical step `step`."""
 
     @property
     def total_micro_steps(self) -> int:
-        """Micro-batches from (start_step, start_micro_step) to end_step."""
-        total = sum(
+        """Micro-batches from start_step to end_step (a logical step is drawn whole)."""
+        return sum(
             self.schedule.phase_at(step).accumulation_steps
             for step in range(self.start_step, self.end_step)
         )
-        return total - self.start_micro_step if self.end_step > self.start_step else 0
 
-    def step_micro_batches(self, draw: StepDraw) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Splits a step into its k_t static micro-batches.
+    def step_micro_batches(self, draw: StepDraw) -> Iterator[Any]:
+        """Splits a step into its k_t static micro-batches of M = m * R rows.
 
         Yields:
-            (rows int32 [M, L], weights float32 [M]) with M = m * R; padding
-            rows are all zeros with weight 0.
+            For token shards, `(rows int32 [M, L], weights float32 [M])`; for
+            arrays and records, `(x, y, sample_weight)`. Padding rows are all
+            zeros with weight 0.
         """
         size = self.micro_batch_rows
-        # Read per micro-batch, so memory is O(m * R * L) however big the step.
+        weights_template = np.zeros(size, np.float32)
+        # Read per micro-batch, so memory is O(m * R) rows however big the step.
         for start in range(0, draw.capacity, size):
             chosen = draw.indices[start : start + size]
-            rows = np.zeros((size, self.shards.sequence_length), np.int32)
-            rows[: chosen.size] = self.shards.read(chosen)
-            weights = np.zeros(size, np.float32)
+            padded = []
+            for (shape, dtype), values in zip(self._store.leaves, self._store.read(chosen)):
+                # Strings keep their own width (a narrower one would cut them).
+                block = np.zeros((size, *shape), values.dtype if dtype.kind in "US" else dtype)
+                block[: chosen.size] = values
+                padded.append(block)
+            weights = weights_template.copy()
             weights[: chosen.size] = 1.0
-            yield rows, weights
+            yield self._store.arrange(padded, weights)
 
-    def micro_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """All micro-batches from the start position, in training order.
+    def micro_batches(self) -> Iterator[Any]:
+        """All micro-batches from `start_step`, in training order.
 
         A sampler can be consumed once: replaying its draws would reuse the
         same random batches, which the accountant does not cover.
@@ -417,17 +975,13 @@ class _Sampler:
         if self._consumed:
             raise RuntimeError(
                 "This sampler's batches were already consumed. Create a new sampler "
-                "with start_step=int(optimizer.iterations) (and start_micro_step="
-                "int(optimizer.micro_steps)) to continue; never replay draws."
+                "with start_step=int(optimizer.iterations) to continue (it draws "
+                "fresh steps); never replay draws. With Keras, fit(dataset) once, or "
+                "fit(dataset, epochs=E, steps_per_epoch=sampler.total_micro_steps // E)."
             )
         self._consumed = True
-        skip = self.start_micro_step
         for step in range(self.start_step, self.end_step):
-            for batch in self.step_micro_batches(self.draw(step)):
-                if skip:
-                    skip -= 1
-                    continue
-                yield batch
+            yield from self.step_micro_batches(self.draw(step))
 
     def as_dataset(
         self,
@@ -435,62 +989,81 @@ class _Sampler:
         *,
         prefetch: int | None = None,
     ):
-        """The micro-batches as a `tf.data.Dataset` with static shapes.
+        """The micro-batches as a `tf.data.Dataset` with static shapes, carrying its `DataSource`.
+
+        Pass the returned dataset to `fit` as it is: `fit` reads its
+        `DataSource` (`tf_megadp.sources.source_of`) and refuses a dataset
+        derived from it (`cache`, `repeat`, `map`, `take`, ...), which could
+        replay or mix the draws. Per-micro-batch processing goes in `map_fn`.
 
         Args:
-            map_fn: optional `(rows, weights) -> element` applied per
-                micro-batch (e.g. `tf_megadp.MaskedLMBatcher(...)`, which
-                returns `(x, y, sample_weight)`). Without it, elements are
-                `(rows int32 [M, L], weights float32 [M])`.
+            map_fn: optional function applied to each element (its parts as
+                arguments), e.g. `tf_megadp.MaskedLMBatcher(...)` on token
+                rows, which returns `(x, y, sample_weight)`. Without it,
+                token shards give `(rows int32 [M, L], weights float32 [M])`
+                and arrays/records give `(x, y, sample_weight)`.
             prefetch: micro-batches to prepare ahead (default: AUTOTUNE).
 
         Returns:
             A `tf.data.Dataset` of `total_micro_steps` elements that can be
             iterated once (see `micro_batches`).
+
+        Example:
+        ```python
+        dataset = sampler.as_dataset()
+        model.fit(dataset)   # one pass consumes every micro-batch
+        ```
         """
         import tensorflow as tf
 
-        rows, length = self.micro_batch_rows, self.shards.sequence_length
-        dataset = tf.data.Dataset.from_generator(
-            self.micro_batches,
-            output_signature=(
-                tf.TensorSpec([rows, length], tf.int32),
-                tf.TensorSpec([rows], tf.float32),
-            ),
+        rows = self.micro_batch_rows
+        signature = self._store.arrange(
+            [_tensor_spec((rows, *shape), dtype) for shape, dtype in self._store.leaves],
+            tf.TensorSpec([rows], tf.float32),
         )
+        dataset = tf.data.Dataset.from_generator(self.micro_batches, output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
         if map_fn is not None:
             dataset = dataset.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        return dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
+        dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
+        return attach_source(dataset, self.source)
 
 
 class PoissonSampler(_Sampler):
     """Exact Poisson sampling of logical batches, emitted as static micro-batches.
 
     For logical step t with rate q_t = schedule.sampling_rate(t), the step size
-    is b ~ Binomial(N, q_t) and its rows are a uniform b-subset of the corpus:
-    together, every row joins every step independently with probability q_t.
-    The step becomes k_t micro-batches of m * R rows; padding rows have weight
-    0. If b exceeds the capacity k_t * m * R, a uniform subset of capacity rows
-    is kept (truncated Poisson sampling, accounted with
-    `max_batch_size = schedule.capacity(phase)`); `truncated_steps` counts
-    such steps and each one raises a warning.
+    is b ~ Binomial(N, q_t) and its examples are a uniform b-subset of the N:
+    together, every example joins every step independently with probability
+    q_t. The step becomes k_t micro-batches of m * R rows; padding rows are
+    zeros with weight 0. If b exceeds the capacity k_t * m * R, a uniform
+    subset of capacity examples is kept (truncated Poisson sampling,
+    accounted with `max_batch_size = schedule.capacity(phase)`);
+    `truncated_steps` counts such steps and each one raises a warning.
 
-    The draws of step t depend only on (seed, t), so a run resumed with
-    `start_step=int(optimizer.iterations)` sees exactly the batches an
-    uninterrupted run would have, and the sampler, optimizer and accountant
-    stay in the same phase. Randomness comes from NumPy's PCG64, which is not
-    a cryptographic generator.
+    The same sampler serves token shards (this constructor), in-memory arrays
+    (`from_arrays`) and indexable collections of examples (`from_records`).
+
+    Randomness is secret by default: 128 bits of OS entropy, held only in a
+    private attribute (never in a public attribute, the repr, a pickle or the
+    `DataSource`). The DP guarantee holds only while the draws stay secret.
+    `seed=` makes the draws reproducible, for tests and debugging: it warns,
+    and the privacy report marks the run as seeded. Several hosts that must
+    draw the same steps pass the same `shared_secret` (drawn from OS entropy
+    and shared in memory, e.g. by `tf_megadp.distribute.shared_sampling_secret`).
+    To resume, create a new sampler with `start_step=int(optimizer.iterations)`:
+    it draws fresh steps, as private as the ones they replace. Randomness is
+    expanded by NumPy's PCG64, which is not a cryptographic generator.
 
     Args:
         shards: the corpus, a `TokenShards`; N = len(shards) must equal
             `schedule.num_examples`.
         schedule: the `BatchSizeSchedule` shared with the optimizer and accountant.
-        seed: int for reproducible draws; None draws fresh OS entropy
-            (available afterwards as `sampler.seed`).
-        start_step: first logical step to draw (`optimizer.iterations` on resume).
-        start_micro_step: micro-batches of `start_step` already consumed
-            (`optimizer.micro_steps` on resume).
+        seed: a non-negative int for reproducible, non-private draws (warns).
+        shared_secret: an int of at least 2**32 drawn from OS entropy and
+            shared between hosts; cannot be combined with `seed`.
+        start_step: first logical step to draw (`int(optimizer.iterations)`
+            on resume).
         end_step: logical step to stop before; default `schedule.total_steps`.
 
     Example:
@@ -498,7 +1071,7 @@ class PoissonSampler(_Sampler):
     shards = tf_megadp.TokenShards("corpus/")
     schedule = tf_megadp.BatchSizeSchedule.for_poisson(
         [(50, 256), (50, 1024)], num_examples=len(shards), micro_batch_size=32)
-    sampler = tf_megadp.PoissonSampler(shards, schedule, seed=0)
+    sampler = tf_megadp.PoissonSampler(shards, schedule)
     dataset = sampler.as_dataset(tf_megadp.MaskedLMBatcher.from_shards(shards))
     ```
     """
@@ -511,24 +1084,38 @@ class PoissonSampler(_Sampler):
         schedule: BatchSizeSchedule,
         *,
         seed: int | None = None,
+        shared_secret: int | None = None,
         start_step: int = 0,
-        start_micro_step: int = 0,
         end_step: int | None = None,
     ):
         super().__init__(
             shards,
             schedule,
             seed=seed,
+            shared_secret=shared_secret,
             start_step=start_step,
-            start_micro_step=start_micro_step,
             end_step=end_step,
         )
         self.steps_drawn = 0
         self.truncated_steps = 0
         self.truncated_examples = 0
 
+    @classmethod
+    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
+                      truncation_probability) -> BatchSizeSchedule:
+        steps = math.ceil(epochs * num_examples / batch_size)
+        return BatchSizeSchedule.for_poisson(
+            [(steps, batch_size)],
+            num_examples=num_examples,
+            micro_batch_size=micro_batch_size,
+            num_replicas=num_replicas,
+            truncation_probability=(
+                1e-9 if truncation_probability is None else truncation_probability
+            ),
+        )
+
     def draw(self, step: int) -> StepDraw:
-        """The examples of logical step `step` (deterministic given the seed).
+        """The examples of logical step `step` (the same on every call and host).
 
         Args:
             step: logical step, 0-based.
@@ -547,14 +1134,13 @@ class PoissonSampler(_Sampler):
             indices = indices[np.sort(keep)]
             self.truncated_steps += 1
             self.truncated_examples += size - capacity
-            warnings.warn(
+            _warn(
                 f"Poisson step {step} sampled {size} examples, more than its capacity "
                 f"{capacity}; kept a uniform subset of {capacity} (truncated steps so "
                 f"far: {self.truncated_steps}). The accountant covers this through "
                 f"max_batch_size={capacity}; if it recurs, build the schedule with a "
                 "smaller truncation_probability.",
                 RuntimeWarning,
-                stacklevel=2,
             )
         self.steps_drawn += 1
         return StepDraw(step, indices, size, capacity)
@@ -563,21 +1149,24 @@ class PoissonSampler(_Sampler):
 class ShuffleSampler(_Sampler):
     """Fixed-size batches from shuffled epochs. NOT what Poisson accounting assumes.
 
-    Each epoch is a fresh random permutation of the corpus; logical step t
-    takes the next B_t = phase.batch_size rows of it (a step never straddles
-    two epochs: the leftover rows of an epoch are skipped). Every example
+    Each epoch is a fresh random permutation of the examples; logical step t
+    takes the next B_t = phase.batch_size of it (a step never straddles two
+    epochs: the leftover examples of an epoch are skipped). Every example
     appears exactly once per epoch, so the batches are neither independent
     across steps nor of random size. Accountants (including tf_megadp's) can
     only report such a run *as if* it were Poisson-sampled, which understates
     its real privacy loss (Chua et al., 2024, "How Private are DP-SGD
-    Implementations?"). Prefer `PoissonSampler`; use this one to compare, and
-    record it with `sampling=sampler.sampling_kind` so the report says so.
+    Implementations?"). Prefer `PoissonSampler`; use this one to compare. Its
+    datasets carry `sampling="shuffle"`, so the report says so.
 
-    Holds one permutation of the corpus (4 bytes per example below 2**32
-    examples).
+    Randomness follows the same rule as `PoissonSampler` (secret by default,
+    `seed=` warns, `shared_secret=` for several hosts). A resumed sampler
+    reshuffles the interrupted epoch with its fresh randomness. Holds one
+    permutation (4 bytes per example below 2**32 examples). `from_arrays` and
+    `from_records` build a schedule of E * floor(N / B) steps.
 
     Args:
-        shards, schedule, seed, start_step, start_micro_step, end_step: as in
+        shards, schedule, seed, shared_secret, start_step, end_step: as in
             `PoissonSampler`.
     """
 
@@ -589,31 +1178,49 @@ class ShuffleSampler(_Sampler):
         schedule: BatchSizeSchedule,
         *,
         seed: int | None = None,
+        shared_secret: int | None = None,
         start_step: int = 0,
-        start_micro_step: int = 0,
         end_step: int | None = None,
     ):
         super().__init__(
             shards,
             schedule,
             seed=seed,
+            shared_secret=shared_secret,
             start_step=start_step,
-            start_micro_step=start_micro_step,
             end_step=end_step,
         )
-        warnings.warn(
+        _warn(
             "ShuffleSampler: fixed-size shuffled batches do not satisfy the Poisson "
             "sampling assumption of DP-SGD accounting; the reported epsilon "
             "understates the privacy loss (Chua et al., 2024). Use PoissonSampler "
             "for a guarantee that matches the number.",
             UserWarning,
-            stacklevel=2,
         )
         self._epoch = -1
         self._permutation: np.ndarray | None = None
         # (step, epoch, offset) of the next step's first row; steps are drawn in
         # order, so positions advance incrementally from here.
         self._cursor = (0, 0, 0)
+
+    @classmethod
+    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
+                      truncation_probability) -> BatchSizeSchedule:
+        if truncation_probability is not None:
+            raise ValueError("ShuffleSampler never truncates: drop truncation_probability.")
+        steps = math.floor(epochs * (num_examples // batch_size))
+        if steps < 1:
+            raise ValueError(
+                f"epochs={epochs} of {num_examples // batch_size} full batches per epoch "
+                "is less than one step; raise epochs."
+            )
+        slots = micro_batch_size * num_replicas
+        return BatchSizeSchedule(
+            [Phase(steps, batch_size, math.ceil(batch_size / slots))],
+            num_examples=num_examples,
+            micro_batch_size=micro_batch_size,
+            num_replicas=num_replicas,
+        )
 
     def _position(self, step: int) -> tuple[int, int]:
         """(epoch, offset in that epoch's permutation) of the first row of `step`."""
@@ -630,7 +1237,7 @@ class ShuffleSampler(_Sampler):
             at += 1
 
     def draw(self, step: int) -> StepDraw:
-        """The rows of logical step `step`: B_t consecutive rows of its epoch's permutation."""
+        """The examples of step `step`: B_t consecutive entries of its epoch's permutation."""
         phase = self.schedule.phase_at(step)
         epoch, offset = self._position(step)
         if epoch != self._epoch:

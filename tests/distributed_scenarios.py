@@ -76,7 +76,9 @@ def compiled(model, *, noise_multiplier=0.0, clip=CLIP, learning_rate=0.5,
             l2_norm_clip=clip, noise_multiplier=noise_multiplier,
             accumulation_steps=accumulation, seed=seed, clipping=clipping,
         )
-    tf_megadp.make_private(model)
+    # The scenarios check that the count is global, so they log it (off by
+    # default: it is a statistic outside epsilon).
+    tf_megadp.make_private(model, log_nonfinite_examples=True)
     model.compile(
         optimizer=optimizer,
         loss=__import__("keras").losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -121,11 +123,42 @@ def replicas_identical(strategy, variables):
 # -- Scenario sets ---------------------------------------------------------------
 
 
+def accumulators_of(optimizer):
+    """The DPOptimizer's in-memory accumulators (never saved, so only read live)."""
+    return optimizer._in_memory.accumulators
+
+
+def at_first_micro_step(strategy, save_path=None):
+    """A callback that, after micro-step 1 of logical step 1, reads the accumulators.
+
+    It keeps their cross-replica value (the sum over replicas) and replica
+    0's and 1's own values of the last one, and, given `save_path`, writes a
+    `save_weights` file there: a save in the middle of a logical step.
+    """
+    import keras
+
+    class Probe(keras.callbacks.Callback):
+        accumulators = per_replica = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch != 0:
+                return
+            optimizer = self.model.optimizer
+            self.accumulators = [a.numpy().tolist() for a in accumulators_of(optimizer)]
+            self.per_replica = local_values(strategy, accumulators_of(optimizer)[-1])
+            if save_path is not None:
+                self.model.save_weights(save_path)
+
+    return Probe()
+
+
 def equality_and_replica_checks(strategy, replicas, tmp_dir, result, checkpoint):
-    """Micro-step 1, [checkpoint and restore into a fresh model], finish the run.
+    """The whole run under the strategy and on one device, probed after micro-step 1.
 
     The same examples go through a single-device run with micro-batches of
-    m * R; every comparison is against that run at the same point.
+    m * R; every comparison is against that run at the same point. A logical
+    step never spans two `fit` calls, so the probe (and the mid-step save)
+    happens inside the one `fit`.
     """
     import tensorflow as tf
 
@@ -134,47 +167,45 @@ def equality_and_replica_checks(strategy, replicas, tmp_dir, result, checkpoint)
     x, y, w = dense_data(replicas)
     initial = [v.numpy() for v in dense_model().trainable_variables]
     slots = MICRO_BATCH * replicas
-    head = tuple(a[:slots] for a in (x, y, w))
-    rest = tuple(a[slots:] for a in (x, y, w))
+    path = os.path.join(tmp_dir, f"mid_step_{replicas}.weights.h5") if checkpoint else None
 
     with strategy.scope():
         model = compiled(dense_model())
-    model.fit(distribute.distribute_micro_batches(strategy, global_micro_batches(*head)),
-              epochs=1, verbose=0, steps_per_epoch=1)
+    probe = at_first_micro_step(strategy, path)
+    history = model.fit(
+        distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w)),
+        epochs=1, verbose=0, steps_per_epoch=ACCUMULATION * LOGICAL_STEPS, callbacks=[probe])
     single = compiled(dense_model())
-    single.fit(tf.data.Dataset.from_tensors(head), epochs=1, verbose=0)
+    single_probe = at_first_micro_step(tf.distribute.get_strategy())
+    single.fit(tf.data.Dataset.from_tensor_slices((x, y, w)).batch(slots), epochs=1, verbose=0,
+               callbacks=[single_probe])
 
     # Each replica holds the clipped sum of ITS examples only; read in the
     # cross-replica context the accumulators hold their sum.
     accumulators = result["accumulators"] = {
-        "single_device": [a.numpy().tolist() for a in single.optimizer._accumulators],
-        "distributed": [a.numpy().tolist() for a in model.optimizer._accumulators],
+        "single_device": single_probe.accumulators,
+        "distributed": probe.accumulators,
     }
-    per_replica = local_values(strategy, model.optimizer._accumulators[-1])
     result["replica_accumulators_differ"] = not all(
-        np.allclose(per_replica[0], p) for p in per_replica[1:])
+        np.allclose(probe.per_replica[0], p) for p in probe.per_replica[1:])
 
     if checkpoint:
-        # Save in the middle of a logical step; restore on a single device and
-        # into a fresh model under the same strategy, which finishes the run.
-        path = os.path.join(tmp_dir, f"mid_step_{replicas}.weights.h5")
-        model.save_weights(path)
+        # The file saved in the middle of logical step 1, restored on a single
+        # device and into a fresh model under the same strategy: the
+        # un-noised partial sum must not come back.
         host = compiled(dense_model(seed=1))
         host.optimizer.build(host.trainable_variables)
         host.load_weights(path)
         accumulators["single_device_restored"] = [
-            a.numpy().tolist() for a in host.optimizer._accumulators]
+            a.numpy().tolist() for a in accumulators_of(host.optimizer)]
         with strategy.scope():
-            model = compiled(dense_model(seed=1))
-            model.optimizer.build(model.trainable_variables)
-        model.load_weights(path)
-        result["restored_micro_steps"] = int(model.optimizer.micro_steps.numpy())
-        accumulators["restored"] = [a.numpy().tolist() for a in model.optimizer._accumulators]
+            restored = compiled(dense_model(seed=1))
+            restored.optimizer.build(restored.trainable_variables)
+        restored.load_weights(path)
+        result["restored_micro_steps"] = int(restored.optimizer.micro_steps.numpy())
+        accumulators["restored"] = [
+            a.numpy().tolist() for a in accumulators_of(restored.optimizer)]
 
-    history = model.fit(
-        distribute.distribute_micro_batches(strategy, global_micro_batches(*rest)),
-        epochs=1, verbose=0, steps_per_epoch=ACCUMULATION * LOGICAL_STEPS - 1)
-    single.fit(tf.data.Dataset.from_tensor_slices(rest).batch(slots), epochs=1, verbose=0)
     optimizer = model.optimizer
     result["logical_steps"] = int(optimizer.iterations.numpy())
     result["micro_steps"] = int(optimizer.micro_steps.numpy())
@@ -277,7 +308,7 @@ def mixed_bfloat16_checks(strategy, replicas, result):
         dtypes = {
             "compute": model.dtype_policy.compute_dtype,
             "variables": sorted({v.dtype for v in model.trainable_variables}),
-            "accumulators": sorted({a.dtype for a in model.optimizer._accumulators}),
+            "accumulators": sorted({a.dtype for a in accumulators_of(model.optimizer)}),
             "norms": batch.norms.dtype.name,
             "clipped_sum": sorted({g.dtype.name for g in batch.gradient_sum if g is not None}),
             "losses": batch.losses.dtype.name,
@@ -287,6 +318,26 @@ def mixed_bfloat16_checks(strategy, replicas, result):
     result["mixed_bfloat16"] = {
         "update": [(v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)],
         "dtypes": dtypes,
+    }
+
+
+def sampling_secret_checks(strategy, result):
+    """The sampling-secret broadcast: what goes in at replica 0 comes out, exactly.
+
+    Values are written as decimal strings: they are test values, and JSON
+    readers other than Python's lose integers above 2**53.
+    """
+    import secrets
+
+    from tf_megadp import distribute
+
+    local = secrets.randbits(distribute.SECRET_BITS)
+    result["sampling_secret"] = {
+        "local": str(local),
+        "broadcast": str(distribute._broadcast_from_replica_zero(strategy, local)),
+        "edges": [str(distribute._broadcast_from_replica_zero(strategy, value))
+                  for value in (0, 1, (1 << distribute.SECRET_BITS) - 1)],
+        "shared": [str(distribute.shared_sampling_secret(strategy)) for _ in range(2)],
     }
 
 
@@ -310,6 +361,7 @@ def run_replicas(replicas, out_path):
     if replicas == 2:
         mixed_bfloat16_checks(strategy, replicas, result)
         ghost_checks(strategy, replicas, result)
+        sampling_secret_checks(strategy, result)
     seconds["total"] = time.perf_counter() - start
     write_json_atomically(out_path, result)
 
@@ -333,7 +385,10 @@ def run_worker(index, ports, out_path):
         logs = distribute.train_micro_steps(each, strategy, data, ACCUMULATION * LOGICAL_STEPS)
         if each is model:
             model_logs = logs
+    secret = {}
+    sampling_secret_checks(strategy, secret)
     write_json_atomically(out_path, {
+        **secret,
         "replicas": replicas,
         "logical_steps": int(model.optimizer.iterations.numpy()),
         "nonfinite_logged": float(model_logs["nonfinite_examples"]),

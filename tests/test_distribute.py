@@ -138,16 +138,19 @@ class TestMirroredReplicas:
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
         assert replicated["replica_accumulators_differ"]
 
-    def test_mid_step_checkpoint_keeps_the_accumulated_sum(self, replicated):
+    def test_mid_step_checkpoint_holds_no_clipped_sum(self, replicated):
         if replicated["replicas"] != 2:
             pytest.skip("checkpoints are checked on the 2-replica run")
-        # Restored under the strategy (then finishing the run, which the
-        # update test compares) and on a single device.
-        assert replicated["restored_micro_steps"] == 1
+        # The attack: load a save_weights file written inside a logical step
+        # and read the accumulators, under the strategy and on one device.
+        # They used to hold the exact un-noised clipped sum (micro-step 1);
+        # now a restore is at a logical-step boundary with nothing in them.
+        assert replicated["restored_micro_steps"] == 0
         accumulators = replicated["accumulators"]
+        assert any(np.any(np.asarray(a)) for a in accumulators["single_device"])
         for key in ("restored", "single_device_restored"):
-            for restored, single in zip(accumulators[key], accumulators["single_device"]):
-                np.testing.assert_allclose(restored, single, rtol=1e-5, atol=1e-7)
+            for restored in accumulators[key]:
+                assert not np.any(np.asarray(restored)), key
 
     def test_noise_std_is_sigma_c_over_b_in_total(self, replicated):
         noise = replicated["noise"]
@@ -214,6 +217,44 @@ class TestMultiWorker:
         reference = scenarios.single_device_weights(replicas=2)
         for distributed, single in zip(first["weights"], reference):
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
+
+
+class TestSharedSamplingSecret:
+    """Every worker gets the chief's 128-bit draw, through the all-reduce only."""
+
+    def test_two_workers_receive_the_chiefs_draw(self, two_workers):
+        chief, other = (worker["sampling_secret"] for worker in two_workers)
+        # Each worker drew its own value; both end up with worker 0's.
+        assert chief["local"] != other["local"]
+        assert chief["broadcast"] == other["broadcast"] == chief["local"]
+        edges = [str(v) for v in (0, 1, (1 << distribute.SECRET_BITS) - 1)]
+        assert chief["edges"] == other["edges"] == edges
+        # The public call: equal across workers, fresh at every call.
+        assert chief["shared"] == other["shared"]
+        assert chief["shared"][0] != chief["shared"][1]
+        assert all(0 <= int(v) < 1 << 128 for v in chief["shared"])
+
+    def test_mirrored_replicas_round_trip_and_draw_fresh(self, replicated):
+        if replicated["replicas"] != 2:
+            pytest.skip("the secret is checked on the 2-replica run")
+        secret = replicated["sampling_secret"]
+        assert secret["broadcast"] == secret["local"]
+        assert secret["edges"] == [str(v) for v in (0, 1, (1 << 128) - 1)]
+        assert secret["shared"][0] != secret["shared"][1]
+
+    def test_one_worker_draws_locally_from_os_entropy(self, monkeypatch):
+        drawn = []
+        real = distribute.secrets.randbits
+
+        def spy(bits):
+            drawn.append(real(bits))
+            return drawn[-1]
+
+        monkeypatch.setattr(distribute.secrets, "randbits", spy)
+        first = distribute.shared_sampling_secret(tf.distribute.get_strategy())
+        second = distribute.shared_sampling_secret()
+        assert [first, second] == drawn and first != second
+        assert all(0 <= v < 1 << 128 for v in drawn)
 
 
 class TestReplicaMicroBatches:
@@ -283,7 +324,7 @@ class TestScheduleMustMatchTheReplicas:
     def _schedule(self, replicas, micro_batch=4):
         return tf_megadp.BatchSizeSchedule(
             [tf_megadp.Phase(steps=2, batch_size=8, accumulation_steps=4)],
-            num_examples=100, micro_batch_size=micro_batch, num_replicas=replicas)
+            num_examples=12, micro_batch_size=micro_batch, num_replicas=replicas)
 
     def test_schedule_for_other_replica_count_is_rejected(self):
         with pytest.raises(PrivacyConfigurationError, match="num_replicas=1"):
@@ -300,6 +341,7 @@ class TestScheduleMustMatchTheReplicas:
                 keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
                 schedule=self._schedule(replicas, micro_batch)),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # N matches the schedule, so only the layout is wrong.
         x, y, _ = scenarios.dense_data(replicas=2, steps=1)
         with pytest.raises(PrivacyConfigurationError, match=message):
-            model.fit(x[:4], y[:4], batch_size=4, verbose=0)
+            model.fit(x, y, batch_size=4, verbose=0)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 from typing import Callable, Sequence
 
 import tensorflow as tf
@@ -47,9 +48,18 @@ __all__ = [
     "replica_micro_batches",
     "train_micro_steps",
     "check_schedule_matches_strategy",
+    "shared_sampling_secret",
 ]
 
 STRATEGIES = ("default", "mirrored", "multiworker", "tpu")
+
+# The sampling secret: 128 bits, as NumPy's SeedSequence draws from the OS.
+SECRET_BITS = 128
+# Broadcast in 16-bit pieces carried as float32: every all-reduce TensorFlow
+# has (collective ops on CPU and GPU, NCCL, TPU) sums float32, not every one
+# sums integers, and a sum of one piece below 2**16 and zeros is exact in
+# float32 (24-bit significand).
+_PIECE_BITS = 16
 
 
 def configure_cpu_replicas(count: int) -> list:
@@ -297,3 +307,97 @@ def check_schedule_matches_strategy(
             "each logical step would hold a different number of examples than "
             f"accounted. Rebuild the schedule with num_replicas={replicas}."
         )
+
+
+def _worker_count(strategy: tf.distribute.Strategy) -> int:
+    """Processes that build their own input pipeline and sampler under `strategy`.
+
+    Only `MultiWorkerMirroredStrategy` runs one Python process per worker; the
+    other strategies (default, mirrored, TPU with its single client) drive all
+    replicas from this process.
+    """
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return 1
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if resolver is None:
+        return 1
+    cluster = resolver.cluster_spec().as_dict()
+    return max(1, len(cluster.get("chief", [])) + len(cluster.get("worker", [])))
+
+
+def _broadcast_from_replica_zero(strategy: tf.distribute.Strategy, value: int) -> int:
+    """`value` as the process holding replica 0 (the chief) passed it, on every worker.
+
+    Every process passes its own `value`; replica 0 contributes its pieces
+    to an all-reduce SUM and every other replica zeros, so the sum is replica
+    0's value everywhere. Replica 0 lives on the chief (task "chief", or
+    worker 0 without one): `MultiWorkerMirroredStrategy` numbers the chief's
+    replicas first. Nothing is written anywhere; the value travels only
+    through the collective.
+    """
+    pieces = SECRET_BITS // _PIECE_BITS
+    mask = (1 << _PIECE_BITS) - 1
+    mine = [float((value >> (_PIECE_BITS * i)) & mask) for i in range(pieces)]
+
+    def contribution(context):
+        if context.replica_id_in_sync_group == 0:
+            return tf.constant(mine, tf.float32)
+        return tf.zeros([pieces], tf.float32)
+
+    per_replica = strategy.experimental_distribute_values_from_function(contribution)
+    total = strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    received = [float(piece) for piece in total.numpy()]
+    # Fail closed: a piece outside [0, 2**16) or fractional means some replica
+    # other than 0 contributed, and the workers may hold different secrets.
+    if any(piece != int(piece) or not 0 <= piece <= mask for piece in received):
+        raise RuntimeError(
+            "The sampling secret's all-reduce returned pieces outside [0, 2**16): "
+            "the replicas do not agree on the secret. Check that every worker runs "
+            "the same program under the same MultiWorkerMirroredStrategy cluster."
+        )
+    return sum(int(piece) << (_PIECE_BITS * i) for i, piece in enumerate(received))
+
+
+def shared_sampling_secret(strategy: tf.distribute.Strategy | None = None) -> int:
+    """A fresh 128-bit secret for the Poisson sampler, the same on every worker.
+
+    Every worker of a multi-worker run must draw the same Poisson steps (each
+    keeps its own replicas' rows of them), yet the draws must stay secret: an
+    adversary who can recompute which examples each step drew gets no
+    amplification by subsampling. So the chief draws 128 bits of OS entropy
+    (`secrets`) and broadcasts them through the strategy's own all-reduce;
+    the secret never passes through a file, an environment variable or a
+    config, which could be read or published. With one worker (default,
+    mirrored and TPU strategies, whose single process drives every replica)
+    this is a fresh local draw.
+
+    Call it on every worker at the same point of the program (it is a
+    collective operation), pass the result to the sampler
+    (`PoissonSampler(..., shared_secret=...)`) and never log, print or save
+    it. A resumed run calls it again: fresh draws for the remaining steps are
+    as private as the draws the interrupted run would have made.
+
+    Args:
+        strategy: the run's strategy; default the current one
+            (`tf.distribute.get_strategy()`).
+
+    Returns:
+        An int in [0, 2**128), equal on every worker of the strategy.
+
+    Raises:
+        RuntimeError: the workers did not agree on the secret.
+
+    Example:
+    ```python
+    strategy = tf_megadp.distribute.resolve_strategy("multiworker")
+    secret = tf_megadp.distribute.shared_sampling_secret(strategy)
+    sampler = tf_megadp.PoissonSampler(shards, schedule, shared_secret=secret)
+    ```
+    """
+    strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+    # Drawn on every worker, so the code is the same everywhere; only the
+    # chief's draw (replica 0's) survives the broadcast.
+    local = secrets.randbits(SECRET_BITS)
+    if _worker_count(strategy) == 1:
+        return local
+    return _broadcast_from_replica_zero(strategy, local)

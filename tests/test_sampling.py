@@ -760,14 +760,16 @@ class TestKerasFit:
             sampler = PoissonSampler.from_arrays(x, y, batch_size=8, epochs=1, micro_batch_size=8)
             model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2)])
             model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            history = model.fit(sampler.as_dataset(), verbose=0, **kwargs)
-            return sampler, sum(len(history.history["loss"]) for _ in [0]), history
+            seen = []
+            record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: seen.append(batch))
+            history = model.fit(sampler.as_dataset(), verbose=0, callbacks=[record], **kwargs)
+            return sampler, len(history.history["loss"]), len(seen)
 
-        sampler, _, _ = fit()
-        assert sampler.total_micro_steps == 6 * sampler.schedule.phases[0].accumulation_steps
+        sampler, epochs, batches = fit()
+        assert epochs == 1 and batches == sampler.total_micro_steps == 6 * sampler.schedule.phases[0].accumulation_steps
         # epochs=E with steps_per_epoch keeps one iterator across epochs.
-        sampler, epochs, _ = fit(epochs=2, steps_per_epoch=sampler.total_micro_steps // 2)
-        assert epochs == 2
+        sampler, epochs, batches = fit(epochs=2, steps_per_epoch=sampler.total_micro_steps // 2)
+        assert epochs == 2 and batches == sampler.total_micro_steps
         # Without steps_per_epoch, Keras re-iterates each epoch: refused, never replayed.
         with pytest.raises(tf.errors.OpError, match="already consumed"):
             fit(epochs=2)

@@ -1,46 +1,57 @@
-"""Specification of tf_megadp.PrivacyCallback on real DP training.
+"""Specification of the privacy ledger of a private `fit` and of `PrivacyCallback`.
 
 A tiny Dense model is trained with `tf_megadp.DPOptimizer` and
-`tf_megadp.make_private`: 64 examples in micro-batches of 8, two micro-batches
-per logical step, so one epoch is 4 logical steps. Epsilon is always checked
-against dp_accounting events built here by hand.
+`tf_megadp.make_private`. Epsilon is always checked against dp_accounting
+events built here by hand from what the run did: the number of examples fed
+to `fit`, the rows of each logical step and the steps applied. Each case of
+issue #14 ("Found") has a test that reproduces it.
 """
 
 import csv
 import json
+import math
+import warnings
 
 import dp_accounting
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from dp_accounting import pld, rdp
 
 import tf_megadp
-from tf_megadp import BatchSizeSchedule, Phase, PrivacyCallback
+from tf_megadp import BatchSizeSchedule, Phase, PrivacyCallback, PrivacyConfigurationError
+from tf_megadp.sources import DataSource, attach_source
 
 MICRO_BATCH = 8
 ACCUMULATION = 2
-STEPS_PER_EPOCH = 64 // (MICRO_BATCH * ACCUMULATION)
-N = 6_400  # The accounting population; the 64 rows stand in for a sample.
+N = 64
+STEPS_PER_EPOCH = N // (MICRO_BATCH * ACCUMULATION)
 BATCH = MICRO_BATCH * ACCUMULATION
 DELTA = 1e-5
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*no tf_megadp sampler drew these batches"),
+    pytest.mark.filterwarnings("ignore:DPOptimizer\\(seed="),
+]
 
 
 @pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(0)
-    return (rng.normal(size=(64, 4)).astype("float32"),
-            rng.normal(size=(64, 2)).astype("float32"))
+    return (rng.normal(size=(N, 4)).astype("float32"),
+            rng.normal(size=(N, 2)).astype("float32"))
 
 
-def private_model(noise_multiplier=1.0, schedule=None, steps_per_execution=1):
+def private_model(noise_multiplier=1.0, schedule=None, steps_per_execution=1,
+                  accumulation_steps=ACCUMULATION, normalize_by=BATCH):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     if schedule is None:
         optimizer = tf_megadp.DPOptimizer(
             keras.optimizers.SGD(0.1), l2_norm_clip=1.0,
-            noise_multiplier=noise_multiplier, accumulation_steps=ACCUMULATION,
-            normalize_by=BATCH, seed=1)
+            noise_multiplier=noise_multiplier, accumulation_steps=accumulation_steps,
+            normalize_by=normalize_by, seed=1)
     else:
         optimizer = tf_megadp.DPOptimizer(
             keras.optimizers.SGD(0.1), l2_norm_clip=1.0,
@@ -50,9 +61,9 @@ def private_model(noise_multiplier=1.0, schedule=None, steps_per_execution=1):
     return model
 
 
-def fit(model, data, epochs, callbacks):
+def fit(model, data, epochs, callbacks, batch_size=MICRO_BATCH):
     x, y = data
-    return model.fit(x, y, batch_size=MICRO_BATCH, epochs=epochs, shuffle=False,
+    return model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
                      callbacks=callbacks, verbose=0)
 
 
@@ -78,7 +89,7 @@ class BatchLogs(keras.callbacks.Callback):
 def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     model = private_model()
     batch_logs = BatchLogs()
-    callback = PrivacyCallback(N, DELTA, accountant="rdp", log_every_steps=3,
+    callback = PrivacyCallback(DELTA, accountant="rdp", log_every_steps=3,
                                report_path=tmp_path / "privacy.json")
     csv_path = tmp_path / "log.csv"
     history = fit(model, data, 2, [callback, keras.callbacks.CSVLogger(str(csv_path)), batch_logs])
@@ -97,30 +108,206 @@ def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     report = json.loads((tmp_path / "privacy.json").read_text())
     assert report["epsilon"] == pytest.approx(expected[-1], rel=1e-12)
     assert report["steps"] == 2 * STEPS_PER_EPOCH
+    assert report["num_examples"] == N and report["num_examples_measured"] is True
     assert report["settings"]["l2_norm_clip"] == 1.0
     assert report["ledger"] == [dict(steps=8, sampling_rate=BATCH / N, noise_multiplier=1.0,
-                                     max_batch_size=0, sampling="poisson")]
+                                     max_batch_size=0, sampling="shuffle")]
+    assert report["data"]["poisson_guarantee"] is False
+    assert report["seeded_noise"] is True
+    assert any("seeded noise: not for release" in w for w in report["warnings"])
+    assert any("training loss" in item for item in report["released_outside_epsilon"])
 
 
-def test_resumed_run_continues_its_epsilon(data, tmp_path):
-    uninterrupted = private_model()
-    whole = PrivacyCallback(N, DELTA)
-    fit(uninterrupted, data, 2, [whole])
+class TestValuesAreMeasuredNotTrusted:
+    """Issue #14: callback inputs were never checked against the data."""
 
-    first = private_model()
-    path = str(tmp_path / "checkpoint.keras")
-    fit(first, data, 1, [PrivacyCallback(N, DELTA), keras.callbacks.ModelCheckpoint(path)])
-    restored = keras.models.load_model(path)
-    assert tf_megadp.read_ledger(restored.optimizer).total_steps == STEPS_PER_EPOCH
-    tf_megadp.make_private(restored)
-    resumed = PrivacyCallback(N, DELTA)
-    fit(restored, data, 1, [resumed])
+    def test_a_stated_num_examples_that_differs_from_the_data_raises(self, data):
+        # Before: PrivacyCallback(num_examples=100000) on 1,280 examples
+        # reported 0.033 instead of 3.17.
+        model = private_model()
+        with pytest.raises(PrivacyConfigurationError, match=r"num_examples=100000.*64 examples"):
+            fit(model, data, 1, [PrivacyCallback(DELTA, num_examples=100_000)])
+        assert int(model.optimizer.iterations.numpy()) == 0
 
-    assert int(restored.optimizer.iterations.numpy()) == 2 * STEPS_PER_EPOCH
-    assert resumed.ledger == whole.ledger
-    assert resumed.epsilon == whole.epsilon
-    assert whole.epsilon == pytest.approx(
-        reference_epsilon(2 * STEPS_PER_EPOCH, accountant="pld"), rel=1e-9)
+    def test_a_batch_size_that_differs_from_the_logical_batch_raises(self, data):
+        # Before: batch_size=8 while the logical batch was 16 reported too little.
+        model = private_model()
+        with pytest.raises(PrivacyConfigurationError, match=r"batch_size=8.*holds 16"):
+            fit(model, data, 1, [PrivacyCallback(DELTA, batch_size=8)])
+        fit(model, data, 1, [PrivacyCallback(DELTA, batch_size=BATCH)])  # The right one passes.
+
+    def test_normalize_by_does_not_change_the_sampling_rate(self, data):
+        # Before: normalize_by=1 with full batches of 8 reported q = 1/N.
+        model = private_model(accumulation_steps=1, normalize_by=1)
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        fit(model, data, 1, [callback])
+        assert callback.epsilon == pytest.approx(
+            reference_epsilon(N // MICRO_BATCH, q=MICRO_BATCH / N), rel=1e-2)
+
+    def test_fixed_size_batches_are_reported_as_such_and_warned(self, data):
+        model = private_model()
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        with pytest.warns(UserWarning, match="NOT a proven guarantee"):
+            fit(model, data, 1, [callback])
+        report = callback.report()
+        assert report["sampling"]["kinds"] == ["shuffle"]
+        assert report["data"]["description"].startswith("arrays passed to fit: 64 examples")
+
+    def test_strict_mode_refuses_data_no_sampler_drew(self, data):
+        model = private_model()
+        tf_megadp.make_private(model, require_poisson_sampling=True)
+        with pytest.raises(PrivacyConfigurationError, match="require_poisson_sampling"):
+            fit(model, data, 1, [])
+
+    def test_data_of_unknown_size_needs_a_stated_n_and_says_so(self, data):
+        x, y = data
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH)
+        with pytest.raises(PrivacyConfigurationError, match="num_examples=N"):
+            private_model().fit(dataset, callbacks=[PrivacyCallback(DELTA)], verbose=0)
+        callback = PrivacyCallback(DELTA, num_examples=N, accountant="rdp")
+        private_model().fit(dataset, callbacks=[callback], verbose=0)
+        assert callback.epsilon == pytest.approx(reference_epsilon(STEPS_PER_EPOCH), rel=1e-12)
+        report = callback.report()
+        assert report["num_examples_measured"] is False
+        assert any("stated by the user" in w for w in report["warnings"])
+
+    def test_steps_on_data_of_unknown_size_without_n_cannot_be_reported_later(self, data):
+        x, y = data
+        model = private_model()
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH), verbose=0)
+        assert int(model.optimizer.unaccounted_steps.numpy()) == STEPS_PER_EPOCH
+        with pytest.raises(PrivacyConfigurationError, match="cannot be accounted"):
+            fit(model, data, 1, [PrivacyCallback(DELTA)])
+
+    def test_zero_noise_reports_infinite_epsilon(self, data):
+        with pytest.warns(UserWarning, match="NOT differentially private"):
+            model = private_model(noise_multiplier=0.0)
+        callback = PrivacyCallback(DELTA)
+        fit(model, data, 1, [callback])
+        assert callback.epsilon == math.inf
+        assert callback.report()["epsilon"] == math.inf
+
+
+class TestTheLedgerFollowsTheModel:
+    def test_compiling_again_with_a_new_optimizer_carries_the_spent_privacy(self, data):
+        # Before: 16 noisy steps, 8 reported.
+        model = private_model()
+        fit(model, data, 2, [PrivacyCallback(DELTA)])
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.1), 1.0, 1.0, accumulation_steps=ACCUMULATION), loss="mse")
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        with pytest.warns(UserWarning, match="stay in the privacy ledger"):
+            fit(model, data, 2, [callback])
+        assert callback.ledger.total_steps == 4 * STEPS_PER_EPOCH
+        assert callback.epsilon == pytest.approx(reference_epsilon(4 * STEPS_PER_EPOCH), rel=1e-12)
+
+    def test_resumed_run_continues_its_epsilon(self, data, tmp_path):
+        uninterrupted = private_model()
+        whole = PrivacyCallback(DELTA)
+        fit(uninterrupted, data, 2, [whole])
+
+        first = private_model()
+        path = str(tmp_path / "checkpoint.keras")
+        fit(first, data, 1, [PrivacyCallback(DELTA), keras.callbacks.ModelCheckpoint(path)])
+        restored = keras.models.load_model(path)
+        assert tf_megadp.read_ledger(restored.optimizer).total_steps == STEPS_PER_EPOCH
+        tf_megadp.make_private(restored)
+        resumed = PrivacyCallback(DELTA)
+        fit(restored, data, 1, [resumed])
+
+        assert int(restored.optimizer.iterations.numpy()) == 2 * STEPS_PER_EPOCH
+        assert resumed.ledger == whole.ledger
+        assert resumed.epsilon == whole.epsilon
+        assert whole.epsilon == pytest.approx(
+            reference_epsilon(2 * STEPS_PER_EPOCH, accountant="pld"), rel=1e-9)
+
+    def test_settings_cannot_change_between_fits(self, data):
+        # Before: noise_multiplier = 10 after a fit was recorded while the
+        # compiled step kept sigma = 1 (reported 1.33, actual 2.46).
+        model = private_model()
+        fit(model, data, 1, [PrivacyCallback(DELTA)])
+        for name, value in (("noise_multiplier", 10.0), ("accumulation_steps", 1),
+                            ("l2_norm_clip", 3.0)):
+            with pytest.raises(PrivacyConfigurationError, match="cannot change"):
+                setattr(model.optimizer, name, value)
+
+
+class TestNoExampleTwiceInOneNoisySum:
+    def test_a_logical_step_never_spans_two_epochs_of_unsampled_data(self, data):
+        # 12 rows in micro-batches of 4 with k = 2: each epoch has 1.5 logical
+        # steps. Before, with reshuffled epochs, the second step took one
+        # micro-batch from each epoch and could hold an example twice.
+        x, y = data[0][:12], data[1][:12]
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+            12, reshuffle_each_iteration=True).batch(4)
+        model = private_model(normalize_by=8)
+        callback = PrivacyCallback(DELTA, num_examples=12, accountant="rdp")
+        with pytest.warns(UserWarning, match="before the end of an epoch"):
+            model.fit(dataset, epochs=3, callbacks=[callback], verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 3
+        assert callback.epsilon == pytest.approx(reference_epsilon(3, q=8 / 12), rel=1e-12)
+
+    def test_a_logical_step_never_spans_two_fit_calls(self, data):
+        model = private_model()
+        x, y = data
+        model.fit(x[:24], y[:24], batch_size=MICRO_BATCH, verbose=0)  # 1.5 steps
+        assert int(model.optimizer.iterations.numpy()) == 1
+        assert int(model.optimizer.micro_steps.numpy()) == 0
+
+    def test_a_logical_step_with_more_rows_than_examples_is_refused(self, data):
+        x, y = data
+        dataset = tf.data.Dataset.from_tensor_slices((x[:8], y[:8])).batch(8).repeat(2)
+        model = private_model(normalize_by=16)
+        with pytest.raises(PrivacyConfigurationError, match="twice"):
+            model.fit(dataset, callbacks=[PrivacyCallback(DELTA, num_examples=8)], verbose=0)
+
+
+def _poisson_dataset(schedule, data, steps):
+    """Static micro-batches as a Poisson sampler emits them, with its DataSource."""
+    x, y = data
+    rows = schedule.micro_batch_size
+    elements = []
+    for step in range(steps):
+        k = schedule.phase_at(step).accumulation_steps
+        for micro in range(k):
+            start = (step * k + micro) * rows % len(x)
+            elements.append((x[start:start + rows], y[start:start + rows],
+                             np.ones(rows, "float32")))
+    xs, ys, ws = (np.stack(parts) for parts in zip(*elements))
+    dataset = tf.data.Dataset.from_tensor_slices((xs, ys, ws))
+    return attach_source(dataset, DataSource(
+        sampling="poisson", num_examples=schedule.num_examples, num_examples_measured=True,
+        description="test Poisson stream", schedule=schedule))
+
+
+class TestSamplerSources:
+    def test_schedule_phases_are_recorded_with_their_rate_and_truncation(self, data):
+        schedule = BatchSizeSchedule([Phase(1, 4, 4), Phase(1, 8, 4, noise_multiplier=2.0)],
+                                     num_examples=N, micro_batch_size=MICRO_BATCH)
+        model = private_model(schedule=schedule)
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        model.fit(_poisson_dataset(schedule, data, 2), callbacks=[callback], verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 2
+        assert [(e.steps, e.sampling_rate, e.noise_multiplier, e.max_batch_size, e.sampling)
+                for e in callback.ledger] == [(1, 4 / N, 1.0, 32, "poisson"),
+                                              (1, 8 / N, 2.0, 32, "poisson")]
+        assert callback.report()["data"]["poisson_guarantee"] is True
+
+    def test_a_sampler_for_another_schedule_is_refused(self, data):
+        # Before: a sampler built for B = 16 fed an optimizer whose schedule
+        # said B = 4, with no error.
+        drawn = BatchSizeSchedule([Phase(4, 16, 2)], num_examples=N, micro_batch_size=MICRO_BATCH)
+        planned = BatchSizeSchedule([Phase(4, 4, 2)], num_examples=N, micro_batch_size=MICRO_BATCH)
+        model = private_model(schedule=planned)
+        with pytest.raises(PrivacyConfigurationError, match="schedule=sampler.schedule"):
+            model.fit(_poisson_dataset(drawn, data, 4), verbose=0)
+
+    def test_a_transformed_sampler_dataset_is_refused(self, data):
+        # Before: .cache() replayed 3 draws, accounted as 6 independent steps.
+        schedule = BatchSizeSchedule([Phase(3, 8, 2)], num_examples=N, micro_batch_size=MICRO_BATCH)
+        model = private_model(schedule=schedule)
+        with pytest.raises(PrivacyConfigurationError, match="derived from a tf_megadp sampler"):
+            model.fit(_poisson_dataset(schedule, data, 3).cache(), epochs=2, verbose=0)
 
 
 def test_budget_stop_halts_exactly_at_the_last_step_that_fits(data, capsys):
@@ -130,7 +317,7 @@ def test_budget_stop_halts_exactly_at_the_last_step_that_fits(data, capsys):
     fits = [t for t in range(1, 41) if reference_epsilon(t) <= target]
     assert max(fits) == 5
     model = private_model()
-    callback = PrivacyCallback(N, DELTA, accountant="rdp", target_epsilon=target)
+    callback = PrivacyCallback(DELTA, accountant="rdp", target_epsilon=target)
     history = fit(model, data, 10, [callback])
 
     optimizer = model.optimizer
@@ -144,80 +331,58 @@ def test_budget_stop_halts_exactly_at_the_last_step_that_fits(data, capsys):
 
     # The budget is spent: training again must refuse before any step.
     with pytest.raises(RuntimeError, match="budget is spent"):
-        fit(model, data, 1, [PrivacyCallback(N, DELTA, accountant="rdp", target_epsilon=target)])
+        fit(model, data, 1, [PrivacyCallback(DELTA, accountant="rdp", target_epsilon=target)])
     assert int(optimizer.iterations.numpy()) == 5
-
-
-def test_budget_stop_is_exact_across_a_schedule_phase_change(data):
-    # Two steps at q = 4/N, then steps at q = 8/N: the budget runs out 3
-    # steps into the second phase, so the cached "steps that fit" must be
-    # recomputed when the phase changes.
-    schedule = BatchSizeSchedule([Phase(2, 4, 4), Phase(30, 8, 4)],
-                                 num_examples=N, micro_batch_size=MICRO_BATCH)
-
-    def epsilon(second_phase_steps):
-        return rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent([
-            dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-                4 / N, dp_accounting.GaussianDpEvent(1.0)), 2),
-            dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
-                8 / N, dp_accounting.GaussianDpEvent(1.0)), second_phase_steps),
-        ])).get_epsilon(DELTA)
-
-    target = (epsilon(3) + epsilon(4)) / 2
-    model = private_model(schedule=schedule)
-    callback = PrivacyCallback(delta=DELTA, accountant="rdp", target_epsilon=target, verbose=0)
-    fit(model, data, 5, [callback])
-    assert int(model.optimizer.iterations.numpy()) == 5
-    assert callback.stopped_at_step == 5
-    assert [entry.steps for entry in callback.ledger] == [2, 3]
-
-
-def test_schedule_phases_are_recorded_with_their_rate_and_truncation(data):
-    # One step of expected batch 4, then one of expected batch 8 with its own
-    # sigma, each in 4 micro-batches of 8 (capacity 32): the 64 rows are
-    # exactly the schedule's 8 micro-batches.
-    schedule = BatchSizeSchedule([Phase(1, 4, 4), Phase(1, 8, 4, noise_multiplier=2.0)],
-                                 num_examples=N, micro_batch_size=MICRO_BATCH)
-    model = private_model(schedule=schedule)
-    callback = PrivacyCallback(delta=DELTA, accountant="rdp")
-    fit(model, data, 1, [callback])
-    assert int(model.optimizer.iterations.numpy()) == 2
-    assert [(e.steps, e.sampling_rate, e.noise_multiplier, e.max_batch_size)
-            for e in callback.ledger] == [(1, 4 / N, 1.0, 32), (1, 8 / N, 2.0, 32)]
-    # Truncation at 32 for batches of 4 and 8 is so rare (< 1e-9 per step)
-    # that epsilon is the untruncated Poisson one at a delta smaller by a
-    # negligible slack: equal to 1e-4, never below it.
-    untruncated = rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent([
-        dp_accounting.PoissonSampledDpEvent(4 / N, dp_accounting.GaussianDpEvent(1.0)),
-        dp_accounting.PoissonSampledDpEvent(8 / N, dp_accounting.GaussianDpEvent(2.0)),
-    ])).get_epsilon(DELTA)
-    assert untruncated <= callback.epsilon == pytest.approx(untruncated, rel=1e-4)
 
 
 def test_a_non_private_or_unsupported_setup_fails_before_training(data):
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     plain.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ValueError, match="DPOptimizer"):
-        fit(plain, data, 1, [PrivacyCallback(N, DELTA)])
-
-    with pytest.warns(UserWarning, match="NOT differentially private"):
-        silent = private_model(noise_multiplier=0.0)
-    with pytest.raises(ValueError, match="not differentially private"):
-        fit(silent, data, 1, [PrivacyCallback(N, DELTA)])
-    assert int(silent.optimizer.iterations.numpy()) == 0
+        fit(plain, data, 1, [PrivacyCallback(DELTA)])
 
     batched = private_model(steps_per_execution=4)
     with pytest.raises(ValueError, match="steps_per_execution=1"):
-        fit(batched, data, 1, [PrivacyCallback(N, DELTA, target_epsilon=1.0)])
+        fit(batched, data, 1, [PrivacyCallback(DELTA, target_epsilon=1.0)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_reported_epsilon_equals_dp_accounting_for_random_layouts(seed):
+    """Property: for a random (N, m, k, epochs), epsilon is dp_accounting's on the steps applied."""
+    rng = np.random.default_rng(seed)
+    micro_batch = int(rng.integers(2, 6))
+    accumulation = int(rng.integers(1, 4))
+    num_examples = int(rng.integers(accumulation * micro_batch, 40))
+    epochs = int(rng.integers(1, 3))
+    x = rng.normal(size=(num_examples, 4)).astype("float32")
+    y = rng.normal(size=(num_examples, 2)).astype("float32")
+    model = private_model(accumulation_steps=accumulation, normalize_by=None)
+    callback = PrivacyCallback(DELTA, accountant="rdp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(x, y, batch_size=micro_batch, epochs=epochs, shuffle=True,
+                  callbacks=[callback], verbose=0)
+    batches = math.ceil(num_examples / micro_batch)
+    steps_per_epoch = batches // accumulation
+    assert int(model.optimizer.iterations.numpy()) == steps_per_epoch * epochs
+    last = num_examples - (batches - 1) * micro_batch
+    # A step holding the short last batch holds fewer rows.
+    rows = [micro_batch * accumulation] * steps_per_epoch
+    if batches % accumulation == 0 and last < micro_batch:
+        rows[-1] -= micro_batch - last
+    events = [dp_accounting.PoissonSampledDpEvent(r / num_examples, dp_accounting.GaussianDpEvent(1.0))
+              for r in rows] * epochs
+    expected = rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent(events)).get_epsilon(DELTA)
+    assert callback.epsilon == pytest.approx(expected, rel=1e-2)
 
 
 @pytest.mark.parametrize(
     "arguments, message",
     [
         (dict(num_examples=N, delta=0.0), r"delta must be in \(0, 1\)"),
-        (dict(num_examples=N, delta=DELTA, target_epsilon=-1.0), "target_epsilon"),
-        (dict(num_examples=N, delta=DELTA, sampling="fixed"), "sampling"),
-        (dict(num_examples=N, delta=DELTA, log_every_steps=0), "log_every_steps"),
+        (dict(delta=DELTA, target_epsilon=-1.0), "target_epsilon"),
+        (dict(delta=DELTA, log_every_steps=0), "log_every_steps"),
+        (dict(delta=DELTA, batch_size=0), "batch_size"),
         (dict(num_examples=N), "needs delta"),
     ],
 )
@@ -226,6 +391,11 @@ def test_bad_arguments_raise_at_construction(arguments, message):
         PrivacyCallback(**arguments)
 
 
+def test_the_old_positional_order_is_refused():
+    with pytest.raises(TypeError, match="delta first"):
+        PrivacyCallback(6400, 1e-5)
+
+
 def test_delta_above_one_over_n_warns():
     with pytest.warns(UserWarning, match="larger than 1/N"):
-        PrivacyCallback(100, 0.05)
+        PrivacyCallback(0.05, num_examples=100)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import warnings
-import weakref
 from typing import Any
 
 import keras
@@ -102,6 +101,18 @@ def _dp_optimizer(model) -> DPOptimizer:
             f"(and made private with tf_megadp.make_private); got {optimizer!r}."
         )
     return optimizer
+
+
+class _LedgerOwner:
+    """The optimizer whose ledger a model last spent, held where Keras saving does not look.
+
+    An attribute holding the optimizer itself would make `model.save` save
+    it a second time; a weak reference would die with a recompile, which is
+    exactly when the ledger must be carried over.
+    """
+
+    def __init__(self, optimizer: DPOptimizer):
+        self.optimizer = optimizer
 
 
 class LedgerKeeper(keras.callbacks.Callback):
@@ -222,14 +233,13 @@ class LedgerKeeper(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.drain()
         self._end_partial_step("a fit call")
-        # A weak reference: Keras saving would otherwise save the optimizer twice.
-        self.model._tf_megadp_ledger_owner = weakref.ref(_dp_optimizer(self.model))
+        self.model._tf_megadp_ledger_owner = _LedgerOwner(_dp_optimizer(self.model))
 
     # -- Checks --------------------------------------------------------------------
 
     def _carry_ledger_of_a_previous_optimizer(self, optimizer: DPOptimizer) -> None:
         owner = getattr(self.model, "_tf_megadp_ledger_owner", None)
-        previous = owner() if owner is not None else None
+        previous = owner.optimizer if owner is not None else None
         if previous is None or previous is optimizer or not previous.built:
             return
         spent = read_ledger(previous)

@@ -257,6 +257,37 @@ class TestSharedSamplingSecret:
         assert all(0 <= v < 1 << 128 for v in drawn)
 
 
+class TestDistributedSamplerData:
+    """A sampler's dataset stays recognisable through distribute_micro_batches."""
+
+    def _sampler(self):
+        x = np.arange(40, dtype="float32").reshape(20, 2)
+        return tf_megadp.PoissonSampler.from_arrays(
+            x, np.zeros(20, "int32"), batch_size=4, epochs=1, micro_batch_size=4)
+
+    def test_the_distributed_dataset_carries_the_samplers_source(self):
+        sampler = self._sampler()
+        micro_steps = sampler.as_dataset()
+        data = distribute.distribute_micro_batches(
+            tf.distribute.get_strategy(), lambda context: micro_steps)
+        source = tf_megadp.sources.source_of(data)
+        assert source == sampler.source
+        assert source.sampling == "poisson" and source.num_examples == 20
+
+    def test_a_dataset_derived_from_a_samplers_is_refused(self):
+        replayed = self._sampler().as_dataset().cache().repeat(2)
+        with pytest.raises(PrivacyConfigurationError, match="derived from a tf_megadp sampler"):
+            distribute.distribute_micro_batches(
+                tf.distribute.get_strategy(), lambda context: replayed)
+
+    def test_other_data_has_no_source(self):
+        plain = tf.data.Dataset.from_tensor_slices(np.zeros((8, 2), "float32")).batch(
+            4, drop_remainder=True)
+        data = distribute.distribute_micro_batches(
+            tf.distribute.get_strategy(), lambda context: plain)
+        assert tf_megadp.sources.source_of(data) is None
+
+
 class TestReplicaMicroBatches:
     @pytest.mark.parametrize("pipelines", [1, 2, 4])
     def test_every_slot_goes_to_exactly_one_replica(self, pipelines):

@@ -178,8 +178,9 @@ def replica_micro_batches(
     every micro-step element (leading axis m * R, e.g. what
     `tf_megadp.PoissonSampler.as_dataset` yields) it keeps rows
     [p*L*m, (p+1)*L*m) and emits them as L micro-batches of m rows, in
-    replica order. Every pipeline must see the same micro-steps (the same
-    sampler seed), so the union over replicas is every slot exactly once.
+    replica order. Every pipeline must see the same micro-steps (samplers
+    built with the same `shared_secret`, see `shared_sampling_secret`), so the
+    union over replicas is every slot exactly once.
 
     Args:
         dataset: micro-steps in training order; every tensor has a static
@@ -231,23 +232,53 @@ def distribute_micro_batches(
 
     Returns:
         A distributed dataset: one m-row micro-batch per replica per fit step.
+        When `micro_steps` returns a tf_megadp sampler's dataset, the
+        distributed dataset carries the sampler's `DataSource`, so a private
+        `fit` measures N and the Poisson sampling from it.
+
+    Raises:
+        PrivacyConfigurationError: `micro_steps` returned a dataset derived
+            from a sampler's (which could replay its draws), or the input
+            pipelines were fed by different samplers.
 
     Example:
     ```python
-    def micro_steps(context):
-        sampler = tf_megadp.PoissonSampler(shards, schedule, seed=1234)
-        return sampler.as_dataset(batcher)
-    data = distribute_micro_batches(strategy, micro_steps)
+    secret = shared_sampling_secret(strategy)   # the same on every worker
+    sampler = tf_megadp.PoissonSampler(shards, schedule, shared_secret=secret)
+    micro_steps = sampler.as_dataset(batcher)
+    data = distribute_micro_batches(strategy, lambda context: micro_steps)
     model.fit(data, steps_per_epoch=sampler.total_micro_steps)
     ```
     """
+    from tf_megadp import sources
+
+    found = []
+
     def dataset_fn(input_context):
         dataset = micro_steps(input_context)
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(f"micro_steps must return a tf.data.Dataset, got {dataset!r}.")
+        # Read before the split below, which derives a new dataset from it.
+        found.append(sources.source_of(dataset))
         return replica_micro_batches(dataset, input_context)
 
-    return strategy.distribute_datasets_from_function(dataset_fn)
+    distributed = strategy.distribute_datasets_from_function(dataset_fn)
+    described = [source for source in found if source is not None]
+    if described and (len(described) != len(found)
+                      or any(source != described[0] for source in described[1:])):
+        raise PrivacyConfigurationError(
+            "The input pipelines of this strategy were fed by different samplers "
+            "(or some by none): every pipeline must return the dataset of the same "
+            "sampler, built with the same shared_secret "
+            "(tf_megadp.distribute.shared_sampling_secret(strategy))."
+        )
+    if described:
+        # The split into replica micro-batches only routes each slot of the
+        # sampler's steps to its replica (every slot once), so the steps are
+        # still the sampler's Poisson draws. The DataSource marker is the
+        # attribute sources.source_of reads first.
+        setattr(distributed, sources._ATTRIBUTE, described[0])
+    return distributed
 
 
 def train_micro_steps(model, strategy: tf.distribute.Strategy, dataset, steps: int) -> dict:

@@ -31,7 +31,7 @@ BATCH = MICRO_BATCH * ACCUMULATION
 DELTA = 1e-5
 
 pytestmark = [
-    pytest.mark.filterwarnings("ignore:.*no tf_megadp sampler drew these batches"),
+    pytest.mark.filterwarnings("ignore:.*fixed-size batches, not Poisson draws"),
     pytest.mark.filterwarnings("ignore:DPOptimizer\\(seed="),
 ]
 
@@ -220,6 +220,32 @@ class TestTheLedgerFollowsTheModel:
         assert resumed.epsilon == whole.epsilon
         assert whole.epsilon == pytest.approx(
             reference_epsilon(2 * STEPS_PER_EPOCH, accountant="pld"), rel=1e-9)
+
+    def test_weights_with_a_ledger_cannot_be_loaded_past_an_unbuilt_optimizer(self, data, tmp_path):
+        # Before: a run resumed from save_weights loaded before compile
+        # reported 2 of its 10 steps.
+        model = private_model()
+        fit(model, data, 1, [PrivacyCallback(DELTA)])
+        model.save_weights(tmp_path / "run.weights.h5")
+        fresh = tf_megadp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
+        with pytest.raises(PrivacyConfigurationError, match="optimizer.build"):
+            fresh.load_weights(tmp_path / "run.weights.h5")
+        fresh.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.1), 1.0, 1.0, accumulation_steps=ACCUMULATION), loss="mse")
+        fresh.optimizer.build(fresh.trainable_variables)
+        fresh.load_weights(tmp_path / "run.weights.h5")
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        fit(fresh, data, 1, [callback])
+        assert callback.ledger.total_steps == 2 * STEPS_PER_EPOCH
+
+    def test_a_keras_hub_task_refuses_model_save_and_names_the_dp_checkpoint(self, tmp_path):
+        from tests import reference
+
+        model = tf_megadp.make_private(reference.tiny_bert())
+        model.compile(optimizer=tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with pytest.raises(PrivacyConfigurationError, match="save_training_state"):
+            model.save(tmp_path / "bert.keras")
 
     def test_settings_cannot_change_between_fits(self, data):
         # Before: noise_multiplier = 10 after a fit was recorded while the

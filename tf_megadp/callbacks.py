@@ -51,8 +51,8 @@ RELEASED_OUTSIDE_EPSILON = (
 )
 
 _FIXED_SIZE_WARNING = (
-    "{description}: no tf_megadp sampler drew these batches, so each logical "
-    "step holds a fixed number of examples. The epsilon reported for them is "
+    "{description}: these are fixed-size batches, not Poisson draws, so each "
+    "logical step holds a fixed number of examples. The epsilon reported for them is "
     "the Poisson-sampling estimate, NOT a proven guarantee (shuffled "
     "fixed-size batches can be much less private; Chua et al., 2024). For a "
     "guarantee, feed tf_megadp.PoissonSampler.from_arrays(x, y, ...).as_dataset()."
@@ -90,7 +90,7 @@ def _write_ledger(optimizer: DPOptimizer, ledger: PrivacyLedger) -> None:
 
 
 def _number(variable) -> int:
-    return int(keras.ops.convert_to_numpy(variable))
+    return int(variable.numpy())
 
 
 def _dp_optimizer(model) -> DPOptimizer:

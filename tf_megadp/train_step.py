@@ -99,6 +99,8 @@ def make_private(
         _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
     if not is_private(model):
         model.fit = _private_fit(model, type(model).fit.__get__(model))
+        model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
+        model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     setattr(model, _PRIVATE_FLAG, True)
     return model
@@ -135,6 +137,69 @@ def _private_fit(model: keras.Model, original_fit):
         return original_fit(**arguments)
 
     return fit
+
+
+def _saved_dp_optimizer_variables(path) -> int:
+    """How many DPOptimizer variables a Keras weights or model file holds (0 if none)."""
+    import zipfile
+
+    import h5py
+
+    path = str(path)
+    try:
+        if path.endswith(".keras"):
+            with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as stream:
+                with h5py.File(stream, "r") as handle:
+                    return _dp_variable_count(handle)
+        with h5py.File(path, "r") as handle:
+            return _dp_variable_count(handle)
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return 0  # Not a Keras weights file: Keras itself will say so.
+
+
+def _dp_variable_count(handle) -> int:
+    # A DPOptimizer saves its own variables and, as a child, its inner optimizer's.
+    group = handle.get("optimizer")
+    if group is None or "inner_optimizer" not in group:
+        return 0
+    return len(group.get("vars", {}))
+
+
+def _ledger_preserving_load(model: keras.Model, original_load):
+    @functools.wraps(original_load)
+    def load_weights(filepath, *args, **kwargs):
+        saved = _saved_dp_optimizer_variables(filepath)
+        optimizer = getattr(model, "optimizer", None)
+        if saved and not (isinstance(optimizer, DPOptimizer) and optimizer.built
+                          and len(optimizer.variables) == saved):
+            raise PrivacyConfigurationError(
+                f"{filepath} holds a DPOptimizer's state, with the privacy ledger of "
+                "the steps already taken. Loading it into a model whose DPOptimizer is "
+                "not built would drop that ledger and under-report epsilon. Compile "
+                "with the DPOptimizer, call model.optimizer.build("
+                "model.trainable_variables), then load_weights; or resume with "
+                "tf_megadp.restore_training_state."
+            )
+        return original_load(filepath, *args, **kwargs)
+
+    return load_weights
+
+
+def _ledger_preserving_save(model: keras.Model, original_save):
+    @functools.wraps(original_save)
+    def save(filepath, *args, **kwargs):
+        # Keras replays only its own compile on load (keras-hub tasks override it).
+        compile_replayed = type(model).compile is keras.Model.compile
+        if isinstance(getattr(model, "optimizer", None), DPOptimizer) and not compile_replayed:
+            raise PrivacyConfigurationError(
+                f"{type(model).__name__} overrides compile, so keras.models.load_model "
+                "skips it and the DPOptimizer (its privacy ledger) would be lost on "
+                "load. Use tf_megadp.save_training_state(model, directory) to resume a "
+                "run and tf_megadp.export_model(model, path) to publish the model."
+            )
+        return original_save(filepath, *args, **kwargs)
+
+    return save
 
 
 def _is_array_input(x) -> bool:

@@ -83,7 +83,7 @@ def rss_child(directory: str, batch_size: int, steps: int) -> None:
 
     shards = TokenShards(directory)
     schedule = BatchSizeSchedule.constant(steps, batch_size, num_examples=len(shards), micro_batch_size=MICRO_BATCH)
-    sampler = PoissonSampler(shards, schedule, seed=0)
+    sampler = PoissonSampler(shards, schedule)
     before = memory_status()
     start = time.perf_counter()
     examples = 0
@@ -126,7 +126,7 @@ def measure_pipeline(directory: str, batch_size: int, steps: int) -> float:
 
     shards = TokenShards(directory)
     schedule = BatchSizeSchedule.constant(steps, batch_size, num_examples=len(shards), micro_batch_size=MICRO_BATCH)
-    sampler = PoissonSampler(shards, schedule, seed=0)
+    sampler = PoissonSampler(shards, schedule)
     dataset = sampler.as_dataset(MaskedLMBatcher.from_shards(shards))
     iterator = iter(dataset)
     next(iterator)  # tracing of the masking map is not throughput

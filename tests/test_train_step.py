@@ -292,3 +292,32 @@ class TestFailClosed:
         model = dense_model()
         assert tf_megadp.make_private(model) is model
         assert tf_megadp.is_private(model)
+
+
+def test_make_private_with_epsilon_spends_the_target_over_the_samplers_run():
+    import dp_accounting
+    from dp_accounting import rdp
+
+    rng = np.random.default_rng(0)
+    x, y = dense_data(n=64)
+    sampler = tf_megadp.PoissonSampler.from_arrays(
+        x, y, batch_size=16, epochs=2, micro_batch_size=8)
+    model = tf_megadp.make_private_with_epsilon(
+        dense_model(), keras.optimizers.SGD(0.1), sampler, target_epsilon=4.0, delta=1e-3,
+        l2_norm_clip=1.0, accountant="rdp", loss=LOSS)
+    callback = tf_megadp.PrivacyCallback(1e-3, accountant="rdp")
+    model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == sampler.schedule.total_steps == 8
+    assert 0.99 * 4.0 <= callback.epsilon <= 4.0
+    sigma = model.optimizer.noise_multiplier
+    untruncated = rdp.RdpAccountant().compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(16 / 64, dp_accounting.GaussianDpEvent(sigma)),
+        8)).get_epsilon(1e-3)
+    assert callback.epsilon == pytest.approx(untruncated, rel=1e-3)
+
+
+def test_make_private_with_epsilon_refuses_data_no_poisson_sampler_drew():
+    with pytest.raises(PrivacyConfigurationError, match="Poisson sampler"):
+        tf_megadp.make_private_with_epsilon(
+            dense_model(), keras.optimizers.SGD(0.1), np.zeros((8, 6)), target_epsilon=1.0,
+            delta=1e-3, l2_norm_clip=1.0, loss=LOSS)

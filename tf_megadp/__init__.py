@@ -29,6 +29,6 @@ from tf_megadp.text import (
     prepare_corpus,
     read_documents,
 )
-from tf_megadp.train_step import is_private, make_private
+from tf_megadp.train_step import is_private, make_private, make_private_with_epsilon
 
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer
 
-__all__ = ["make_private", "is_private"]
+__all__ = ["make_private", "make_private_with_epsilon", "is_private"]
 
 # Layers whose training-mode output for one example depends on the others.
 _EXAMPLE_MIXING_LAYERS = (keras.layers.BatchNormalization,)
@@ -103,6 +103,75 @@ def make_private(
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     setattr(model, _PRIVATE_FLAG, True)
+    return model
+
+
+def make_private_with_epsilon(
+    model: keras.Model,
+    optimizer: keras.optimizers.Optimizer,
+    sampler,
+    *,
+    target_epsilon: float,
+    delta: float,
+    l2_norm_clip: float,
+    accountant: str = "pld",
+    clipping: str = "vectorized",
+    **compile_kwargs,
+) -> keras.Model:
+    """Makes `model` private with the noise that spends `target_epsilon` over `sampler`'s run.
+
+    The noise multiplier is calibrated from what the sampler will draw (its
+    N, the expected batch of every step, their number and the static
+    capacity that truncates them), the `DPOptimizer` is built on the same
+    schedule, and the model is compiled with it. Training all of
+    `sampler.as_dataset()` then spends at most `target_epsilon` (within 1 %);
+    add `PrivacyCallback(delta, target_epsilon=...)` to report it and to stop
+    at the budget.
+
+    Args:
+        model: the Keras model.
+        optimizer: the inner Keras optimizer (Adam, SGD, ...).
+        sampler: a tf_megadp Poisson sampler (e.g.
+            `PoissonSampler.from_arrays(x, y, batch_size=..., epochs=...,
+            micro_batch_size=...)`) starting at step 0.
+        target_epsilon: the budget.
+        delta: the target delta, at most 1/N.
+        l2_norm_clip: C, the per-example gradient norm bound.
+        accountant: ``"pld"`` (default) or ``"rdp"``.
+        clipping: the per-example clipping strategy.
+        **compile_kwargs: passed to `model.compile` (loss, metrics, ...).
+
+    Returns:
+        The model, private and compiled.
+
+    Example:
+    ```python
+    sampler = tf_megadp.PoissonSampler.from_arrays(x, y, batch_size=256, epochs=3,
+                                                   micro_batch_size=32)
+    model = tf_megadp.make_private_with_epsilon(
+        model, keras.optimizers.Adam(1e-3), sampler, target_epsilon=3.0, delta=1e-5,
+        l2_norm_clip=1.0, loss="sparse_categorical_crossentropy")
+    model.fit(sampler.as_dataset(), callbacks=[tf_megadp.PrivacyCallback(1e-5)])
+    ```
+    """
+    from tf_megadp.accounting import calibrate_noise_multiplier
+
+    source = getattr(sampler, "source", None)
+    if source is None or source.sampling != "poisson" or source.start_step != 0:
+        raise PrivacyConfigurationError(
+            "make_private_with_epsilon calibrates the noise for a whole run of "
+            "Poisson draws: pass a tf_megadp Poisson sampler that starts at step 0 "
+            "(e.g. tf_megadp.PoissonSampler.from_arrays(x, y, batch_size=..., "
+            f"epochs=..., micro_batch_size=...)), got {sampler!r}."
+        )
+    sigma = calibrate_noise_multiplier(
+        target_epsilon, delta, schedule=source.schedule, accountant=accountant)
+    make_private(model)
+    model.compile(
+        optimizer=DPOptimizer(optimizer, l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
+                              schedule=source.schedule, clipping=clipping),
+        **compile_kwargs,
+    )
     return model
 
 

@@ -10,7 +10,8 @@ count is the same for all of them and lives here.
 from __future__ import annotations
 
 import abc
-from typing import Any, NamedTuple
+import contextlib
+from typing import Any, Callable, NamedTuple
 
 import keras
 import tensorflow as tf
@@ -24,7 +25,9 @@ __all__ = [
     "ClippingStrategy",
     "clip_factors",
     "clipped_batch",
+    "example_axis_guards",
     "example_weights_present",
+    "override_call",
     "per_example_loss",
 ]
 
@@ -42,6 +45,13 @@ class ClippedBatch(NamedTuple):
         is_real: float mask, 1 for real examples and 0 for padding, shape [m].
         nonfinite: number of real examples whose gradient was not finite and
             therefore contributed zero.
+        mixing: int32 scalar from the per-example independence check of
+            ghost and auto (`tf_megadp.clipping.independence`): -1 when the
+            batched forward pass treated every example independently, else a
+            code that `independence.mixing_error(model, code)` turns into the
+            error naming the layer. A failed check has already zeroed the
+            micro-batch's contribution. None for strategies that run every
+            example alone (vectorized), where examples cannot mix.
     """
 
     gradient_sum: list
@@ -50,6 +60,7 @@ class ClippedBatch(NamedTuple):
     norms: Any
     is_real: Any
     nonfinite: Any
+    mixing: Any = None
 
 
 class ClippingStrategy(abc.ABC):
@@ -77,7 +88,8 @@ class ClippingStrategy(abc.ABC):
         """
 
 
-def clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite) -> ClippedBatch:
+def clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite,
+                  mixing=None) -> ClippedBatch:
     """Assembles a strategy's result; reported losses count real, finite examples only."""
     losses = tf.where(tf.logical_and(is_real > 0, tf.math.is_finite(losses)),
                       losses, tf.zeros_like(losses))
@@ -88,6 +100,7 @@ def clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite) -> Cl
         norms=norms,
         is_real=is_real,
         nonfinite=nonfinite,
+        mixing=mixing,
     )
 
 
@@ -239,3 +252,139 @@ def dense_gradient(gradient):
     if isinstance(gradient, tf.IndexedSlices):
         return tf.convert_to_tensor(gradient)
     return gradient
+
+
+def is_seed_state(variable) -> bool:
+    """Whether `variable` is the state of a Keras `SeedGenerator` (dropout, noise)."""
+    return _is_seed_state(variable)
+
+
+def draws_random_numbers(layer) -> bool:
+    """Whether `layer` or one of its sublayers owns a `SeedGenerator`."""
+    return any(_is_seed_state(v) for v in layer.non_trainable_variables)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def override_call(layer, call: Callable):
+    """Replaces `layer.call` on the instance for the duration of the block.
+
+    Keras's `Layer.__call__` looks `call` up on the instance, so this
+    intercepts one layer without touching its class. Whatever instance
+    override was there before (another interception) is restored afterwards,
+    so interceptions nest in any order.
+    """
+    previous = layer.__dict__.get("call", _MISSING)
+    object.__setattr__(layer, "call", call)
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            del layer.__dict__["call"]
+        else:
+            object.__setattr__(layer, "call", previous)
+
+
+# Normalization layers whose `axis` argument may name the micro-batch axis.
+_AXIS_NORMALIZATIONS = (
+    keras.layers.LayerNormalization,
+    keras.layers.RMSNormalization,
+    keras.layers.UnitNormalization,
+)
+
+
+def _normalized_axes(axis, rank):
+    axes = axis if isinstance(axis, (list, tuple)) else [axis]
+    return sorted(int(a) % rank for a in axes)
+
+
+def _guard_normalization(layer):
+    original = layer.call
+
+    def guarded(inputs, *args, **kwargs):
+        rank = getattr(inputs, "shape", tf.TensorShape(None)).rank
+        if rank and 0 in _normalized_axes(layer.axis, rank):
+            raise PrivacyConfigurationError(
+                f"Layer '{layer.name}' ({type(layer).__name__}) normalizes over "
+                f"axis {layer.axis!r} of a rank-{rank} input, which includes axis 0, the "
+                "micro-batch axis: every example's output would depend on the "
+                "others, so no per-example gradient exists. Normalize over feature "
+                "axes only (e.g. axis=-1)."
+            )
+        return original(inputs, *args, **kwargs)
+
+    return override_call(layer, guarded)
+
+
+def _guard_rnn(layer):
+    original = layer.call
+
+    def guarded(sequences, *args, **kwargs):
+        # Keras's RNN loop is a symbolic while_loop over TensorArrays when
+        # `unroll=False`; `vectorized_map` cannot vectorize it (XLA rejects
+        # the variant tensors, or the loop's shapes), so every per-example
+        # pass runs the same recurrence unrolled: the same arithmetic.
+        steps = sequences.shape[1] if sequences.shape.rank and sequences.shape.rank > 1 else None
+        if steps is None:
+            raise PrivacyConfigurationError(
+                f"Recurrent layer '{layer.name}' ({type(layer).__name__}) is called on "
+                f"sequences of unknown length (shape {sequences.shape}). Per-example "
+                "clipping unrolls recurrent layers, which needs a static number of "
+                "steps: give the model's Input a fixed sequence length, e.g. "
+                "keras.Input((T, features)), and pad sequences to it."
+            )
+        with _swapped_attribute(layer, "unroll", True):
+            return original(sequences, *args, **kwargs)
+
+    return override_call(layer, guarded)
+
+
+@contextlib.contextmanager
+def _swapped_attribute(obj, name, value):
+    before = getattr(obj, name)
+    object.__setattr__(obj, name, value)
+    try:
+        yield
+    finally:
+        object.__setattr__(obj, name, before)
+
+
+@contextlib.contextmanager
+def example_axis_guards(model: keras.Model):
+    """Layers whose configuration ties examples together are refused; RNNs are unrolled.
+
+    Active while a strategy traces its per-example computation:
+
+    - `LayerNormalization`, `RMSNormalization` and `UnitNormalization` over an
+      axis set that includes axis 0 mix examples: refused with the layer's
+      name (instead of the reshape error a batch of one example gave).
+    - Recurrent layers (`keras.layers.RNN` and its subclasses LSTM, GRU,
+      SimpleRNN, also inside `Bidirectional`) run unrolled, so that
+      `vectorized_map` can vectorize them; `stateful=True` is refused, since
+      it carries one example's final state into another example of the next
+      batch.
+
+    Raises:
+        PrivacyConfigurationError: a stateful recurrent layer (at once), or,
+            when traced, a normalization over the batch axis or a recurrent
+            layer on sequences of unknown length.
+    """
+    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    stateful = [f"'{layer.name}'" for layer in layers
+                if isinstance(layer, keras.layers.RNN) and layer.stateful]
+    if stateful:
+        raise PrivacyConfigurationError(
+            f"Recurrent layer(s) {', '.join(stateful)} are stateful: the final state of "
+            "row i of one batch becomes the initial state of row i of the next, so one "
+            "example's data reaches another example's gradient and the per-example "
+            "sensitivity bound fails. Use stateful=False (the default)."
+        )
+    with contextlib.ExitStack() as stack:
+        for layer in layers:
+            if isinstance(layer, _AXIS_NORMALIZATIONS):
+                stack.enter_context(_guard_normalization(layer))
+            elif isinstance(layer, keras.layers.RNN):
+                stack.enter_context(_guard_rnn(layer))
+        yield

@@ -17,11 +17,12 @@ of the records and its squared norm includes every cross term.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import tensorflow as tf
 
-from tf_megadp.clipping import base
+from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.layer_rules import (
     Explicit,
     Gather,
@@ -64,6 +65,18 @@ class GhostClipping(base.ClippingStrategy):
         self._functions = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip):
+        """See `ClippingStrategy.clip_and_sum`.
+
+        Raises:
+            PrivacyConfigurationError: the model has a layer ghost clipping
+                cannot attribute to examples, or (checked in every step) its
+                batched forward pass mixes examples. Called eagerly, the
+                error is raised here. Inside a traced step (`fit`), a failed
+                check zeroes the micro-batch's contribution, returns its code
+                in `ClippedBatch.mixing`, and asserts; XLA drops assertions,
+                so a step compiled whole with XLA must read `mixing` itself
+                (`independence.mixing_error`).
+        """
         function = self._functions.get(model)
         if function is None:
             rules = plan_rules(model, self.fallback)
@@ -74,7 +87,17 @@ class GhostClipping(base.ClippingStrategy):
 
             function = tf.function(clip_and_sum, jit_compile=self.jit_compile)
             self._functions[model] = function
-        return function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32))
+        batch = function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32))
+        if tf.executing_eagerly():
+            if int(batch.mixing) != independence.MIXING_OK:
+                raise independence.mixing_error(model, int(batch.mixing), self.name)
+        else:
+            # Outside the XLA function, where assertions still run, unless the
+            # caller's own step is compiled with XLA too.
+            tf.debugging.Assert(
+                tf.equal(batch.mixing, independence.MIXING_OK),
+                [independence.ASSERTION_MARKER, batch.mixing])
+        return batch
 
 
 def auto_clipping() -> GhostClipping:
@@ -98,38 +121,38 @@ def _check_no_regularizers(model):
 
 
 def _forward(model, rules, x, y, sample_weight):
-    """The recorded forward pass; returns (records, batch axes ok, losses, y_pred)."""
-    batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
+    """The recorded forward pass.
+
+    Returns:
+        (records, batch axes ok, losses, y_pred, mixing code of the
+        independence check).
+    """
+    leading = tf.nest.flatten(x)[0]
+    batch_size = tf.shape(leading)[0]
+    # The values every forward pass of this step reads, taken once, up front.
+    values = [(v, tf.convert_to_tensor(v.value)) for v in model.trainable_variables]
+    states = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
-        recorder = Recorder(tape, batch_size, model.trainable_variables)
-        # Read every variable once, up front, as VectorizedClipping does.
-        values = [(v, tf.convert_to_tensor(v.value)) for v in model.trainable_variables]
+        recorder = Recorder(tape, batch_size, model.trainable_variables,
+                            static_batch_size=leading.shape[0])
+        taps = independence.LayerTaps(model, recorder, leading.shape[0])
         scope = ReadCheckingScope(recorder, state_mapping=values)
         with contextlib.ExitStack() as stack:
             for rule in rules:
                 stack.enter_context(rule.installed(recorder))
+            # Outside the rules: the taps see each layer's own inputs.
+            stack.enter_context(taps.installed())
             with scope:
                 if model._call_has_training_arg:
                     y_pred = model(x, training=True)
                 else:
                     y_pred = model(x)
-        if recorder.violations:
-            raise PrivacyConfigurationError(
-                f"Trainable variables {sorted(set(recorder.violations))} are read "
-                "outside the layer that owns them (e.g. a custom layer using "
-                "another layer's weights directly); ghost clipping would miss "
-                "that use. Use clipping='vectorized'."
-            )
         if scope.losses:
             raise PrivacyConfigurationError(
                 "The model adds losses with add_loss(); ghost clipping cannot "
                 "attribute them to examples. Use clipping='vectorized'."
             )
-        # The scope held back state updates (dropout seeds); apply them.
-        for variable in model.non_trainable_variables:
-            value = scope.updated_value(variable)
-            if value is not None:
-                variable.assign(value)
+        _keep_only_seed_updates(model, scope)
     # Each example's loss gradient with respect to its own predictions comes
     # from a per-example pass; one backward pass of the model then carries
     # all of them. (Differentiating through `vectorized_map` instead makes
@@ -139,7 +162,46 @@ def _forward(model, rules, x, y, sample_weight):
     gradients = tape.gradient(
         tf.nest.flatten(y_pred), recorder.watched, output_gradients=loss_gradients
     )
-    return recorder.terms(gradients), recorder.batch_axes_consistent(), losses, y_pred
+    records = recorder.terms(gradients)
+    if recorder.violations:
+        raise PrivacyConfigurationError(
+            f"Trainable variables {sorted(set(recorder.violations))} are read "
+            "outside the layer that owns them (e.g. a custom layer using "
+            "another layer's weights directly); ghost clipping would miss "
+            "that use. Use clipping='vectorized'."
+        )
+    mixing = independence.check_independence(
+        model, taps, x, [value for _, value in values], states, batch_size,
+        rule_layers={id(rule.layer) for rule in rules})
+    return records, recorder.batch_axes_consistent(), losses, y_pred, mixing
+
+
+def _keep_only_seed_updates(model, scope):
+    """Applies the dropout-seed updates the forward pass made; discards the rest.
+
+    The scope held back every state update. Seeds must advance (a new
+    dropout mask per step). Any other non-trainable variable a layer writes
+    in `call` (a running batch mean) would be computed from the whole
+    micro-batch and stored in the model, unclipped and unnoised; it is
+    dropped, as `VectorizedClipping` drops it, and the user is told once.
+    """
+    discarded = []
+    for variable in model.non_trainable_variables:
+        value = scope.updated_value(variable)
+        if value is None:
+            continue
+        if base.is_seed_state(variable):
+            variable.assign(value)
+        else:
+            discarded.append(variable.path)
+    if discarded:
+        warnings.warn(
+            f"Non-trainable variables {discarded} are written during the forward pass "
+            "(statistics of the batch); the DP step discards these writes, because a "
+            "value computed from the micro-batch and kept in the model would bypass "
+            "clipping and noise. They keep their values from before training.",
+            stacklevel=3,
+        )
 
 
 def _per_example_losses(model, x, y, y_pred, sample_weight):
@@ -271,18 +333,24 @@ def _clipped_sum(outer, gather, explicit, factors, keep, variable):
 
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip):
-    records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight)
+    with base.example_axis_guards(model):
+        records, consistent, losses, y_pred, mixing = _forward(
+            model, rules, x, y, sample_weight)
     variables = model.trainable_variables
     groups = _grouped(records, variables)
     batch_size = tf.shape(losses)[0]
     squared = [_squared_norms(*groups[i], variables[i].shape) for i in sorted(groups)]
+    _check_one_norm_per_example(squared, losses, [variables[i] for i in sorted(groups)])
+    # A failed independence check gives every example a NaN norm: the
+    # micro-batch then adds nothing (its examples count as non-finite).
+    independent = tf.logical_and(consistent, tf.equal(mixing, independence.MIXING_OK))
     if squared:
         squared = tf.add_n(squared)
         # Gram forms can round a zero norm to a tiny negative; keep NaN as NaN.
         norms = tf.sqrt(tf.where(squared < 0.0, tf.zeros_like(squared), squared))
-        norms = tf.where(consistent, norms, tf.fill(tf.shape(norms), float("nan")))
     else:
         norms = tf.zeros([batch_size], tf.float32)
+    norms = tf.where(independent, norms, tf.fill(tf.shape(norms), float("nan")))
     is_real = base.example_weights_present(sample_weight, batch_size)
     factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real)
     keep = factors > 0
@@ -290,4 +358,18 @@ def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip):
         _clipped_sum(*groups[i], factors, keep, v) if i in groups else None
         for i, v in enumerate(variables)
     ]
-    return base.clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite)
+    return base.clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite,
+                              mixing=mixing)
+
+
+def _check_one_norm_per_example(squared, losses, variables):
+    """Every variable's norms must have one entry per example (m), statically."""
+    expected = losses.shape[0]
+    for norms, variable in zip(squared, variables):
+        if not norms.shape.is_compatible_with([expected]):
+            raise PrivacyConfigurationError(
+                f"The per-example gradient records of {variable.path} have "
+                f"{norms.shape[0]} rows, not one per example ({expected}): the layer "
+                "owning it ran on a tensor whose first axis is not the example axis. "
+                "Use clipping='vectorized', or keep the example axis first."
+            )

@@ -76,12 +76,19 @@ class Recorder:
         tape: the `tf.GradientTape` recording the forward pass.
         batch_size: m, the micro-batch size (a scalar tensor).
         trainable_variables: the model's trainable variables.
+        static_batch_size: m where the trace knows it (the static leading
+            dimension of the inputs), else None. `tf.get_static_value` of
+            `tf.shape(x)[0]` is None even for static shapes, which let a layer
+            run on a transposed tensor reach a shape error at the norm sum
+            instead of the refusal in `check_batch_axis`.
     """
 
-    def __init__(self, tape, batch_size, trainable_variables):
+    def __init__(self, tape, batch_size, trainable_variables, static_batch_size=None):
         self.tape = tape
         self.batch_size = batch_size
-        self.static_batch_size = tf.get_static_value(batch_size)
+        if static_batch_size is None:
+            static_batch_size = tf.get_static_value(batch_size)
+        self.static_batch_size = static_batch_size
         self._runtime_checks = []
         self.watched = []
         self._finishers = []
@@ -269,11 +276,8 @@ class Rule:
             with recorder.covering(self.variables):
                 return self.call(recorder, original, *args, **kwargs)
 
-        object.__setattr__(self.layer, "call", intercepted)
-        try:
+        with base.override_call(self.layer, intercepted):
             yield
-        finally:
-            del self.layer.__dict__["call"]
 
 
 def _plain(layer, cls) -> bool:
@@ -633,6 +637,109 @@ class PerExampleRule(Rule):
         return outputs
 
 
+class ReplayRule(Rule):
+    """Any deterministic layer: run batched, then replayed per example for its gradients.
+
+    The layer runs once on the whole micro-batch, with a zero probe on every
+    floating-point output, so the backward pass yields its output gradient G
+    example by example. Example i's gradient is then the vector-Jacobian
+    product of the layer at example i with G_i: the layer is re-run on
+    example i alone under `vectorized_map` and differentiated there, with its
+    variables loop-invariant, which is the structure `VectorizedClipping`
+    uses. `PerExampleRule` instead gives every example its own copy of the
+    variables; for a convolution that makes the filter loop-variant, which
+    pfor cannot vectorize, and XLA then rejected the while-loop fallback
+    ("XLA compilation requires a fixed tensor list size", Conv2D under
+    `clipping="auto"`). The replay is exact only if the layer is a
+    deterministic function of its inputs and variables, so layers that draw
+    random numbers keep `PerExampleRule`.
+    """
+
+    covers_sublayers = True
+
+    def __init__(self, layer):
+        self.layer = layer
+        self.variables = list(layer.trainable_variables)
+
+    @classmethod
+    def matches(cls, layer) -> bool:
+        return not base.draws_random_numbers(layer)
+
+    def call(self, recorder, original, *args, **kwargs):
+        layer = self.layer
+        leaves = tf.nest.flatten((args, kwargs))
+        batched = [recorder.has_batch_axis(t) for t in leaves]
+        if not any(batched):
+            raise PrivacyConfigurationError(
+                f"Layer '{layer.name}' was called without any input carrying "
+                f"the micro-batch axis (size {recorder.static_batch_size}). Use "
+                "clipping='vectorized'."
+            )
+        # The replay accounts for every variable below the layer; rules of
+        # sublayers it shares with the rest of the model (a tied embedding)
+        # must not record this call a second time.
+        recorder.suspended += 1
+        try:
+            outputs = original(*args, **kwargs)
+        finally:
+            recorder.suspended -= 1
+        output_leaves = tf.nest.flatten(outputs)
+        probed, indices = [], []
+        for leaf in output_leaves:
+            if tf.is_tensor(leaf) and leaf.dtype.is_floating:
+                leaf, index = recorder.probe(leaf, layer)
+            else:
+                index = None
+            probed.append(leaf)
+            indices.append(index)
+        outputs = tf.nest.pack_sequence_as(outputs, probed)
+        states = [tf.convert_to_tensor(v.value) for v in layer.non_trainable_variables]
+
+        def finish(gradient_of):
+            cotangents = [None if i is None else gradient_of(i) for i in indices]
+            if all(g is None for g in cotangents):
+                return []
+            values = [tf.convert_to_tensor(v.value) for v in self.variables]
+            reached = [g is not None for g in cotangents]
+            connected = []
+
+            def one_example(elements):
+                example_leaves, example_cotangents = elements
+                example_leaves = iter(example_leaves)
+                rebuilt = [tf.expand_dims(next(example_leaves), 0) if is_batched else leaf
+                           for leaf, is_batched in zip(leaves, batched)]
+                example_args, example_kwargs = tf.nest.pack_sequence_as((args, kwargs), rebuilt)
+                mapping = list(zip(self.variables, values))
+                mapping += list(zip(layer.non_trainable_variables, states))
+                with tf.GradientTape() as tape:
+                    tape.watch(values)
+                    with _OwnVariablesScope(recorder, layer, self.variables, mapping):
+                        replayed = tf.nest.flatten(original(*example_args, **example_kwargs))
+                    example_cotangents = iter(example_cotangents)
+                    total = tf.add_n([
+                        tf.reduce_sum(_as_float(out) * _as_float(next(example_cotangents))[None])
+                        for out, is_reached in zip(replayed, reached) if is_reached
+                    ])
+                gradients = [base.dense_gradient(g) for g in tape.gradient(total, values)]
+                # Which variables the layer's outputs reach is fixed at trace time.
+                connected[:] = [g is not None for g in gradients]
+                return [g for g in gradients if g is not None]
+
+            mapped = [leaf for leaf, is_batched in zip(leaves, batched) if is_batched]
+            per_example = iter(tf.vectorized_map(
+                one_example, (mapped, [g for g in cotangents if g is not None])))
+            return [(variable, Explicit(_as_float(next(per_example))))
+                    for variable, is_connected in zip(self.variables, connected) if is_connected]
+
+        recorder.on_gradients(finish)
+        return outputs
+
+
+def fallback_rule(layer) -> Rule:
+    """The exact per-example rule for a layer without a ghost rule."""
+    return ReplayRule(layer) if ReplayRule.matches(layer) else PerExampleRule(layer)
+
+
 def _dense_gradient_boundary(tensor):
     """Identity whose gradient is made dense here, against `tensor`'s own shape.
 
@@ -709,7 +816,7 @@ def plan_rules(model: keras.Model, fallback: str) -> list[Rule]:
         rule = next((r(layer) for r in GHOST_RULES if r.matches(layer)), None)
         if rule is None and layer._trainable_variables:
             if fallback == "any" or isinstance(layer, SMALL_LAYERS):
-                rule = PerExampleRule(layer)
+                rule = fallback_rule(layer)
             else:
                 unsupported.append(f"'{layer.name}' ({type(layer).__name__})")
         if rule is not None:

@@ -102,7 +102,8 @@ def _per_example_gradients(model, x, y, sample_weight):
         elements["y"] = y
     if sample_weight is not None:
         elements["sample_weight"] = sample_weight
-    gradients, losses, y_pred = tf.vectorized_map(one_example, elements)
+    with base.example_axis_guards(model):
+        gradients, losses, y_pred = tf.vectorized_map(one_example, elements)
     base.advance_seed_states(model)
     gradients = iter(gradients)
     full = [next(gradients) if is_connected else None for is_connected in connected]

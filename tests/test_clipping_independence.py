@@ -1,0 +1,294 @@
+"""Specification of the per-example independence check of ghost and auto clipping.
+
+Ghost clipping reads row i of a batched forward pass as example i. A model
+that combines examples in its forward pass trains silently otherwise, with a
+clipped-sum sensitivity far above C. Each mixing pattern below must be
+refused under `ghost` and `auto` with a `PrivacyConfigurationError` naming a
+layer and the fix; models that treat examples independently (Dense,
+Embedding, LayerNormalization, Dropout, a tiny BertMaskedLM with dropout)
+must pass and still equal the materialised per-example gradients.
+
+`clipped_sum_sensitivity` measures what the check protects: the largest
+||S(D) - S(D')|| / C over neighbouring micro-batches D' (one example replaced
+by a zero-weight, all-zero padding row, as Poisson padding does), where S is
+the strategy's clipped gradient sum. Independent processing bounds it by 1.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests import reference
+from tests.test_clipping import LOSS, assert_batches_equal, labels, sequences, tokens
+from tf_megadp import PrivacyConfigurationError
+from tf_megadp.clipping import GhostClipping, VectorizedClipping, independence
+
+M, T, FEATURES = 6, 5, 4
+
+
+def _mixing_model(mixing, input_shape=(T, FEATURES)):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(input_shape, batch_size=M)
+    hidden = keras.layers.Dense(4, activation="tanh", name="first")(inputs)
+    hidden = mixing(hidden)
+    return keras.Model(inputs, keras.layers.Dense(3, name="last")(hidden))
+
+
+def batch_mean_model():
+    return _mixing_model(keras.layers.Lambda(
+        lambda h: h - keras.ops.mean(h, axis=0, keepdims=True), name="minus_batch_mean"))
+
+
+def roll_model():
+    return _mixing_model(keras.layers.Lambda(
+        lambda h: keras.ops.roll(h, 1, axis=0), name="roll_batch"))
+
+
+def transpose_model():
+    """The sequence axis first (T == m): the Dense between sees [T, m, d]."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((M, FEATURES), batch_size=M)
+    swap = lambda name: keras.layers.Lambda(
+        lambda h: keras.ops.transpose(h, [1, 0, 2]), name=name)
+    hidden = swap("to_time_major")(keras.layers.Dense(4, activation="tanh")(inputs))
+    hidden = swap("to_batch_major")(keras.layers.Dense(4, activation="tanh",
+                                                       name="time_major_dense")(hidden))
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden))
+
+
+def batch_norm_in_lambda_model():
+    normalization = keras.layers.BatchNormalization()
+    return _mixing_model(keras.layers.Lambda(
+        lambda h: normalization(h, training=True), name="hidden_batch_norm"))
+
+
+def mixup_model():
+    """MixUp-style augmentation inside the model: 0.7 x_i + 0.3 x_{m-1-i}."""
+    return _mixing_model(keras.layers.Lambda(
+        lambda h: 0.7 * h + 0.3 * keras.ops.flip(h, axis=0), name="mixup"))
+
+
+def fixed_permutation_mixup_model():
+    """A permutation of constant size m: run alone, an example yields m rows."""
+    permutation = np.arange(M)[::-1].copy()
+    return _mixing_model(keras.layers.Lambda(
+        lambda h: 0.7 * h + 0.3 * keras.ops.take(h, permutation, axis=0),
+        name="fixed_permutation_mixup"))
+
+
+MIXING_MODELS = {
+    "batch_mean": batch_mean_model,
+    "roll": roll_model,
+    "transpose_t_equals_m": transpose_model,
+    "batch_norm_in_lambda": batch_norm_in_lambda_model,
+    "mixup": mixup_model,
+    "fixed_permutation_mixup": fixed_permutation_mixup_model,
+}
+
+
+def mixing_batch(name):
+    rng = np.random.default_rng(3)
+    shape = (M, M, FEATURES) if name == "transpose_t_equals_m" else (M, T, FEATURES)
+    x = rng.normal(size=shape).astype("float32")
+    return x, labels(shape[:2])
+
+
+def _flat(gradient_sum):
+    return np.concatenate([np.ravel(g.numpy()) for g in gradient_sum if g is not None])
+
+
+def clipped_sum_sensitivity(strategy, model, x, y, clip):
+    """max over k of ||S(D) - S(D with example k replaced by padding)|| / C."""
+    weights = np.ones(y.shape, "float32")
+    full = _flat(strategy.clip_and_sum(model, x, y, weights, clip).gradient_sum)
+    worst = 0.0
+    for k in range(len(x)):
+        x_k, w_k = x.copy(), weights.copy()
+        x_k[k], w_k[k] = 0.0, 0.0
+        neighbour = _flat(strategy.clip_and_sum(model, x_k, y, w_k, clip).gradient_sum)
+        worst = max(worst, float(np.linalg.norm(full - neighbour)) / clip)
+    return worst
+
+
+def small_clip(model, x, y):
+    """A clip norm below every example's norm: every contribution has norm C."""
+    norms = VectorizedClipping(jit_compile=False).clip_and_sum(
+        model, x, y, None, 1e9).norms.numpy()
+    return 0.5 * float(norms.min())
+
+
+@pytest.mark.parametrize("fallback", ["small", "any"], ids=["ghost", "auto"])
+@pytest.mark.parametrize("name", list(MIXING_MODELS))
+def test_mixing_patterns_are_refused(name, fallback):
+    model = MIXING_MODELS[name]()
+    x, y = mixing_batch(name)
+    model.compile(loss=LOSS)
+    strategy = GhostClipping(fallback=fallback, jit_compile=False)
+    with warnings.catch_warnings():
+        # The hidden BatchNormalization writes its moving statistics (discarded).
+        warnings.simplefilter("ignore")
+        with pytest.raises(PrivacyConfigurationError, match="clipping='vectorized'") as caught:
+            strategy.clip_and_sum(model, x, y, None, 1.0)
+    message = str(caught.value)
+    expected_layer = {"transpose_t_equals_m": "time_major_dense",
+                      "batch_norm_in_lambda": "hidden_batch_norm"}.get(
+        name, model.layers[2].name)
+    assert f"'{expected_layer}'" in message, message
+
+
+@pytest.mark.parametrize("name", ["batch_mean", "roll"])
+def test_vectorized_keeps_sensitivity_at_most_c_on_mixing_models(name):
+    # The reference point of the figures in docs/clipping.md: a strategy that
+    # runs every example alone cannot mix them.
+    model = MIXING_MODELS[name]()
+    x, y = mixing_batch(name)
+    model.compile(loss=LOSS)
+    clip = small_clip(model, x, y)
+    sensitivity = clipped_sum_sensitivity(VectorizedClipping(jit_compile=False), model, x, y,
+                                          clip)
+    assert sensitivity <= 1.0 + 1e-4
+
+
+def test_failed_check_in_a_traced_step_zeroes_the_micro_batch_and_reports_the_code():
+    # Inside `fit` the check cannot raise from the compiled step: the
+    # micro-batch contributes nothing and `mixing` names the layer.
+    model = batch_mean_model()
+    x, y = mixing_batch("batch_mean")
+    model.compile(loss=LOSS)
+    strategy = GhostClipping(jit_compile=True)
+
+    @tf.function(jit_compile=True)  # assertions are dropped under XLA
+    def step(x, y):
+        return strategy.clip_and_sum(model, x, y, None, 1.0)
+
+    batch = step(x, y)
+    assert all(np.all(g.numpy() == 0.0) for g in batch.gradient_sum)
+    assert int(batch.nonfinite) == M
+    error = independence.mixing_error(model, int(batch.mixing))
+    assert "'minus_batch_mean'" in str(error)
+
+
+def test_assertion_of_a_traced_step_converts_to_the_named_error():
+    model = roll_model()
+    x, y = mixing_batch("roll")
+    model.compile(loss=LOSS)
+    strategy = GhostClipping(jit_compile=False)
+
+    @tf.function
+    def step(x, y):
+        return strategy.clip_and_sum(model, x, y, None, 1.0).gradient_sum
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        step(x, y)
+    error = independence.error_from_assertion(model, caught.value)
+    assert isinstance(error, PrivacyConfigurationError)
+    assert "'roll_batch'" in str(error)
+    assert independence.error_from_assertion(model, ValueError("other")) is None
+
+
+class RunningMean(keras.layers.Layer):
+    """Writes the batch mean of its inputs into a non-trainable variable."""
+
+    def build(self, input_shape):
+        self.mean = self.add_weight(shape=input_shape[-1:], initializer="zeros",
+                                    trainable=False)
+
+    def call(self, inputs):
+        self.mean.assign(keras.ops.mean(inputs, axis=[0, 1]))
+        return inputs
+
+
+@pytest.mark.parametrize("fallback", ["small", "any"], ids=["ghost", "auto"])
+def test_state_written_in_the_step_is_discarded(fallback):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T, FEATURES))
+    running = RunningMean()
+    model = keras.Model(inputs, keras.layers.Dense(3)(running(inputs)))
+    model.compile(loss=LOSS)
+    x, y = sequences(), labels((6, 5))
+    with pytest.warns(UserWarning, match="discards these writes"):
+        GhostClipping(fallback=fallback, jit_compile=False).clip_and_sum(model, x, y, None, 1.0)
+    np.testing.assert_array_equal(running.mean.numpy(), np.zeros(FEATURES))
+
+
+# -- Negative controls: independent models pass and stay exact ----------------
+
+def test_dense_embedding_layer_norm_model_passes():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Embedding(7, 4)(inputs)
+    hidden = keras.layers.LayerNormalization()(keras.layers.Dense(4, activation="tanh")(hidden))
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(loss=LOSS)
+    x, y = tokens(), labels((6, 5))
+    expected = VectorizedClipping(jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
+    actual = GhostClipping(jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
+    assert_batches_equal(model, expected, actual)
+    assert int(actual.mixing) == independence.MIXING_OK
+
+
+def test_padding_rows_and_non_finite_examples_pass():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T, FEATURES))
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.Dense(4)(inputs)))
+    model.compile(loss=LOSS)
+    x, y = sequences(), labels((6, 5))
+    weights = np.ones((6, 5), "float32")
+    x[1], weights[1] = 0.0, 0.0
+    x[4, 2] = np.nan
+    batch = GhostClipping(jit_compile=False).clip_and_sum(model, x, y, weights, 1.0)
+    assert int(batch.mixing) == independence.MIXING_OK
+    assert int(batch.nonfinite) == 1
+
+
+def test_dropout_model_passes_and_keeps_its_randomness():
+    # Dropout's batched masks are reused row by row in the per-example pass.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T, FEATURES))
+    hidden = keras.layers.Dropout(0.5)(keras.layers.Dense(8, activation="tanh")(inputs))
+    hidden = keras.layers.SpatialDropout1D(0.3)(hidden)
+    model = keras.Model(inputs, keras.layers.Dense(3)(keras.layers.GaussianNoise(0.1)(hidden)))
+    model.compile(loss=LOSS)
+    x, y = sequences(), labels((6, 5))
+    strategy = GhostClipping(jit_compile=False)
+    first = strategy.clip_and_sum(model, x, y, None, 1.0)
+    second = strategy.clip_and_sum(model, x, y, None, 1.0)
+    assert int(first.mixing) == int(second.mixing) == independence.MIXING_OK
+    assert not np.allclose(first.norms.numpy(), second.norms.numpy())  # new masks
+
+
+class NoisyCustom(keras.layers.Layer):
+    """A custom layer drawing its own random numbers: the check cannot reproduce them."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seed_generator = keras.random.SeedGenerator(1)
+
+    def call(self, inputs, training=False):
+        if training:
+            return inputs + keras.random.normal(keras.ops.shape(inputs), seed=self.seed_generator)
+        return inputs
+
+
+def test_custom_randomness_is_refused_and_named_as_such():
+    model = _mixing_model(NoisyCustom(name="noisy"))
+    x, y = mixing_batch("roll")
+    model.compile(loss=LOSS)
+    with pytest.raises(PrivacyConfigurationError, match="draws random numbers"):
+        GhostClipping(fallback="any", jit_compile=False).clip_and_sum(model, x, y, None, 1.0)
+
+
+def test_tiny_bert_with_dropout_passes_under_xla():
+    model = reference.tiny_bert(dropout=0.1)
+    x, y, w = reference.bert_batch(4)
+    w[1] = 0.0  # a padding example
+    x["padding_mask"][2, 5:] = 0  # a shorter example
+    model(x)
+    model.compile(loss=LOSS)
+    for fallback in ("small", "any"):
+        batch = GhostClipping(fallback=fallback).clip_and_sum(model, x, y, w, 1.0)
+        assert int(batch.mixing) == independence.MIXING_OK
+        assert np.all(np.isfinite(batch.norms.numpy()))

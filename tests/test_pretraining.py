@@ -121,7 +121,7 @@ class TestBadInput:
         [
             (["--corpus", "/nonexistent/corpus.txt"], "corpus"),
             (["--batch-size", "100000"], "larger than the training corpus"),
-            (["--target-epsilon", "1e-9", "--steps", "50"], "unreachable"),
+            (["--target-epsilon", "1e-9", "--steps", "100000"], "unreachable"),
             (["--steps", "0"], "steps"),
         ],
     )

@@ -260,7 +260,15 @@ def _add_pretrain_parser(subparsers) -> None:
     data.add_argument("--corpus", nargs="+", metavar="PATH",
                       help="text/JSONL files or globs (default: the offline default corpus)")
     data.add_argument("--sequence-length", type=int, default=defaults.sequence_length)
-    data.add_argument("--vocabulary-size", type=int, default=defaults.vocabulary_size)
+    data.add_argument("--vocabulary-size", type=int, default=defaults.vocabulary_size,
+                      help="size of the vocabulary learned from the public default corpus")
+    data.add_argument("--vocabulary", metavar="FILE",
+                      help="a PUBLIC WordPiece vocabulary (one token per line, e.g. BERT's "
+                           "vocab.txt) instead of one learned from the default corpus")
+    data.add_argument("--vocabulary-from-training-corpus", action="store_true",
+                      help="learn the vocabulary from --corpus itself: NOT private (it is "
+                           "published with the model and shows the corpus's words "
+                           "verbatim); warns, and report.json says so")
     data.add_argument("--max-characters", type=int, default=defaults.max_characters,
                       help="size cap of the default corpus")
     data.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction)
@@ -304,7 +312,10 @@ def _add_pretrain_parser(subparsers) -> None:
     run.add_argument("--strategy", default=defaults.strategy,
                      choices=["default", "mirrored", "multiworker", "tpu"])
     run.add_argument("--tpu", help="TPU name for --strategy tpu ('local' on a TPU VM)")
-    run.add_argument("--seed", type=int, default=defaults.seed)
+    run.add_argument("--seed", type=int, default=defaults.seed,
+                     help="seeds model initialisation, masking, the held-out split and "
+                          "canaries (all public); never the Poisson sampling or the DP "
+                          "noise, which come from secret OS entropy")
     run.add_argument("--cache-dir", help="where prepared corpora are kept")
     run.add_argument("--json", action="store_true", help="print report.json at the end")
     parser.set_defaults(handler=_run_pretrain)
@@ -317,6 +328,8 @@ def _run_pretrain(args: argparse.Namespace) -> int:
     config = pretraining.PretrainConfig(
         corpus=args.corpus, output_dir=args.output_dir, model=args.model,
         sequence_length=args.sequence_length, vocabulary_size=args.vocabulary_size,
+        vocabulary=args.vocabulary,
+        vocabulary_from_training_corpus=args.vocabulary_from_training_corpus,
         max_characters=args.max_characters, heldout_fraction=args.heldout_fraction,
         micro_batch_size=args.micro_batch_size, batch_size=args.batch_size, steps=args.steps,
         schedule=schedule,

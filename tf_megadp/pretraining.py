@@ -49,7 +49,31 @@ CANARY_SECRET_LENGTH = 3
 CANARY_ALPHABET = tuple("0123456789")
 CANARY_REPETITIONS = (1, 4, 16)
 MODEL_NAME = "model.keras"
+VOCABULARY_NAME = "vocab.txt"
 REPORT_NAME = "report.json"
+PRIVACY_REPORT_NAME = "privacy.json"
+TRAINING_CORPUS_VOCABULARY = "training corpus (NOT private)"
+_TRAINING_CORPUS_VOCABULARY_WARNING = (
+    "--vocabulary-from-training-corpus: the WordPiece vocabulary is learned from "
+    "your corpus and published with the model (vocab.txt). It is NOT covered by "
+    "epsilon: frequent enough words of the private text, names and identifiers "
+    "included, appear in it verbatim. report.json marks the vocabulary "
+    f"'{TRAINING_CORPUS_VOCABULARY}'. Drop the flag for a vocabulary learned from the "
+    "public default corpus, or pass --vocabulary FILE with a public vocabulary."
+)
+# What report.json publishes beside the model that epsilon does not cover.
+RELEASED_OUTSIDE_EPSILON = (
+    "training loss and masked-LM accuracy on training batches (history.csv, "
+    "tensorboard/, report.json history): exact statistics of the sampled batches",
+    "held-out MLM accuracy: computed on the held-out split, which is not trained "
+    "on and not protected by DP (publish it only if that text may be published)",
+    "unigram baseline accuracy: the most frequent token of the training split, "
+    "counted exactly",
+    "num_examples and heldout_examples: the exact numbers of sequences",
+    "wall_time_s, train_time_s, examples_per_s: timings",
+    "truncated_steps: how many Poisson steps overflowed their capacity",
+    "the vocabulary (vocab.txt), when vocabulary.public is false",
+)
 PLOT_NAME = "report.png"
 HISTORY_NAME = "history.csv"
 
@@ -72,7 +96,16 @@ class PretrainConfig:
         vocabulary_size: WordPiece vocabulary size to learn. The default 512
             splits words into more pieces, which context predicts early: a
             small BERT leaves the unigram plateau in fewer steps than at 2048.
-        max_characters: size cap of the default corpus.
+        vocabulary: a vocabulary file (one token per line, e.g. BERT's public
+            `vocab.txt`) that you name as public; it replaces the learned one.
+        vocabulary_from_training_corpus: learn the vocabulary from `corpus`
+            itself. NOT private: the vocabulary is published with the model
+            and its rare words (names, identifiers) appear in it verbatim,
+            outside epsilon; the run warns and its report says so. By default
+            a run on a user corpus learns its vocabulary from the public
+            offline default corpus instead (or uses `vocabulary`).
+        max_characters: size cap of the default corpus (also when it only
+            supplies the vocabulary of a user corpus).
         heldout_fraction: share of sequences kept out of training for evaluation.
         canaries: for a privacy audit (`tf-megadp audit`), insert this many
             secret-sharer canaries per repetition count r in (1, 4, 16) into
@@ -103,8 +136,10 @@ class PretrainConfig:
         stop_after_steps: end this invocation after this many logical steps
             (with a checkpoint), e.g. to fit a time slice; resume later.
         strategy, tpu: `tf_megadp.distribute.resolve_strategy` arguments.
-        seed: seeds model init, sampling and masking; the DP noise key always
-            comes from OS entropy.
+        seed: seeds what may be public: model initialisation, masking, the
+            held-out split and the canaries. Never the Poisson sampling nor
+            the DP noise: both come from secret OS entropy, fresh at every
+            start and every resume, and are never written anywhere.
         cache_dir: where prepared corpora are kept for reuse.
         verbose: Keras progress-bar verbosity.
     """
@@ -114,6 +149,8 @@ class PretrainConfig:
     model: str = "nano"
     sequence_length: int = 64
     vocabulary_size: int = 512
+    vocabulary: str | None = None
+    vocabulary_from_training_corpus: bool = False
     max_characters: int = 3_000_000
     heldout_fraction: float = 0.05
     canaries: int = 0
@@ -187,6 +224,18 @@ class PretrainConfig:
             raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
         if self.resume and not self.output_dir:
             raise PretrainError("--resume needs --output-dir of the run to continue.")
+        if self.vocabulary and self.vocabulary_from_training_corpus:
+            raise PretrainError(
+                "Pass --vocabulary FILE (a public vocabulary) or "
+                "--vocabulary-from-training-corpus, not both."
+            )
+        if self.vocabulary_from_training_corpus and not self.corpus:
+            raise PretrainError(
+                "--vocabulary-from-training-corpus needs --corpus: without it the run "
+                "trains on the public default corpus, whose vocabulary is public anyway."
+            )
+        if self.vocabulary and not os.path.isfile(self.vocabulary):
+            raise PretrainError(f"--vocabulary {self.vocabulary}: no such file.")
 
     def phases(self) -> list[tuple[int, int]]:
         if self.schedule:
@@ -216,10 +265,71 @@ def _default_cache_dir() -> str:
     return os.path.join(root, "tf_megadp", "corpora")
 
 
+def _default_corpus_sources() -> list:
+    """What the default corpus (docstrings of installed packages) depends on."""
+    import importlib.metadata
+    import platform
+
+    return [("python", platform.python_version())] + [
+        (name, importlib.metadata.version(name)) for name in ("tensorflow", "keras", "numpy")]
+
+
+def _file_sha256(path: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _vocabulary_plan(config: PretrainConfig) -> dict[str, Any]:
+    """Where the run's vocabulary comes from, as JSON (part of the corpus cache key).
+
+    Only the vocabulary learned from a user corpus depends on private text;
+    the default is the public offline default corpus.
+    """
+    if config.vocabulary:
+        path = os.path.abspath(config.vocabulary)
+        return {"kind": "file", "path": path, "sha256": _file_sha256(path)}
+    if config.corpus and config.vocabulary_from_training_corpus:
+        return {"kind": "training corpus"}
+    return {"kind": "default corpus", "max_characters": config.max_characters,
+            "sources": _default_corpus_sources(), "size": config.vocabulary_size}
+
+
+def vocabulary_report(config: PretrainConfig) -> dict[str, Any]:
+    """The report's account of where the published vocabulary came from.
+
+    Args:
+        config: the run's settings.
+
+    Returns:
+        {"source": ..., "public": bool, "file": "vocab.txt"}; "public" is
+        False only for a vocabulary learned from a user corpus, which
+        epsilon does not cover.
+
+    Example:
+    ```python
+    vocabulary_report(PretrainConfig())["source"]
+    # 'public: the offline default corpus (docstrings of installed packages)'
+    ```
+    """
+    plan = _vocabulary_plan(config)
+    if plan["kind"] == "file":
+        source, public = f"public: the file {config.vocabulary} (named public by the user)", True
+    elif plan["kind"] == "training corpus":
+        source, public = TRAINING_CORPUS_VOCABULARY, False
+    else:
+        source = "public: the offline default corpus (docstrings of installed packages)"
+        public = True
+    return {"source": source, "public": public, "file": VOCABULARY_NAME}
+
+
 def _corpus_key(config: PretrainConfig) -> str:
     """Identifies a prepared corpus: its sources (with sizes and times) and settings."""
     import hashlib
-    import importlib.metadata
 
     if config.corpus:
         from tf_megadp import text
@@ -230,15 +340,45 @@ def _corpus_key(config: PretrainConfig) -> str:
             raise PretrainError(str(error)) from None
         sources = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]
     else:
-        # The default corpus is the docstrings of installed packages.
-        sources = [(name, importlib.metadata.version(name))
-                   for name in ("tensorflow", "keras", "numpy")]
+        sources = _default_corpus_sources()
     key = json.dumps({
         "sources": sources, "L": config.sequence_length, "V": config.vocabulary_size,
         "chars": None if config.corpus else config.max_characters,
         "heldout": config.heldout_fraction, "seed": config.seed,
+        "vocabulary": _vocabulary_plan(config),
     }, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _public_vocabulary(config: PretrainConfig):
+    """The vocabulary to tokenize with: a token list, or None to learn it on the corpus.
+
+    A vocabulary learned from the default corpus is cached by what it
+    depends on (installed packages, size, character cap), so runs on any
+    corpus reuse it.
+    """
+    import hashlib
+
+    from tf_megadp import text
+    from tf_megadp.files import write_bytes_atomically
+
+    plan = _vocabulary_plan(config)
+    if plan["kind"] == "training corpus":
+        return None
+    try:
+        if plan["kind"] == "file":
+            return text.read_vocabulary_file(config.vocabulary)
+        key = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+        path = os.path.join(config.cache_dir or _default_cache_dir(), f"vocabulary-{key}",
+                            VOCABULARY_NAME)
+        if not os.path.isfile(path):
+            vocabulary = text.learn_vocabulary(
+                text.default_corpus_documents(config.max_characters), config.vocabulary_size)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_bytes_atomically(path, "".join(t + "\n" for t in vocabulary).encode("utf-8"))
+        return text.read_vocabulary_file(path)
+    except text.CorpusError as error:
+        raise PretrainError(str(error)) from None
 
 
 def prepare_data(config: PretrainConfig):
@@ -251,12 +391,23 @@ def prepare_data(config: PretrainConfig):
     Args:
         config: the run's settings.
 
+    The vocabulary is public by default: learned from the offline default
+    corpus (also for a user corpus), or the file `config.vocabulary`. Only
+    `config.vocabulary_from_training_corpus` learns it from the user's
+    corpus (see `vocabulary_report`).
+
     Returns:
         (all, train, heldout): `TokenShards` of the whole corpus and of its
         two disjoint splits.
 
     Raises:
         PretrainError: the corpus cannot be read or is too small.
+
+    Example:
+    ```python
+    corpus, train, heldout = prepare_data(PretrainConfig(corpus=["notes.txt"]))
+    len(train), train.vocabulary_size
+    ```
     """
     from tf_megadp import sampling, text
 
@@ -266,6 +417,7 @@ def prepare_data(config: PretrainConfig):
                      for name in ("all", "train", "heldout"))
     except (FileNotFoundError, ValueError):
         pass  # Not prepared yet (or damaged): build it.
+    vocabulary = _public_vocabulary(config)
     try:
         corpus = text.prepare_corpus(
             os.path.join(folder, "all"),
@@ -275,6 +427,7 @@ def prepare_data(config: PretrainConfig):
             max_characters=config.max_characters,
             # Short leftovers (stream ends) waste a row; keep rows at least half full.
             min_tokens=max(1, min(16, config.sequence_length // 2)),
+            vocabulary=vocabulary,
         )
     except text.CorpusError as error:
         raise PretrainError(str(error)) from None
@@ -515,6 +668,8 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
     config.validate()
     phases = config.phases()
     started = time.time()
+    if config.vocabulary_from_training_corpus:
+        warnings.warn(_TRAINING_CORPUS_VOCABULARY_WARNING, UserWarning, stacklevel=2)
 
     from tf_megadp import distribute
     from tf_megadp.schedules import BatchSizeSchedule
@@ -532,7 +687,8 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
 
     strategy = distribute.resolve_strategy(config.strategy, tpu=config.tpu)
     replicas = strategy.num_replicas_in_sync
-    log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'})...")
+    log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'}; "
+        f"vocabulary from {vocabulary_report(config)['source']})...")
     corpus, train, heldout = prepare_data(config)
     canaries = None
     if config.canaries:
@@ -597,8 +753,11 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     import keras
 
     import tf_megadp
-    from tf_megadp import sampling, text
+    from tf_megadp import distribute, sampling, text
+    from tf_megadp.checkpointing import export_model
 
+    # Public randomness only (init, masking, dropout): the sampling and the
+    # noise draw their own secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
     batcher = text.MaskedLMBatcher.from_shards(train)
     heldout_x, heldout_y, heldout_w = _heldout_batches(heldout, batcher, config.micro_batch_size, config.seed)
@@ -632,26 +791,36 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         if private:
             if not isinstance(model.optimizer, tf_megadp.DPOptimizer):
                 raise PretrainError(f"{output_dir} holds a non-private run; resume it with --non-private.")
-            tf_megadp.make_private(model)
+            # Strict: data that no tf_megadp Poisson sampler drew is refused.
+            tf_megadp.make_private(model, require_poisson_sampling=True)
         elif isinstance(model.optimizer, tf_megadp.DPOptimizer):
             raise PretrainError(f"{output_dir} holds a private run; resume it without --non-private.")
 
-    # Keras's own accumulation (non-private) also counts logical steps in iterations.
+    # Keras's own accumulation (non-private) also counts logical steps in
+    # iterations. A restored DPOptimizer is always at a logical-step boundary
+    # (its mid-step state is never saved).
     logical_done = int(model.optimizer.iterations.numpy())
-    micro_done = int(model.optimizer.micro_steps.numpy()) if private else 0
     if logical_done >= total_steps:
         log(f"The run in {output_dir} already completed {logical_done} logical steps.")
     start_step = min(logical_done, total_steps)
     end_step = total_steps
     if config.stop_after_steps:
         end_step = min(total_steps, start_step + config.stop_after_steps)
+    # The draws must stay secret: they come from a fresh 128-bit OS-entropy
+    # secret (the chief's, shared in memory with every worker), never from
+    # --seed, which report.json records. A resumed run draws fresh steps for
+    # what remains, as private as those the interrupted run would have drawn.
+    # The secret is passed straight on, so that no local of this frame (and
+    # no traceback) holds it.
     sampler = sampling.PoissonSampler(
-        train, schedule, seed=config.seed, start_step=start_step,
-        start_micro_step=micro_done, end_step=end_step)
-    dataset = sampler.as_dataset(batcher)
+        train, schedule, shared_secret=distribute.shared_sampling_secret(strategy),
+        start_step=start_step, end_step=end_step)
+    micro_steps = sampler.as_dataset(batcher)
+    dataset = micro_steps
     if schedule.num_replicas > 1:
-        dataset = dataset.unbatch().batch(config.micro_batch_size, drop_remainder=True)
-        dataset = tf_megadp.distribute_micro_batches(strategy, lambda context: dataset)
+        # Each micro-step of m * R rows is split into the replicas' m-row
+        # micro-batches; the distributed dataset keeps the sampler's source.
+        dataset = distribute.distribute_micro_batches(strategy, lambda context: micro_steps)
 
     # One fit step consumes one micro-batch per replica: a sampler micro-step.
     remaining_micro = sampler.total_micro_steps
@@ -663,7 +832,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     privacy = None
     if private:
         privacy = tf_megadp.PrivacyCallback(
-            delta=delta, accountant=config.accountant, report_path=os.path.join(output_dir, "privacy.json"),
+            delta=delta, accountant=config.accountant,
+            report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME),
             target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
         callbacks.append(privacy)
     checkpointer = _Checkpointer(output_dir, history, config)
@@ -724,8 +894,12 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
 
     final_steps = history[-1]["step"] if history else logical_done
     checkpointer.save(model)
-    model_path = os.path.join(output_dir, MODEL_NAME)
-    atomic_write(model_path, model.save)
+    # The release: the model without any optimizer state, and the
+    # vocabulary it reads (public unless --vocabulary-from-training-corpus).
+    export_model(model, os.path.join(output_dir, MODEL_NAME))
+    vocabulary_file = os.path.join(train.directory, train.manifest["vocabulary_file"])
+    atomic_write(os.path.join(output_dir, VOCABULARY_NAME),
+                 lambda temporary: shutil.copyfile(vocabulary_file, temporary))
     accuracy = history[-1]["heldout_mlm_accuracy"] if history else float("nan")
     epsilon = float(privacy.epsilon) if privacy else math.inf
     report = {
@@ -756,6 +930,9 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                       "controls": config.canaries, "file": CANARIES_NAME}
                      if config.canaries else None),
         "heldout_examples": len(heldout),
+        "vocabulary": {**vocabulary_report(config), "size": train.vocabulary_size},
+        "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
+        "files": _file_guide(config, private),
         "history": history,
         "config": _config_dict(config),
     }
@@ -764,6 +941,30 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         _plot(history, os.path.join(output_dir, PLOT_NAME), private)
     log(_summary(report, output_dir))
     return report
+
+
+def _file_guide(config: PretrainConfig, private: bool) -> dict[str, str]:
+    """What each file of the output directory is, and whether it may be published."""
+    statistics = ("publish only if the statistics under released_outside_epsilon may "
+                  "be public")
+    vocabulary = vocabulary_report(config)
+    guide = {
+        MODEL_NAME: ("release: architecture and weights only (tf_megadp.export_model), "
+                     + ("covered by epsilon" if private else "NOT private (baseline)")),
+        VOCABULARY_NAME: ("release: the public vocabulary the model reads" if vocabulary["public"]
+                          else "NOT covered by epsilon: learned from the training corpus"),
+        REPORT_NAME: f"this report: {statistics}",
+        PLOT_NAME: f"held-out accuracy and epsilon per evaluation: {statistics}",
+        HISTORY_NAME: f"per-epoch training loss and metrics: {statistics}",
+        "tensorboard": f"the same per-epoch logs: {statistics}",
+        CHECKPOINT_NAME: ("keep like the training data: training state (optimizer "
+                          "moments, settings, history) for --resume; never publish"),
+    }
+    if private:
+        guide[PRIVACY_REPORT_NAME] = "release: the privacy report (epsilon, ledger)"
+    if config.canaries:
+        guide[CANARIES_NAME] = "keep secret: the audit's canary secrets"
+    return guide
 
 
 _RUN_CONTROL_FIELDS = {"resume", "stop_after_steps", "verbose", "output_dir", "cache_dir"}
@@ -805,6 +1006,7 @@ def _summary(report: dict[str, Any], output_dir: str) -> str:
             f"{report['accountant'].upper()})")
     else:
         lines.append("privacy                 NONE (non-private baseline)")
+    lines.append(f"vocabulary              {report['vocabulary']['source']}")
     lines += [
         f"logical steps           {report['logical_steps']}   examples/s {report['examples_per_s']:.0f}"
         f"   wall time {report['wall_time_s']:.0f} s",

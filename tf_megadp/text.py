@@ -41,6 +41,7 @@ __all__ = [
     "default_corpus_documents",
     "read_documents",
     "learn_vocabulary",
+    "read_vocabulary_file",
     "prepare_corpus",
     "load_vocabulary",
     "MaskedLMBatcher",
@@ -304,6 +305,57 @@ def learn_vocabulary(
     return vocabulary[:vocabulary_size]
 
 
+def read_vocabulary_file(path: str | os.PathLike) -> list[str]:
+    """A WordPiece vocabulary file (one token per line), in tf_megadp's id order.
+
+    tf_megadp's masking and padding use ids 0-4 for `SPECIAL_TOKENS`. A
+    file that holds all five elsewhere (the public BERT `vocab.txt` has
+    [PAD] at 0 and [UNK] [CLS] [SEP] [MASK] at 100-103) is reordered: the
+    special tokens first, then every other token in file order. A model
+    trained from scratch may number its tokens freely; the run publishes the
+    reordered vocabulary with it.
+
+    Args:
+        path: the file, UTF-8, one token per line.
+
+    Returns:
+        The tokens: `SPECIAL_TOKENS`, then the others, without duplicates or
+        empty lines.
+
+    Raises:
+        CorpusError: the file cannot be read or lacks a special token.
+
+    Example:
+    ```python
+    vocabulary = read_vocabulary_file("bert-base-uncased/vocab.txt")
+    vocabulary[:5]    # ['[PAD]', '[CLS]', '[SEP]', '[UNK]', '[MASK]']
+    ```
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            # Lines, not whitespace-split words: a token never holds a line
+            # break, and the file's own order is kept.
+            tokens = [line.rstrip("\r\n") for line in handle]
+    except OSError as error:
+        raise CorpusError(f"Cannot read vocabulary file {path}: {error.strerror}.") from None
+    except UnicodeDecodeError as error:
+        raise CorpusError(f"Vocabulary file {path} is not UTF-8 ({error.reason}).") from None
+    tokens = [token for token in tokens if token.strip()]
+    missing = [token for token in SPECIAL_TOKENS if token not in tokens]
+    if missing:
+        raise CorpusError(
+            f"Vocabulary file {path} lacks the special tokens {missing}; a BERT "
+            f"vocabulary needs all of {list(SPECIAL_TOKENS)} (add them as lines)."
+        )
+    ordered = list(SPECIAL_TOKENS)
+    seen = set(ordered)
+    for token in tokens:
+        if token not in seen:
+            seen.add(token)
+            ordered.append(token)
+    return ordered
+
+
 def _tokenize(documents: Sequence[str], vocabulary: list[str], lowercase: bool) -> list[np.ndarray]:
     import keras_hub
     import tensorflow as tf
@@ -419,11 +471,13 @@ def prepare_corpus(
         max_unknown_fraction: raise if more [UNK] tokens than this (the
             vocabulary is too small for the text).
         rows_per_shard: rows per shard file.
-        vocabulary: a WordPiece vocabulary (list of tokens, or the path of a
-            `vocab.txt`, e.g. one learned from public text) to use instead of
-            learning one from this corpus; it must start with
-            `SPECIAL_TOKENS`. A vocabulary learned from private text is not
-            covered by the DP guarantee.
+        vocabulary: a WordPiece vocabulary (list of tokens starting with
+            `SPECIAL_TOKENS`, or the path of a `vocab.txt`, read with
+            `read_vocabulary_file`), e.g. one learned from public text, to use
+            instead of learning one from this corpus. Learning it from a
+            private corpus puts the corpus's frequent words, names and
+            identifiers into the vocabulary verbatim, outside the DP
+            guarantee: pass a public vocabulary for private text.
 
     Returns:
         The `TokenShards`. If `output_dir` already holds shards built from the
@@ -449,10 +503,10 @@ def prepare_corpus(
             f"min_tokens must be in [1, sequence_length - 2 = {sequence_length - 2}], "
             f"got {min_tokens}."
         )
+    given_vocabulary = vocabulary is not None
     if vocabulary is not None:
         if isinstance(vocabulary, (str, os.PathLike)):
-            with open(vocabulary, encoding="utf-8") as handle:
-                vocabulary = handle.read().split("\n")
+            vocabulary = read_vocabulary_file(vocabulary)
         vocabulary = [token for token in vocabulary if token]
         if tuple(vocabulary[: len(SPECIAL_TOKENS)]) != SPECIAL_TOKENS:
             raise CorpusError(
@@ -499,10 +553,16 @@ def prepare_corpus(
     if total == 0:
         raise CorpusError("The corpus has no tokens.")
     if unknown / total > max_unknown_fraction:
+        fix = (
+            "the given vocabulary does not cover this text's characters: use a public "
+            "vocabulary that does (or raise max_unknown_fraction)"
+            if given_vocabulary
+            else f"the vocabulary of {len(vocabulary)} is too small for this text. "
+            "Raise vocabulary_size"
+        )
         raise CorpusError(
             f"{unknown / total:.1%} of the tokens are [UNK] (limit "
-            f"{max_unknown_fraction:.1%}): the vocabulary of {len(vocabulary)} is too "
-            "small for this text. Raise vocabulary_size."
+            f"{max_unknown_fraction:.1%}): {fix}."
         )
     rows = _pack(tokens, sequence_length, packing, min_tokens)
     if max_sequences is not None:

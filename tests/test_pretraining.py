@@ -3,34 +3,49 @@
 One run is interrupted after two logical steps (checkpoint), resumed to the
 end, and must report the epsilon the accountant gives for the whole schedule.
 Bad input must give one line on stderr, exit status 2 and no output folder.
+
+Attacks on what the job writes: nothing under its output folder lets its
+Poisson draws be recomputed (the sampling secret is in no file, no seed it
+records reproduces them, and every start draws afresh), and a rare word of a
+private corpus does not reach the published vocabulary unless the user asks
+for a vocabulary learned on that corpus.
 """
 
 import json
 import os
+import warnings
+import zipfile
 
 import numpy as np
 import pytest
 
-from tf_megadp import accounting, cli
-from tf_megadp.pretraining import PretrainConfig, run_pretraining
+from tf_megadp import accounting, cli, distribute, sampling
+from tf_megadp.pretraining import PretrainConfig, prepare_data, run_pretraining
 
 SUBJECTS = ["the model", "a student", "our team", "the network", "each layer", "the sampler"]
 VERBS = ["computes", "clips", "reads", "writes", "trains", "reports", "samples", "adds"]
 OBJECTS = ["the gradient", "a batch", "some noise", "the epsilon", "every example", "the loss"]
 
 
+# A rare identifier of the "private" corpus: in 20 of its 400 documents, which
+# is enough for a vocabulary learned on the corpus to hold it as one token.
+RARE_WORD = "vexquorbitzal"
+
+
 def write_corpus(folder, documents=400, seed=0):
     """Generated sentences: real-looking text, no third-party content."""
     rng = np.random.default_rng(seed)
     lines = []
-    for _ in range(documents):
+    for index in range(documents):
         sentences = [
             f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} "
             f"{int(rng.integers(1, 50))} times."
             for _ in range(int(rng.integers(2, 5)))
         ]
+        if index % 20 == 0:
+            sentences.append(f"the {RARE_WORD} account.")
         lines.append(" ".join(sentences))
-    path = folder / "corpus.txt"
+    path = folder / "private.txt"
     path.write_text("\n\n".join(lines), encoding="utf-8")
     return str(path)
 
@@ -41,6 +56,8 @@ def tiny_config(corpus, cache_dir, output_dir, **overrides):
         model="pico", sequence_length=16, vocabulary_size=200, micro_batch_size=8,
         batch_size=16, steps=4, eval_every=2, checkpoint_every=1, target_epsilon=None,
         noise_multiplier=1.0, accountant="rdp", warmup_steps=1, verbose=0,
+        # The public vocabulary is learned from this much of the default corpus.
+        max_characters=300_000,
     )
     settings.update(overrides)
     return PretrainConfig(**settings)
@@ -52,13 +69,106 @@ def workspace(tmp_path_factory):
     return root, write_corpus(root), root / "cache"
 
 
+class Captured:
+    """What the job's sampling randomness was, seen from inside the process only.
+
+    `secrets`: every value `shared_sampling_secret` returned (one per start
+    of the job); `draws`: (sampler number, step, sorted indices) of every
+    Poisson step drawn.
+    """
+
+    def __init__(self, monkeypatch):
+        self.secrets, self.draws, self._samplers = [], [], {}
+        real_secret = distribute.shared_sampling_secret
+        real_draw = sampling.PoissonSampler.draw
+
+        def secret(*args, **kwargs):
+            value = real_secret(*args, **kwargs)
+            self.secrets.append(value)
+            return value
+
+        def draw(sampler, step):
+            result = real_draw(sampler, step)
+            number = self._samplers.setdefault(id(sampler), len(self._samplers))
+            self.draws.append((number, step, result.indices.copy()))
+            return result
+
+        monkeypatch.setattr(distribute, "shared_sampling_secret", secret)
+        monkeypatch.setattr(sampling.PoissonSampler, "draw", draw)
+
+    def first_draw(self, sampler_number=0):
+        return next(d[2] for d in self.draws if d[0] == sampler_number and d[1] == 0)
+
+
 @pytest.fixture(scope="module")
-def resumed_run(workspace):
+def resumed_capture(workspace):
+    """The job stopped after 2 of 4 steps, then resumed; its randomness captured."""
     root, corpus, cache = workspace
     output = root / "run"
-    first = run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=2), log=lambda *_: None)
-    report = run_pretraining(tiny_config(corpus, cache, output, resume=True), log=lambda *_: None)
-    return first, report, output
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        captured = Captured(monkeypatch)
+        first = run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=2),
+                                log=lambda *_: None)
+        report = run_pretraining(tiny_config(corpus, cache, output, resume=True),
+                                 log=lambda *_: None)
+    return first, report, output, captured
+
+
+@pytest.fixture(scope="module")
+def resumed_run(resumed_capture):
+    return resumed_capture[:3]
+
+
+@pytest.fixture(scope="module")
+def second_run(workspace):
+    """The same job started again (one step), its randomness captured."""
+    root, corpus, cache = workspace
+    output = root / "again"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        captured = Captured(monkeypatch)
+        run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=1,
+                                    checkpoint_every=0, eval_every=1), log=lambda *_: None)
+    return output, captured
+
+
+def output_files(folder):
+    """(name, bytes) of every file under `folder`, zip members (model.keras, .npz) too."""
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = str(path.relative_to(folder))
+        data = path.read_bytes()
+        yield name, data
+        if zipfile.is_zipfile(path):
+            with zipfile.ZipFile(path) as archive:
+                for member in archive.namelist():
+                    yield f"{name}!{member}", archive.read(member)
+
+
+def secret_encodings(secret):
+    """The ways a 128-bit integer could sit in a text or binary file."""
+    forms = [str(secret), format(secret, "x"), format(secret, "X"), format(secret, "#x")]
+    encoded = [form.encode() for form in forms]
+    encoded += [secret.to_bytes(16, "little"), secret.to_bytes(16, "big")]
+    for half in (secret & (2**64 - 1), secret >> 64):
+        signed = half - 2**64 if half >= 2**63 else half
+        encoded += [half.to_bytes(8, "little"), half.to_bytes(8, "big"),
+                    str(half).encode(), str(signed).encode()]
+    return encoded
+
+
+def json_integers(value):
+    """Every integer (and integral float) anywhere in a JSON document."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int):
+        yield value
+    elif isinstance(value, float) and value.is_integer():
+        yield int(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from json_integers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from json_integers(item)
 
 
 class TestEndToEnd:
@@ -105,6 +215,140 @@ class TestEndToEnd:
                             log=lambda *_: None)
 
 
+class TestTheDrawsStaySecret:
+    """Attack (e): from everything the job writes, recompute its Poisson draws.
+
+    Before the fix the sampler was seeded with --seed (0 by default), which
+    report.json records: PoissonSampler(train, schedule, seed=0) gave back
+    every step's examples, and with them no amplification by subsampling.
+    """
+
+    def test_every_start_draws_a_fresh_secret(self, resumed_capture, second_run):
+        _, _, _, resumed = resumed_capture
+        _, again = second_run
+        # One secret per start: the first invocation, its resume, the second run.
+        secrets = resumed.secrets + again.secrets
+        assert len(resumed.secrets) == 2 and len(again.secrets) == 1
+        assert len(set(secrets)) == 3
+        assert all(2**64 <= secret < 2**128 for secret in secrets)  # P(fail) < 2**-63
+
+    def test_two_runs_of_the_same_job_draw_different_steps(self, resumed_capture, second_run):
+        _, _, _, resumed = resumed_capture
+        _, again = second_run
+        first, other = resumed.first_draw(), again.first_draw()
+        # Each index set is a Poisson draw of ~16 of N rows: equal by chance
+        # with probability far below 1e-20.
+        assert not (first.shape == other.shape and np.array_equal(first, other))
+
+    def test_no_file_of_either_run_holds_the_sampling_secret(self, resumed_capture, second_run):
+        _, _, run_output, resumed = resumed_capture
+        again_output, again = second_run
+        needles = [(secret, form) for secret in resumed.secrets + again.secrets
+                   for form in secret_encodings(secret)]
+        scanned = 0
+        for folder in (run_output, again_output):
+            for name, data in output_files(folder):
+                scanned += 1
+                for secret, form in needles:
+                    assert form not in data, f"{folder.name}/{name} holds a sampling secret"
+        # report, privacy report, history, checkpoint, model (and its members), ...
+        assert scanned >= 10
+
+    def test_no_integer_the_job_publishes_reproduces_its_draws(
+            self, workspace, resumed_capture):
+        root, corpus, cache = workspace
+        _, report, output, resumed = resumed_capture
+        from tf_megadp.schedules import BatchSizeSchedule
+
+        # The attacker knows the corpus and code (DP's threat model), reads
+        # every integer in the published JSON and tries it, and every small
+        # integer, as the sampler's seed.
+        _, train, _ = prepare_data(tiny_config(corpus, cache, output))
+        schedule = BatchSizeSchedule.from_dict(report["schedule"])
+        candidates = set(range(256))
+        for name in ("report.json", "privacy.json"):
+            candidates |= {v for v in json_integers(json.loads((output / name).read_text()))
+                           if v >= 0}
+        assert report["config"]["seed"] in candidates
+        actual = resumed.first_draw()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # seed= warns: that is the point
+            for candidate in sorted(candidates):
+                guess = sampling.PoissonSampler(train, schedule, seed=candidate).draw(0).indices
+                assert not (guess.shape == actual.shape and np.array_equal(guess, actual)), (
+                    f"seed {candidate} from the job's files reproduces its first step")
+
+
+class TestThePublishedVocabulary:
+    """Attack: find a rare word of the private corpus in what the job publishes."""
+
+    def test_by_default_the_rare_word_is_in_no_output_file(self, resumed_run):
+        _, report, output = resumed_run
+        vocabulary = (output / "vocab.txt").read_text(encoding="utf-8").split("\n")
+        assert RARE_WORD not in vocabulary and len(vocabulary) > 100
+        assert report["vocabulary"]["public"] is True
+        assert report["vocabulary"]["source"].startswith("public: the offline default corpus")
+        for name, data in output_files(output):
+            assert RARE_WORD.encode() not in data.lower(), name
+
+    def test_the_flag_learns_it_on_the_corpus_warns_and_says_so(self, workspace, tmp_path):
+        root, corpus, cache = workspace
+        output = tmp_path / "corpus-vocabulary"
+        with pytest.warns(UserWarning, match="NOT covered by epsilon"):
+            report = run_pretraining(
+                tiny_config(corpus, cache, output, steps=1, eval_every=1, checkpoint_every=0,
+                            vocabulary_from_training_corpus=True),
+                log=lambda *_: None)
+        vocabulary = (output / "vocab.txt").read_text(encoding="utf-8").split("\n")
+        assert RARE_WORD in vocabulary
+        assert report["vocabulary"]["source"] == "training corpus (NOT private)"
+        assert report["vocabulary"]["public"] is False
+        on_disk = json.loads((output / "report.json").read_text())
+        assert on_disk["vocabulary"]["source"] == "training corpus (NOT private)"
+        assert "NOT covered" in on_disk["files"]["vocab.txt"]
+
+    def test_a_public_vocabulary_file_is_used_as_named(self, workspace, tmp_path):
+        # BERT's vocab.txt order ([PAD] first, the other specials later) is
+        # accepted and reordered; the published file is what the model reads.
+        root, corpus, cache = workspace
+        tokens = ["[PAD]", "[unused0]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        tokens += list("abcdefghijklmnopqrstuvwxyz0123456789.")
+        tokens += ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+        tokens += ["the", "model", "times"]
+        path = tmp_path / "public-vocab.txt"
+        path.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+        config = tiny_config(corpus, cache, tmp_path / "unused", vocabulary=str(path))
+        _, train, _ = prepare_data(config)
+        from tf_megadp.text import load_vocabulary
+
+        vocabulary = load_vocabulary(train)
+        assert vocabulary[:5] == ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+        assert sorted(vocabulary) == sorted(tokens) and RARE_WORD not in vocabulary
+
+
+class TestReleasedStatistics:
+    def test_report_names_what_epsilon_does_not_cover(self, resumed_run):
+        _, report, output = resumed_run
+        released = " ".join(report["released_outside_epsilon"])
+        for statistic in ("training loss", "held-out", "timings", "truncated_steps",
+                          "num_examples", "unigram"):
+            assert statistic in released, statistic
+        files = report["files"]
+        assert files["model.keras"].startswith("release")
+        assert files["checkpoint"].startswith("keep like the training data")
+        assert set(files) <= {p.name for p in output.iterdir()}
+
+    def test_the_published_model_holds_no_optimizer_state(self, resumed_run):
+        _, _, output = resumed_run
+        with zipfile.ZipFile(output / "model.keras") as archive:
+            config = json.loads(archive.read("config.json"))
+            assert "compile_config" not in config or not config["compile_config"]
+            import h5py, io
+
+            with h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as weights:
+                assert "optimizer" not in weights
+
+
 class TestBadInput:
     def run_cli(self, capsys, *arguments):
         status = cli.main(["pretrain", *arguments])
@@ -123,6 +367,8 @@ class TestBadInput:
             (["--batch-size", "100000"], "larger than the training corpus"),
             (["--target-epsilon", "1e-9", "--steps", "100000"], "unreachable"),
             (["--steps", "0"], "steps"),
+            (["--vocabulary", "/nonexistent/vocab.txt"], "no such file"),
+            (["--vocabulary", "VOCAB", "--vocabulary-from-training-corpus"], "not both"),
         ],
     )
     def test_one_line_error_exit_2_and_nothing_written(self, workspace, tmp_path, capsys,
@@ -132,6 +378,9 @@ class TestBadInput:
         base = self.common(workspace, output)
         if "--corpus" not in arguments:
             base += ["--corpus", corpus]
+        if "VOCAB" in arguments:
+            (tmp_path / "vocab.txt").write_text("[PAD]\n[CLS]\n[SEP]\n[UNK]\n[MASK]\n")
+            arguments = [str(tmp_path / "vocab.txt") if a == "VOCAB" else a for a in arguments]
         status, lines = self.run_cli(capsys, *base, *arguments)
         assert status == 2
         errors = [line for line in lines if line.startswith("tf-megadp: error:")]

@@ -18,6 +18,7 @@ from tf_megadp.text import (
     load_vocabulary,
     prepare_corpus,
     read_documents,
+    read_vocabulary_file,
 )
 
 PAD, CLS, SEP, UNK, MASK = range(5)
@@ -173,6 +174,23 @@ class TestPrepareCorpus:
         np.testing.assert_array_equal(again.read(np.arange(len(again))), shards.read(np.arange(len(shards))))
         with pytest.raises(CorpusError, match="must start with"):
             prepare_corpus(tmp_path / "bad", corpus_file, vocabulary=["a", "b"])
+
+    def test_a_bert_style_vocabulary_file_is_reordered(self, tmp_path):
+        # BERT's public vocab.txt: [PAD] at 0, [unused*], then [UNK] [CLS] [SEP] [MASK].
+        path = tmp_path / "vocab.txt"
+        path.write_text("[PAD]\n[unused0]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n##s\nthe\n\n",
+                        encoding="utf-8")
+        assert read_vocabulary_file(path) == [*SPECIAL_TOKENS, "[unused0]", "the", "##s"]
+        path.write_text("[PAD]\n[CLS]\nthe\n", encoding="utf-8")
+        with pytest.raises(CorpusError, match=r"lacks the special tokens \['\[SEP\]'"):
+            read_vocabulary_file(path)
+        with pytest.raises(CorpusError, match="Cannot read vocabulary file"):
+            read_vocabulary_file(tmp_path / "missing.txt")
+
+    def test_a_given_vocabulary_that_misses_the_text_names_the_fix(self, corpus_file, tmp_path):
+        vocabulary = [*SPECIAL_TOKENS, "x", "y"]
+        with pytest.raises(CorpusError, match="given vocabulary does not cover"):
+            prepare_corpus(tmp_path, corpus_file, sequence_length=LENGTH, vocabulary=vocabulary)
 
     def test_bad_settings_are_clear_errors(self, corpus_file, tmp_path):
         with pytest.raises(CorpusError, match="sequence_length must be an integer >= 8"):

@@ -235,8 +235,27 @@ def stateless_loss(model, trainable_values, state_values, x_i, y_i, w_i):
             y_pred_i = model(x_i, training=True)
         else:
             y_pred_i = model(x_i)
+        check_one_example_output(model, y_pred_i)
         loss = per_example_loss(model, x_i, y_i, y_pred_i, w_i)
     return loss, y_pred_i
+
+
+def check_one_example_output(model, y_pred_i):
+    """Run on one example (batch axis of 1), the model must predict for one example.
+
+    A model whose output has another leading size here depends on the size of
+    the batch (a constant-size permutation or gather over axis 0): its output
+    for an example is defined by the other examples of the batch.
+    """
+    for leaf in tf.nest.flatten(y_pred_i):
+        if tf.is_tensor(leaf) and leaf.shape.rank and leaf.shape[0] not in (1, None):
+            raise PrivacyConfigurationError(
+                f"Run on one example, model '{model.name}' returns a prediction of "
+                f"shape {leaf.shape} instead of (1, ...): its output depends on the "
+                "size of the batch (e.g. a fixed-size permutation, gather or reshape "
+                "over axis 0), so examples are mixed and no per-example gradient "
+                "exists. Remove the operation over the batch axis."
+            )
 
 
 def add_batch_axis(structure):

@@ -90,7 +90,10 @@ class GhostClipping(base.ClippingStrategy):
         batch = function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32))
         if tf.executing_eagerly():
             if int(batch.mixing) != independence.MIXING_OK:
-                raise independence.mixing_error(model, int(batch.mixing), self.name)
+                code = self.locate_mixing(model, x, y, sample_weight)
+                if code == independence.MIXING_OK:  # e.g. randomness that differs per call
+                    code = int(batch.mixing)
+                raise independence.mixing_error(model, code, self.name)
         else:
             # Outside the XLA function, where assertions still run, unless the
             # caller's own step is compiled with XLA too.
@@ -98,6 +101,27 @@ class GhostClipping(base.ClippingStrategy):
                 tf.equal(batch.mixing, independence.MIXING_OK),
                 [independence.ASSERTION_MARKER, batch.mixing])
         return batch
+
+
+    def locate_mixing(self, model, x, y=None, sample_weight=None) -> int:
+        """Runs the full independence check on one batch (eagerly, no XLA).
+
+        Every tapped tensor is compared, not only the model's outputs, so the
+        code names the first layer whose output (or input) differs between
+        the micro-batch and an example run alone. Called after a failed
+        check; `independence.mixing_error(model, code)` words it.
+
+        Returns:
+            `independence.MIXING_OK` (-1) or the code of the first difference.
+        """
+        rules = plan_rules(model, self.fallback)
+
+        @tf.function
+        def locate(x, y, sample_weight):
+            return _clip_and_sum(model, rules, x, y, sample_weight, tf.constant(1.0),
+                                 locate=True).mixing
+
+        return int(locate(x, y, sample_weight))
 
 
 def auto_clipping() -> GhostClipping:
@@ -120,7 +144,7 @@ def _check_no_regularizers(model):
         )
 
 
-def _forward(model, rules, x, y, sample_weight):
+def _forward(model, rules, x, y, sample_weight, locate=False):
     """The recorded forward pass.
 
     Returns:
@@ -172,7 +196,7 @@ def _forward(model, rules, x, y, sample_weight):
         )
     mixing = independence.check_independence(
         model, taps, x, [value for _, value in values], states, batch_size,
-        rule_layers={id(rule.layer) for rule in rules})
+        rule_layers={id(rule.layer) for rule in rules}, locate=locate)
     return records, recorder.batch_axes_consistent(), losses, y_pred, mixing
 
 
@@ -332,10 +356,10 @@ def _clipped_sum(outer, gather, explicit, factors, keep, variable):
     return tf.cast(tf.reshape(total, shape), variable.dtype)
 
 
-def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip):
+def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip, locate=False):
     with base.example_axis_guards(model):
         records, consistent, losses, y_pred, mixing = _forward(
-            model, rules, x, y, sample_weight)
+            model, rules, x, y, sample_weight, locate)
     variables = model.trainable_variables
     groups = _grouped(records, variables)
     batch_size = tf.shape(losses)[0]

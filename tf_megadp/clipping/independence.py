@@ -60,9 +60,11 @@ from keras.src import backend as keras_backend
 from tf_megadp.clipping import base
 from tf_megadp.errors import PrivacyConfigurationError
 
-__all__ = ["LayerTaps", "MIXING_OK", "mixing_error", "mixing_code"]
+__all__ = ["LayerTaps", "MIXING_OK", "MODEL_MIXES", "check_independence",
+           "error_from_assertion", "mixing_code", "mixing_error"]
 
 MIXING_OK = -1
+MODEL_MIXES = 1  # mixing_code of the outputs of the model itself (layer 0)
 RTOL = 1e-3
 HALF_RTOL = 5e-2
 
@@ -202,7 +204,12 @@ def mixing_error(model, code: int, strategy: str = "ghost") -> PrivacyConfigurat
     """The error for a failed run-time check, from its code."""
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     layer = layers[int(code) // 2]
-    if int(code) % 2:
+    if int(code) == MODEL_MIXES:
+        where = (f"the predictions of model '{model.name}' for some example differ "
+                 "between the micro-batch and that example run alone, so a layer or "
+                 "operation in it mixes examples (`GhostClipping.locate_mixing(model, "
+                 "x, y)` on one batch names the first layer whose output differs)")
+    elif int(code) % 2:
         where = (f"the output of layer {_describe_layer(layer)} differs, for some example, "
                  "between the micro-batch and that example run alone, so this layer (or "
                  "an operation it calls) mixes examples")
@@ -244,7 +251,7 @@ def _structural_error(layer, batched, alone, source) -> PrivacyConfigurationErro
 
 
 def check_independence(model, batched: LayerTaps, x, trainable_values, state_values,
-                       batch_size, rule_layers) -> tf.Tensor:
+                       batch_size, rule_layers, locate: bool = False) -> tf.Tensor:
     """Runs the per-example pass and compares it with the batched one.
 
     Args:
@@ -257,9 +264,12 @@ def check_independence(model, batched: LayerTaps, x, trainable_values, state_val
         batch_size: m, a scalar tensor.
         rule_layers: ids of the layers that ghost rules intercept; their
             tensors must lead with the example axis (checked from shapes).
+        locate: compare every tapped tensor, to name the first layer whose
+            output differs; otherwise only the model's outputs and the inputs
+            of Dropout-like layers (enough to detect mixing, cheaper).
 
     Returns:
-        int32 scalar: `MIXING_OK`, or the `mixing_code` of the first tapped
+        int32 scalar: `MIXING_OK`, or the `mixing_code` of the first compared
         tensor whose example rows differ.
 
     Raises:
@@ -297,49 +307,87 @@ def check_independence(model, batched: LayerTaps, x, trainable_values, state_val
         "rows": [t for t, is_mapped in zip(tensors, mapped) if is_mapped],
     }
     layers = batched.layers
+    position = {key: i for i, key in enumerate(keys)}
+    # What every step compares: the model's outputs, and the inputs of the
+    # random layers whose outputs the per-example pass reuses. If those agree
+    # for every example, each example's predictions (hence its loss and every
+    # gradient reaching it) depend on that example alone. Comparing every
+    # tapped tensor names the layer, but cost about 45 % of a BERT step, so
+    # only `locate=True` (run after a failure, outside the training step)
+    # does that.
+    outputs_of_model = [k for k in batched.records if k.layer == 0 and k.output]
+    if not outputs_of_model:
+        raise PrivacyConfigurationError(
+            f"No output of model '{model.name}' has the micro-batch as its first "
+            "axis; ghost clipping needs one prediction per example along axis 0. "
+            "Use clipping='vectorized'."
+        )
+    random_inputs = [k for k in batched.records
+                     if (k.layer, k.call) in transplant_keys and not k.output]
+    essential = sorted({position[representative[batched.records[k].ref()]]
+                        for k in outputs_of_model + random_inputs})
+    essential_set = set(essential)
+    transplanted = sorted({position[k] for _, wanted in transplant_keys.values()
+                           for k in wanted})
 
-    def one_example(e):
-        index = e["index"]
-        mapped_rows = iter(e["rows"])
-        rows = []
-        for tensor, is_mapped in zip(tensors, mapped):
-            if is_mapped:
-                rows.append(next(mapped_rows))
-            else:
-                last = tf.maximum(tf.shape(tensor)[0] - 1, 0)
-                rows.append(tf.gather(tensor, tf.minimum(index, last)))
-        row_of = dict(zip(keys, rows))
-        transplant = {call_key: (outputs, [row_of[k] for k in wanted])
-                      for call_key, (outputs, wanted) in transplant_keys.items()}
-        alone = LayerTaps(model, transplant=transplant)
-        mapping = list(zip(model.trainable_variables, trainable_values))
-        mapping += list(zip(model.non_trainable_variables, state_values))
-        with alone.installed(), keras_backend.StatelessScope(state_mapping=mapping):
-            x_i = base.add_batch_axis(e["x"])
-            if model._call_has_training_arg:
-                model(x_i, training=True)
-            else:
-                model(x_i)
-        own = [alone.records.get(key) for key in keys]
-        consistent = [
-            o is not None and o.shape.is_compatible_with(
-                tf.TensorShape([1]).concatenate(t.shape[1:]))
-            for o, t in zip(own, tensors)]
-        for key, tensor, o, ok in zip(keys, tensors, own, consistent):
-            if not ok and o is not None and id(layers[key.layer]) in rule_layers:
-                first = next(k for k, oo, okk in zip(keys, own, consistent)
-                             if not okk and oo is not None)
-                raise _structural_error(layers[key.layer], tensor, o, layers[first.layer])
-        # A tensor without a per-example counterpart (not batch-major) has no
-        # rows to compare; the layers after it are compared instead.
-        differs = [_differs(row, o[0]) if ok else tf.constant(False)
-                   for row, o, ok in zip(rows, own, consistent)]
-        return tf.stack(differs) if differs else tf.zeros([0], tf.bool)
+    def per_example_pass(selected):
+        """fn(example) -> bool [len(selected)]: which selected tensors differ."""
+        selected = set(selected)
 
-    if not keys:
-        return tf.constant(MIXING_OK, tf.int32)
-    differs = tf.reduce_any(tf.vectorized_map(one_example, elements), axis=0)
-    codes = tf.constant([mixing_code(k) for k in keys], tf.int32)
+        def one_example(e):
+            index = e["index"]
+            mapped_rows = iter(e["rows"])
+            rows = {}
+            for i, (tensor, is_mapped) in enumerate(zip(tensors, mapped)):
+                row = next(mapped_rows) if is_mapped else None
+                if i not in selected and i not in transplanted:
+                    continue
+                if row is None:
+                    last = tf.maximum(tf.shape(tensor)[0] - 1, 0)
+                    row = tf.gather(tensor, tf.minimum(index, last))
+                rows[i] = row
+            transplant = {call_key: (outputs, [rows[position[k]] for k in wanted])
+                          for call_key, (outputs, wanted) in transplant_keys.items()}
+            alone = LayerTaps(model, transplant=transplant)
+            mapping = list(zip(model.trainable_variables, trainable_values))
+            mapping += list(zip(model.non_trainable_variables, state_values))
+            with alone.installed(), keras_backend.StatelessScope(state_mapping=mapping):
+                x_i = base.add_batch_axis(e["x"])
+                if model._call_has_training_arg:
+                    model(x_i, training=True)
+                else:
+                    model(x_i)
+            own = [alone.records.get(key) for key in keys]
+            consistent = [
+                o is not None and o.shape.is_compatible_with(
+                    tf.TensorShape([1]).concatenate(t.shape[1:]))
+                for o, t in zip(own, tensors)]
+            for i, (key, tensor, o, ok) in enumerate(zip(keys, tensors, own, consistent)):
+                # The essential tensors must have per-example rows: without
+                # them nothing would be compared (fail closed).
+                needs_rows = id(layers[key.layer]) in rule_layers or i in essential_set
+                if not ok and needs_rows:
+                    first = next((k for k, oo, okk in zip(keys, own, consistent)
+                                  if not okk and oo is not None), key)
+                    raise _structural_error(layers[key.layer], tensor,
+                                            own[i] if own[i] is not None else tensor,
+                                            layers[first.layer])
+            # A tensor without a per-example counterpart (not batch-major) has
+            # no rows to compare; the layers after it are compared instead.
+            differs = [_differs(rows[i], own[i][0]) if consistent[i] else tf.constant(False)
+                       for i in sorted(selected)]
+            return tf.stack(differs)
+
+        return one_example
+
+    selected = list(range(len(keys))) if locate else essential
+    differs = tf.reduce_any(
+        tf.vectorized_map(per_example_pass(selected), elements), axis=0)
+    # Without `locate` a difference only says that the model mixes examples
+    # somewhere (a difference at the outputs says nothing about where): the
+    # code of the model's own output.
+    codes = tf.constant([mixing_code(keys[i]) if locate else MODEL_MIXES
+                         for i in selected], tf.int32)
     first = tf.argmax(tf.cast(differs, tf.int32), output_type=tf.int32)
     return tf.where(tf.reduce_any(differs), tf.gather(codes, first),
                     tf.constant(MIXING_OK, tf.int32))

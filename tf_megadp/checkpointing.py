@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Any
 
 import keras
@@ -95,15 +94,12 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
         raise FileNotFoundError(f"No checkpoint ({_INDEX}) in {directory}.")
     with open(index_path, encoding="utf-8") as handle:
         index = json.load(handle)
-    with warnings.catch_warnings():
-        # The weights file carries the optimizer's variables too; the fresh
-        # model's optimizer is not built yet, so Keras skips them and warns.
-        # They are restored below, from the file that holds them exactly.
-        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
-        model.load_weights(os.path.join(directory, _WEIGHTS))
     optimizer = keras.saving.deserialize_keras_object(index["optimizer"])
     model.compile(optimizer=optimizer, **compile_kwargs)
+    # Built before the weights are loaded, so that a private model's guard
+    # (and Keras) see an optimizer that can take the saved state.
     optimizer.build(model.trainable_variables)
+    model.load_weights(os.path.join(directory, _WEIGHTS))
     with np.load(os.path.join(directory, _OPTIMIZER)) as saved:
         values = [saved[f"v{i:05d}"] for i in range(len(saved.files))]
     expected: dict[str, Any] = {}

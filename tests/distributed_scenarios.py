@@ -341,6 +341,36 @@ def sampling_secret_checks(strategy, result):
     }
 
 
+def pretraining_job_checks(strategy, tmp_dir, result):
+    """The main job under the strategy: a tiny `tf-megadp pretrain`, two steps.
+
+    Keras splits each m * R-row micro-step of the sampler over the replicas;
+    the sampler's dataset must reach fit unchanged (it is read once: Keras
+    must not peek at it to build the model).
+    """
+    import pathlib
+
+    from tf_megadp import distribute, pretraining
+    from tests.test_pretraining import tiny_config, write_corpus
+
+    folder = pathlib.Path(tmp_dir)
+    corpus = write_corpus(folder)
+    real = distribute.resolve_strategy
+    distribute.resolve_strategy = lambda name="default", tpu=None: strategy
+    try:
+        report = pretraining.run_pretraining(
+            tiny_config(corpus, folder / "cache", folder / "job", micro_batch_size=4, steps=2,
+                        eval_every=2, checkpoint_every=0),
+            log=lambda *_: None)
+    finally:
+        distribute.resolve_strategy = real
+    with open(folder / "job" / "privacy.json", encoding="utf-8") as stream:
+        privacy = json.load(stream)
+    result["job"] = {key: report[key] for key in (
+        "epsilon", "delta", "noise_multiplier", "logical_steps", "schedule", "num_examples")}
+    result["job"]["privacy"] = {key: privacy[key] for key in ("ledger", "data", "steps")}
+
+
 def run_replicas(replicas, out_path):
     import tempfile
 
@@ -362,6 +392,8 @@ def run_replicas(replicas, out_path):
         mixed_bfloat16_checks(strategy, replicas, result)
         ghost_checks(strategy, replicas, result)
         sampling_secret_checks(strategy, result)
+        with tempfile.TemporaryDirectory() as tmp_dir:
+            pretraining_job_checks(strategy, tmp_dir, result)
     seconds["total"] = time.perf_counter() - start
     write_json_atomically(out_path, result)
 

@@ -219,6 +219,28 @@ class TestMultiWorker:
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
 
 
+class TestTheMainJobOnReplicas:
+    def test_pretrain_on_two_replicas_trains_and_accounts_every_step(self, replicated):
+        if replicated["replicas"] != 2:
+            pytest.skip("the job is checked on the 2-replica run")
+        job = replicated["job"]
+        schedule = tf_megadp.BatchSizeSchedule.from_dict(job["schedule"])
+        assert schedule.num_replicas == 2 and job["logical_steps"] == 2
+        (phase,) = schedule.phases
+        # The ledger holds the sampler's Poisson steps, truncated at the
+        # capacity k * m * R of both replicas together.
+        assert job["privacy"]["data"]["sampling"] == "poisson"
+        assert job["privacy"]["data"]["num_examples_measured"]
+        assert job["privacy"]["ledger"] == [{
+            "steps": 2, "sampling_rate": phase.batch_size / job["num_examples"],
+            "noise_multiplier": job["noise_multiplier"],
+            "max_batch_size": phase.accumulation_steps * 4 * 2, "sampling": "poisson"}]
+        expected = tf_megadp.compute_epsilon(
+            schedule=schedule, noise_multiplier=job["noise_multiplier"], delta=job["delta"],
+            accountant="rdp", steps=2)
+        assert job["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
 class TestSharedSamplingSecret:
     """Every worker gets the chief's 128-bit draw, through the all-reduce only."""
 

@@ -240,7 +240,7 @@ class TestMaskedLMBatcher:
         assert set(x) == {"token_ids", "segment_ids", "padding_mask", "mask_positions"}
         assert x["token_ids"].shape == (m, LENGTH) and x["token_ids"].dtype == "int32"
         assert x["segment_ids"].shape == (m, LENGTH) and not np.any(x["segment_ids"])
-        assert x["padding_mask"].dtype == "bool"
+        assert x["padding_mask"].dtype == "int32"  # BertBackbone's input dtype
         assert x["mask_positions"].shape == (m, p) and x["mask_positions"].dtype == "int32"
         assert y.shape == (m, p) and y.dtype == "int32"
         assert sample_weight.shape == (m, p) and sample_weight.dtype == "float32"

@@ -686,6 +686,14 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
         )
 
     strategy = distribute.resolve_strategy(config.strategy, tpu=config.tpu)
+    if distribute._worker_count(strategy) > 1:
+        raise PretrainError(
+            "tf-megadp pretrain runs on one host (strategies default, mirrored, tpu): "
+            "Keras 3.15's fit cannot run under MultiWorkerMirroredStrategy with several "
+            "workers (docs/tpu.md). Run the private step with "
+            "tf_megadp.distribute.train_micro_steps in your own loop, with a sampler "
+            "built from tf_megadp.distribute.shared_sampling_secret(strategy)."
+        )
     replicas = strategy.num_replicas_in_sync
     log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'}; "
         f"vocabulary from {vocabulary_report(config)['source']})...")
@@ -734,6 +742,36 @@ class _Checkpointer:
             "history": self.history,
             "config": _config_dict(self.config),
         })
+
+
+def _build_without_reading(model, element_spec, replicas: int) -> None:
+    """Lets Keras build `model` from the data's shapes instead of its first batch.
+
+    Under a tf.distribute strategy, Keras 3.15's `fit` reads one batch of
+    the training data to build the model, then restarts the data. A
+    sampler's dataset can be read once only (a restart would replay its
+    draws, which it refuses), so the job hands Keras the per-replica shapes
+    and dtypes, which is all the build uses. Without a strategy Keras builds
+    while tracing and reads nothing early; then this does nothing.
+
+    Args:
+        model: the compiled model.
+        element_spec: the sampler dataset's element spec (m * R rows).
+        replicas: R.
+    """
+    if getattr(model, "_distribute_strategy", None) is None:
+        return
+    import tensorflow as tf
+
+    per_replica = tf.nest.map_structure(
+        lambda spec: tf.TensorSpec([spec.shape[0] // replicas, *spec.shape[1:]], spec.dtype),
+        element_spec)
+
+    def build(iterator=None, data_batch=None):
+        with model.distribute_strategy.scope():
+            model._symbolic_build(data_batch=per_replica)
+
+    model._maybe_symbolic_build = build
 
 
 def _compile_kwargs(private: bool):
@@ -815,12 +853,13 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     sampler = sampling.PoissonSampler(
         train, schedule, shared_secret=distribute.shared_sampling_secret(strategy),
         start_step=start_step, end_step=end_step)
-    micro_steps = sampler.as_dataset(batcher)
-    dataset = micro_steps
-    if schedule.num_replicas > 1:
-        # Each micro-step of m * R rows is split into the replicas' m-row
-        # micro-batches; the distributed dataset keeps the sampler's source.
-        dataset = distribute.distribute_micro_batches(strategy, lambda context: micro_steps)
+    # Fed to fit as the sampler returned it (a derived dataset is refused).
+    # With R replicas on this host, Keras splits each m * R-row micro-step
+    # along its rows, replica r taking rows [r*m, (r+1)*m): the layout
+    # distribute.replica_micro_batches gives one input pipeline. keras-hub
+    # tasks cannot take a tf.distribute DistributedDataset in fit.
+    dataset = sampler.as_dataset(batcher)
+    _build_without_reading(model, dataset.element_spec, schedule.num_replicas)
 
     # One fit step consumes one micro-batch per replica: a sampler micro-step.
     remaining_micro = sampler.total_micro_steps

@@ -688,7 +688,10 @@ class MaskedLMBatcher:
         x = {
             "token_ids": tf.cast(masked["token_ids"], tf.int32),
             "segment_ids": tf.zeros_like(rows, tf.int32),
-            "padding_mask": padding_mask,
+            # int32, BertBackbone's own input dtype: under a tf.distribute
+            # strategy Keras averages the first batch across replicas to
+            # build the model, which no all-reduce can do for bool.
+            "padding_mask": tf.cast(padding_mask, tf.int32),
             "mask_positions": tf.ensure_shape(tf.cast(masked["mask_positions"], tf.int32), predictions),
         }
         y = tf.ensure_shape(tf.cast(masked["mask_ids"], tf.int32), predictions)

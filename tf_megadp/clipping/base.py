@@ -314,6 +314,31 @@ _AXIS_NORMALIZATIONS = (
 )
 
 
+# Augmentation layers that mix pairs of examples by design.
+_MIXING_AUGMENTATIONS = tuple(
+    getattr(keras.layers, name) for name in ("MixUp", "CutMix") if hasattr(keras.layers, name))
+
+
+def refuse_layers_without_xla(model: keras.Model):
+    """Strategies compiled with XLA refuse layers that declare they cannot be.
+
+    Otherwise the step fails inside tf2xla with an op name and no layer.
+    Recurrent layers are exempt: Keras marks them supports_jit=False once
+    they have run on cuDNN (a GPU), and `example_axis_guards` unrolls them,
+    which takes them off cuDNN.
+    """
+    layers = [f"'{layer.name}' ({type(layer).__name__})"
+              for layer in model._flatten_layers(include_self=True, recursive=True)
+              if getattr(layer, "supports_jit", True) is False
+              and not isinstance(layer, keras.layers.RNN)]
+    if layers:
+        raise PrivacyConfigurationError(
+            f"Layer(s) {', '.join(layers)} declare supports_jit=False, but the "
+            "per-example clipping step is compiled with XLA. Remove them from the "
+            "trained model (run them in the data pipeline instead)."
+        )
+
+
 def _normalized_axes(axis, rank):
     axes = axis if isinstance(axis, (list, tuple)) else [axis]
     return sorted(int(a) % rank for a in axes)
@@ -391,6 +416,16 @@ def example_axis_guards(model: keras.Model):
             layer on sequences of unknown length.
     """
     layers = list(model._flatten_layers(include_self=True, recursive=True))
+    mixing = [f"'{layer.name}' ({type(layer).__name__})" for layer in layers
+              if isinstance(layer, _MIXING_AUGMENTATIONS)]
+    if mixing:
+        raise PrivacyConfigurationError(
+            f"Layer(s) {', '.join(mixing)} blend each example with another example "
+            "of the batch (MixUp/CutMix): one example's data then reaches another "
+            "example's gradient, and the per-example sensitivity bound of DP-SGD "
+            "fails. Remove them; under DP-SGD, augment each example on its own "
+            "(e.g. random crops or flips)."
+        )
     stateful = [f"'{layer.name}'" for layer in layers
                 if isinstance(layer, keras.layers.RNN) and layer.stateful]
     if stateful:

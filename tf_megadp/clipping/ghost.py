@@ -81,6 +81,8 @@ class GhostClipping(base.ClippingStrategy):
         if function is None:
             rules = plan_rules(model, self.fallback)
             _check_no_regularizers(model)
+            if self.jit_compile:
+                base.refuse_layers_without_xla(model)
 
             def clip_and_sum(x, y, sample_weight, l2_norm_clip):
                 return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip)

@@ -56,6 +56,9 @@ class VectorizedClipping(base.ClippingStrategy):
     def _function_for(self, model):
         function = self._functions.get(model)
         if function is None:
+            if self.jit_compile:
+                base.refuse_layers_without_xla(model)
+
             def clip_and_sum(x, y, sample_weight, l2_norm_clip):
                 return _clip_and_sum(model, x, y, sample_weight, l2_norm_clip)
 

@@ -415,3 +415,73 @@ def test_bert_training_with_ghost_matches_the_naive_reference(bert):
     assert int(model.optimizer.iterations.numpy()) == 1
     for a, b, e in zip(reference.weights(model), before, expected):
         np.testing.assert_allclose(a - b, e, rtol=1e-5, atol=2e-6)
+
+
+# -- Ghost rules as plug-ins ------------------------------------------------------
+
+class FeatureScale(keras.layers.Layer):
+    """A user layer: multiplies every feature by its own trainable scale."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=input_shape[-1:], initializer="random_normal")
+
+    def call(self, inputs):
+        return inputs * self.scale
+
+
+class FeatureScaleRule(tf_megadp.clipping.Rule):
+    """Example i's gradient of `scale` is sum over tokens of x_i * dL/doutput_i."""
+
+    def call(self, recorder, original, inputs):
+        layer = self.layer
+        recorder.check_batch_axis(inputs, layer)
+        outputs, index = recorder.probe(original(inputs), layer)
+
+        def finish(gradient_of):
+            gradient = gradient_of(index)
+            if gradient is None:
+                return []
+            return [(layer.scale, tf_megadp.clipping.Explicit(
+                tf.reduce_sum(inputs * gradient, axis=1)))]
+
+        recorder.on_gradients(finish)
+        return outputs
+
+
+class TestPluginRules:
+    def test_a_registered_user_rule_gives_ghost_norms(self):
+        tf_megadp.clipping.register_ghost_rule(FeatureScale)(FeatureScaleRule)
+        try:
+            model = sequence_model(keras.layers.Dense(4, activation="tanh"), FeatureScale(),
+                                   keras.layers.Dense(3))
+            assert_same_clipping(model, sequences(), labels((6, 5)))
+        finally:
+            tf_megadp.clipping.unregister_ghost_rule(FeatureScaleRule)
+
+    def test_without_the_rule_ghost_refuses_the_layer(self):
+        model = sequence_model(FeatureScale(), keras.layers.Dense(3))
+        model.compile(loss=LOSS)
+        with pytest.raises(PrivacyConfigurationError, match="feature_scale"):
+            GhostClipping(jit_compile=False).clip_and_sum(
+                model, sequences(), labels((6, 5)), None, 1.0)
+
+    def test_a_subclass_overriding_call_does_not_inherit_the_rule(self):
+        class Shifted(FeatureScale):
+            def call(self, inputs):
+                return inputs * self.scale + 1.0
+
+        tf_megadp.clipping.register_ghost_rule(FeatureScale)(FeatureScaleRule)
+        try:
+            model = sequence_model(Shifted(), keras.layers.Dense(3))
+            model.compile(loss=LOSS)
+            with pytest.raises(PrivacyConfigurationError, match="no ghost-norm rule"):
+                GhostClipping(jit_compile=False).clip_and_sum(
+                    model, sequences(), labels((6, 5)), None, 1.0)
+        finally:
+            tf_megadp.clipping.unregister_ghost_rule(FeatureScaleRule)
+
+    def test_registration_checks_its_arguments(self):
+        with pytest.raises(TypeError):
+            tf_megadp.clipping.register_ghost_rule(int)
+        with pytest.raises(TypeError):
+            tf_megadp.clipping.register_ghost_rule(FeatureScale)(object)

@@ -4,16 +4,32 @@
 to a strategy object.
 """
 
+from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, ClippingStrategy
 from tf_megadp.clipping.ghost import GhostClipping, auto_clipping
+from tf_megadp.clipping.layer_rules import (
+    Explicit,
+    Gather,
+    Outer,
+    Rule,
+    register_ghost_rule,
+    unregister_ghost_rule,
+)
 from tf_megadp.clipping.vectorized import VectorizedClipping
 
 __all__ = [
     "ClippedBatch",
     "ClippingStrategy",
+    "Explicit",
+    "Gather",
     "GhostClipping",
+    "Outer",
+    "Rule",
     "VectorizedClipping",
     "get_clipping_strategy",
+    "independence",
+    "register_ghost_rule",
+    "unregister_ghost_rule",
 ]
 
 _STRATEGIES = {

@@ -35,7 +35,8 @@ from keras.src.backend.common import masking
 from tf_megadp.clipping import base
 from tf_megadp.errors import PrivacyConfigurationError
 
-__all__ = ["Explicit", "Gather", "Outer", "Recorder", "plan_rules"]
+__all__ = ["Explicit", "Gather", "Outer", "Recorder", "Rule", "plan_rules",
+           "register_ghost_rule", "unregister_ghost_rule"]
 
 
 class Outer(NamedTuple):
@@ -261,9 +262,22 @@ class Rule:
 
     @classmethod
     def matches(cls, layer) -> bool:
-        raise NotImplementedError
+        """Whether this rule applies to `layer` (already an instance of the registered class).
+
+        The default accepts a layer that runs the `call` of the class the
+        rule was registered for, so a subclass overriding `call` falls back
+        (exact per-example gradients under "auto", refusal under "ghost").
+        """
+        registered = [c for c, rule in _REGISTRY if rule is cls and isinstance(layer, c)]
+        return any(type(layer).call is c.call for c in registered)
 
     def call(self, recorder, original, *args, **kwargs):
+        """Runs `original` (the layer's own call), recording what the gradients need.
+
+        Register a `finisher(gradient_of)` with `recorder.on_gradients` that
+        returns [(variable, term), ...]; `recorder.probe(tensor, layer)`
+        gives an index whose gradient is dL/d(tensor) per example.
+        """
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -780,15 +794,74 @@ class _OwnVariablesScope(keras_backend.StatelessScope):
         return super().get_current_value(variable)
 
 
-GHOST_RULES = (
-    DenseRule,
-    EinsumDenseRule,
-    ReversibleEmbeddingRule,
-    EmbeddingRule,
-    PositionEmbeddingRule,
-    MaskedLMHeadRule,
-    LayerNormalizationRule,
-)
+# (layer class, rule class), newest first: a rule registered later for the
+# same or a more specific class is tried before the built-in ones.
+_REGISTRY: list[tuple[type, type]] = []
+
+
+def register_ghost_rule(layer_class: type):
+    """Class decorator: makes a `Rule` subclass handle `layer_class` under ghost and auto.
+
+    The rule is tried for every instance of `layer_class` (or a subclass)
+    whose `rule.matches(layer)` is true, before the built-in rules; the most
+    recently registered rule wins. It must record, for every trainable
+    variable of the layer, terms whose sum over a call is example i's
+    gradient (`Outer`, `Gather`, `Explicit`); `tests/test_clipping.py`'s
+    `assert_same_clipping` compares them with materialised per-example
+    gradients, and a new rule should pass it before it is trusted: ghost
+    clipping uses its records as the per-example gradients they claim to be.
+
+    Example:
+    ```python
+    @register_ghost_rule(MyScale)
+    class MyScaleRule(Rule):
+        def call(self, recorder, original, inputs):
+            outputs, index = recorder.probe(original(inputs), self.layer)
+            def finish(gradient_of):
+                g = gradient_of(index)
+                return [] if g is None else [
+                    (self.layer.scale, Explicit(tf.reduce_sum(inputs * g, axis=1)))]
+            recorder.on_gradients(finish)
+            return outputs
+    ```
+    """
+    if not isinstance(layer_class, type) or not issubclass(layer_class, keras.layers.Layer):
+        raise TypeError(f"register_ghost_rule needs a keras Layer class, got {layer_class!r}.")
+
+    def register(rule_class):
+        if not isinstance(rule_class, type) or not issubclass(rule_class, Rule):
+            raise TypeError(f"{rule_class!r} is not a subclass of layer_rules.Rule.")
+        _REGISTRY.insert(0, (layer_class, rule_class))
+        return rule_class
+
+    return register
+
+
+def unregister_ghost_rule(rule_class: type) -> None:
+    """Removes every registration of `rule_class` (e.g. at the end of a test)."""
+    _REGISTRY[:] = [(layer, rule) for layer, rule in _REGISTRY if rule is not rule_class]
+
+
+def rule_for(layer) -> Rule | None:
+    """The registered ghost rule for `layer`, or None."""
+    for layer_class, rule_class in _REGISTRY:
+        if isinstance(layer, layer_class) and rule_class.matches(layer):
+            return rule_class(layer)
+    return None
+
+
+# The built-in rules, registered like user rules; order here is priority
+# order (a ReversibleEmbedding is also an Embedding).
+for _layer_class, _rule_class in reversed([
+    (keras.layers.Dense, DenseRule),
+    (keras.layers.EinsumDense, EinsumDenseRule),
+    (keras.layers.ReversibleEmbedding, ReversibleEmbeddingRule),
+    (keras.layers.Embedding, EmbeddingRule),
+    (keras_hub.layers.PositionEmbedding, PositionEmbeddingRule),
+    (keras_hub.layers.MaskedLMHead, MaskedLMHeadRule),
+    (keras.layers.LayerNormalization, LayerNormalizationRule),
+]):
+    register_ghost_rule(_layer_class)(_rule_class)
 
 
 def plan_rules(model: keras.Model, fallback: str) -> list[Rule]:
@@ -813,7 +886,7 @@ def plan_rules(model: keras.Model, fallback: str) -> list[Rule]:
         if id(layer) in seen:
             return
         seen.add(id(layer))
-        rule = next((r(layer) for r in GHOST_RULES if r.matches(layer)), None)
+        rule = rule_for(layer)
         if rule is None and layer._trainable_variables:
             if fallback == "any" or isinstance(layer, SMALL_LAYERS):
                 rule = fallback_rule(layer)

@@ -303,3 +303,13 @@ def test_tiny_bert_with_dropout_passes_under_xla():
         batch = GhostClipping(fallback=fallback).clip_and_sum(model, x, y, w, 1.0)
         assert int(batch.mixing) == independence.MIXING_OK
         assert np.all(np.isfinite(batch.norms.numpy()))
+
+
+def test_refuse_mixing_callback_raises_the_named_error_from_logs():
+    model = batch_mean_model()
+    callback = independence.RefuseMixingCallback()
+    callback.set_model(model)
+    callback.on_train_batch_end(0, {independence.LOG_KEY: -1.0, "loss": 1.0})
+    callback.on_train_batch_end(0, {"loss": 1.0})
+    with pytest.raises(PrivacyConfigurationError, match="locate_mixing"):
+        callback.on_train_batch_end(1, {independence.LOG_KEY: float(independence.MODEL_MIXES)})

@@ -414,3 +414,23 @@ def error_from_assertion(model, error: Exception,
     if found is None:
         return None
     return mixing_error(model, int(found.group(1)), strategy)
+
+
+LOG_KEY = "example_mixing"
+
+
+class RefuseMixingCallback(keras.callbacks.Callback):
+    """Raises the named error when a step's `logs[LOG_KEY]` reports mixing.
+
+    For a train step compiled whole with XLA (`model.compile(jit_compile=True)`),
+    where the step's assertion is dropped: the step then only zeroes the
+    failing micro-batch. The train step must put `ClippedBatch.mixing` into
+    its logs under `LOG_KEY` (the maximum over replicas).
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        code = (logs or {}).get(LOG_KEY)
+        if code is None or int(code) == MIXING_OK:
+            return
+        strategy = getattr(getattr(self.model, "optimizer", None), "clipping_strategy", None)
+        raise mixing_error(self.model, int(code), getattr(strategy, "name", "ghost"))

@@ -11,11 +11,12 @@ private corpus does not reach the published vocabulary unless the user asks
 for a vocabulary learned on that corpus.
 """
 
+import io
 import json
-import os
 import warnings
 import zipfile
 
+import h5py
 import numpy as np
 import pytest
 
@@ -343,8 +344,6 @@ class TestReleasedStatistics:
         with zipfile.ZipFile(output / "model.keras") as archive:
             config = json.loads(archive.read("config.json"))
             assert "compile_config" not in config or not config["compile_config"]
-            import h5py, io
-
             with h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as weights:
                 assert "optimizer" not in weights
 

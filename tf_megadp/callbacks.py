@@ -218,9 +218,11 @@ class LedgerKeeper(keras.callbacks.Callback):
         self._check_source(optimizer)
         self.ledger = read_ledger(optimizer)
         self._check_consistent(optimizer)
+        self._batches = 0
         self.model._tf_megadp_keeper = self
 
     def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
         self.drain()
 
     def on_epoch_end(self, epoch, logs=None):
@@ -233,6 +235,14 @@ class LedgerKeeper(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.drain()
         self._end_partial_step("a fit call")
+        if self.sampling == "poisson" and not self._batches and not self.model.stop_training:
+            raise PrivacyConfigurationError(
+                "fit consumed no micro-batch of the sampler's dataset. Under a "
+                "tf.distribute strategy Keras reads one batch to build an unbuilt model "
+                "and restarts the data, which a sampler refuses (its draws are read "
+                "once). Build the model before fit (e.g. call it once on a batch of the "
+                "right shapes, or model.build(...)), then pass a fresh sampler's dataset."
+            )
         self.model._tf_megadp_ledger_owner = _LedgerOwner(_dp_optimizer(self.model))
 
     # -- Checks --------------------------------------------------------------------

@@ -277,7 +277,7 @@ def distribute_micro_batches(
         # sampler's steps to its replica (every slot once), so the steps are
         # still the sampler's Poisson draws. The DataSource marker is the
         # attribute sources.source_of reads first.
-        setattr(distributed, sources._ATTRIBUTE, described[0])
+        sources.mark_distributed(distributed, described[0])
     return distributed
 
 

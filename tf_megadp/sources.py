@@ -32,7 +32,7 @@ from typing import Any
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
-__all__ = ["DataSource", "attach_source", "source_of", "FIXED_SIZE_SAMPLING"]
+__all__ = ["DataSource", "attach_source", "mark_distributed", "source_of", "FIXED_SIZE_SAMPLING"]
 
 # The accountant's code for batches that no tf_megadp sampler drew.
 FIXED_SIZE_SAMPLING = "shuffle"
@@ -109,6 +109,26 @@ def attach_source(dataset, source: DataSource):
     marked = dataset.take(-1, name=_MARKER_PREFIX + secrets.token_hex(4))
     setattr(marked, _ATTRIBUTE, source)
     return marked
+
+
+def mark_distributed(distributed, source: DataSource):
+    """Marks a `tf.distribute` dataset built from a sampler's dataset with its source.
+
+    A `DistributedDataset` has no dataset graph to carry the marker, so the
+    code that distributes a sampler's dataset (`tf_megadp.distribute`) hands
+    the source on explicitly.
+
+    Args:
+        distributed: the distributed dataset.
+        source: the sampler's `DataSource`.
+
+    Returns:
+        `distributed`, now carrying `source`.
+    """
+    if not isinstance(source, DataSource):
+        raise TypeError(f"source must be a DataSource, got {source!r}.")
+    setattr(distributed, _ATTRIBUTE, source)
+    return distributed
 
 
 def source_of(data) -> DataSource | None:

@@ -336,6 +336,21 @@ class TestSamplerSources:
             model.fit(_poisson_dataset(schedule, data, 3).cache(), epochs=2, verbose=0)
 
 
+def test_a_fit_that_consumed_nothing_of_a_sampler_raises(data):
+    # Under a tf.distribute strategy Keras re-reads the data to build an
+    # unbuilt model; the read-once sampler refuses and fit used to return
+    # quietly with no step. The keeper's end-of-fit check, driven directly:
+    x, y = data
+    sampler = tf_megadp.PoissonSampler.from_arrays(
+        x, y, batch_size=BATCH, epochs=1, micro_batch_size=MICRO_BATCH)
+    model = private_model(schedule=sampler.schedule)
+    keeper = tf_megadp.callbacks.LedgerKeeper(sampler.source)
+    keeper.set_model(model)
+    keeper.on_train_begin()
+    with pytest.raises(PrivacyConfigurationError, match="consumed no micro-batch"):
+        keeper.on_train_end()
+
+
 def test_budget_stop_halts_exactly_at_the_last_step_that_fits(data, capsys):
     # Budget between epsilon after 5 and after 6 logical steps: the run must
     # take exactly 5 steps (10 micro-batches) of the 40 that 10 epochs offer.

@@ -21,7 +21,6 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from tests import reference
 from tf_megadp import PrivacyConfigurationError

@@ -51,6 +51,7 @@ backward pass only; such code is trusted.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import NamedTuple
 
 import keras
@@ -405,8 +406,6 @@ def error_from_assertion(model, error: Exception,
     Returns None for any other error. For callers that run the step inside
     `fit`, where the assertion surfaces as a TensorFlow error.
     """
-    import re
-
     message = str(error)
     if ASSERTION_MARKER not in message:
         return None

@@ -313,3 +313,17 @@ def test_refuse_mixing_callback_raises_the_named_error_from_logs():
     callback.on_train_batch_end(0, {"loss": 1.0})
     with pytest.raises(PrivacyConfigurationError, match="locate_mixing"):
         callback.on_train_batch_end(1, {independence.LOG_KEY: float(independence.MODEL_MIXES)})
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("clipping", ["ghost", "auto"])
+def test_fit_on_a_mixing_model_raises_the_named_error(clipping, jit_compile):
+    import tf_megadp
+
+    model = tf_megadp.make_private(batch_mean_model())
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
+        clipping=clipping), loss=LOSS, jit_compile=jit_compile)
+    x, y = mixing_batch("batch_mean")
+    with pytest.raises(PrivacyConfigurationError, match="minus_batch_mean|mix"):
+        model.fit(x, y, batch_size=M, verbose=0)

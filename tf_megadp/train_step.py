@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from tf_megadp import sources
 from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
+from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer
@@ -201,9 +202,21 @@ def _private_fit(model: keras.Model, original_fit):
             require_poisson_sampling=model._tf_megadp_require_poisson,
             micro_batch_size=_array_micro_batch_size(arguments),
         )
-        # First, so that every other callback sees the ledger it kept.
-        arguments["callbacks"] = [keeper] + callbacks
-        return original_fit(**arguments)
+        # First, so that every other callback sees the ledger it kept. The
+        # mixing guard raises when a step compiled whole with XLA (whose
+        # assertions are dropped) reports that its batched forward pass mixed
+        # examples.
+        arguments["callbacks"] = [keeper, independence.RefuseMixingCallback()] + callbacks
+        try:
+            return original_fit(**arguments)
+        except tf.errors.InvalidArgumentError as error:
+            # The clipping strategy's in-graph independence assertion.
+            strategy = getattr(model.optimizer, "clipping_strategy", None)
+            converted = independence.error_from_assertion(
+                model, error, getattr(strategy, "name", "ghost"))
+            if converted is None:
+                raise
+            raise converted from None
 
     return fit
 
@@ -347,6 +360,12 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
     model._loss_tracker.update_state(mean_loss, sample_weight=real_examples)
     logs = model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
+    if batch.mixing is not None:
+        mixing = tf.cast(batch.mixing, tf.float32)
+        replica_context = tf.distribute.get_replica_context()
+        if replica_context is not None and replica_context.num_replicas_in_sync > 1:
+            mixing = replica_context.all_reduce(tf.distribute.ReduceOp.MAX, mixing)
+        logs[independence.LOG_KEY] = mixing
     if not log_nonfinite_examples:
         return logs
     nonfinite = optimizer.nonfinite_examples.value
@@ -374,25 +393,30 @@ def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_ba
         return strategy.clip_and_sum(model, x, y, sample_weight, clip)
     is_real = example_weights_present(sample_weight, micro_batch_size)
     variables = model.trainable_variables
-    reached = []
+    reached, checked = [], []
 
     def compute():
         batch = strategy.clip_and_sum(model, x, y, sample_weight, clip)
         reached[:] = [g is not None for g in batch.gradient_sum]
+        checked[:] = [batch.mixing is not None]
         gradients = [tf.zeros_like(v.value) if g is None else g
                      for g, v in zip(batch.gradient_sum, variables)]
+        mixing = (tf.constant(independence.MIXING_OK, tf.int32) if batch.mixing is None
+                  else tf.cast(batch.mixing, tf.int32))
         return (gradients, tf.cast(batch.losses, tf.float32), batch.y_pred,
-                tf.cast(batch.norms, tf.float32), batch.is_real, batch.nonfinite)
+                tf.cast(batch.norms, tf.float32), batch.is_real, batch.nonfinite, mixing)
 
     def skip():
         zeros = tf.zeros_like(is_real)
         # Metrics still need predictions; they carry weight zero.
         y_pred = model(x, training=False)
         return ([tf.zeros_like(v.value) for v in variables], zeros, y_pred, zeros, zeros,
-                tf.constant(0, tf.int64))
+                tf.constant(0, tf.int64), tf.constant(independence.MIXING_OK, tf.int32))
 
-    gradients, losses, y_pred, norms, is_real, nonfinite = tf.cond(
+    gradients, losses, y_pred, norms, is_real, nonfinite, mixing = tf.cond(
         tf.reduce_any(is_real > 0), compute, skip)
     # Variables the loss does not reach stay None: neither noised nor updated.
     gradients = [g if connected else None for g, connected in zip(gradients, reached)]
-    return ClippedBatch(gradients, losses, y_pred, norms, is_real, nonfinite)
+    # Only strategies that check independence (ghost, auto) report mixing.
+    return ClippedBatch(gradients, losses, y_pred, norms, is_real, nonfinite,
+                        mixing if checked[0] else None)

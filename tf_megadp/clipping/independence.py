@@ -428,8 +428,12 @@ class RefuseMixingCallback(keras.callbacks.Callback):
     """
 
     def on_train_batch_end(self, batch, logs=None):
-        code = (logs or {}).get(LOG_KEY)
+        # Popped: a check result, not a training statistic for the progress bar.
+        code = (logs if logs is not None else {}).pop(LOG_KEY, None)
         if code is None or int(code) == MIXING_OK:
             return
         strategy = getattr(getattr(self.model, "optimizer", None), "clipping_strategy", None)
         raise mixing_error(self.model, int(code), getattr(strategy, "name", "ghost"))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.on_train_batch_end(None, logs)

@@ -64,6 +64,9 @@ from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
+# 1 / Phi^-1(3/4): the MAD of a normal sample times this estimates its SD.
+_MAD_TO_SD = 1.482602218505602
+
 __all__ = [
     "CanaryClipping",
     "CanaryCoordinates",
@@ -347,7 +350,7 @@ def white_box_scores(
         raise ValueError("Sampling rates must lie in [0, 1].")
     keep = np.ones(steps, bool) if observed is None else np.asarray(observed, bool)
     centre = np.median(observations, axis=1, keepdims=True)
-    spread = 1.4826 * np.median(np.abs(observations - centre), axis=1, keepdims=True)
+    spread = _MAD_TO_SD * np.median(np.abs(observations - centre), axis=1, keepdims=True)
     if shift is not None:
         shift = np.broadcast_to(np.abs(np.asarray(shift, np.float64)) * signal, (steps,))[:, None]
         # Noise-free steps (sigma = 0) have no spread: a floor far below one

@@ -134,7 +134,11 @@ def one_run_audit_run(
         noise_multiplier = calibrate_noise_multiplier(target_epsilon, delta, schedule=schedule)
 
     keras.utils.set_random_seed(seed if seed is not None else int(rng.integers(2**31)))
-    model = keras.Sequential([keras.Input((features + num_canaries,)), keras.layers.Dense(1)])
+    # Zero initial weights (a public choice): the finished model's canary rows
+    # are then the sum of their updates, which is all a black-box attacker
+    # can compare; a random initialization would hide them from it.
+    model = keras.Sequential([keras.Input((features + num_canaries,)),
+                              keras.layers.Dense(1, kernel_initializer="zeros")])
     rows = np.arange(features, features + num_canaries)
     coordinates = CanaryCoordinates.on_rows(model.layers[0].kernel, rows)
     description, optimizer_class, strategy_class = (

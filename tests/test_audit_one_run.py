@@ -482,3 +482,26 @@ def test_fresh_secret_audits_hold_and_catch_every_bug():
     report = one_run_audit_run(noise_multiplier=SIGMA[2.0], canaries="gradient",
                                planted_bug="unclipped-example", **settings)
     assert report["white_box"]["epsilon_lower_bound"] < report["theoretical_epsilon"]
+
+
+def test_one_run_cli_options_run_a_small_audit_and_write_json(tmp_path, capsys):
+    import argparse
+    import json
+
+    from tf_megadp.audit import audit_run
+
+    assert audit_run.PLANTED_BUG_NAMES == tuple(sorted(planted_bugs.PLANTED_BUGS))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("run_dir", nargs="?")
+    audit_run.add_one_run_arguments(parser)
+    output = tmp_path / "one_run.json"
+    args = parser.parse_args(["--one-run", "--num-canaries", "100", "--steps", "50",
+                              "--sampling-rate", "0.05", "--epsilon", "4",
+                              "--plant-bug", "halved-noise", "--output", str(output)])
+    assert audit_run.run_one_run_from_args(args) == 0
+    report = json.loads(output.read_text())
+    assert report["planted_bug"] == "halved-noise" and not report["seeded"]
+    assert report["theoretical_epsilon"] == pytest.approx(4.0, rel=0.02)
+    assert "white-box one-run lower bound" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--one-run", "--plant-bug", "no-such-bug"])

@@ -31,7 +31,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["one_run_audit_run"]
+__all__ = ["add_one_run_arguments", "one_run_audit_run", "run_one_run_from_args"]
+
+# The names of `planted_bugs.PLANTED_BUGS`, here so that building the CLI
+# parser does not import TensorFlow (a test keeps the two in step).
+PLANTED_BUG_NAMES = ("double-counted", "halved-noise", "unclipped-example")
 
 
 def _real_data(num_examples: int, features: int, spare: int, rng: np.random.Generator):
@@ -214,3 +218,50 @@ def _summary(report: dict[str, Any]) -> str:
                 f"({result['num_correct']}/{result['num_guesses']} guesses right, "
                 f"{100 * result['confidence']:.0f}% confidence)")
     return "\n".join(lines)
+
+
+# -- `tf-megadp audit --one-run` -------------------------------------------------
+
+
+def add_one_run_arguments(parser) -> None:
+    """Adds the `--one-run` options to the `tf-megadp audit` parser (see tf_megadp/cli.py).
+
+    Args:
+        parser: an `argparse.ArgumentParser` (or subparser).
+    """
+    group = parser.add_argument_group(
+        "one-run audit", "--one-run trains a tiny linear model once with DP-SGD and canaries "
+        "and prints one-run lower bounds beside the accountant's epsilon (minutes on a CPU).")
+    group.add_argument("--one-run", action="store_true",
+                       help="run an audit run instead of auditing RUN_DIR")
+    group.add_argument("--epsilon", type=float, default=2.0,
+                       help="target epsilon the noise is calibrated to (default 2)")
+    group.add_argument("--delta", type=float, default=1e-6,
+                       help="delta of the run and of the bounds (default 1e-6; keep it << 1/m)")
+    group.add_argument("--canary-kind", choices=("gradient", "input"), default="gradient",
+                       help="white-box gradient canaries, or input canaries scored white- "
+                            "and black-box (default gradient)")
+    group.add_argument("--num-canaries", type=int, default=5000, help="m (default 5000)")
+    group.add_argument("--steps", type=int, default=1000, help="logical steps (default 1000)")
+    group.add_argument("--sampling-rate", type=float, default=0.005,
+                       help="Poisson rate q of examples and canaries (default 0.005)")
+    group.add_argument("--plant-bug", choices=PLANTED_BUG_NAMES,
+                       help="train with a deliberately broken DP step (to see the audit fail it)")
+    group.add_argument("--output", help="also write the report as JSON to this file")
+
+
+def run_one_run_from_args(args) -> int:
+    """Runs `one_run_audit_run` from the parsed `--one-run` options; returns the exit code."""
+    import json
+
+    from tf_megadp.files import write_json_atomically
+
+    report = one_run_audit_run(
+        target_epsilon=args.epsilon, delta=args.delta, canaries=args.canary_kind,
+        num_canaries=args.num_canaries, steps=args.steps, sampling_rate=args.sampling_rate,
+        planted_bug=args.plant_bug, seed=getattr(args, "audit_seed", None))
+    if args.output:
+        write_json_atomically(args.output, report)
+    if getattr(args, "json", False):
+        print(json.dumps(report, indent=2, default=str))
+    return 0

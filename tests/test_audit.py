@@ -572,3 +572,13 @@ def test_run_audit_with_sampled_candidates_and_joint_scores(trained):
     # they mix the slots of all canaries that share the template, which is why
     # "pseudo" is the default.
     assert report["exposure_r16_max"] > 9.0
+
+
+def test_masked_lm_canary_scores_are_the_canaries_exposures(trained):
+    # The black-box score of secret-sharer canaries in a one-run audit is
+    # their exposure, computed by the same machinery as run_audit.
+    score_fn = audit.masked_lm_canary_scores(trained["canaries"], mask_token_id=MASK,
+                                             pad_token_id=PAD, batch_size=1024)
+    scores = score_fn(trained["model"])
+    expected = [item["exposure"] for item in trained["callback"].last_report["canaries"]]
+    np.testing.assert_allclose(scores, expected, rtol=1e-6)

@@ -178,7 +178,7 @@ def one_run_audit_run(
         privacy = tf_megadp.PrivacyCallback(delta=delta)
         log(f"Audit run: {canaries} canaries (m={num_canaries}), N={total}, B={batch_size}, "
             f"T={steps}, sigma={noise_multiplier:.4f}, planted bug: {description}.")
-        model.fit(sampler.as_dataset(), verbose=0, callbacks=[privacy])
+        model.fit(sampler.as_dataset(), verbose=0, shuffle=False, callbacks=[privacy])
         results = audit.finish(model)
     epsilon = float(privacy.epsilon) if noise_multiplier > 0 else math.inf
     report: dict[str, Any] = {

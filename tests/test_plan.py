@@ -165,11 +165,15 @@ class TestInfeasible:
         assert "truncation probability" in err and "accumulation_steps" in err
 
     @pytest.mark.parametrize("mutate, message", [
-        (lambda c: c["training"].update(delta="1e-9"), "training.delta"),
+        (lambda c: c["training"].update(delta="1e-9"), "delta must be a finite number"),
         (lambda c: c["training"].update(clipping="naive"), "training.clipping"),
-        (lambda c: c["training"].pop("noise_multiplier"), "noise_multiplier"),
-        (lambda c: c.update(extra=1), "unknown keys"),
-        (lambda c: c["model"].update(num_heads=7), "not divisible by num_heads"),
+        (lambda c: [c["training"].pop(k) for k in ("noise_multiplier", "target_epsilon")],
+         "noise_multiplier"),
+        (lambda c: c.update(extra=1), "unknown key 'extra'"),
+        (lambda c: c["training"].update(lerning_rate=1), "unknown key 'lerning_rate'"),
+        (lambda c: c["training"]["optimizer"].update(name="lamb"), "trains with AdamW"),
+        (lambda c: c["model"].update(num_heads=7), "matches no preset"),
+        (lambda c: c["training"].pop("num_examples"), "training.num_examples"),
     ])
     def test_bad_config_is_one_clear_error(self, tmp_path, capsys, mutate, message):
         config = self.base()

@@ -32,7 +32,7 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "run_config_from_args"]
 
 _PROGRAM = "tf-megadp"
 
@@ -245,105 +245,144 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 # -- pretrain -------------------------------------------------------------------
 
 
-def _add_pretrain_parser(subparsers) -> None:
-    from tf_megadp.pretraining import MODEL_PRESETS, PretrainConfig
+def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a run configuration, shared by `pretrain` and `plan`.
+
+    Every flag defaults to "not given" (argparse.SUPPRESS): a given flag
+    overrides the field of the `--config` file (or of the defaults), a
+    missing one leaves it. See `run_config_from_args`.
+    """
+    from tf_megadp.pretraining import MODEL_PRESETS, PRECISIONS, PretrainConfig
 
     defaults = PretrainConfig()
+    hidden = argparse.SUPPRESS
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus", nargs="+", metavar="PATH", default=hidden,
+                      help="text/JSONL files or globs (default: the offline default corpus)")
+    data.add_argument("--sequence-length", type=int, default=hidden,
+                      help=f"tokens per sequence (default {defaults.sequence_length})")
+    data.add_argument("--vocabulary-size", type=int, default=hidden,
+                      help="size of the vocabulary learned from the public default corpus "
+                           f"(default {defaults.vocabulary_size})")
+    data.add_argument("--vocabulary", metavar="FILE", default=hidden,
+                      help="a PUBLIC WordPiece vocabulary (one token per line, e.g. BERT's "
+                           "vocab.txt) instead of one learned from the default corpus")
+    data.add_argument("--vocabulary-from-training-corpus", action="store_true", default=hidden,
+                      help="learn the vocabulary from --corpus itself: NOT private (it is "
+                           "published with the model and shows the corpus's words "
+                           "verbatim); warns, and report.json says so")
+    data.add_argument("--max-characters", type=int, default=hidden,
+                      help="size cap of the default corpus")
+    data.add_argument("--heldout-fraction", type=float, default=hidden)
+    data.add_argument("--canaries", type=int, metavar="N", default=hidden,
+                      help="insert N secret canaries per repetition count (1, 4, 16) into the "
+                           "training split for `tf-megadp audit` (default: none)")
+    data.add_argument("--num-examples", type=int, metavar="N", default=hidden,
+                      help="the N the run is planned for; another corpus size is refused")
+    model = parser.add_argument_group("model and optimizer")
+    model.add_argument("--model", choices=list(MODEL_PRESETS), default=hidden,
+                       help=f"preset (default {defaults.model})")
+    model.add_argument("--precision", choices=list(PRECISIONS), default=hidden,
+                       help="dtype policy: mixed_bfloat16 computes in bfloat16, keeps "
+                            "variables, norms, accumulators, noise and logits in float32")
+    model.add_argument("--learning-rate", type=float, default=hidden)
+    model.add_argument("--warmup-steps", type=int, default=hidden)
+    model.add_argument("--weight-decay", type=float, default=hidden)
+    model.add_argument("--clipping", default=hidden,
+                       help=f"per-example clipping strategy (default {defaults.clipping})")
+    model.add_argument("--dropout", type=float, default=hidden)
+    batches = parser.add_argument_group("logical steps")
+    batches.add_argument("--micro-batch-size", type=int, default=hidden,
+                         help=f"m, per replica (default {defaults.micro_batch_size})")
+    batches.add_argument("--batch-size", type=int, default=hidden,
+                         help=f"expected logical batch (Poisson; default {defaults.batch_size})")
+    batches.add_argument("--steps", type=int, default=hidden,
+                         help=f"logical steps (default {defaults.steps})")
+    batches.add_argument("--schedule", metavar="STEPSxBATCH,...", default=hidden,
+                         help="growing batch, e.g. 40x256,40x1024 (overrides --batch-size/--steps)")
+    privacy = parser.add_argument_group("privacy")
+    privacy.add_argument("--target-epsilon", type=float, default=hidden,
+                         help=f"calibrate sigma to spend this epsilon (default {defaults.target_epsilon})")
+    privacy.add_argument("--noise-multiplier", type=float, default=hidden,
+                         help="sigma, instead of --target-epsilon")
+    privacy.add_argument("--delta", type=float, default=hidden, help="default 1/N^1.1")
+    privacy.add_argument("--l2-norm-clip", type=float, default=hidden)
+    privacy.add_argument("--accountant", choices=["pld", "rdp"], default=hidden)
+    privacy.add_argument("--non-private", action="store_true", default=hidden,
+                         help="baseline: same data, model and optimizer; no clipping or noise")
+    run = parser.add_argument_group("run")
+    run.add_argument("--output-dir", default=hidden, help="default: a new folder under ./runs/")
+    run.add_argument("--resume", action="store_true", default=hidden,
+                     help="continue the run in --output-dir")
+    run.add_argument("--stop-after-steps", type=int, default=hidden,
+                     help="end this invocation after this many logical steps (resume later)")
+    run.add_argument("--eval-every", type=int, default=hidden,
+                     help="logical steps between held-out evaluations")
+    run.add_argument("--checkpoint-every", type=int, default=hidden,
+                     help="logical steps between checkpoints (0: at the end only)")
+    run.add_argument("--strategy", default=hidden,
+                     choices=["default", "mirrored", "multiworker", "tpu"])
+    run.add_argument("--tpu", default=hidden,
+                     help="TPU name for --strategy tpu ('local' on a TPU VM)")
+    run.add_argument("--cpu-replicas", type=int, metavar="R", default=hidden,
+                     help="with --strategy mirrored: split the CPU into R logical devices")
+    run.add_argument("--seed", type=int, default=hidden,
+                     help="seeds model initialisation, masking, the held-out split and "
+                          "canaries (all public); never the Poisson sampling or the DP "
+                          "noise, which come from secret OS entropy")
+    run.add_argument("--cache-dir", default=hidden, help="where prepared corpora are kept")
+
+
+def run_config_from_args(args: argparse.Namespace, config_path: str | None):
+    """The run's `PretrainConfig`: the file's (or the defaults), then the given flags.
+
+    `pretrain` and `plan` both build their configuration here, so
+    `pretrain --config FILE` runs exactly what `plan FILE` validated.
+    """
+    import dataclasses
+
+    from tf_megadp import pretraining
+
+    config = (pretraining.load_run_config(config_path) if config_path
+              else pretraining.PretrainConfig())
+    given = dict(vars(args))
+    for name in ("handler", "command", "config", "json"):
+        given.pop(name, None)
+    if "schedule" in given:
+        given["schedule"] = pretraining.parse_schedule(given["schedule"])
+    if given.get("non_private"):
+        given.update(noise_multiplier=None, target_epsilon=None)
+    elif "noise_multiplier" in given and "target_epsilon" not in given and not config_path:
+        # sigma instead of the default target; a file's target stays as a check.
+        given["target_epsilon"] = None
+    fields = {field.name for field in dataclasses.fields(config)}
+    unknown = sorted(set(given) - fields)
+    if unknown:
+        raise UsageError(f"no run configuration field for {unknown}")
+    return dataclasses.replace(config, **given)
+
+
+def _add_pretrain_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "pretrain", help="DP masked-LM pretraining of a BERT (the main job)",
         description="Pretrains a keras-hub BertMaskedLM from scratch with DP-SGD on "
                     "Poisson-sampled logical batches, and reports held-out MLM accuracy "
                     "and (epsilon, delta). With no arguments: a BERT-nano on the offline "
-                    "default corpus in a few minutes on a laptop CPU.",
+                    "default corpus in a few minutes on a laptop CPU. With --config: the "
+                    "run of a configuration file (tpu_configs/), planned and checked "
+                    "first as `tf-megadp plan` does; flags override its fields.",
     )
-    data = parser.add_argument_group("data")
-    data.add_argument("--corpus", nargs="+", metavar="PATH",
-                      help="text/JSONL files or globs (default: the offline default corpus)")
-    data.add_argument("--sequence-length", type=int, default=defaults.sequence_length)
-    data.add_argument("--vocabulary-size", type=int, default=defaults.vocabulary_size,
-                      help="size of the vocabulary learned from the public default corpus")
-    data.add_argument("--vocabulary", metavar="FILE",
-                      help="a PUBLIC WordPiece vocabulary (one token per line, e.g. BERT's "
-                           "vocab.txt) instead of one learned from the default corpus")
-    data.add_argument("--vocabulary-from-training-corpus", action="store_true",
-                      help="learn the vocabulary from --corpus itself: NOT private (it is "
-                           "published with the model and shows the corpus's words "
-                           "verbatim); warns, and report.json says so")
-    data.add_argument("--max-characters", type=int, default=defaults.max_characters,
-                      help="size cap of the default corpus")
-    data.add_argument("--heldout-fraction", type=float, default=defaults.heldout_fraction)
-    data.add_argument("--canaries", type=int, default=defaults.canaries, metavar="N",
-                      help="insert N secret canaries per repetition count (1, 4, 16) into the "
-                           "training split for `tf-megadp audit` (default: none)")
-    model = parser.add_argument_group("model and optimizer")
-    model.add_argument("--model", choices=list(MODEL_PRESETS), default=defaults.model)
-    model.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
-    model.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
-    model.add_argument("--weight-decay", type=float, default=defaults.weight_decay)
-    model.add_argument("--clipping", default=defaults.clipping,
-                       help="per-example clipping strategy of DPOptimizer")
-    model.add_argument("--dropout", type=float, default=defaults.dropout)
-    batches = parser.add_argument_group("logical steps")
-    batches.add_argument("--micro-batch-size", type=int, default=defaults.micro_batch_size)
-    batches.add_argument("--batch-size", type=int, default=defaults.batch_size,
-                         help="expected logical batch (Poisson)")
-    batches.add_argument("--steps", type=int, default=defaults.steps, help="logical steps")
-    batches.add_argument("--schedule", metavar="STEPSxBATCH,...",
-                         help="growing batch, e.g. 40x256,40x1024 (overrides --batch-size/--steps)")
-    privacy = parser.add_argument_group("privacy")
-    privacy.add_argument("--target-epsilon", type=float, default=defaults.target_epsilon,
-                         help="calibrate sigma to spend this epsilon (default %(default)s)")
-    privacy.add_argument("--noise-multiplier", type=float,
-                         help="sigma, instead of --target-epsilon")
-    privacy.add_argument("--delta", type=float, help="default 1/N^1.1")
-    privacy.add_argument("--l2-norm-clip", type=float, default=defaults.l2_norm_clip)
-    privacy.add_argument("--accountant", choices=["pld", "rdp"], default=defaults.accountant)
-    privacy.add_argument("--non-private", action="store_true",
-                         help="baseline: same data, model and optimizer; no clipping or noise")
-    run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", help="default: a new folder under ./runs/")
-    run.add_argument("--resume", action="store_true", help="continue the run in --output-dir")
-    run.add_argument("--stop-after-steps", type=int,
-                     help="end this invocation after this many logical steps (resume later)")
-    run.add_argument("--eval-every", type=int, default=defaults.eval_every,
-                     help="logical steps between held-out evaluations")
-    run.add_argument("--checkpoint-every", type=int, default=defaults.checkpoint_every,
-                     help="logical steps between checkpoints (0: at the end only)")
-    run.add_argument("--strategy", default=defaults.strategy,
-                     choices=["default", "mirrored", "multiworker", "tpu"])
-    run.add_argument("--tpu", help="TPU name for --strategy tpu ('local' on a TPU VM)")
-    run.add_argument("--seed", type=int, default=defaults.seed,
-                     help="seeds model initialisation, masking, the held-out split and "
-                          "canaries (all public); never the Poisson sampling or the DP "
-                          "noise, which come from secret OS entropy")
-    run.add_argument("--cache-dir", help="where prepared corpora are kept")
-    run.add_argument("--json", action="store_true", help="print report.json at the end")
+    parser.add_argument("--config", metavar="FILE",
+                        help="a run configuration (YAML, see tpu_configs/)")
+    _add_run_config_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print report.json at the end")
     parser.set_defaults(handler=_run_pretrain)
 
 
 def _run_pretrain(args: argparse.Namespace) -> int:
     from tf_megadp import pretraining
 
-    schedule = pretraining.parse_schedule(args.schedule) if args.schedule else None
-    config = pretraining.PretrainConfig(
-        corpus=args.corpus, output_dir=args.output_dir, model=args.model,
-        sequence_length=args.sequence_length, vocabulary_size=args.vocabulary_size,
-        vocabulary=args.vocabulary,
-        vocabulary_from_training_corpus=args.vocabulary_from_training_corpus,
-        max_characters=args.max_characters, heldout_fraction=args.heldout_fraction,
-        micro_batch_size=args.micro_batch_size, batch_size=args.batch_size, steps=args.steps,
-        schedule=schedule,
-        target_epsilon=None if (args.noise_multiplier or args.non_private) else args.target_epsilon,
-        noise_multiplier=args.noise_multiplier, delta=args.delta,
-        l2_norm_clip=args.l2_norm_clip, accountant=args.accountant, learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        non_private=args.non_private, clipping=args.clipping, dropout=args.dropout,
-        eval_every=args.eval_every, canaries=args.canaries,
-        checkpoint_every=args.checkpoint_every, resume=args.resume,
-        stop_after_steps=args.stop_after_steps, strategy=args.strategy,
-        tpu=args.tpu, seed=args.seed, cache_dir=args.cache_dir,
-    )
-    report = pretraining.run_pretraining(config)
+    report = pretraining.run_pretraining(run_config_from_args(args, args.config))
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2,
                          default=str))
@@ -360,25 +399,20 @@ def _add_plan_parser(subparsers) -> None:
                     "and prints per-core micro-batch, accumulation steps per phase, logical "
                     "steps, (epsilon, delta), FLOPs and time per logical step, and per-core "
                     "memory for vectorized and ghost clipping. An infeasible configuration "
-                    "is an error naming the number that fails.",
+                    "is an error naming the number that fails. Flags override the file's "
+                    "fields as in `pretrain --config`.",
     )
     parser.add_argument("config", metavar="CONFIG", help="a run configuration (YAML)")
-    parser.add_argument("--accountant", choices=("pld", "rdp"),
-                        help="override the configuration's accountant")
+    _add_run_config_arguments(parser)
     parser.add_argument("--json", action="store_true",
                         help="print a machine-readable JSON plan")
     parser.set_defaults(handler=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from tf_megadp import plan
 
-    config = plan.load_config(args.config)
-    if args.accountant:
-        config = dataclasses.replace(config, accountant=args.accountant)
-    result = plan.make_plan(config)
+    result = plan.make_plan(run_config_from_args(args, args.config))
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:

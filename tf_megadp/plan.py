@@ -28,7 +28,7 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
 
 Example:
 ```python
-plan = make_plan(load_config("tpu_configs/bert_large_v3_128.yaml"))
+plan = make_plan(load_config("tpu_configs/bert_large_v3_128.yaml"))   # a PretrainConfig
 print(format_plan(plan))
 ```
 """
@@ -41,21 +41,20 @@ import os
 from typing import Any
 
 from tf_megadp import accounting
-from tf_megadp.schedules import BatchSizeSchedule, Phase
 
 __all__ = [
     "InfeasiblePlanError",
     "ModelSpec",
     "Hardware",
-    "RunConfig",
     "load_config",
+    "model_spec",
     "make_plan",
     "format_plan",
 ]
 
 GIB = 2**30
-# Float32 slots the inner optimizer keeps per parameter.
-OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2, "lamb": 2, "lion": 1}
+# Float32 slots the job's inner optimizer (AdamW: two moments) keeps per parameter.
+OPTIMIZER_SLOTS = 2
 CLIPPING = ("vectorized", "ghost")
 
 
@@ -160,117 +159,26 @@ class Hardware:
                 f"hardware.utilization must be in (0, 1], got {self.utilization!r}.")
 
 
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """One planned run: model, hardware and the DP training settings."""
+def load_config(path: str | os.PathLike):
+    """Reads a run configuration file: the job's one `PretrainConfig` reader.
 
-    name: str
-    model: ModelSpec
-    hardware: Hardware
-    micro_batch_size: int
-    clipping: str
-    optimizer: dict
-    noise_multiplier: float
-    l2_norm_clip: float
-    delta: float
-    target_epsilon: float
-    schedule: BatchSizeSchedule
-    accountant: str = accounting.DEFAULT_ACCOUNTANT
-    max_truncation_probability: float = 1e-9
-
-
-_TOP_KEYS = {"name", "model", "hardware", "training"}
-_TRAINING_KEYS = {
-    "micro_batch_size", "clipping", "optimizer", "noise_multiplier", "l2_norm_clip",
-    "delta", "target_epsilon", "num_examples", "phases", "accountant",
-    "max_truncation_probability",
-}
-
-
-def _section(config: dict, key: str, where: str) -> dict:
-    value = config.get(key)
-    if not isinstance(value, dict):
-        raise ValueError(f"{where}: '{key}' must be a mapping.")
-    return value
-
-
-def config_from_dict(config: dict, where: str = "config") -> RunConfig:
-    """Validates a parsed YAML run description; see tpu_configs/."""
-    if not isinstance(config, dict):
-        raise ValueError(f"{where} must hold a mapping, got {type(config).__name__}.")
-    unknown = set(config) - _TOP_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)}; expected {sorted(_TOP_KEYS)}.")
-    training = _section(config, "training", where)
-    unknown = set(training) - _TRAINING_KEYS
-    if unknown:
-        raise ValueError(f"{where}: unknown training keys {sorted(unknown)}.")
-    missing = sorted(_TRAINING_KEYS - {"accountant", "max_truncation_probability"} - set(training))
-    if missing:
-        raise ValueError(f"{where}: training needs {missing}.")
-    try:
-        model = ModelSpec(**_section(config, "model", where))
-        hardware = Hardware(**_section(config, "hardware", where))
-        phases = [Phase(**phase) for phase in training["phases"]]
-    except TypeError as error:
-        raise ValueError(f"{where}: {error}") from error
-    clipping = training["clipping"]
-    if clipping not in CLIPPING:
-        raise ValueError(f"{where}: training.clipping must be one of {CLIPPING}, got {clipping!r}.")
-    optimizer = training["optimizer"]
-    if not isinstance(optimizer, dict) or optimizer.get("name") not in OPTIMIZER_SLOTS:
-        raise ValueError(
-            f"{where}: training.optimizer needs a name in {sorted(OPTIMIZER_SLOTS)}.")
-    for key in ("noise_multiplier", "l2_norm_clip", "delta", "target_epsilon"):
-        value = training[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{where}: training.{key} must be a finite number > 0, got {value!r}.")
-    schedule = BatchSizeSchedule(
-        phases,
-        num_examples=training["num_examples"],
-        micro_batch_size=training["micro_batch_size"],
-        num_replicas=hardware.replicas,
-    )
-    return RunConfig(
-        name=str(config.get("name", where)),
-        model=model,
-        hardware=hardware,
-        micro_batch_size=training["micro_batch_size"],
-        clipping=clipping,
-        optimizer=dict(optimizer),
-        noise_multiplier=float(training["noise_multiplier"]),
-        l2_norm_clip=float(training["l2_norm_clip"]),
-        delta=float(training["delta"]),
-        target_epsilon=float(training["target_epsilon"]),
-        schedule=schedule,
-        accountant=training.get("accountant", accounting.DEFAULT_ACCOUNTANT),
-        max_truncation_probability=float(training.get("max_truncation_probability", 1e-9)),
-    )
-
-
-def load_config(path: str | os.PathLike) -> RunConfig:
-    """Reads and validates a YAML run description.
-
-    Raises:
-        ValueError: the file is unreadable, not YAML, or inconsistent (the
-            message says which field).
+    `tf-megadp plan`, `tf-megadp pretrain --config` and
+    examples/pretrain_bert_mlm.py all read files this way.
     """
-    import yaml
+    from tf_megadp.pretraining import load_run_config
 
-    try:
-        with open(path, encoding="utf-8") as stream:
-            raw = yaml.safe_load(stream)
-    except OSError as error:
-        raise ValueError(f"cannot read config {str(path)!r}: {error.strerror}") from error
-    except yaml.YAMLError as error:
-        raise ValueError(f"config {str(path)!r} is not valid YAML: {error}") from error
-    try:
-        return config_from_dict(raw, where=f"config {os.fspath(path)!r}")
-    except ValueError as error:
-        message = str(error)
-        if not message.startswith("config "):
-            message = f"config {os.fspath(path)!r}: {message}"
-        raise ValueError(message) from error
+    return load_run_config(path)
+
+
+def model_spec(config, vocabulary_size: int | None = None) -> ModelSpec:
+    """The architecture a `PretrainConfig` trains (V from the config unless given)."""
+    layers, hidden, heads, intermediate = config.architecture()
+    return ModelSpec(
+        num_layers=layers, hidden_dim=hidden, num_heads=heads, intermediate_dim=intermediate,
+        vocabulary_size=vocabulary_size or config.vocabulary_size,
+        sequence_length=config.sequence_length,
+        max_predictions=config.max_predictions or math.ceil(0.15 * config.sequence_length),
+    )
 
 
 def _example_flops(model: ModelSpec, clipping: str) -> float:
@@ -283,10 +191,9 @@ def _example_flops(model: ModelSpec, clipping: str) -> float:
     return 5.0 * forward + ghost_norms + 4.0 * model.parameter_count()
 
 
-def _memory(config: RunConfig, clipping: str) -> dict[str, float]:
-    model, m = config.model, config.micro_batch_size
+def _memory(model: ModelSpec, m: int, clipping: str) -> dict[str, float]:
     params = model.parameter_count()
-    slots = OPTIMIZER_SLOTS[config.optimizer["name"]]
+    slots = OPTIMIZER_SLOTS
     memory = {
         "parameters": 4.0 * params,
         "optimizer_state": 4.0 * params * (slots + 1),
@@ -301,8 +208,15 @@ def _memory(config: RunConfig, clipping: str) -> dict[str, float]:
     return memory
 
 
-def make_plan(config: RunConfig) -> dict[str, Any]:
-    """The plan of `config`; raises `InfeasiblePlanError` if it cannot run.
+def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
+    """The plan of a `PretrainConfig`; raises `InfeasiblePlanError` if it cannot run.
+
+    `tf-megadp pretrain` calls this too, with the measured N and vocabulary
+    size, before it trains: a run is exactly the plan that was validated.
+
+    Args:
+        config: a `PretrainConfig` with `hardware` and `num_examples`.
+        vocabulary_size: V of the model, if not `config.vocabulary_size`.
 
     Returns:
         A JSON-ready dict: per phase k_t, capacity, expected batch, sampling
@@ -313,9 +227,33 @@ def make_plan(config: RunConfig) -> dict[str, Any]:
         InfeasiblePlanError: memory over the per-core HBM, a phase whose
             static capacity truncates too often, or epsilon over the target.
     """
-    schedule, hardware = config.schedule, config.hardware
+    from tf_megadp.pretraining import PretrainError, default_delta
+
+    hardware = config.hardware
+    if hardware is None:
+        raise InfeasiblePlanError(
+            "the run configuration has no hardware section (replicas, "
+            "hbm_gib_per_replica, peak_tflops_per_replica) to plan for.")
+    if config.num_examples is None:
+        raise InfeasiblePlanError(
+            "the run configuration needs training.num_examples (N, the privacy units) "
+            "to plan the sampling rates and epsilon.")
+    if config.clipping not in CLIPPING:
+        raise InfeasiblePlanError(
+            f"training.clipping must be one of {CLIPPING} to be planned, got "
+            f"{config.clipping!r}.")
+    try:
+        schedule = config.make_schedule(config.num_examples, hardware.replicas)
+    except PretrainError as error:
+        raise InfeasiblePlanError(str(error)) from None
+    model = model_spec(config, vocabulary_size)
+    delta = config.delta if config.delta is not None else default_delta(config.num_examples)
+    sigma = config.noise_multiplier
+    if sigma is None and not config.non_private:
+        sigma = accounting.calibrate_noise_multiplier(
+            config.target_epsilon, delta, schedule=schedule, accountant=config.accountant)
     peak = hardware.peak_tflops_per_replica * 1e12 * hardware.replicas * hardware.utilization
-    flops_per_slot = {c: _example_flops(config.model, c) for c in CLIPPING}
+    flops_per_slot = {c: _example_flops(model, c) for c in CLIPPING}
     phases = []
     for index, phase in enumerate(schedule.phases):
         capacity = schedule.capacity(phase)
@@ -336,12 +274,12 @@ def make_plan(config: RunConfig) -> dict[str, Any]:
             "capacity": capacity,
             "sampling_rate": phase.batch_size / schedule.num_examples,
             "truncation_probability": truncation,
-            "noise_multiplier": (config.noise_multiplier if phase.noise_multiplier is None
+            "noise_multiplier": (sigma if phase.noise_multiplier is None
                                  else float(phase.noise_multiplier)),
             "flops_per_logical_step": flops,
             "seconds_per_logical_step": flops / peak,
         })
-    memory = {c: _memory(config, c) for c in CLIPPING}
+    memory = {c: _memory(model, config.micro_batch_size, c) for c in CLIPPING}
     hbm = hardware.hbm_gib_per_replica * GIB
     needed = memory[config.clipping]["total"]
     if needed > hbm:
@@ -355,35 +293,37 @@ def make_plan(config: RunConfig) -> dict[str, Any]:
             f"{memory[config.clipping]['clipping'] / GIB:.2f} GiB). Lower micro_batch_size "
             "(and raise accumulation_steps) or use ghost clipping."
         )
-    epsilon = accounting.compute_epsilon(
-        delta=config.delta, schedule=schedule, noise_multiplier=config.noise_multiplier,
-        accountant=config.accountant,
+    epsilon = math.inf if config.non_private else accounting.compute_epsilon(
+        delta=delta, schedule=schedule, noise_multiplier=sigma, accountant=config.accountant,
     )
-    if epsilon > config.target_epsilon:
+    if config.target_epsilon is not None and epsilon > config.target_epsilon:
         raise InfeasiblePlanError(
-            f"epsilon {epsilon:.4g} at delta {config.delta:g} ({config.accountant}) exceeds "
+            f"epsilon {epsilon:.4g} at delta {delta:g} ({config.accountant}) exceeds "
             f"target_epsilon {config.target_epsilon:g}. Raise noise_multiplier (now "
-            f"{config.noise_multiplier:g}) or take fewer steps."
+            f"{sigma:g}) or take fewer steps."
         )
     total_seconds = sum(p["steps"] * p["seconds_per_logical_step"] for p in phases)
     return {
-        "name": config.name,
+        "name": config.name or "run",
         "hardware": dataclasses.asdict(hardware),
-        "model": dataclasses.asdict(config.model),
-        "parameters": config.model.parameter_count(),
+        "model": dataclasses.asdict(model),
+        "parameters": model.parameter_count(),
         "micro_batch_size": config.micro_batch_size,
         "replicas": hardware.replicas,
         "clipping": config.clipping,
-        "optimizer": config.optimizer,
+        "optimizer": {"name": "adamw", "learning_rate": config.learning_rate,
+                      "weight_decay": config.weight_decay, "beta_1": config.beta_1,
+                      "beta_2": config.beta_2, "warmup_steps": config.warmup_steps},
+        "schedule": schedule.to_dict(),
         "num_examples": schedule.num_examples,
         "logical_steps": schedule.total_steps,
         "examples_processed": schedule.examples_processed(),
         "phases": phases,
         "epsilon": epsilon,
-        "delta": config.delta,
+        "delta": delta,
         "target_epsilon": config.target_epsilon,
         "accountant": config.accountant,
-        "noise_multiplier": config.noise_multiplier,
+        "noise_multiplier": sigma,
         "l2_norm_clip": config.l2_norm_clip,
         "flops_per_example": flops_per_slot,
         "training_seconds": total_seconds,
@@ -420,7 +360,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         # Rounded up: the printed epsilon is never below the accountant's.
         f"  privacy       : epsilon = {math.ceil(plan['epsilon'] * 1e4) / 1e4:.4f} at "
         f"delta = {plan['delta']:g} "
-        f"({plan['accountant']}; target {plan['target_epsilon']:g}), C = {plan['l2_norm_clip']:g}"
+        f"({plan['accountant']}; target {plan['target_epsilon']}), C = {plan['l2_norm_clip']:g}"
     )
     lines.append(f"  training time : {plan['training_seconds'] / 3600:.1f} h at {hw['utilization']:.0%} of peak")
     for clipping, memory in plan["memory_bytes"].items():

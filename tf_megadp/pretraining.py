@@ -74,6 +74,7 @@ RELEASED_OUTSIDE_EPSILON = (
     "truncated_steps: how many Poisson steps overflowed their capacity",
     "the vocabulary (vocab.txt), when vocabulary.public is false",
 )
+PRECISIONS = ("float32", "mixed_bfloat16")
 PLOT_NAME = "report.png"
 HISTORY_NAME = "history.csv"
 
@@ -142,6 +143,25 @@ class PretrainConfig:
             start and every resume, and are never written anywhere.
         cache_dir: where prepared corpora are kept for reuse.
         verbose: Keras progress-bar verbosity.
+        name: the run's name (a planned configuration's).
+        num_examples: N the run was planned for; a corpus with another N
+            is refused (the plan's epsilon would not be this run's).
+        max_predictions: P, masked positions per sequence (default
+            ceil(0.15 L)).
+        beta_1, beta_2: AdamW's moment decay rates.
+        max_truncation_probability: the largest probability per logical
+            step that a Poisson batch overflows its static capacity; the
+            capacity of phases without an explicit accumulation_steps is
+            chosen to meet it.
+        hardware: a `Hardware` (replicas, HBM, peak FLOP/s): the run is
+            planned (`make_plan`) before it trains, and a strategy with
+            another replica count is refused.
+        cpu_replicas: split the host CPU into this many logical devices and
+            run `MirroredStrategy` over them (tests of multi-replica runs
+            on machines without accelerators); needs strategy "mirrored".
+        precision: "float32" or "mixed_bfloat16" (the TPU dtype policy):
+            compute in bfloat16, variables, per-example norms, accumulators,
+            noise and the MLM logits in float32.
     """
 
     corpus: Sequence[str] | None = None
@@ -178,8 +198,25 @@ class PretrainConfig:
     seed: int = 0
     cache_dir: str | None = None
     verbose: int | str = "auto"
+    name: str | None = None
+    num_examples: int | None = None
+    max_predictions: int | None = None
+    beta_1: float = 0.9
+    beta_2: float = 0.999
+    max_truncation_probability: float = 1e-9
+    hardware: Any = None  # a tf_megadp plan Hardware: the run is then planned, and checked
+    cpu_replicas: int | None = None
+    precision: str = "float32"
 
     def validate(self) -> None:
+        """Raises `PretrainError` naming the first bad field (and how to fix it)."""
+        for name in ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
+                     "learning_rate", "weight_decay", "dropout", "heldout_fraction", "beta_1",
+                     "beta_2", "max_truncation_probability"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise PretrainError(f"{name} must be a finite number, got {value!r}.")
         if self.model not in MODEL_PRESETS:
             raise PretrainError(f"--model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}.")
         positive = {
@@ -236,14 +273,69 @@ class PretrainConfig:
             )
         if self.vocabulary and not os.path.isfile(self.vocabulary):
             raise PretrainError(f"--vocabulary {self.vocabulary}: no such file.")
+        if self.precision not in PRECISIONS:
+            raise PretrainError(
+                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
+        if self.cpu_replicas is not None:
+            if isinstance(self.cpu_replicas, bool) or not isinstance(self.cpu_replicas, int) \
+                    or self.cpu_replicas < 1:
+                raise PretrainError(
+                    f"cpu_replicas must be a positive integer, got {self.cpu_replicas!r}.")
+            if self.strategy != "mirrored":
+                raise PretrainError(
+                    "--cpu-replicas splits the CPU into replicas of a MirroredStrategy: "
+                    f"pass --strategy mirrored (not {self.strategy!r}).")
+        if self.num_examples is not None and (
+                isinstance(self.num_examples, bool) or not isinstance(self.num_examples, int)
+                or self.num_examples < 2):
+            raise PretrainError(f"num_examples must be an integer >= 2, got {self.num_examples!r}.")
+        if self.max_predictions is not None and not 1 <= self.max_predictions <= self.sequence_length:
+            raise PretrainError(
+                f"max_predictions must be in [1, sequence_length={self.sequence_length}], "
+                f"got {self.max_predictions!r}.")
+        if not 0 < self.max_truncation_probability < 1:
+            raise PretrainError(
+                "max_truncation_probability must be in (0, 1), got "
+                f"{self.max_truncation_probability!r}.")
 
-    def phases(self) -> list[tuple[int, int]]:
+    def phases(self) -> list[tuple[int, ...]]:
+        """(steps, batch_size) or (steps, batch_size, accumulation_steps) per phase."""
         if self.schedule:
             phases = [tuple(int(v) for v in phase) for phase in self.schedule]
-            if any(len(p) != 2 or p[0] < 1 or p[1] < 1 for p in phases):
-                raise PretrainError("schedule phases must be (steps >= 1, batch_size >= 1) pairs.")
+            if (any(len(p) not in (2, 3) or min(p) < 1 for p in phases)
+                    or len({len(p) for p in phases}) != 1):
+                raise PretrainError(
+                    "schedule phases must all be (steps, batch_size) or all be (steps, "
+                    "batch_size, accumulation_steps), each >= 1.")
             return phases
         return [(self.steps, self.batch_size)]
+
+    def make_schedule(self, num_examples: int, num_replicas: int):
+        """The run's `BatchSizeSchedule` for N examples on R replicas.
+
+        Phases that state accumulation_steps keep them (the planned static
+        capacity); otherwise each phase's k is the smallest whose capacity
+        truncates a Poisson step with probability at most
+        `max_truncation_probability`.
+        """
+        from tf_megadp.schedules import BatchSizeSchedule, Phase
+
+        phases = self.phases()
+        try:
+            if len(phases[0]) == 3:
+                return BatchSizeSchedule(
+                    [Phase(steps, batch, k) for steps, batch, k in phases],
+                    num_examples=num_examples, micro_batch_size=self.micro_batch_size,
+                    num_replicas=num_replicas)
+            return BatchSizeSchedule.for_poisson(
+                phases, num_examples=num_examples, micro_batch_size=self.micro_batch_size,
+                num_replicas=num_replicas, truncation_probability=self.max_truncation_probability)
+        except ValueError as error:
+            raise PretrainError(str(error)) from None
+
+    def architecture(self) -> tuple[int, int, int, int]:
+        """(layers, hidden, heads, intermediate) of the model preset."""
+        return MODEL_PRESETS[self.model]
 
 
 def parse_schedule(text: str) -> list[tuple[int, int]]:
@@ -258,6 +350,186 @@ def parse_schedule(text: str) -> list[tuple[int, int]]:
                 f"Cannot read schedule phase {part!r}: write STEPSxBATCH, e.g. 100x256,200x1024."
             ) from None
     return phases
+
+
+# -- The run configuration as a file (tpu_configs/*.yaml) -------------------------
+
+# YAML section -> {key: PretrainConfig field}. One run configuration: `tf-megadp
+# plan`, `tf-megadp pretrain --config` and the example read files through this
+# table only, so a key means the same everywhere.
+_YAML_FIELDS = {
+    "model": {"preset": "model", "vocabulary_size": "vocabulary_size",
+              "sequence_length": "sequence_length", "max_predictions": "max_predictions",
+              "dropout": "dropout", "precision": "precision"},
+    "training": {"num_examples": "num_examples", "micro_batch_size": "micro_batch_size",
+                 "clipping": "clipping", "l2_norm_clip": "l2_norm_clip",
+                 "noise_multiplier": "noise_multiplier", "delta": "delta",
+                 "target_epsilon": "target_epsilon", "accountant": "accountant",
+                 "max_truncation_probability": "max_truncation_probability",
+                 "non_private": "non_private"},
+    "data": {"corpus": "corpus", "vocabulary": "vocabulary",
+             "vocabulary_from_training_corpus": "vocabulary_from_training_corpus",
+             "max_characters": "max_characters", "heldout_fraction": "heldout_fraction",
+             "canaries": "canaries", "cache_dir": "cache_dir"},
+    "run": {"output_dir": "output_dir", "eval_every": "eval_every",
+            "checkpoint_every": "checkpoint_every", "stop_after_steps": "stop_after_steps",
+            "strategy": "strategy", "tpu": "tpu", "cpu_replicas": "cpu_replicas",
+            "seed": "seed", "verbose": "verbose"},
+}
+_ARCHITECTURE_KEYS = ("num_layers", "hidden_dim", "num_heads", "intermediate_dim")
+_OPTIMIZER_FIELDS = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
+                     "beta_1": "beta_1", "beta_2": "beta_2", "warmup_steps": "warmup_steps"}
+_HARDWARE_KEYS = ("name", "replicas", "hbm_gib_per_replica", "peak_tflops_per_replica",
+                  "utilization")
+_PHASE_KEYS = ("steps", "batch_size", "accumulation_steps")
+
+
+def _refuse_secrets(value: Any, where: str) -> None:
+    """A run file may hold no sampling seed or secret, anywhere.
+
+    The Poisson draws and the noise key come from OS entropy at every start;
+    a value written in a config would be published with it (configs are
+    shared and committed) and would let anyone recompute the draws.
+    """
+    from tf_megadp.errors import PrivacyConfigurationError
+
+    if isinstance(value, dict):
+        for key, item in value.items():
+            lowered = str(key).lower()
+            seedlike = "seed" in lowered and f"{where}.{key}" != "config.run.seed"
+            if seedlike or "secret" in lowered or "noise_key" in lowered:
+                raise PrivacyConfigurationError(
+                    f"{where}.{key}: a run configuration may not hold a sampling seed, "
+                    "noise seed or secret; the Poisson draws and the noise key come from "
+                    "OS entropy at every start (run.seed seeds only the public model "
+                    "initialisation, masking and held-out split). Delete the key.")
+            _refuse_secrets(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_secrets(item, where)
+
+
+def _mapping(value: Any, where: str, allowed) -> dict:
+    if not isinstance(value, dict):
+        raise PretrainError(f"{where} must be a mapping, got {type(value).__name__}.")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise PretrainError(
+            f"{where}: unknown key {unknown[0]!r}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
+            + f"; expected one of {sorted(allowed)}.")
+    return value
+
+
+def run_config_from_dict(raw: Any, where: str = "config") -> PretrainConfig:
+    """A `PretrainConfig` from a parsed run file (the layout of tpu_configs/).
+
+    Sections: `name`, `model` (a preset, or its layers/hidden/heads/
+    intermediate sizes, which must match a preset; vocabulary_size,
+    sequence_length, max_predictions, dropout, precision), `hardware`
+    (`Hardware` fields: the run is planned), `training` (N, m, clipping, C,
+    sigma and/or target epsilon, delta, accountant, `optimizer` (AdamW),
+    `phases` of steps, batch_size and optionally accumulation_steps),
+    `data` and `run` (the job's other settings).
+
+    Raises:
+        PretrainError: an unknown key (named), a wrong type or an
+            inconsistent value.
+        PrivacyConfigurationError: a sampling seed or secret in the file.
+    """
+    _refuse_secrets(raw, "config")
+    top = _mapping(raw, where, ("name", "model", "hardware", "training", "data", "run"))
+    fields: dict[str, Any] = {}
+    if "name" in top:
+        fields["name"] = str(top["name"])
+    for section, table in _YAML_FIELDS.items():
+        allowed = dict(table)
+        if section == "model":
+            allowed.update({key: None for key in _ARCHITECTURE_KEYS})
+        if section == "training":
+            allowed.update(optimizer=None, phases=None)
+        values = _mapping(top.get(section, {}), f"{where}: {section}", allowed)
+        for key, value in values.items():
+            if table.get(key):
+                fields[table[key]] = value
+    model = top.get("model", {})
+    given = {key: model[key] for key in _ARCHITECTURE_KEYS if key in model}
+    if given:
+        matches = [name for name, dims in MODEL_PRESETS.items()
+                   if all(given[key] == dims[i] for i, key in enumerate(_ARCHITECTURE_KEYS)
+                          if key in given)]
+        if "preset" in model and model["preset"] not in matches:
+            raise PretrainError(f"{where}: model {given} is not the preset {model['preset']!r}.")
+        if not matches:
+            raise PretrainError(
+                f"{where}: model {given} matches no preset; the job builds "
+                + ", ".join(f"{n} {d}" for n, d in MODEL_PRESETS.items())
+                + " (layers, hidden, heads, intermediate).")
+        fields.setdefault("model", matches[0])
+    training = top.get("training", {})
+    if "optimizer" in training:
+        optimizer = _mapping(training["optimizer"], f"{where}: training.optimizer",
+                             ("name", *_OPTIMIZER_FIELDS))
+        if optimizer.get("name", "adamw") != "adamw":
+            raise PretrainError(
+                f"{where}: training.optimizer.name {optimizer['name']!r}: the job trains with "
+                "AdamW; write name: adamw.")
+        fields.update({_OPTIMIZER_FIELDS[k]: v for k, v in optimizer.items() if k != "name"})
+    if "phases" in training:
+        phases = training["phases"]
+        if not isinstance(phases, list) or not phases:
+            raise PretrainError(f"{where}: training.phases must be a non-empty list.")
+        schedule = []
+        for index, phase in enumerate(phases):
+            phase = _mapping(phase, f"{where}: training.phases[{index}]", _PHASE_KEYS)
+            if "steps" not in phase or "batch_size" not in phase:
+                raise PretrainError(
+                    f"{where}: training.phases[{index}] needs steps and batch_size.")
+            schedule.append(tuple(phase[key] for key in _PHASE_KEYS if key in phase))
+        fields["schedule"] = schedule
+    if "hardware" in top:
+        from tf_megadp.plan import Hardware
+
+        hardware = _mapping(top["hardware"], f"{where}: hardware", _HARDWARE_KEYS)
+        try:
+            fields["hardware"] = Hardware(**hardware)
+        except (TypeError, ValueError) as error:
+            raise PretrainError(f"{where}: {error}") from None
+    if fields.get("corpus") is not None and isinstance(fields["corpus"], str):
+        fields["corpus"] = [fields["corpus"]]
+    if not {"noise_multiplier", "target_epsilon", "non_private"} & set(fields):
+        # A file states its privacy: the flags' default target is not a plan.
+        raise PretrainError(
+            f"{where}: training needs noise_multiplier or target_epsilon (or non_private: true).")
+    if "noise_multiplier" in fields and "target_epsilon" not in fields:
+        # sigma stated alone: the run spends what sigma gives, no target.
+        fields["target_epsilon"] = None
+    try:
+        config = PretrainConfig(**fields)
+        config.validate()
+        config.phases()
+    except PretrainError as error:
+        raise PretrainError(f"{where}: {error}") from None
+    return config
+
+
+def load_run_config(path: str | os.PathLike) -> PretrainConfig:
+    """Reads a run configuration file (YAML); see `run_config_from_dict`.
+
+    Raises:
+        PretrainError: the file is unreadable, not YAML, or inconsistent
+            (the message names the file and the key).
+    """
+    import yaml
+
+    where = f"config {os.fspath(path)!r}"
+    try:
+        with open(path, encoding="utf-8") as stream:
+            raw = yaml.safe_load(stream)
+    except OSError as error:
+        raise PretrainError(f"cannot read {where}: {error.strerror}") from None
+    except yaml.YAMLError as error:
+        raise PretrainError(f"{where} is not valid YAML: {error}") from None
+    return run_config_from_dict(raw, where)
 
 
 def _default_cache_dir() -> str:
@@ -597,6 +869,7 @@ def _inner_optimizer(config: PretrainConfig, total_steps: int, accumulation_step
         warmup_steps=warmup,
     )
     return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=config.weight_decay,
+                                  beta_1=config.beta_1, beta_2=config.beta_2,
                                   gradient_accumulation_steps=accumulation_steps)
 
 
@@ -659,11 +932,36 @@ def _plot(history: list[dict[str, Any]], path: str, private: bool) -> None:
     plt.close(figure)
 
 
-def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class _TestingSeeds:
+    """Test-only reproducibility: never reachable from a flag or a config file.
+
+    Comparing two runs (R replicas against one device) needs the same
+    Poisson draws and noise, which the job otherwise draws from fresh OS
+    entropy. Both library seeds warn and mark the run (its privacy report
+    says the sampling and the noise are seeded: not for release); the
+    values are written nowhere.
+    """
+
+    sampling_seed: int
+    noise_seed: int
+    noise_multiplier: float | None = None
+
+
+def run_pretraining(config: PretrainConfig, *, log=print,
+                    testing: _TestingSeeds | None = None) -> dict[str, Any]:
     """Runs (or resumes) one pretraining job and returns its report.
 
     Everything that can be checked before training is checked first, so bad
-    input raises `PretrainError` before the output directory is created.
+    input raises `PretrainError` before the output directory is created. A
+    config with `hardware` is planned first (`tf_megadp.plan.make_plan`,
+    with the measured N and vocabulary size): an infeasible plan, or a
+    strategy with another replica count, stops the run before it trains.
+
+    Args:
+        config: the run.
+        log: where progress lines go.
+        testing: tests only (`_TestingSeeds`); never set it for a real run.
     """
     config.validate()
     phases = config.phases()
@@ -672,7 +970,6 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
         warnings.warn(_TRAINING_CORPUS_VOCABULARY_WARNING, UserWarning, stacklevel=2)
 
     from tf_megadp import distribute
-    from tf_megadp.schedules import BatchSizeSchedule
 
     output_dir = config.output_dir or os.path.join(
         "runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
@@ -685,7 +982,12 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
             "another --output-dir."
         )
 
-    strategy = distribute.resolve_strategy(config.strategy, tpu=config.tpu)
+    if config.cpu_replicas:
+        distribute.configure_cpu_replicas(config.cpu_replicas)
+        strategy = distribute.resolve_strategy(
+            "mirrored", devices=[f"/cpu:{index}" for index in range(config.cpu_replicas)])
+    else:
+        strategy = distribute.resolve_strategy(config.strategy, tpu=config.tpu)
     if distribute._worker_count(strategy) > 1:
         raise PretrainError(
             "tf-megadp pretrain runs on one host (strategies default, mirrored, tpu): "
@@ -701,15 +1003,23 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
     canaries = None
     if config.canaries:
         train, canaries, _ = canary_split(config, train)
-    if max(batch for _, batch in phases) > len(train):
+    if max(phase[1] for phase in phases) > len(train):
         raise PretrainError(
-            f"The logical batch ({max(b for _, b in phases)}) is larger than the "
+            f"The logical batch ({max(phase[1] for phase in phases)}) is larger than the "
             f"training corpus ({len(train)} sequences); lower --batch-size."
         )
-    schedule = BatchSizeSchedule.for_poisson(
-        phases, num_examples=len(train), micro_batch_size=config.micro_batch_size,
-        num_replicas=replicas)
+    if config.num_examples is not None and config.num_examples != len(train):
+        raise PretrainError(
+            f"The run is planned for num_examples N={config.num_examples}, but the training "
+            f"split holds {len(train)} sequences: its sampling rates and epsilon would not "
+            f"be this run's. Set training.num_examples (--num-examples) to {len(train)} and "
+            "plan again.")
+    if config.hardware is not None:
+        _check_planned_hardware(config, replicas, train.vocabulary_size)
+    schedule = config.make_schedule(len(train), replicas)
     sigma, delta, planned_epsilon = _plan_privacy(config, schedule)
+    if testing is not None and testing.noise_multiplier is not None:
+        sigma = testing.noise_multiplier
 
     created = not os.path.exists(output_dir)
     os.makedirs(output_dir, exist_ok=True)
@@ -719,7 +1029,7 @@ def run_pretraining(config: PretrainConfig, *, log=print) -> dict[str, Any]:
 
             save_canaries(os.path.join(output_dir, CANARIES_NAME), canaries)
         return _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
-                      strategy, output_dir, started, log)
+                      strategy, output_dir, started, log, testing)
     except BaseException:
         if created and not os.path.exists(os.path.join(output_dir, CHECKPOINT_NAME)):
             shutil.rmtree(output_dir, ignore_errors=True)
@@ -786,8 +1096,30 @@ def _compile_kwargs(private: bool):
     }
 
 
+def _check_planned_hardware(config: PretrainConfig, replicas: int, vocabulary_size: int) -> None:
+    """A planned run trains on the hardware and model its plan was made for."""
+    from tf_megadp import plan
+
+    if replicas != config.hardware.replicas:
+        raise PretrainError(
+            f"The run is planned for {config.hardware.replicas} replicas "
+            f"({config.hardware.name}), but the strategy has {replicas}: its static "
+            "capacities and per-core memory would not be the plan's. Run it on that "
+            "slice, or set hardware.replicas and plan again.")
+    # A learned vocabulary may come out a little smaller than asked; the
+    # plan is redone below with the measured size. A larger one is not
+    # the model that was planned.
+    if vocabulary_size > config.vocabulary_size:
+        raise PretrainError(
+            f"The run is planned for vocabulary_size {config.vocabulary_size}, but its "
+            f"vocabulary has {vocabulary_size} tokens; set model.vocabulary_size to "
+            f"{vocabulary_size} and plan again.")
+    # Raises InfeasiblePlanError naming the number, exactly as `tf-megadp plan` does.
+    plan.make_plan(config, vocabulary_size=vocabulary_size)
+
+
 def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
-           strategy, output_dir, started, log):
+           strategy, output_dir, started, log, testing=None):
     import keras
 
     import tf_megadp
@@ -797,7 +1129,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # Public randomness only (init, masking, dropout): the sampling and the
     # noise draw their own secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
-    batcher = text.MaskedLMBatcher.from_shards(train)
+    batcher = text.MaskedLMBatcher.from_shards(train, max_predictions=config.max_predictions)
     heldout_x, heldout_y, heldout_w = _heldout_batches(heldout, batcher, config.micro_batch_size, config.seed)
     unigram = _unigram_accuracy(train, heldout_y, heldout_w, train.vocabulary_size)
     total_steps = schedule.total_steps
@@ -820,7 +1152,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                 optimizer = tf_megadp.DPOptimizer(
                     _inner_optimizer(config, total_steps, None),
                     l2_norm_clip=config.l2_norm_clip, noise_multiplier=sigma,
-                    schedule=schedule, clipping=config.clipping)
+                    schedule=schedule, clipping=config.clipping,
+                    seed=None if testing is None else testing.noise_seed)
             else:
                 k = schedule.phases[0].accumulation_steps
                 optimizer = _inner_optimizer(config, total_steps, k if k > 1 else None)
@@ -850,9 +1183,13 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # what remains, as private as those the interrupted run would have drawn.
     # The secret is passed straight on, so that no local of this frame (and
     # no traceback) holds it.
-    sampler = sampling.PoissonSampler(
-        train, schedule, shared_secret=distribute.shared_sampling_secret(strategy),
-        start_step=start_step, end_step=end_step)
+    if testing is None:
+        sampler = sampling.PoissonSampler(
+            train, schedule, shared_secret=distribute.shared_sampling_secret(strategy),
+            start_step=start_step, end_step=end_step)
+    else:
+        sampler = sampling.PoissonSampler(train, schedule, seed=testing.sampling_seed,
+                                          start_step=start_step, end_step=end_step)
     # Fed to fit as the sampler returned it (a derived dataset is refused).
     # With R replicas on this host, Keras splits each m * R-row micro-step
     # along its rows, replica r taking rows [r*m, (r+1)*m): the layout

@@ -1,0 +1,137 @@
+"""Specification of the one run configuration (`PretrainConfig`) of the BERT job.
+
+`tf-megadp plan FILE`, `tf-megadp pretrain --config FILE` and
+examples/pretrain_bert_mlm.py read a run file through one reader into one
+dataclass; flags override its fields; unknown keys and sampling seeds are
+refused by name; and a planned pico run trains end to end, refusing a
+corpus or strategy other than the one it was planned for.
+"""
+
+import dataclasses
+import json
+
+import pytest
+import yaml
+
+from tf_megadp import PrivacyConfigurationError, cli, plan, pretraining
+from tests.test_pretraining import write_corpus
+
+SHIPPED = "tpu_configs/bert_large_v3_1024.yaml"
+
+
+def parsed(*argv):
+    """The `PretrainConfig` that a `tf-megadp` command line would run or plan."""
+    args = cli.build_parser().parse_args(list(argv))
+    return cli.run_config_from_args(args, args.config)
+
+
+def pico_file(folder, corpus, cache, output, num_examples, **training):
+    """A planned pico run on one CPU replica (the layout of tpu_configs/)."""
+    config = {
+        "name": "pico_cpu",
+        "model": {"preset": "pico", "vocabulary_size": 200, "sequence_length": 16},
+        "hardware": {"name": "cpu", "replicas": 1, "hbm_gib_per_replica": 4,
+                     "peak_tflops_per_replica": 0.1},
+        "training": {"num_examples": num_examples, "micro_batch_size": 8,
+                     "clipping": "vectorized", "l2_norm_clip": 1.0, "noise_multiplier": 1.0,
+                     "delta": 1e-4, "accountant": "rdp",
+                     "optimizer": {"name": "adamw", "learning_rate": 2e-3, "warmup_steps": 1},
+                     "phases": [{"steps": 2, "batch_size": 16, "accumulation_steps": 6}],
+                     "max_truncation_probability": 1e-6,
+                     **training},
+        "data": {"corpus": [corpus], "cache_dir": str(cache), "max_characters": 300_000},
+        "run": {"output_dir": str(output), "eval_every": 2, "verbose": 0},
+    }
+    path = folder / "pico.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return str(path)
+
+
+class TestOneConfiguration:
+    def test_plan_and_pretrain_read_the_same_config_object(self):
+        planned = parsed("plan", SHIPPED)
+        run = parsed("pretrain", "--config", SHIPPED)
+        assert planned == run == plan.load_config(SHIPPED)
+        assert run.model == "large" and run.hardware.replicas == 1024
+        assert run.phases()[0] == (2000, 262144, 9)
+
+    def test_a_flag_overrides_the_files_field_in_both(self):
+        run = parsed("pretrain", "--config", SHIPPED, "--micro-batch-size", "16",
+                     "--accountant", "pld")
+        assert run == parsed("plan", SHIPPED, "--micro-batch-size", "16", "--accountant", "pld")
+        assert (run.micro_batch_size, run.accountant) == (16, "pld")
+        assert dataclasses.replace(run, micro_batch_size=32, accountant="rdp") == parsed(
+            "plan", SHIPPED)
+
+    def test_the_plan_uses_the_overridden_field(self, capsys):
+        # Ghost clipping fits 32 sequences per v3 core; vectorized holds 32
+        # per-example gradients of BERT-Large (40 GiB) and does not.
+        assert cli.main(["plan", SHIPPED, "--json"]) == 0
+        assert cli.main(["plan", SHIPPED, "--clipping", "vectorized", "--json"]) == 2
+        assert "vectorized clipping at micro_batch_size 32 exceeds" in capsys.readouterr().err
+
+    def test_without_a_file_the_flags_build_the_defaults(self):
+        assert parsed("pretrain") == pretraining.PretrainConfig()
+        assert parsed("pretrain", "--noise-multiplier", "2").target_epsilon is None
+
+    @pytest.mark.parametrize("section, key", [
+        ("training", "sampling_seed"), ("training", "noise_seed"), ("run", "shared_secret"),
+        ("data", "seed")])
+    def test_a_sampling_seed_or_secret_is_refused(self, tmp_path, section, key):
+        raw = yaml.safe_load(open(SHIPPED, encoding="utf-8"))
+        raw.setdefault(section, {})[key] = 1234
+        path = tmp_path / "seeded.yaml"
+        path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+        with pytest.raises(PrivacyConfigurationError, match=f"{section}.{key}.*OS entropy"):
+            plan.load_config(path)
+
+    def test_the_public_seed_is_a_run_field(self, tmp_path):
+        raw = yaml.safe_load(open(SHIPPED, encoding="utf-8"))
+        raw["run"] = {"seed": 3}
+        assert pretraining.run_config_from_dict(raw).seed == 3
+
+    def test_an_unknown_key_is_named(self):
+        raw = yaml.safe_load(open(SHIPPED, encoding="utf-8"))
+        raw["run"] = {"eval_evry": 3}
+        with pytest.raises(pretraining.PretrainError, match="unknown key 'eval_evry'"):
+            pretraining.run_config_from_dict(raw)
+
+
+@pytest.fixture(scope="module")
+def planned_pico(tmp_path_factory):
+    root = tmp_path_factory.mktemp("planned")
+    corpus, cache = write_corpus(root), root / "cache"
+    # N of the prepared training split: the plan must state the run's own N.
+    probe = pretraining.PretrainConfig(corpus=[corpus], cache_dir=str(cache), model="pico",
+                                       sequence_length=16, vocabulary_size=200,
+                                       max_characters=300_000)
+    _, train, _ = pretraining.prepare_data(probe)
+    return root, corpus, cache, len(train)
+
+
+class TestAPlannedPicoRun:
+    def test_it_runs_end_to_end_as_planned(self, planned_pico, capsys):
+        root, corpus, cache, n = planned_pico
+        path = pico_file(root, corpus, cache, root / "run", n)
+        assert cli.main(["plan", path, "--json"]) == 0
+        planned = json.loads(capsys.readouterr().out)
+        assert cli.main(["pretrain", "--config", path]) == 0
+        report = json.loads((root / "run" / "report.json").read_text(encoding="utf-8"))
+        assert report["schedule"] == planned["schedule"]
+        assert report["logical_steps"] == 2 and report["num_examples"] == n
+        assert report["epsilon"] == pytest.approx(planned["epsilon"], rel=1e-9)
+        assert report["config"]["hardware"]["name"] == "cpu"
+
+    def test_another_corpus_size_is_refused(self, planned_pico, capsys):
+        root, corpus, cache, n = planned_pico
+        path = pico_file(root, corpus, cache, root / "other_n", n + 1)
+        assert cli.main(["pretrain", "--config", path]) == 2
+        assert f"to {n} and plan again" in capsys.readouterr().err
+        assert not (root / "other_n").exists()
+
+    def test_an_infeasible_plan_stops_the_run(self, planned_pico, capsys):
+        root, corpus, cache, n = planned_pico
+        path = pico_file(root, corpus, cache, root / "infeasible", n)
+        assert cli.main(["pretrain", "--config", path, "--noise-multiplier", "0.3",
+                         "--target-epsilon", "1"]) == 2
+        assert "exceeds target_epsilon 1" in capsys.readouterr().err

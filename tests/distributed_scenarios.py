@@ -429,9 +429,80 @@ def run_worker(index, ports, out_path):
     })
 
 
+# The job's command line on R replicas: m * R = JOB_ROWS rows per micro-step
+# for every R, so that with the same test-only seeds every replica count
+# draws, masks and sums the very same examples.
+JOB_ROWS = 8
+JOB_STEPS = 3
+
+
+def job_argv(folder, corpus, replicas, output, *extra):
+    """`tf-megadp pretrain` arguments of the pico job on R CPU replicas."""
+    argv = ["pretrain", "--corpus", corpus, "--cache-dir", str(folder / "cache"),
+            "--model", "pico", "--sequence-length", "16", "--vocabulary-size", "200",
+            "--max-characters", "300000", "--micro-batch-size", str(JOB_ROWS // replicas),
+            "--batch-size", "16", "--steps", str(JOB_STEPS), "--eval-every", str(JOB_STEPS),
+            "--noise-multiplier", "1.0", "--accountant", "rdp", "--warmup-steps", "1",
+            "--output-dir", str(output), *extra]
+    if replicas > 1:
+        argv += ["--strategy", "mirrored", "--cpu-replicas", str(replicas)]
+    return argv
+
+
+def run_job(replicas, out_path):
+    """The pico job from its command line on R replicas (R = 1: one device).
+
+    sigma = 0 with the job's test-only seeds (same draws and masks for every
+    R): the trained weights, to compare across R. For R > 1 also a private
+    run (secret draws, sigma 1) interrupted after one step and resumed: its
+    ledger and epsilon.
+    """
+    import pathlib
+    import tempfile
+
+    import keras
+
+    from tf_megadp import cli, pretraining
+    from tests.test_pretraining import write_corpus
+
+    def config(argv):
+        args = cli.build_parser().parse_args(argv)
+        return cli.run_config_from_args(args, None)
+
+    result = {"replicas": replicas}
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        folder = pathlib.Path(tmp_dir)
+        corpus = write_corpus(folder)
+        seeded = pretraining._TestingSeeds(sampling_seed=11, noise_seed=12, noise_multiplier=0.0)
+        report = pretraining.run_pretraining(
+            config(job_argv(folder, corpus, replicas, folder / "seeded")),
+            log=lambda *_: None, testing=seeded)
+        model = keras.models.load_model(folder / "seeded" / "model.keras", compile=False)
+        result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
+        result["seeded"] = {key: report[key] for key in ("logical_steps", "schedule")}
+        if replicas > 1:
+            first = pretraining.run_pretraining(
+                config(job_argv(folder, corpus, replicas, folder / "resumed",
+                                "--stop-after-steps", "1")), log=lambda *_: None)
+            final = pretraining.run_pretraining(
+                config(job_argv(folder, corpus, replicas, folder / "resumed", "--resume")),
+                log=lambda *_: None)
+            with open(folder / "resumed" / "privacy.json", encoding="utf-8") as stream:
+                privacy = json.load(stream)
+            result["resumed"] = {
+                "first_steps": first["logical_steps"], "completed": final["completed"],
+                "resumed_from": final["resumed_from_step"],
+                **{key: final[key] for key in ("epsilon", "delta", "noise_multiplier",
+                                               "logical_steps", "schedule", "num_examples")},
+                "ledger": privacy["ledger"], "steps": privacy["steps"]}
+    write_json_atomically(out_path, result)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "replicas":
         run_replicas(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "job":
+        run_job(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "worker":
         run_worker(int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")], sys.argv[4])
     else:

@@ -66,6 +66,9 @@ def scenario_results(tmp_path_factory):
         "replicas4": ["replicas", "4"],
         "worker0": ["worker", "0", ports],
         "worker1": ["worker", "1", ports],
+        "job1": ["job", "1"],
+        "job2": ["job", "2"],
+        "job4": ["job", "4"],
     }
     outputs = {name: str(directory / f"{name}.json") for name in commands}
     processes = {
@@ -239,6 +242,43 @@ class TestTheMainJobOnReplicas:
             schedule=schedule, noise_multiplier=job["noise_multiplier"], delta=job["delta"],
             accountant="rdp", steps=2)
         assert job["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda r: f"job_on_{r}_replicas")
+def job_on_replicas(request, scenario_results):
+    return _result(scenario_results, f"job{request.param}")
+
+
+class TestTheJobCommandOnCpuReplicas:
+    """`tf-megadp pretrain --strategy mirrored --cpu-replicas R`, end to end."""
+
+    def test_sigma_zero_weights_equal_the_single_device_run(self, job_on_replicas,
+                                                             scenario_results):
+        single = _result(scenario_results, "job1")
+        assert job_on_replicas["seeded"]["logical_steps"] == scenarios.JOB_STEPS
+        schedule = tf_megadp.BatchSizeSchedule.from_dict(job_on_replicas["seeded"]["schedule"])
+        assert schedule.num_replicas == job_on_replicas["replicas"]
+        assert schedule.micro_batch_size * schedule.num_replicas == scenarios.JOB_ROWS
+        assert len(job_on_replicas["weights"]) == len(single["weights"])
+        for distributed, reference in zip(job_on_replicas["weights"], single["weights"]):
+            np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
+
+    def test_an_interrupted_private_run_resumes_and_accounts_every_step(self, job_on_replicas):
+        run = job_on_replicas["resumed"]
+        assert (run["first_steps"], run["resumed_from"]) == (1, 1)
+        assert run["completed"] and run["logical_steps"] == scenarios.JOB_STEPS
+        schedule = tf_megadp.BatchSizeSchedule.from_dict(run["schedule"])
+        (phase,) = schedule.phases
+        assert [entry["steps"] for entry in run["ledger"]] in (
+            [scenarios.JOB_STEPS], [1, scenarios.JOB_STEPS - 1])
+        for entry in run["ledger"]:
+            assert entry["sampling_rate"] == phase.batch_size / run["num_examples"]
+            assert entry["max_batch_size"] == schedule.capacity(phase)
+            assert entry["noise_multiplier"] == 1.0 and entry["sampling"] == "poisson"
+        expected = tf_megadp.compute_epsilon(
+            schedule=schedule, noise_multiplier=1.0, delta=run["delta"], accountant="rdp",
+            steps=scenarios.JOB_STEPS)
+        assert run["epsilon"] == pytest.approx(expected, rel=1e-9)
 
 
 class TestSharedSamplingSecret:

@@ -9,6 +9,7 @@ corpus or strategy other than the one it was planned for.
 
 import dataclasses
 import json
+import math
 
 import pytest
 import yaml
@@ -29,7 +30,9 @@ def pico_file(folder, corpus, cache, output, num_examples, **training):
     """A planned pico run on one CPU replica (the layout of tpu_configs/)."""
     config = {
         "name": "pico_cpu",
-        "model": {"preset": "pico", "vocabulary_size": 200, "sequence_length": 16},
+        # The TPU dtype policy: the planned run also checks the job under it.
+        "model": {"preset": "pico", "vocabulary_size": 200, "sequence_length": 16,
+                  "precision": "mixed_bfloat16"},
         "hardware": {"name": "cpu", "replicas": 1, "hbm_gib_per_replica": 4,
                      "peak_tflops_per_replica": 0.1},
         "training": {"num_examples": num_examples, "micro_batch_size": 8,
@@ -121,6 +124,8 @@ class TestAPlannedPicoRun:
         assert report["logical_steps"] == 2 and report["num_examples"] == n
         assert report["epsilon"] == pytest.approx(planned["epsilon"], rel=1e-9)
         assert report["config"]["hardware"]["name"] == "cpu"
+        assert report["config"]["precision"] == "mixed_bfloat16"
+        assert all(math.isfinite(record["loss"]) for record in report["history"])
 
     def test_another_corpus_size_is_refused(self, planned_pico, capsys):
         root, corpus, cache, n = planned_pico

@@ -76,11 +76,17 @@ def configure_cpu_replicas(count: int) -> list:
         The logical CPU devices.
 
     Raises:
-        RuntimeError: TensorFlow's devices are already initialised.
+        RuntimeError: TensorFlow's devices are already initialised (with
+            another split; the same split again returns its devices).
     """
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"count must be a positive integer, got {count!r}.")
     cpu = tf.config.list_physical_devices("CPU")[0]
+    configured = tf.config.get_logical_device_configuration(cpu)
+    if configured is not None and len(configured) == count:
+        # Already split this way (a second job in the same process): the
+        # devices exist, and TensorFlow refuses to set them again.
+        return tf.config.list_logical_devices("CPU")
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]

@@ -24,7 +24,8 @@ import numpy as np
 
 from tf_megadp.files import atomic_write, write_json_atomically
 
-__all__ = ["MODEL_PRESETS", "PretrainConfig", "PretrainError", "canary_split", "prepare_data",
+__all__ = ["MODEL_PRESETS", "PRECISIONS", "PretrainConfig", "PretrainError", "build_model",
+           "canary_split", "load_run_config", "prepare_data", "run_config_from_dict",
            "run_pretraining"]
 
 # (layers, hidden, heads, intermediate). "tiny" is what a 2-core CPU trains in minutes.
@@ -833,10 +834,27 @@ def _plan_privacy(config: PretrainConfig, schedule) -> tuple[float, float, float
     return sigma, delta, epsilon
 
 
-def _build_model(config: PretrainConfig, vocabulary_size: int):
+def build_model(config: PretrainConfig, vocabulary_size: int):
+    """The job's `keras_hub.models.BertMaskedLM` for `config` (preset, L, dropout, precision).
+
+    Under `precision="mixed_bfloat16"` the encoder computes in bfloat16 and
+    the MLM head in float32. keras-hub 0.32's `MaskedLMHead` does not
+    autocast its variables (`autocast=False`, as it reads the shared token
+    embedding) and adds its float32 output bias to logits cast to the
+    compute dtype: in bfloat16 that addition raises. With a float32 head the
+    tied embedding still runs the vocabulary projection in bfloat16 (its
+    own layer autocasts), the logits are cast to float32 before the bias,
+    and the softmax over V classes is float32, as TPU recipes keep it.
+    Variables stay float32 either way; tf_megadp keeps per-example norms,
+    accumulators and noise in float32.
+
+    Args:
+        config: the run's settings.
+        vocabulary_size: V of the prepared vocabulary.
+    """
     import keras_hub
 
-    layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
+    layers, hidden, heads, intermediate = config.architecture()
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=vocabulary_size,
         num_layers=layers,
@@ -845,8 +863,14 @@ def _build_model(config: PretrainConfig, vocabulary_size: int):
         intermediate_dim=intermediate,
         max_sequence_length=config.sequence_length,
         dropout=config.dropout,
+        dtype=config.precision,
     )
-    return keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
+    model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
+    if config.precision != "float32":
+        # The head's own call (gather, dense, norm, projection, bias) follows
+        # its policy; its sub-layers keep the backbone's bfloat16 policy.
+        model.masked_lm_head.dtype_policy = "float32"
+    return model
 
 
 def _inner_optimizer(config: PretrainConfig, total_steps: int, accumulation_steps: int | None):
@@ -1138,7 +1162,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     history: list[dict[str, Any]] = []
     resumed_from = 0
     with strategy.scope():
-        model = _build_model(config, train.vocabulary_size)
+        model = build_model(config, train.vocabulary_size)
         if config.resume:
             from tf_megadp.checkpointing import restore_training_state
 

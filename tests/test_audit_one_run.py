@@ -3,7 +3,6 @@
 import copy
 import math
 import pickle
-import warnings
 from fractions import Fraction
 
 import h5py

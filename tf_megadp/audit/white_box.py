@@ -469,6 +469,8 @@ class _Injector:
                     "not reach: the DP step neither noises nor updates it, so canaries there "
                     "would be released without noise. Place them on a variable the loss reaches."
                 )
+            if isinstance(gradient, tf.IndexedSlices):  # e.g. an embedding's rows
+                gradient = tf.convert_to_tensor(gradient)
             flat_gradient = tf.reshape(gradient, [-1])
             flat_gradient = tf.tensor_scatter_nd_add(
                 flat_gradient, flat[:, None], tf.cast(tf.gather(amount, ids), gradient.dtype))

@@ -350,7 +350,8 @@ def pretraining_job_checks(strategy, tmp_dir, result):
     """
     import pathlib
 
-    from tf_megadp import distribute, pretraining
+    from tf_megadp import distribute
+    from tf_megadp.jobs.bert import pretraining
     from tests.test_pretraining import tiny_config, write_corpus
 
     folder = pathlib.Path(tmp_dir)
@@ -462,7 +463,8 @@ def run_job(replicas, out_path):
 
     import keras
 
-    from tf_megadp import cli, pretraining
+    from tf_megadp import cli
+    from tf_megadp.jobs.bert import pretraining
     from tests.test_pretraining import write_corpus
 
     def config(argv):

@@ -14,7 +14,8 @@ import math
 import pytest
 import yaml
 
-from tf_megadp import PrivacyConfigurationError, cli, plan, pretraining
+from tf_megadp import PrivacyConfigurationError, cli
+from tf_megadp.jobs.bert import plan, pretraining
 from tests.test_pretraining import write_corpus
 
 SHIPPED = "tpu_configs/bert_large_v3_1024.yaml"
@@ -140,3 +141,14 @@ class TestAPlannedPicoRun:
         assert cli.main(["pretrain", "--config", path, "--noise-multiplier", "0.3",
                          "--target-epsilon", "1"]) == 2
         assert "exceeds target_epsilon 1" in capsys.readouterr().err
+
+
+def test_several_workers_are_refused_naming_the_custom_loop(tmp_path, monkeypatch):
+    """Keras 3.15's fit cannot run under multi-worker: the job says so before any work."""
+    from tf_megadp import distribute
+
+    monkeypatch.setattr(distribute, "_worker_count", lambda strategy: 2)
+    config = pretraining.PretrainConfig(output_dir=str(tmp_path / "run"), strategy="default")
+    with pytest.raises(pretraining.PretrainError, match="train_micro_steps"):
+        pretraining.run_pretraining(config, log=lambda *_: None)
+    assert not (tmp_path / "run").exists()

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tf_megadp
-from tf_megadp import pretraining, text
+from tf_megadp.jobs.bert import pretraining, text
 
 VOCABULARY = 64
 LENGTH = 16

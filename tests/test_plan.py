@@ -16,7 +16,8 @@ import re
 import pytest
 import yaml
 
-from tf_megadp import accounting, cli, plan
+from tf_megadp import accounting, cli
+from tf_megadp.jobs.bert import plan
 from tf_megadp.schedules import BatchSizeSchedule, Phase
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

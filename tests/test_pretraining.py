@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tf_megadp import accounting, cli, distribute, sampling
-from tf_megadp.pretraining import PretrainConfig, prepare_data, run_pretraining
+from tf_megadp.jobs.bert.pretraining import PretrainConfig, prepare_data, run_pretraining
 
 SUBJECTS = ["the model", "a student", "our team", "the network", "each layer", "the sampler"]
 VERBS = ["computes", "clips", "reads", "writes", "trains", "reports", "samples", "adds"]
@@ -320,7 +320,7 @@ class TestThePublishedVocabulary:
         path.write_text("\n".join(tokens) + "\n", encoding="utf-8")
         config = tiny_config(corpus, cache, tmp_path / "unused", vocabulary=str(path))
         _, train, _ = prepare_data(config)
-        from tf_megadp.text import load_vocabulary
+        from tf_megadp.jobs.bert.text import load_vocabulary
 
         vocabulary = load_vocabulary(train)
         assert vocabulary[:5] == ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]

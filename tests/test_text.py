@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.text: corpus files to BertMaskedLM micro-batches."""
+"""Specification of tf_megadp.jobs.bert.text: corpus files to BertMaskedLM micro-batches."""
 
 import json
 import os
@@ -10,7 +10,7 @@ from scipy import stats
 
 from tf_megadp.sampling import PoissonSampler, TokenShards
 from tf_megadp.schedules import BatchSizeSchedule
-from tf_megadp.text import (
+from tf_megadp.jobs.bert.text import (
     SPECIAL_TOKENS,
     CorpusError,
     MaskedLMBatcher,
@@ -144,7 +144,7 @@ class TestPrepareCorpus:
         assert len(reference) - len(spelled) < 4 + 1  # only a short tail is dropped
 
     def test_same_inputs_reuse_the_shards(self, shards, corpus_file, monkeypatch):
-        import tf_megadp.text as text
+        import tf_megadp.jobs.bert.text as text
 
         def fail(*args, **kwargs):
             raise AssertionError("the vocabulary was learned again")

@@ -1,9 +1,19 @@
 """tf_megadp: differentially private training for TensorFlow / Keras 3 at mega-batch scale.
 
 The public API is re-exported here; everything else is private to its module.
+`import tf_megadp` loads the library only: TensorFlow and Keras, never
+keras-hub, matplotlib or scikit-learn. The names that need them (the audit
+library, which scores membership with scikit-learn, and the BERT job's
+corpus and batching helpers, which tokenize with keras-hub) are resolved on
+first use (PEP 562), from the modules named in `_LAZY`.
 """
 
-from tf_megadp import audit, distribute
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tf_megadp import distribute
 from tf_megadp.accounting import (
     LedgerEntry,
     PrivacyAccountant,
@@ -12,23 +22,84 @@ from tf_megadp.accounting import (
     compute_epsilon,
     ledger_from_schedule,
 )
-from tf_megadp.audit import AuditCallback, run_audit
 from tf_megadp.callbacks import PrivacyCallback, read_ledger
 from tf_megadp.checkpointing import export_model, restore_training_state, save_training_state
 from tf_megadp.clipping import ClippingStrategy, GhostClipping, VectorizedClipping
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
 from tf_megadp.schedules import BatchSizeSchedule, Phase
 from tf_megadp.sources import DataSource
-from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
-from tf_megadp.text import (
-    CorpusError,
-    MaskedLMBatcher,
-    default_corpus_documents,
-    load_vocabulary,
-    prepare_corpus,
-    read_documents,
-)
 from tf_megadp.train_step import is_private, make_private, make_private_with_epsilon
 
 __version__ = "0.1.0"
+
+# name -> (module, attribute or None for the module itself), imported on first access.
+_LAZY = {
+    "audit": ("tf_megadp.audit", None),
+    "AuditCallback": ("tf_megadp.audit", "AuditCallback"),
+    "run_audit": ("tf_megadp.audit", "run_audit"),
+    "jobs": ("tf_megadp.jobs", None),
+    "CorpusError": ("tf_megadp.jobs.bert.text", "CorpusError"),
+    "MaskedLMBatcher": ("tf_megadp.jobs.bert.text", "MaskedLMBatcher"),
+    "default_corpus_documents": ("tf_megadp.jobs.bert.text", "default_corpus_documents"),
+    "load_vocabulary": ("tf_megadp.jobs.bert.text", "load_vocabulary"),
+    "prepare_corpus": ("tf_megadp.jobs.bert.text", "prepare_corpus"),
+    "read_documents": ("tf_megadp.jobs.bert.text", "read_documents"),
+}
+
+__all__ = [
+    "AuditCallback",
+    "BatchSizeSchedule",
+    "ClippingStrategy",
+    "CorpusError",
+    "DPOptimizer",
+    "DataSource",
+    "GhostClipping",
+    "LedgerEntry",
+    "MaskedLMBatcher",
+    "Phase",
+    "PoissonSampler",
+    "PrivacyAccountant",
+    "PrivacyCallback",
+    "PrivacyConfigurationError",
+    "PrivacyLedger",
+    "ShuffleSampler",
+    "TokenShards",
+    "VectorizedClipping",
+    "audit",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "default_corpus_documents",
+    "distribute",
+    "export_model",
+    "is_private",
+    "jobs",
+    "ledger_from_schedule",
+    "load_vocabulary",
+    "make_private",
+    "make_private_with_epsilon",
+    "prepare_corpus",
+    "read_documents",
+    "read_ledger",
+    "restore_training_state",
+    "run_audit",
+    "save_training_state",
+    "write_token_shards",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The lazily imported exports (PEP 562): see `_LAZY`."""
+    try:
+        module_name, attribute = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'tf_megadp' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # Resolved once; later lookups skip __getattr__.
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

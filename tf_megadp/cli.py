@@ -1,8 +1,11 @@
 """The `tf-megadp` command line.
 
 Each subcommand is a small `_add_<name>_parser(subparsers)` that declares its
-arguments and sets `handler`; handlers import their library module lazily so
-that cheap subcommands (`tf-megadp epsilon`) never load TensorFlow. To add a
+arguments and sets `handler`; this module only parses, and hands the work to
+the library (`epsilon`, `calibrate`) or to the BERT job (`plan`, `pretrain`,
+`audit`: `tf_megadp.jobs.bert`, imported by the handler, so that the
+accounting subcommands never load keras-hub). TensorFlow itself is loaded by
+the `tf_megadp` package on any subcommand. To add a
 subcommand, write both functions and list the parser builder in `_SUBCOMMANDS`.
 
 Bad arguments print one line on stderr and exit with status 2.
@@ -252,7 +255,7 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     overrides the field of the `--config` file (or of the defaults), a
     missing one leaves it. See `run_config_from_args`.
     """
-    from tf_megadp.pretraining import MODEL_PRESETS, PRECISIONS, PretrainConfig
+    from tf_megadp.jobs.bert.pretraining import MODEL_PRESETS, PRECISIONS, PretrainConfig
 
     defaults = PretrainConfig()
     hidden = argparse.SUPPRESS
@@ -341,7 +344,7 @@ def run_config_from_args(args: argparse.Namespace, config_path: str | None):
     """
     import dataclasses
 
-    from tf_megadp import pretraining
+    from tf_megadp.jobs.bert import pretraining
 
     config = (pretraining.load_run_config(config_path) if config_path
               else pretraining.PretrainConfig())
@@ -380,7 +383,7 @@ def _add_pretrain_parser(subparsers) -> None:
 
 
 def _run_pretrain(args: argparse.Namespace) -> int:
-    from tf_megadp import pretraining
+    from tf_megadp.jobs.bert import pretraining
 
     report = pretraining.run_pretraining(run_config_from_args(args, args.config))
     if args.json:
@@ -410,7 +413,7 @@ def _add_plan_parser(subparsers) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from tf_megadp import plan
+    from tf_megadp.jobs.bert import plan
 
     result = plan.make_plan(run_config_from_args(args, args.config))
     if args.json:

@@ -25,7 +25,7 @@ __all__ = ["audit_pretraining_run"]
 
 
 def _masked_batches(rows: np.ndarray, batcher, batch_size: int, seed: int) -> list:
-    from tf_megadp.pretraining import masked_rows
+    from tf_megadp.jobs.bert.pretraining import masked_rows
 
     x, y, w = masked_rows(rows, batcher, seed)
     return [
@@ -64,7 +64,7 @@ def audit_pretraining_run(
     """
     import keras
 
-    from tf_megadp import pretraining, text
+    from tf_megadp.jobs.bert import pretraining, text
     from tf_megadp.audit.runner import run_audit
 
     report_path = os.path.join(output_dir, pretraining.REPORT_NAME)

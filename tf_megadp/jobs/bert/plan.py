@@ -41,6 +41,7 @@ import os
 from typing import Any
 
 from tf_megadp import accounting
+from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta, load_run_config
 
 __all__ = [
     "InfeasiblePlanError",
@@ -129,44 +130,12 @@ class ModelSpec:
         return self.num_layers * per_layer + logits
 
 
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """The accelerator slice, counted in replicas (TensorFlow TPU cores).
-
-    Args:
-        name: e.g. "v3-128".
-        replicas: R, replicas in sync (v3: 2 per chip; v4: 1 per chip).
-        hbm_gib_per_replica: memory each replica may use.
-        peak_tflops_per_replica: peak bfloat16 TFLOP/s of one replica.
-        utilization: fraction of peak assumed for the step-time estimate.
-    """
-
-    name: str
-    replicas: int
-    hbm_gib_per_replica: float
-    peak_tflops_per_replica: float
-    utilization: float = 1.0
-
-    def __post_init__(self):
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
-            raise ValueError(f"hardware.replicas must be a positive integer, got {self.replicas!r}.")
-        for name in ("hbm_gib_per_replica", "peak_tflops_per_replica"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"hardware.{name} must be a number > 0, got {value!r}.")
-        if not isinstance(self.utilization, (int, float)) or not 0 < self.utilization <= 1:
-            raise ValueError(
-                f"hardware.utilization must be in (0, 1], got {self.utilization!r}.")
-
-
 def load_config(path: str | os.PathLike):
     """Reads a run configuration file: the job's one `PretrainConfig` reader.
 
     `tf-megadp plan`, `tf-megadp pretrain --config` and
     examples/pretrain_bert_mlm.py all read files this way.
     """
-    from tf_megadp.pretraining import load_run_config
-
     return load_run_config(path)
 
 
@@ -227,8 +196,6 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
         InfeasiblePlanError: memory over the per-core HBM, a phase whose
             static capacity truncates too often, or epsilon over the target.
     """
-    from tf_megadp.pretraining import PretrainError, default_delta
-
     hardware = config.hardware
     if hardware is None:
         raise InfeasiblePlanError(

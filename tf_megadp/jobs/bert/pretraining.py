@@ -23,22 +23,20 @@ from typing import Any, Sequence
 import numpy as np
 
 from tf_megadp.files import atomic_write, write_json_atomically
+from tf_megadp.jobs.bert.config import (  # noqa: F401 (the job's names, for the audit job)
+    MODEL_PRESETS,
+    PRECISIONS,
+    PretrainConfig,
+    PretrainError,
+    default_delta,
+    load_run_config,
+    parse_schedule,
+    run_config_from_dict,
+)
 
 __all__ = ["MODEL_PRESETS", "PRECISIONS", "PretrainConfig", "PretrainError", "build_model",
            "canary_split", "load_run_config", "prepare_data", "run_config_from_dict",
            "run_pretraining"]
-
-# (layers, hidden, heads, intermediate). "tiny" is what a 2-core CPU trains in minutes.
-MODEL_PRESETS = {
-    "pico": (1, 32, 2, 64),
-    "nano": (2, 64, 2, 256),
-    "tiny": (2, 128, 2, 512),
-    "mini": (4, 256, 4, 1024),
-    "small": (4, 512, 8, 2048),
-    "medium": (8, 512, 8, 2048),
-    "base": (12, 768, 12, 3072),
-    "large": (24, 1024, 16, 4096),
-}
 
 CHECKPOINT_NAME = "checkpoint"
 CANARIES_NAME = "canaries.json"
@@ -75,462 +73,8 @@ RELEASED_OUTSIDE_EPSILON = (
     "truncated_steps: how many Poisson steps overflowed their capacity",
     "the vocabulary (vocab.txt), when vocabulary.public is false",
 )
-PRECISIONS = ("float32", "mixed_bfloat16")
 PLOT_NAME = "report.png"
 HISTORY_NAME = "history.csv"
-
-
-class PretrainError(ValueError):
-    """Bad input for the pretraining job; the message is one line that names the fix."""
-
-
-@dataclasses.dataclass
-class PretrainConfig:
-    """Settings of one pretraining run (defaults: the README's CPU run).
-
-    Args:
-        corpus: text/JSONL files or globs; None uses the offline default corpus
-            (docstrings of installed packages).
-        output_dir: where the run writes everything; default a new folder
-            under ./runs/.
-        model: a `MODEL_PRESETS` name.
-        sequence_length: L, tokens per sequence (one sequence = one privacy unit).
-        vocabulary_size: WordPiece vocabulary size to learn. The default 512
-            splits words into more pieces, which context predicts early: a
-            small BERT leaves the unigram plateau in fewer steps than at 2048.
-        vocabulary: a vocabulary file (one token per line, e.g. BERT's public
-            `vocab.txt`) that you name as public; it replaces the learned one.
-        vocabulary_from_training_corpus: learn the vocabulary from `corpus`
-            itself. NOT private: the vocabulary is published with the model
-            and its rare words (names, identifiers) appear in it verbatim,
-            outside epsilon; the run warns and its report says so. By default
-            a run on a user corpus learns its vocabulary from the public
-            offline default corpus instead (or uses `vocabulary`).
-        max_characters: size cap of the default corpus (also when it only
-            supplies the vocabulary of a user corpus).
-        heldout_fraction: share of sequences kept out of training for evaluation.
-        canaries: for a privacy audit (`tf-megadp audit`), insert this many
-            secret-sharer canaries per repetition count r in (1, 4, 16) into
-            the training split, r copies each (every copy is one more
-            training sequence, counted in N), and keep as many never-inserted
-            controls; 0 (default) inserts none.
-        micro_batch_size: m, examples per replica per micro-batch.
-        batch_size: expected logical batch B of a constant schedule.
-        steps: logical steps of a constant schedule.
-        schedule: phases [(steps, batch_size), ...] (overrides batch_size/steps).
-        target_epsilon: calibrate sigma to spend exactly this (at `delta`).
-        noise_multiplier: sigma, instead of target_epsilon.
-        delta: default 1 / N^1.1 for N training sequences.
-        l2_norm_clip: C.
-        accountant: "pld" (default, tighter) or "rdp" (faster).
-        learning_rate, warmup_steps, weight_decay: AdamW with linear warmup and
-            cosine decay over the logical steps.
-        non_private: the baseline: same data, model and optimizer, plain
-            Keras step (no clipping, no noise).
-        clipping: per-example strategy of DPOptimizer.
-        dropout: BERT dropout rate. Off by default: the DP noise already
-            regularizes, and per-example dropout masks make the vectorized
-            per-example pass slower.
-        eval_every: logical steps between held-out evaluations (and epochs).
-        checkpoint_every: logical steps between checkpoints (0: only at the end).
-        resume: continue the run in `output_dir` from its checkpoint; the
-            settings must be those the run was started with.
-        stop_after_steps: end this invocation after this many logical steps
-            (with a checkpoint), e.g. to fit a time slice; resume later.
-        strategy, tpu: `tf_megadp.distribute.resolve_strategy` arguments.
-        seed: seeds what may be public: model initialisation, masking, the
-            held-out split and the canaries. Never the Poisson sampling nor
-            the DP noise: both come from secret OS entropy, fresh at every
-            start and every resume, and are never written anywhere.
-        cache_dir: where prepared corpora are kept for reuse.
-        verbose: Keras progress-bar verbosity.
-        name: the run's name (a planned configuration's).
-        num_examples: N the run was planned for; a corpus with another N
-            is refused (the plan's epsilon would not be this run's).
-        max_predictions: P, masked positions per sequence (default
-            ceil(0.15 L)).
-        beta_1, beta_2: AdamW's moment decay rates.
-        max_truncation_probability: the largest probability per logical
-            step that a Poisson batch overflows its static capacity; the
-            capacity of phases without an explicit accumulation_steps is
-            chosen to meet it.
-        hardware: a `Hardware` (replicas, HBM, peak FLOP/s): the run is
-            planned (`make_plan`) before it trains, and a strategy with
-            another replica count is refused.
-        cpu_replicas: split the host CPU into this many logical devices and
-            run `MirroredStrategy` over them (tests of multi-replica runs
-            on machines without accelerators); needs strategy "mirrored".
-        precision: "float32" or "mixed_bfloat16" (the TPU dtype policy):
-            compute in bfloat16, variables, per-example norms, accumulators,
-            noise and the MLM logits in float32.
-    """
-
-    corpus: Sequence[str] | None = None
-    output_dir: str | None = None
-    model: str = "nano"
-    sequence_length: int = 64
-    vocabulary_size: int = 512
-    vocabulary: str | None = None
-    vocabulary_from_training_corpus: bool = False
-    max_characters: int = 3_000_000
-    heldout_fraction: float = 0.05
-    canaries: int = 0
-    micro_batch_size: int = 64
-    batch_size: int = 256
-    steps: int = 300
-    schedule: Sequence[Sequence[int]] | None = None
-    target_epsilon: float | None = 5.36
-    noise_multiplier: float | None = None
-    delta: float | None = None
-    l2_norm_clip: float = 1.0
-    accountant: str = "pld"
-    learning_rate: float = 2e-3
-    warmup_steps: int = 25
-    weight_decay: float = 0.01
-    non_private: bool = False
-    clipping: str = "vectorized"
-    dropout: float = 0.0
-    eval_every: int = 25
-    checkpoint_every: int = 0
-    resume: bool = False
-    stop_after_steps: int | None = None
-    strategy: str = "default"
-    tpu: str | None = None
-    seed: int = 0
-    cache_dir: str | None = None
-    verbose: int | str = "auto"
-    name: str | None = None
-    num_examples: int | None = None
-    max_predictions: int | None = None
-    beta_1: float = 0.9
-    beta_2: float = 0.999
-    max_truncation_probability: float = 1e-9
-    hardware: Any = None  # a tf_megadp plan Hardware: the run is then planned, and checked
-    cpu_replicas: int | None = None
-    precision: str = "float32"
-
-    def validate(self) -> None:
-        """Raises `PretrainError` naming the first bad field (and how to fix it)."""
-        for name in ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
-                     "learning_rate", "weight_decay", "dropout", "heldout_fraction", "beta_1",
-                     "beta_2", "max_truncation_probability"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value)):
-                raise PretrainError(f"{name} must be a finite number, got {value!r}.")
-        if self.model not in MODEL_PRESETS:
-            raise PretrainError(f"--model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}.")
-        positive = {
-            "sequence_length": self.sequence_length,
-            "vocabulary_size": self.vocabulary_size,
-            "micro_batch_size": self.micro_batch_size,
-            "batch_size": self.batch_size,
-            "steps": self.steps,
-            "eval_every": self.eval_every,
-        }
-        for name, value in positive.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PretrainError(f"{name} must be a positive integer, got {value!r}.")
-        if not 0 <= self.dropout < 1:
-            raise PretrainError(f"dropout must be in [0, 1), got {self.dropout}.")
-        if not 0 < self.heldout_fraction < 0.5:
-            raise PretrainError(f"heldout_fraction must be in (0, 0.5), got {self.heldout_fraction}.")
-        if self.stop_after_steps is not None and self.stop_after_steps < 1:
-            raise PretrainError(f"stop_after_steps must be >= 1, got {self.stop_after_steps}.")
-        if not isinstance(self.canaries, int) or self.canaries < 0:
-            raise PretrainError(f"canaries must be a non-negative integer, got {self.canaries!r}.")
-        if self.checkpoint_every < 0:
-            raise PretrainError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}.")
-        if self.non_private:
-            if self.schedule and len(self.schedule) > 1:
-                raise PretrainError(
-                    "The non-private baseline uses one batch size; pass --batch-size "
-                    "and --steps instead of a multi-phase schedule."
-                )
-        elif self.noise_multiplier is None and self.target_epsilon is None:
-            raise PretrainError("Pass --target-epsilon or --noise-multiplier (or --non-private).")
-        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
-            raise PretrainError(
-                f"noise_multiplier must be > 0 for a private run, got {self.noise_multiplier}; "
-                "use --non-private for the baseline."
-            )
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise PretrainError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
-        if self.accountant not in ("pld", "rdp"):
-            raise PretrainError(f"accountant must be 'pld' or 'rdp', got {self.accountant!r}.")
-        if self.delta is not None and not 0 < self.delta < 1:
-            raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
-        if self.resume and not self.output_dir:
-            raise PretrainError("--resume needs --output-dir of the run to continue.")
-        if self.vocabulary and self.vocabulary_from_training_corpus:
-            raise PretrainError(
-                "Pass --vocabulary FILE (a public vocabulary) or "
-                "--vocabulary-from-training-corpus, not both."
-            )
-        if self.vocabulary_from_training_corpus and not self.corpus:
-            raise PretrainError(
-                "--vocabulary-from-training-corpus needs --corpus: without it the run "
-                "trains on the public default corpus, whose vocabulary is public anyway."
-            )
-        if self.vocabulary and not os.path.isfile(self.vocabulary):
-            raise PretrainError(f"--vocabulary {self.vocabulary}: no such file.")
-        if self.precision not in PRECISIONS:
-            raise PretrainError(
-                f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
-        if self.cpu_replicas is not None:
-            if isinstance(self.cpu_replicas, bool) or not isinstance(self.cpu_replicas, int) \
-                    or self.cpu_replicas < 1:
-                raise PretrainError(
-                    f"cpu_replicas must be a positive integer, got {self.cpu_replicas!r}.")
-            if self.strategy != "mirrored":
-                raise PretrainError(
-                    "--cpu-replicas splits the CPU into replicas of a MirroredStrategy: "
-                    f"pass --strategy mirrored (not {self.strategy!r}).")
-        if self.num_examples is not None and (
-                isinstance(self.num_examples, bool) or not isinstance(self.num_examples, int)
-                or self.num_examples < 2):
-            raise PretrainError(f"num_examples must be an integer >= 2, got {self.num_examples!r}.")
-        if self.max_predictions is not None and not 1 <= self.max_predictions <= self.sequence_length:
-            raise PretrainError(
-                f"max_predictions must be in [1, sequence_length={self.sequence_length}], "
-                f"got {self.max_predictions!r}.")
-        if not 0 < self.max_truncation_probability < 1:
-            raise PretrainError(
-                "max_truncation_probability must be in (0, 1), got "
-                f"{self.max_truncation_probability!r}.")
-
-    def phases(self) -> list[tuple[int, ...]]:
-        """(steps, batch_size) or (steps, batch_size, accumulation_steps) per phase."""
-        if self.schedule:
-            phases = [tuple(int(v) for v in phase) for phase in self.schedule]
-            if (any(len(p) not in (2, 3) or min(p) < 1 for p in phases)
-                    or len({len(p) for p in phases}) != 1):
-                raise PretrainError(
-                    "schedule phases must all be (steps, batch_size) or all be (steps, "
-                    "batch_size, accumulation_steps), each >= 1.")
-            return phases
-        return [(self.steps, self.batch_size)]
-
-    def make_schedule(self, num_examples: int, num_replicas: int):
-        """The run's `BatchSizeSchedule` for N examples on R replicas.
-
-        Phases that state accumulation_steps keep them (the planned static
-        capacity); otherwise each phase's k is the smallest whose capacity
-        truncates a Poisson step with probability at most
-        `max_truncation_probability`.
-        """
-        from tf_megadp.schedules import BatchSizeSchedule, Phase
-
-        phases = self.phases()
-        try:
-            if len(phases[0]) == 3:
-                return BatchSizeSchedule(
-                    [Phase(steps, batch, k) for steps, batch, k in phases],
-                    num_examples=num_examples, micro_batch_size=self.micro_batch_size,
-                    num_replicas=num_replicas)
-            return BatchSizeSchedule.for_poisson(
-                phases, num_examples=num_examples, micro_batch_size=self.micro_batch_size,
-                num_replicas=num_replicas, truncation_probability=self.max_truncation_probability)
-        except ValueError as error:
-            raise PretrainError(str(error)) from None
-
-    def architecture(self) -> tuple[int, int, int, int]:
-        """(layers, hidden, heads, intermediate) of the model preset."""
-        return MODEL_PRESETS[self.model]
-
-
-def parse_schedule(text: str) -> list[tuple[int, int]]:
-    """'100x256,200x1024' -> [(100, 256), (200, 1024)] (steps x batch size)."""
-    phases = []
-    for part in text.split(","):
-        try:
-            steps, batch = part.lower().split("x")
-            phases.append((int(steps), int(batch)))
-        except ValueError:
-            raise PretrainError(
-                f"Cannot read schedule phase {part!r}: write STEPSxBATCH, e.g. 100x256,200x1024."
-            ) from None
-    return phases
-
-
-# -- The run configuration as a file (tpu_configs/*.yaml) -------------------------
-
-# YAML section -> {key: PretrainConfig field}. One run configuration: `tf-megadp
-# plan`, `tf-megadp pretrain --config` and the example read files through this
-# table only, so a key means the same everywhere.
-_YAML_FIELDS = {
-    "model": {"preset": "model", "vocabulary_size": "vocabulary_size",
-              "sequence_length": "sequence_length", "max_predictions": "max_predictions",
-              "dropout": "dropout", "precision": "precision"},
-    "training": {"num_examples": "num_examples", "micro_batch_size": "micro_batch_size",
-                 "clipping": "clipping", "l2_norm_clip": "l2_norm_clip",
-                 "noise_multiplier": "noise_multiplier", "delta": "delta",
-                 "target_epsilon": "target_epsilon", "accountant": "accountant",
-                 "max_truncation_probability": "max_truncation_probability",
-                 "non_private": "non_private"},
-    "data": {"corpus": "corpus", "vocabulary": "vocabulary",
-             "vocabulary_from_training_corpus": "vocabulary_from_training_corpus",
-             "max_characters": "max_characters", "heldout_fraction": "heldout_fraction",
-             "canaries": "canaries", "cache_dir": "cache_dir"},
-    "run": {"output_dir": "output_dir", "eval_every": "eval_every",
-            "checkpoint_every": "checkpoint_every", "stop_after_steps": "stop_after_steps",
-            "strategy": "strategy", "tpu": "tpu", "cpu_replicas": "cpu_replicas",
-            "seed": "seed", "verbose": "verbose"},
-}
-_ARCHITECTURE_KEYS = ("num_layers", "hidden_dim", "num_heads", "intermediate_dim")
-_OPTIMIZER_FIELDS = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
-                     "beta_1": "beta_1", "beta_2": "beta_2", "warmup_steps": "warmup_steps"}
-_HARDWARE_KEYS = ("name", "replicas", "hbm_gib_per_replica", "peak_tflops_per_replica",
-                  "utilization")
-_PHASE_KEYS = ("steps", "batch_size", "accumulation_steps")
-
-
-def _refuse_secrets(value: Any, where: str) -> None:
-    """A run file may hold no sampling seed or secret, anywhere.
-
-    The Poisson draws and the noise key come from OS entropy at every start;
-    a value written in a config would be published with it (configs are
-    shared and committed) and would let anyone recompute the draws.
-    """
-    from tf_megadp.errors import PrivacyConfigurationError
-
-    if isinstance(value, dict):
-        for key, item in value.items():
-            lowered = str(key).lower()
-            seedlike = "seed" in lowered and f"{where}.{key}" != "config.run.seed"
-            if seedlike or "secret" in lowered or "noise_key" in lowered:
-                raise PrivacyConfigurationError(
-                    f"{where}.{key}: a run configuration may not hold a sampling seed, "
-                    "noise seed or secret; the Poisson draws and the noise key come from "
-                    "OS entropy at every start (run.seed seeds only the public model "
-                    "initialisation, masking and held-out split). Delete the key.")
-            _refuse_secrets(item, f"{where}.{key}")
-    elif isinstance(value, list):
-        for item in value:
-            _refuse_secrets(item, where)
-
-
-def _mapping(value: Any, where: str, allowed) -> dict:
-    if not isinstance(value, dict):
-        raise PretrainError(f"{where} must be a mapping, got {type(value).__name__}.")
-    unknown = sorted(set(value) - set(allowed))
-    if unknown:
-        raise PretrainError(
-            f"{where}: unknown key {unknown[0]!r}" + (f" (and {unknown[1:]})" if unknown[1:] else "")
-            + f"; expected one of {sorted(allowed)}.")
-    return value
-
-
-def run_config_from_dict(raw: Any, where: str = "config") -> PretrainConfig:
-    """A `PretrainConfig` from a parsed run file (the layout of tpu_configs/).
-
-    Sections: `name`, `model` (a preset, or its layers/hidden/heads/
-    intermediate sizes, which must match a preset; vocabulary_size,
-    sequence_length, max_predictions, dropout, precision), `hardware`
-    (`Hardware` fields: the run is planned), `training` (N, m, clipping, C,
-    sigma and/or target epsilon, delta, accountant, `optimizer` (AdamW),
-    `phases` of steps, batch_size and optionally accumulation_steps),
-    `data` and `run` (the job's other settings).
-
-    Raises:
-        PretrainError: an unknown key (named), a wrong type or an
-            inconsistent value.
-        PrivacyConfigurationError: a sampling seed or secret in the file.
-    """
-    _refuse_secrets(raw, "config")
-    top = _mapping(raw, where, ("name", "model", "hardware", "training", "data", "run"))
-    fields: dict[str, Any] = {}
-    if "name" in top:
-        fields["name"] = str(top["name"])
-    for section, table in _YAML_FIELDS.items():
-        allowed = dict(table)
-        if section == "model":
-            allowed.update({key: None for key in _ARCHITECTURE_KEYS})
-        if section == "training":
-            allowed.update(optimizer=None, phases=None)
-        values = _mapping(top.get(section, {}), f"{where}: {section}", allowed)
-        for key, value in values.items():
-            if table.get(key):
-                fields[table[key]] = value
-    model = top.get("model", {})
-    given = {key: model[key] for key in _ARCHITECTURE_KEYS if key in model}
-    if given:
-        matches = [name for name, dims in MODEL_PRESETS.items()
-                   if all(given[key] == dims[i] for i, key in enumerate(_ARCHITECTURE_KEYS)
-                          if key in given)]
-        if "preset" in model and model["preset"] not in matches:
-            raise PretrainError(f"{where}: model {given} is not the preset {model['preset']!r}.")
-        if not matches:
-            raise PretrainError(
-                f"{where}: model {given} matches no preset; the job builds "
-                + ", ".join(f"{n} {d}" for n, d in MODEL_PRESETS.items())
-                + " (layers, hidden, heads, intermediate).")
-        fields.setdefault("model", matches[0])
-    training = top.get("training", {})
-    if "optimizer" in training:
-        optimizer = _mapping(training["optimizer"], f"{where}: training.optimizer",
-                             ("name", *_OPTIMIZER_FIELDS))
-        if optimizer.get("name", "adamw") != "adamw":
-            raise PretrainError(
-                f"{where}: training.optimizer.name {optimizer['name']!r}: the job trains with "
-                "AdamW; write name: adamw.")
-        fields.update({_OPTIMIZER_FIELDS[k]: v for k, v in optimizer.items() if k != "name"})
-    if "phases" in training:
-        phases = training["phases"]
-        if not isinstance(phases, list) or not phases:
-            raise PretrainError(f"{where}: training.phases must be a non-empty list.")
-        schedule = []
-        for index, phase in enumerate(phases):
-            phase = _mapping(phase, f"{where}: training.phases[{index}]", _PHASE_KEYS)
-            if "steps" not in phase or "batch_size" not in phase:
-                raise PretrainError(
-                    f"{where}: training.phases[{index}] needs steps and batch_size.")
-            schedule.append(tuple(phase[key] for key in _PHASE_KEYS if key in phase))
-        fields["schedule"] = schedule
-    if "hardware" in top:
-        from tf_megadp.plan import Hardware
-
-        hardware = _mapping(top["hardware"], f"{where}: hardware", _HARDWARE_KEYS)
-        try:
-            fields["hardware"] = Hardware(**hardware)
-        except (TypeError, ValueError) as error:
-            raise PretrainError(f"{where}: {error}") from None
-    if fields.get("corpus") is not None and isinstance(fields["corpus"], str):
-        fields["corpus"] = [fields["corpus"]]
-    if not {"noise_multiplier", "target_epsilon", "non_private"} & set(fields):
-        # A file states its privacy: the flags' default target is not a plan.
-        raise PretrainError(
-            f"{where}: training needs noise_multiplier or target_epsilon (or non_private: true).")
-    if "noise_multiplier" in fields and "target_epsilon" not in fields:
-        # sigma stated alone: the run spends what sigma gives, no target.
-        fields["target_epsilon"] = None
-    try:
-        config = PretrainConfig(**fields)
-        config.validate()
-        config.phases()
-    except PretrainError as error:
-        raise PretrainError(f"{where}: {error}") from None
-    return config
-
-
-def load_run_config(path: str | os.PathLike) -> PretrainConfig:
-    """Reads a run configuration file (YAML); see `run_config_from_dict`.
-
-    Raises:
-        PretrainError: the file is unreadable, not YAML, or inconsistent
-            (the message names the file and the key).
-    """
-    import yaml
-
-    where = f"config {os.fspath(path)!r}"
-    try:
-        with open(path, encoding="utf-8") as stream:
-            raw = yaml.safe_load(stream)
-    except OSError as error:
-        raise PretrainError(f"cannot read {where}: {error.strerror}") from None
-    except yaml.YAMLError as error:
-        raise PretrainError(f"{where} is not valid YAML: {error}") from None
-    return run_config_from_dict(raw, where)
 
 
 def _default_cache_dir() -> str:
@@ -605,7 +149,7 @@ def _corpus_key(config: PretrainConfig) -> str:
     import hashlib
 
     if config.corpus:
-        from tf_megadp import text
+        from tf_megadp.jobs.bert import text
 
         try:
             files = text._expand_sources(config.corpus)
@@ -632,7 +176,7 @@ def _public_vocabulary(config: PretrainConfig):
     """
     import hashlib
 
-    from tf_megadp import text
+    from tf_megadp.jobs.bert import text
     from tf_megadp.files import write_bytes_atomically
 
     plan = _vocabulary_plan(config)
@@ -682,7 +226,8 @@ def prepare_data(config: PretrainConfig):
     len(train), train.vocabulary_size
     ```
     """
-    from tf_megadp import sampling, text
+    from tf_megadp import sampling
+    from tf_megadp.jobs.bert import text
 
     folder = os.path.join(config.cache_dir or _default_cache_dir(), _corpus_key(config))
     try:
@@ -731,7 +276,8 @@ def canary_split(config: PretrainConfig, train):
         (shards, canaries, canary_index): canary_index gives, for each row,
         the index of the canary it holds or -1.
     """
-    from tf_megadp import sampling, text
+    from tf_megadp import sampling
+    from tf_megadp.jobs.bert import text
     from tf_megadp.audit import canaries as canary_lib
 
     folder = os.path.join(os.path.dirname(train.directory), f"train-canaries{config.canaries}")
@@ -897,11 +443,6 @@ def _inner_optimizer(config: PretrainConfig, total_steps: int, accumulation_step
                                   gradient_accumulation_steps=accumulation_steps)
 
 
-def default_delta(num_examples: int) -> float:
-    """The job's delta when none is given: 1 / N^1.1, below 1/N."""
-    return 1.0 / num_examples**1.1
-
-
 def masked_rows(rows: np.ndarray, batcher, seed: int):
     """(x, y, sample_weight) as NumPy arrays: `rows` masked once, reproducibly for `seed`."""
     import tensorflow as tf
@@ -978,7 +519,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
 
     Everything that can be checked before training is checked first, so bad
     input raises `PretrainError` before the output directory is created. A
-    config with `hardware` is planned first (`tf_megadp.plan.make_plan`,
+    config with `hardware` is planned first (`tf_megadp.jobs.bert.plan.make_plan`,
     with the measured N and vocabulary size): an infeasible plan, or a
     strategy with another replica count, stops the run before it trains.
 
@@ -1122,7 +663,7 @@ def _compile_kwargs(private: bool):
 
 def _check_planned_hardware(config: PretrainConfig, replicas: int, vocabulary_size: int) -> None:
     """A planned run trains on the hardware and model its plan was made for."""
-    from tf_megadp import plan
+    from tf_megadp.jobs.bert import plan
 
     if replicas != config.hardware.replicas:
         raise PretrainError(
@@ -1147,7 +688,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     import keras
 
     import tf_megadp
-    from tf_megadp import distribute, sampling, text
+    from tf_megadp import distribute, sampling
+    from tf_megadp.jobs.bert import text
     from tf_megadp.checkpointing import export_model
 
     # Public randomness only (init, masking, dropout): the sampling and the

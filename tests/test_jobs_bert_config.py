@@ -152,3 +152,65 @@ def test_several_workers_are_refused_naming_the_custom_loop(tmp_path, monkeypatc
     with pytest.raises(pretraining.PretrainError, match="train_micro_steps"):
         pretraining.run_pretraining(config, log=lambda *_: None)
     assert not (tmp_path / "run").exists()
+
+
+def _documented_commands(path="docs/tpu.md"):
+    """(command, comment, block has "not run here") of every bash block line of the doc."""
+    import re
+    import shlex
+
+    text = open(path, encoding="utf-8").read()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        marked = "not run here" in block
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            command, _, comment = line.partition(" #")
+            command = command.strip()
+            if command and not command.startswith("#"):
+                try:
+                    argv = shlex.split(command)
+                except ValueError:  # a quoted value over several lines (TF_CONFIG)
+                    argv = command.split()
+                yield argv, comment, marked
+
+
+def _as_cli_arguments(argv):
+    if argv[0] == "tf-megadp":
+        return argv[1:]
+    if argv[:2] == ["python3", "examples/pretrain_bert_mlm.py"]:
+        return ["pretrain", *argv[2:]]
+    return None
+
+
+def test_every_command_in_docs_tpu_runs_in_a_test_or_is_marked(capsys):
+    """Plan commands run here; CPU-replica pretrain commands are the scenarios' runs."""
+    import pathlib
+
+    from tests import distributed_scenarios as scenarios
+
+    folder = pathlib.Path("/scenario")
+    seen = {"plan": 0, "cpu": 0}
+    for argv, comment, marked in _documented_commands():
+        arguments = _as_cli_arguments(argv)
+        if arguments is None:
+            assert marked, f"{' '.join(argv)}: neither tested nor marked 'not run here'"
+            continue
+        args = cli.build_parser().parse_args(arguments)  # every documented flag exists
+        if arguments[0] == "plan":
+            expected = 2 if "exit 2" in comment else 0
+            assert cli.main(arguments) == expected, " ".join(argv)
+            capsys.readouterr()
+            seen["plan"] += 1
+        elif "not run here" in comment or marked:
+            continue
+        else:
+            config = cli.run_config_from_args(args, args.config)
+            replicas = config.cpu_replicas
+            assert replicas in (2, 4), f"{' '.join(argv)} is not one the tests run"
+            reference = cli.run_config_from_args(
+                cli.build_parser().parse_args(
+                    scenarios.job_argv(folder, "corpus.txt", replicas, folder / "out")), None)
+            run_only = {key: getattr(reference, key) for key in (
+                "corpus", "cache_dir", "output_dir", "max_characters")}
+            assert dataclasses.replace(config, **run_only) == reference
+            seen["cpu"] += 1
+    assert seen == {"plan": 5, "cpu": 2}

@@ -364,7 +364,8 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
         mixing = tf.cast(batch.mixing, tf.float32)
         replica_context = tf.distribute.get_replica_context()
         if replica_context is not None and replica_context.num_replicas_in_sync > 1:
-            mixing = replica_context.all_reduce(tf.distribute.ReduceOp.MAX, mixing)
+            # ReduceOp has no MAX: gather every replica's code and take the largest.
+            mixing = tf.reduce_max(replica_context.all_gather(tf.reshape(mixing, [1]), axis=0))
         logs[independence.LOG_KEY] = mixing
     if not log_nonfinite_examples:
         return logs

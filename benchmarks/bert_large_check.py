@@ -21,6 +21,12 @@ machine (it needs about 12 GiB free at m = 2):
 
     python benchmarks/bert_large_check.py                   # m = 2, both clippings
     python benchmarks/bert_large_check.py --micro-batch 1 --clipping ghost
+    python benchmarks/bert_large_check.py --compare benchmarks/bert_large_check_cpu.json
+
+`--compare FILE` runs nothing: it sets the measurements saved with `--json`
+(benchmarks/bert_large_check_cpu.json: the run recorded in docs/tpu.md)
+beside the plan as the code computes it now, so a change to the memory
+model is checked against the measured step without measuring again.
 """
 
 from __future__ import annotations
@@ -122,6 +128,8 @@ def main(argv=None) -> int:
                              "(default: 2 cores x 2.5 GHz x 32 FLOP/cycle AVX-512 FMA)")
     parser.add_argument("--timeout", type=int, default=1500, help="seconds per clipping")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--compare", metavar="FILE",
+                        help="compare saved measurements (--json output) with the plan")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -130,23 +138,38 @@ def main(argv=None) -> int:
 
     from tf_megadp.jobs.bert import plan
 
+    saved = {}
+    if args.compare:
+        with open(args.compare, encoding="utf-8") as stream:
+            saved = {row["clipping"]: row for row in json.load(stream)}
+        args.clipping = ",".join(saved)
     rows = []
     for clipping in args.clipping.split(","):
+        if saved:
+            args.micro_batch = saved[clipping]["micro_batch"]
+            args.precision = saved[clipping]["precision"]
         predicted = plan.make_plan(run_config(args, clipping))
         memory = predicted["memory_bytes"][clipping]
+        if saved:
+            row = dict(saved[clipping])
+            done = None
+        else:
+            row = None
         command = [sys.executable, os.path.abspath(__file__), "--child", clipping,
                    "--micro-batch", str(args.micro_batch), "--precision", args.precision,
                    "--peak-tflops", str(args.peak_tflops)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{clipping}: no result within {args.timeout} s")
-            continue
-        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode != 0 or not lines:
-            print(f"{clipping}: failed (exit {done.returncode})\n{done.stderr[-3000:]}")
-            continue
-        row = json.loads(lines[-1][len("RESULT "):])
+        if row is None:
+            try:
+                done = subprocess.run(command, capture_output=True, text=True,
+                                      timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{clipping}: no result within {args.timeout} s")
+                continue
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            if done.returncode != 0 or not lines:
+                print(f"{clipping}: failed (exit {done.returncode})\n{done.stderr[-3000:]}")
+                continue
+            row = json.loads(lines[-1][len("RESULT "):])
         row["plan_memory_bytes"] = memory
         row["plan_step_s"] = predicted["phases"][0]["seconds_per_logical_step"]
         row["memory_ratio"] = row["peak_rss_increase_bytes"] / memory["total"]
@@ -156,10 +179,11 @@ def main(argv=None) -> int:
               f"{row['plan_step_s']:.1f} s at {args.peak_tflops:g} TFLOP/s), peak memory "
               f"{row['peak_rss_increase_bytes'] / GIB:.2f} GiB vs plan {memory['total'] / GIB:.2f} "
               f"GiB (parameters {memory['parameters'] / GIB:.2f} + optimizer state "
-              f"{memory['optimizer_state'] / GIB:.2f} + activations "
+              f"{memory['optimizer_state'] / GIB:.2f} + step buffers "
+              f"{memory.get('step_buffers', 0) / GIB:.2f} + activations "
               f"{memory['activations'] / GIB:.2f} + clipping {memory['clipping'] / GIB:.2f}); "
               f"measured/plan {row['memory_ratio']:.2f}", flush=True)
-    if args.json:
+    if args.json and not saved:
         with open(args.json, "w", encoding="utf-8") as stream:
             json.dump(rows, stream, indent=2)
     return 0 if rows and all(abs(r["memory_ratio"] - 1) <= 0.25 for r in rows) else 1

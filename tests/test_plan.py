@@ -186,3 +186,21 @@ class TestInfeasible:
     def test_missing_file(self, tmp_path, capsys):
         status, _, err = run_cli(capsys, str(tmp_path / "absent.yaml"))
         assert status == 2 and "cannot read config" in err
+
+
+class TestAgainstAMeasuredStep:
+    """The memory model against the one measured BERT-Large DP step (docs/tpu.md)."""
+
+    def test_plan_memory_is_within_25_percent_of_the_measured_peak(self, capsys):
+        import importlib.util
+
+        root = os.path.dirname(CONFIG_DIR)
+        spec = importlib.util.spec_from_file_location(
+            "bert_large_check", os.path.join(root, "benchmarks", "bert_large_check.py"))
+        check = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(check)
+        saved = os.path.join(root, "benchmarks", "bert_large_check_cpu.json")
+        assert check.main(["--compare", saved]) == 0, capsys.readouterr().out
+        out = capsys.readouterr().out
+        ratios = [float(r) for r in re.findall(r"measured/plan ([0-9.]+)", out)]
+        assert len(ratios) == 2 and all(0.75 <= r <= 1.25 for r in ratios), out

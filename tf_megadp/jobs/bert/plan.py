@@ -19,12 +19,18 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
   materialised per-example gradient 2 T p d. Static shapes compute padding
   slots too, so a step costs its capacity k m R, not its expected batch B.
 * Memory per core: float32 parameters; optimizer state = inner optimizer
-  slots + the DP accumulator (float32, one copy per parameter each);
-  activations with bfloat16 compute about 34 T H + 5 heads T^2 bytes per
-  layer per sequence (no rematerialisation) plus float32 MLM logits.
-  Vectorized clipping materialises m float32 per-example gradients (m *
-  4 * params bytes); ghost clipping holds T^2 Gram matrices per dense layer
-  per example and one extra float32 gradient.
+  slots + the DP accumulator (float32, one copy per parameter each); step
+  buffers = two float32 gradients the DP step holds besides its state (the
+  micro-batch's clipped sum before it enters the accumulator, and the noisy
+  mean gradient handed to the inner optimizer); activations with bfloat16
+  compute (precision mixed_bfloat16) about 34 T H + 5 heads T^2 bytes per
+  layer per sequence (no rematerialisation), twice that in float32, plus
+  float32 MLM logits. Vectorized clipping materialises m float32
+  per-example gradients (m * 4 * params bytes); ghost clipping holds T^2
+  Gram matrices per dense layer per example and one extra float32 gradient.
+  Checked against one measured DP step of BERT-Large on a CPU
+  (benchmarks/bert_large_check.py, docs/tpu.md): without the step buffers
+  and the float32 activations the model was 37-40 % under the measured peak.
 
 Example:
 ```python
@@ -122,10 +128,14 @@ class ModelSpec:
         attention = self.num_layers * 4.0 * self.sequence_length**2 * self.hidden_dim
         return dense + attention
 
-    def activation_bytes(self) -> float:
-        """Activation memory of one sequence kept for the backward pass."""
+    def activation_bytes(self, bytes_per_value: int = 2) -> float:
+        """Activation memory of one sequence kept for the backward pass.
+
+        Args:
+            bytes_per_value: 2 for bfloat16 compute (mixed_bfloat16), 4 for float32.
+        """
         t, h = self.sequence_length, self.hidden_dim
-        per_layer = 34.0 * t * h + 5.0 * self.num_heads * t * t
+        per_layer = (34.0 * t * h + 5.0 * self.num_heads * t * t) * bytes_per_value / 2
         logits = 4.0 * self.max_predictions * self.vocabulary_size
         return self.num_layers * per_layer + logits
 
@@ -160,13 +170,20 @@ def _example_flops(model: ModelSpec, clipping: str) -> float:
     return 5.0 * forward + ghost_norms + 4.0 * model.parameter_count()
 
 
-def _memory(model: ModelSpec, m: int, clipping: str) -> dict[str, float]:
+# Float32 gradients the DP step holds besides its state: the micro-batch's
+# clipped sum (before it enters the accumulator) and the noisy mean gradient
+# handed to the inner optimizer.
+STEP_BUFFERS = 2
+
+
+def _memory(model: ModelSpec, m: int, clipping: str, precision: str) -> dict[str, float]:
     params = model.parameter_count()
     slots = OPTIMIZER_SLOTS
     memory = {
         "parameters": 4.0 * params,
         "optimizer_state": 4.0 * params * (slots + 1),
-        "activations": m * model.activation_bytes(),
+        "step_buffers": 4.0 * params * STEP_BUFFERS,
+        "activations": m * model.activation_bytes(4 if precision == "float32" else 2),
     }
     if clipping == "vectorized":
         memory["clipping"] = m * 4.0 * params
@@ -246,7 +263,7 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             "flops_per_logical_step": flops,
             "seconds_per_logical_step": flops / peak,
         })
-    memory = {c: _memory(model, config.micro_batch_size, c) for c in CLIPPING}
+    memory = {c: _memory(model, config.micro_batch_size, c, config.precision) for c in CLIPPING}
     hbm = hardware.hbm_gib_per_replica * GIB
     needed = memory[config.clipping]["total"]
     if needed > hbm:
@@ -255,7 +272,8 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             f"micro_batch_size {config.micro_batch_size} exceeds the "
             f"{hardware.hbm_gib_per_replica:g} GiB HBM of a {hardware.name} core "
             f"(parameters {memory[config.clipping]['parameters'] / GIB:.2f}, optimizer state "
-            f"{memory[config.clipping]['optimizer_state'] / GIB:.2f}, activations "
+            f"{memory[config.clipping]['optimizer_state'] / GIB:.2f}, step buffers "
+            f"{memory[config.clipping]['step_buffers'] / GIB:.2f}, activations "
             f"{memory[config.clipping]['activations'] / GIB:.2f}, clipping "
             f"{memory[config.clipping]['clipping'] / GIB:.2f} GiB). Lower micro_batch_size "
             "(and raise accumulation_steps) or use ghost clipping."
@@ -276,6 +294,7 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
         "model": dataclasses.asdict(model),
         "parameters": model.parameter_count(),
         "micro_batch_size": config.micro_batch_size,
+        "precision": config.precision,
         "replicas": hardware.replicas,
         "clipping": config.clipping,
         "optimizer": {"name": "adamw", "learning_rate": config.learning_rate,
@@ -334,7 +353,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         mark = " (selected)" if clipping == plan["clipping"] else ""
         lines.append(
             f"  memory/core   : {clipping}{mark}: parameters {memory['parameters'] / GIB:.2f} + "
-            f"optimizer state {memory['optimizer_state'] / GIB:.2f} + activations "
+            f"optimizer state {memory['optimizer_state'] / GIB:.2f} + step buffers "
+            f"{memory['step_buffers'] / GIB:.2f} + activations "
             f"{memory['activations'] / GIB:.2f} + clipping {memory['clipping'] / GIB:.2f} = "
             f"{memory['total'] / GIB:.2f} GiB of {plan['hbm_bytes'] / GIB:g}"
         )

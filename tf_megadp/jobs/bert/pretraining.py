@@ -7,6 +7,12 @@ of a corpus, splits off a held-out set, plans the logical steps with one
 Poisson batches, and writes everything into one output directory:
 checkpoints, TensorBoard logs, `history.csv`, `report.json` and `report.png`.
 `tf-megadp pretrain` and `examples/pretrain_bert_mlm.py` are thin wrappers.
+
+The run's settings are one `PretrainConfig` (`tf_megadp.jobs.bert.config`,
+re-exported here); a planned one (with `hardware`) is planned again with the
+measured N and vocabulary size before it trains. On R replicas of one host
+the sampler's m * R-row micro-steps go to `fit` unchanged and Keras splits
+them; several workers are refused (Keras 3.15's `fit` cannot run there).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import os
 import shutil
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

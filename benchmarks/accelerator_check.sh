@@ -5,6 +5,7 @@
 #   benchmarks/accelerator_check.sh            # GPUs (MirroredStrategy over all of them) or CPU
 #   TIMEOUT_S=600 benchmarks/accelerator_check.sh
 #   TPU=local benchmarks/accelerator_check.sh  # on a TPU VM (TPUStrategy)
+#   MODEL=pico STEPS=2 MICRO_BATCH=8 BATCH=16 benchmarks/accelerator_check.sh   # a smoke run
 #
 # Prints, per clipping, the step-overhead ratios dp_step / nonprivate_step
 # for time and peak memory (benchmarks/step_overhead.py), then the wall time
@@ -45,10 +46,12 @@ timeout "${TIMEOUT_S}" python benchmarks/step_overhead.py --micro-batch 64 \
     --clipping ghost,vectorized --repeats 10 || status=$?
 
 # m is per replica; B = 1024 keeps k = 2 micro-steps on up to 8 replicas.
-pretrain=(python tf_megadp_cli.py pretrain --model mini --sequence-length 128
-          --micro-batch-size 64 --batch-size 1024 --steps 20 --eval-every 20
-          --max-characters 2000000 --cache-dir "${OUT}/cache" "${strategy[@]}")
-echo "== short pretrain: BERT-mini, 20 logical steps of B = 1024, private =="
+MODEL="${MODEL:-mini}"; STEPS="${STEPS:-20}"; MICRO_BATCH="${MICRO_BATCH:-64}"; BATCH="${BATCH:-1024}"
+pretrain=(python tf_megadp_cli.py pretrain --model "${MODEL}" --sequence-length 128
+          --micro-batch-size "${MICRO_BATCH}" --batch-size "${BATCH}" --steps "${STEPS}"
+          --eval-every "${STEPS}" --max-characters 2000000 --cache-dir "${OUT}/cache"
+          "${strategy[@]}")
+echo "== short pretrain: BERT-${MODEL}, ${STEPS} logical steps of B = ${BATCH}, private =="
 timeout "${TIMEOUT_S}" "${pretrain[@]}" --noise-multiplier 1.0 \
     --output-dir "${OUT}/private" || status=$?
 echo "== the same, non-private baseline =="

@@ -182,3 +182,17 @@ def test_the_command_runs_as_a_program():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == (
         "tf-megadp: error: delta must be in (0, 1), got 0.0.")
+
+
+def test_audit_one_run_options_parse_and_refuse_a_run_dir():
+    from tf_megadp.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["audit", "--one-run", "--num-canaries", "100", "--steps", "50",
+         "--sampling-rate", "0.05", "--output", "audit.json"])
+    assert args.one_run and args.run_dir is None
+    from tf_megadp.cli import UsageError
+
+    args = build_parser().parse_args(["audit", "runs/x", "--one-run"])
+    with pytest.raises(UsageError, match="do not give RUN_DIR"):
+        args.handler(args)

@@ -428,23 +428,37 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _add_audit_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "audit", help="membership inference and canary exposure of a pretraining run",
+        "audit", help="audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
         description="Audits a finished `tf-megadp pretrain` run: loss-based membership "
                     "inference (training vs held-out sequences), exposure of the canaries "
                     "it was trained with (`pretrain --canaries N`), and an empirical lower "
                     "bound on epsilon to set beside the accountant's. Writes audit.json "
-                    "into the run directory.",
+                    "into the run directory. With --one-run instead: trains a tiny model "
+                    "once with DP-SGD and canaries and prints one-run lower bounds on "
+                    "epsilon (Steinke et al. 2023) beside the accountant's epsilon.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the --output-dir of the run")
+    parser.add_argument("run_dir", metavar="RUN_DIR", nargs="?",
+                        help="the --output-dir of the run (not with --one-run)")
     parser.add_argument("--members", type=int, default=1000,
                         help="training (and at most as many held-out) sequences to attack")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", help="where the run's prepared corpus is kept")
     parser.add_argument("--json", action="store_true", help="print audit.json at the end")
-    parser.set_defaults(handler=_run_audit)
+    from tf_megadp.audit.audit_run import add_one_run_arguments
+
+    add_one_run_arguments(parser)
+    parser.set_defaults(handler=_run_audit, audit_parser=parser)
 
 
 def _run_audit(args: argparse.Namespace) -> int:
+    if args.one_run:
+        if args.run_dir:
+            args.audit_parser.error("--one-run trains its own model: do not give RUN_DIR.")
+        from tf_megadp.audit.audit_run import run_one_run_from_args
+
+        return run_one_run_from_args(args)
+    if not args.run_dir:
+        args.audit_parser.error("RUN_DIR is required (or --one-run for an audit run).")
     from tf_megadp.audit.job import audit_pretraining_run
 
     result = audit_pretraining_run(args.run_dir, num_members=args.members,

@@ -415,7 +415,8 @@ def build_model(config: PretrainConfig, vocabulary_size: int):
         intermediate_dim=intermediate,
         max_sequence_length=config.sequence_length,
         dropout=config.dropout,
-        dtype=config.precision,
+        # float32 is Keras's default: only a mixed policy is passed on.
+        dtype=None if config.precision == "float32" else config.precision,
     )
     model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
     if config.precision != "float32":
@@ -762,6 +763,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     else:
         sampler = sampling.PoissonSampler(train, schedule, seed=testing.sampling_seed,
                                           start_step=start_step, end_step=end_step)
+
     # Fed to fit as the sampler returned it (a derived dataset is refused).
     # With R replicas on this host, Keras splits each m * R-row micro-step
     # along its rows, replica r taking rows [r*m, (r+1)*m): the layout

@@ -29,7 +29,8 @@ want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
 2024): see its docstring.
 
 The shard store (`write_token_shards`, `TokenShards`) lives here because the
-samplers are its only readers; `tf_megadp.text` writes it from raw text.
+samplers are its only readers; the BERT job (`tf_megadp.jobs.bert.text`) writes
+it from raw text.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ def write_token_shards(
         vocabulary_size: V; ids must lie in [0, V). Picks uint16 (V <= 65536)
             or int32 storage.
         checksum: a digest of the inputs and settings that produced the rows;
-            `tf_megadp.text` compares it to decide whether shards can be reused.
+            `tf_megadp.jobs.bert.text` compares it to decide whether shards can be reused.
         rows_per_shard: rows per shard file.
         metadata: extra JSON-serializable fields for the manifest (e.g. the
             vocabulary file and special token ids).

@@ -246,6 +246,43 @@ class TestStaticMicroBatches:
         assert len(elements) == 18
         assert all(r.dtype == tf.int32 and w.dtype == tf.float32 for r, w in elements)
 
+    def test_a_seeded_map_fn_draws_the_same_masks_whatever_the_thread_timing(self, small):
+        # The failure CI met: a stateful random map_fn (the job's masking) in
+        # a parallel map hands its numbers out in the order the calls run.
+        # Here the first micro-batch is slow, so a parallel map lets later
+        # ones draw first (with parallel_map=True this test fails, as
+        # measured).
+        import time
+
+        import tensorflow as tf
+
+        shards, _ = small
+        schedule = BatchSizeSchedule.constant(1, 20, num_examples=200, micro_batch_size=8)
+
+        def slow_first_then_draw(rows, weights):
+            def wait(these_rows):
+                time.sleep(0.3 if np.array_equal(these_rows, first_rows) else 0.0)
+                return np.float32(0)
+
+            waited = tf.py_function(wait, [rows], tf.float32)
+            with tf.control_dependencies([waited]):
+                return tf.random.uniform([4]), weights
+
+        def sampler():
+            tf.random.set_seed(5)
+            return PoissonSampler(shards, schedule, seed=3)
+
+        first_rows = next(sampler().micro_batches())[0]
+        # The reference: plain tf.data, which maps one element after another.
+        in_order = sampler()
+        reference = [u.numpy() for u, _ in tf.data.Dataset.from_generator(
+            in_order.micro_batches, output_signature=(
+                tf.TensorSpec([8, 4], tf.int32), tf.TensorSpec([8], tf.float32))
+        ).map(slow_first_then_draw)]
+        assert len(reference) == schedule.phases[0].accumulation_steps >= 2
+        drawn = [u.numpy() for u, _ in sampler().as_dataset(slow_first_then_draw)]
+        np.testing.assert_array_equal(drawn, reference)
+
     def test_a_sampler_cannot_be_replayed(self, small):
         shards, _ = small
         schedule = BatchSizeSchedule.constant(1, 20, num_examples=200, micro_batch_size=8)

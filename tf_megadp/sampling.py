@@ -988,6 +988,7 @@ class _Sampler(abc.ABC):
         self,
         map_fn: Callable[..., Any] | None = None,
         *,
+        parallel_map: bool = False,
         prefetch: int | None = None,
     ):
         """The micro-batches as a `tf.data.Dataset` with static shapes, carrying its `DataSource`.
@@ -1003,6 +1004,12 @@ class _Sampler(abc.ABC):
                 rows, which returns `(x, y, sample_weight)`. Without it,
                 token shards give `(rows int32 [M, L], weights float32 [M])`
                 and arrays/records give `(x, y, sample_weight)`.
+            parallel_map: run `map_fn` on several micro-batches at once.
+                Only for a `map_fn` without stateful random ops: those (the
+                masking of `MaskedLMBatcher`) hand out their numbers in the
+                order the calls happen to run, so a parallel map makes a
+                seeded run's masks depend on thread timing. The default
+                maps in order; `prefetch` still overlaps it with training.
             prefetch: micro-batches to prepare ahead (default: AUTOTUNE).
 
         Returns:
@@ -1025,7 +1032,9 @@ class _Sampler(abc.ABC):
         dataset = tf.data.Dataset.from_generator(self.micro_batches, output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
         if map_fn is not None:
-            dataset = dataset.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            dataset = dataset.map(
+                map_fn, num_parallel_calls=tf.data.AUTOTUNE if parallel_map else None,
+                deterministic=True)
         dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
         return attach_source(dataset, self.source)
 

@@ -459,7 +459,7 @@ def _run_audit(args: argparse.Namespace) -> int:
         return run_one_run_from_args(args)
     if not args.run_dir:
         args.audit_parser.error("RUN_DIR is required (or --one-run for an audit run).")
-    from tf_megadp.audit.job import audit_pretraining_run
+    from tf_megadp.jobs.bert.audit import audit_pretraining_run
 
     result = audit_pretraining_run(args.run_dir, num_members=args.members,
                                    cache_dir=args.cache_dir, seed=args.seed)

@@ -15,8 +15,9 @@
 * `scoring`: log-likelihoods and losses from a masked LM.
 * `runner.run_audit`: the whole audit of one model, as a dict of numbers.
 * `callback.AuditCallback`: the audit at epoch ends, written into `logs`.
-* `job.audit_pretraining_run`: the audit of a `tf-megadp pretrain` run
-  (`tf-megadp audit RUN_DIR`).
+
+The audit of a `tf-megadp pretrain` run (`tf-megadp audit RUN_DIR`) is the
+job's own: `tf_megadp.jobs.bert.audit.audit_pretraining_run`.
 """
 
 from tf_megadp.audit.callback import AuditCallback
@@ -42,7 +43,6 @@ from tf_megadp.audit.input_canaries import (
     example_losses,
     masked_lm_canary_scores,
 )
-from tf_megadp.audit.job import audit_pretraining_run
 from tf_megadp.audit.membership import membership_metrics, membership_scores
 from tf_megadp.audit.one_run import (
     CanaryCoins,

@@ -32,12 +32,20 @@ def naive_per_example_gradients(model, loss_fn, x, y, sample_weight=None):
     return gradients
 
 
-def naive_clipped_update(model, loss_fn, x, y, clip, divisor, sample_weight=None):
-    """-(1/B) * sum_i g_i * min(1, C/||g_i||): the sigma = 0, SGD(lr=1) update."""
+def naive_clipped_update(model, loss_fn, x, y, clip, divisor, sample_weight=None,
+                         automatic_stability=None):
+    """-(1/B) * sum_i g_i * min(1, C/||g_i||): the sigma = 0, SGD(lr=1) update.
+
+    With `automatic_stability` gamma: automatic clipping (Bu et al. 2022),
+    factor C / (||g_i|| + gamma).
+    """
     total = None
     for grads in naive_per_example_gradients(model, loss_fn, x, y, sample_weight):
         norm = np.sqrt(sum(np.sum(g**2) for g in grads))
-        factor = min(1.0, clip / norm) if norm > 0 else 1.0
+        if automatic_stability is not None:
+            factor = clip / (norm + automatic_stability)
+        else:
+            factor = min(1.0, clip / norm) if norm > 0 else 1.0
         clipped = [g * factor for g in grads]
         total = clipped if total is None else [a + b for a, b in zip(total, clipped)]
     return [-t / divisor for t in total]

@@ -382,3 +382,124 @@ class TestImmutableSettings:
         with pytest.raises(PrivacyConfigurationError, match="gradient_accumulation_steps"):
             tf_megadp.DPOptimizer(
                 keras.optimizers.SGD(0.1, gradient_accumulation_steps=4), 1.0, 1.0)
+
+
+@pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
+class TestPerExampleScaling:
+    """Automatic clipping (Bu et al. 2022) against the one-example-at-a-time reference."""
+
+    @pytest.mark.parametrize("clipping", ["vectorized", "ghost"])
+    @pytest.mark.parametrize("scaling, stability", [("automatic", 0.01), ("automatic", 0.5),
+                                                    ("clip", None)])
+    def test_update_equals_the_naive_reference(self, clipping, scaling, stability):
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(6, 4)).astype("float32")
+        y = rng.normal(size=(6, 2)).astype("float32")
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                                  keras.layers.Dense(2)])
+        # C = 2 sits between the smallest and largest norm: flat clipping
+        # leaves some gradients alone, automatic clipping rescales all.
+        kwargs = {} if stability is None else {"automatic_scaling_stability": stability}
+        optimizer = tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=2.0, noise_multiplier=0.0,
+            normalize_by=6.0, clipping=clipping, per_example_scaling=scaling, **kwargs)
+        tf_megadp.make_private(model)
+        model.compile(optimizer=optimizer, loss="mse")
+        expected = reference.naive_clipped_update(
+            model, keras.losses.MeanSquaredError(), x, y, clip=2.0, divisor=6.0,
+            automatic_stability=stability)
+        norms = [np.sqrt(sum(np.sum(g**2) for g in grads)) for grads in
+                 reference.naive_per_example_gradients(model, keras.losses.MeanSquaredError(), x, y)]
+        assert min(norms) < 2.0 < max(norms)
+        before = reference.weights(model)
+        model.train_on_batch(x, y)
+        for after, start, update in zip(reference.weights(model), before, expected):
+            np.testing.assert_allclose(after - start, update, rtol=1e-4, atol=1e-7)
+
+    def test_every_scaled_gradient_stays_below_the_clip_norm(self):
+        # The sensitivity argument: C ||g|| / (||g|| + gamma) < C for any ||g||
+        # (= C in float32 once gamma is below the rounding of ||g||).
+        from tf_megadp.clipping import base
+
+        norms = np.array([0.0, 1e-6, 0.5, 3.0, 1e6, np.inf], "float32")
+        factors, nonfinite = base.clip_factors(norms, 2.0, np.ones(6, "float32"),
+                                               automatic_stability=0.01)
+        scaled = factors.numpy()[:5] * norms[:5]
+        assert np.all(scaled <= 2.0) and scaled[-1] > 1.99
+        assert factors.numpy()[-1] == 0.0 and int(nonfinite) == 1
+
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"per_example_scaling": "normalise"}, "per_example_scaling"),
+        ({"per_example_scaling": "automatic", "automatic_scaling_stability": 0.0},
+         "automatic_scaling_stability"),
+    ])
+    def test_invalid_scaling_settings_raise(self, kwargs, message):
+        with pytest.raises(ValueError, match=message):
+            tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), 1.0, 1.0, **kwargs)
+
+    def test_scaling_is_frozen_and_survives_the_config(self):
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), 1.0, 1.0,
+                                          per_example_scaling="automatic",
+                                          automatic_scaling_stability=0.1)
+        with pytest.raises(PrivacyConfigurationError, match="cannot change"):
+            optimizer.per_example_scaling = "clip"
+        clone = tf_megadp.DPOptimizer.from_config(optimizer.get_config())
+        assert (clone.per_example_scaling, clone.automatic_stability) == ("automatic", 0.1)
+
+
+@pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
+class TestWeightAveraging:
+    """An inner optimizer's EMA averages the noisy weights of logical steps only."""
+
+    def _run(self, callbacks=()):
+        rng = np.random.default_rng(2)
+        x = rng.normal(size=(12, 4)).astype("float32")
+        y = rng.normal(size=(12, 2)).astype("float32")
+        keras.utils.set_random_seed(4)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        optimizer = tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.6),
+            l2_norm_clip=1.0, noise_multiplier=0.5, accumulation_steps=2, seed=1)
+        tf_megadp.make_private(model)
+        model.compile(optimizer=optimizer, loss="mse")
+        after_each_step = []
+
+        class Record(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if int(optimizer.micro_steps.numpy()) == 0:
+                    after_each_step.append(reference.weights(model))
+
+        model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+                  callbacks=[Record(), *callbacks])
+        return model, optimizer, after_each_step
+
+    @staticmethod
+    def _ema(history, momentum=0.6):
+        # Keras's rule: the first average is the first step's weights.
+        average = history[0]
+        for weights in history[1:]:
+            average = [momentum * a + (1 - momentum) * w for a, w in zip(average, weights)]
+        return average
+
+    def test_fit_leaves_the_average_of_the_logical_steps_in_the_model(self):
+        model, optimizer, history = self._run()
+        assert len(history) == int(optimizer.iterations.numpy()) == 3
+        for got, expected in zip(reference.weights(model), self._ema(history)):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(reference.weights(model)[0], history[-1][0])
+
+    def test_swap_ema_weights_evaluates_the_average(self):
+        evaluated = []
+
+        class Evaluate(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                evaluated.append(reference.weights(self.model))
+
+        # SwapEMAWeights runs before Evaluate at epoch end: Evaluate sees the average.
+        model, _, history = self._run([keras.callbacks.SwapEMAWeights(swap_on_epoch=True),
+                                       Evaluate()])
+        for got, expected in zip(evaluated[-1], self._ema(history)):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+        for got, expected in zip(reference.weights(model), self._ema(history)):
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

@@ -57,7 +57,9 @@ _APPLIED_CAPACITY = 64
 _FROZEN_SETTINGS = frozenset({
     "l2_norm_clip", "noise_multiplier", "accumulation_steps", "normalize_by",
     "seed", "schedule", "clipping", "clipping_strategy", "inner_optimizer",
+    "per_example_scaling", "automatic_scaling_stability",
 })
+_PER_EXAMPLE_SCALINGS = frozenset({"clip", "automatic"})
 # Only the private train step may hand clipped sums to the optimizer.
 _PRIVATE_STEP = object()
 
@@ -139,6 +141,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
     nothing; examples whose gradient is not finite contribute nothing and are
     counted in `nonfinite_examples`.
 
+    Weight averaging (De et al. 2022) comes from the inner optimizer:
+    `keras.optimizers.AdamW(..., use_ema=True, ema_momentum=0.999)` averages
+    the weights after each noisy update (post-processing: no privacy cost),
+    `fit` leaves the average in the model at its end, and
+    `keras.callbacks.SwapEMAWeights` evaluates with it.
+
     Args:
         optimizer: the inner Keras optimizer (Adam, AdamW, SGD, ...).
         l2_norm_clip: C, the per-example gradient norm bound.
@@ -158,6 +166,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
         clipping: per-example clipping strategy: "vectorized", "ghost" or "auto"
             (docs/clipping.md), or a `ClippingStrategy` instance (not restored by
             `from_config`).
+        per_example_scaling: "clip" (flat clipping, g_i * min(1, C / ||g_i||))
+            or "automatic" (automatic clipping, Bu et al. 2022: g_i * C /
+            (||g_i|| + gamma), every gradient normalized to norm just below C,
+            so the sensitivity is still C and C only rescales the update).
+        automatic_scaling_stability: gamma > 0 of automatic clipping (Bu et
+            al. use 0.01); small norms are scaled up at most by C / gamma.
         name: optimizer name.
 
     Example:
@@ -179,6 +193,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         seed: int | None = None,
         schedule: BatchSizeSchedule | dict | None = None,
         clipping: str | ClippingStrategy = "vectorized",
+        per_example_scaling: str = "clip",
+        automatic_scaling_stability: float = 0.01,
         name: str | None = None,
         **kwargs,
     ):
@@ -218,6 +234,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
         if normalize_by is not None:
             normalize_by = _positive_finite("normalize_by", normalize_by)
+        if per_example_scaling not in _PER_EXAMPLE_SCALINGS:
+            raise ValueError(
+                f"per_example_scaling must be one of {sorted(_PER_EXAMPLE_SCALINGS)}, "
+                f"got {per_example_scaling!r}."
+            )
+        automatic_scaling_stability = _positive_finite(
+            "automatic_scaling_stability", automatic_scaling_stability)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be None or an int, got {seed!r}.")
         if seed is not None:
@@ -238,6 +261,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.normalize_by = normalize_by
         self.seed = seed
         self.schedule = schedule
+        self.per_example_scaling = per_example_scaling
+        self.automatic_scaling_stability = automatic_scaling_stability
         if isinstance(clipping, ClippingStrategy):
             self.clipping_strategy = clipping
             self.clipping = type(clipping).__name__
@@ -264,6 +289,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "compile the model again (the privacy ledger carries over)."
             )
         super().__setattr__(name, value)
+
+    @property
+    def automatic_stability(self) -> float | None:
+        """gamma of automatic clipping, or None for flat clipping (what strategies take)."""
+        if self.per_example_scaling == "automatic":
+            return self.automatic_scaling_stability
+        return None
 
     @property
     def seeded_noise(self) -> bool:
@@ -648,6 +680,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "seed": self.seed,
             "schedule": self.schedule.to_dict() if self.schedule else None,
             "clipping": self.clipping,
+            "per_example_scaling": self.per_example_scaling,
+            "automatic_scaling_stability": self.automatic_scaling_stability,
         }
 
     @classmethod

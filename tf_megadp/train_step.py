@@ -390,14 +390,18 @@ def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_ba
     """
     strategy = optimizer.clipping_strategy
     clip = optimizer.l2_norm_clip
+    # Passed only when set, so that a user's strategy written for flat
+    # clipping keeps working (and fails loudly if asked for automatic).
+    scaling = ({} if optimizer.automatic_stability is None
+               else {"automatic_stability": optimizer.automatic_stability})
     if sample_weight is None:
-        return strategy.clip_and_sum(model, x, y, sample_weight, clip)
+        return strategy.clip_and_sum(model, x, y, sample_weight, clip, **scaling)
     is_real = example_weights_present(sample_weight, micro_batch_size)
     variables = model.trainable_variables
     reached, checked = [], []
 
     def compute():
-        batch = strategy.clip_and_sum(model, x, y, sample_weight, clip)
+        batch = strategy.clip_and_sum(model, x, y, sample_weight, clip, **scaling)
         reached[:] = [g is not None for g in batch.gradient_sum]
         checked[:] = [batch.mixing is not None]
         gradients = [tf.zeros_like(v.value) if g is None else g

@@ -74,7 +74,8 @@ class ClippingStrategy(abc.ABC):
 
     @abc.abstractmethod
     def clip_and_sum(
-        self, model: keras.Model, x, y, sample_weight, l2_norm_clip: float
+        self, model: keras.Model, x, y, sample_weight, l2_norm_clip: float,
+        automatic_stability: float | None = None,
     ) -> ClippedBatch:
         """Returns the clipped gradient sum of one micro-batch.
 
@@ -82,6 +83,8 @@ class ClippingStrategy(abc.ABC):
             model: a built Keras model.
             x, y, sample_weight: one micro-batch as `model.fit` passes it.
             l2_norm_clip: C.
+            automatic_stability: None for flat clipping; a float gamma for
+                automatic clipping (see `clip_factors`).
 
         Returns:
             A `ClippedBatch`.
@@ -120,13 +123,21 @@ def example_weights_present(sample_weight, batch_size) -> tf.Tensor:
     return tf.cast(any_weight, tf.float32)
 
 
-def clip_factors(norms: tf.Tensor, l2_norm_clip, is_real: tf.Tensor):
-    """Clip factors c_i = min(1, C / ||g_i||), zero for padding and non-finite.
+def clip_factors(norms: tf.Tensor, l2_norm_clip, is_real: tf.Tensor,
+                 automatic_stability: float | None = None):
+    """Per-example scale factors, zero for padding and non-finite norms.
+
+    Flat clipping (the default): c_i = min(1, C / ||g_i||). Automatic
+    clipping (Bu et al. 2022, "Automatic clipping"), with gamma =
+    `automatic_stability`: c_i = C / (||g_i|| + gamma), which normalizes
+    every gradient to norm just below C, so the sensitivity stays C and C
+    only rescales the update (the learning rate absorbs it).
 
     Args:
         norms: per-example gradient norms [m].
         l2_norm_clip: C.
         is_real: float mask [m] of real examples.
+        automatic_stability: None (flat clipping) or gamma > 0.
 
     Returns:
         (factors [m], nonfinite count): examples with a non-finite norm get
@@ -136,7 +147,10 @@ def clip_factors(norms: tf.Tensor, l2_norm_clip, is_real: tf.Tensor):
     norms = tf.cast(norms, tf.float32)
     finite = tf.math.is_finite(norms)
     safe_norms = tf.where(finite, norms, tf.ones_like(norms))
-    factors = tf.minimum(1.0, l2_norm_clip / tf.maximum(safe_norms, 1e-12))
+    if automatic_stability is None:
+        factors = tf.minimum(1.0, l2_norm_clip / tf.maximum(safe_norms, 1e-12))
+    else:
+        factors = l2_norm_clip / (safe_norms + automatic_stability)
     keep = tf.logical_and(finite, is_real > 0)
     factors = tf.where(keep, factors, tf.zeros_like(factors))
     nonfinite = tf.reduce_sum(

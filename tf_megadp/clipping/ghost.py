@@ -64,7 +64,8 @@ class GhostClipping(base.ClippingStrategy):
         self.jit_compile = jit_compile
         self._functions = weakref.WeakKeyDictionary()
 
-    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip):
+    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
+                     automatic_stability=None):
         """See `ClippingStrategy.clip_and_sum`.
 
         Raises:
@@ -84,12 +85,14 @@ class GhostClipping(base.ClippingStrategy):
             if self.jit_compile:
                 base.refuse_layers_without_xla(model)
 
-            def clip_and_sum(x, y, sample_weight, l2_norm_clip):
-                return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip)
+            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability):
+                return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
+                                     automatic_stability)
 
             function = tf.function(clip_and_sum, jit_compile=self.jit_compile)
             self._functions[model] = function
-        batch = function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32))
+        batch = function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32),
+                         automatic_stability)
         if tf.executing_eagerly():
             if int(batch.mixing) != independence.MIXING_OK:
                 code = self.locate_mixing(model, x, y, sample_weight)
@@ -358,7 +361,8 @@ def _clipped_sum(outer, gather, explicit, factors, keep, variable):
     return tf.cast(tf.reshape(total, shape), variable.dtype)
 
 
-def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip, locate=False):
+def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
+                  automatic_stability=None, locate=False):
     with base.example_axis_guards(model):
         records, consistent, losses, y_pred, mixing = _forward(
             model, rules, x, y, sample_weight, locate)
@@ -378,7 +382,7 @@ def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip, locate=False)
         norms = tf.zeros([batch_size], tf.float32)
     norms = tf.where(independent, norms, tf.fill(tf.shape(norms), float("nan")))
     is_real = base.example_weights_present(sample_weight, batch_size)
-    factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real)
+    factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real, automatic_stability)
     keep = factors > 0
     gradient_sum = [
         _clipped_sum(*groups[i], factors, keep, v) if i in groups else None

@@ -40,9 +40,11 @@ class VectorizedClipping(base.ClippingStrategy):
         self.jit_compile = jit_compile
         self._functions = weakref.WeakKeyDictionary()
 
-    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip):
+    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
+                     automatic_stability=None):
         function = self._function_for(model)
-        return function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32))
+        return function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32),
+                        automatic_stability)
 
     def per_example_gradients(self, model: keras.Model, x, y, sample_weight=None):
         """Per-example gradients, for tests and diagnostics (eager or graph).
@@ -59,8 +61,9 @@ class VectorizedClipping(base.ClippingStrategy):
             if self.jit_compile:
                 base.refuse_layers_without_xla(model)
 
-            def clip_and_sum(x, y, sample_weight, l2_norm_clip):
-                return _clip_and_sum(model, x, y, sample_weight, l2_norm_clip)
+            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability):
+                return _clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
+                                     automatic_stability)
 
             function = tf.function(clip_and_sum, jit_compile=self.jit_compile)
             self._functions[model] = function
@@ -113,7 +116,7 @@ def _per_example_gradients(model, x, y, sample_weight):
     return full, losses, y_pred
 
 
-def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip):
+def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=None):
     gradients, losses, y_pred = _per_example_gradients(model, x, y, sample_weight)
     batch_size = tf.shape(losses)[0]
     present = [g for g in gradients if g is not None]
@@ -123,7 +126,7 @@ def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip):
     ])
     norms = tf.sqrt(squared)
     is_real = base.example_weights_present(sample_weight, batch_size)
-    factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real)
+    factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real, automatic_stability)
     keep = factors > 0
 
     def weighted_sum(g):

@@ -129,3 +129,23 @@ def test_the_package_has_no_import_cycle():
 
     for module in sorted(graph):
         visit(module)
+
+
+# `import tf_megadp.audit` beyond `import tensorflow`: scikit-learn modules
+# (the membership metrics import them on first use) and job modules.
+_AUDIT_PROBE = """
+import sys
+import tensorflow
+before = set(sys.modules)
+import tf_megadp.audit
+added = set(sys.modules) - before
+print(",".join(sorted(name for name in added
+                      if name.split(".")[0] == "sklearn" or name.startswith("tf_megadp.jobs"))))
+"""
+
+
+def test_import_tf_megadp_audit_loads_neither_scikit_learn_nor_the_job():
+    output = subprocess.run([sys.executable, "-c", _AUDIT_PROBE], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert output.returncode == 0, output.stderr[-2000:]
+    assert output.stdout.strip().splitlines()[-1:] in ([], [""]), output.stdout

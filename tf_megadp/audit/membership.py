@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from sklearn import metrics
 
 __all__ = ["membership_scores", "membership_metrics"]
 
@@ -88,6 +87,10 @@ def membership_metrics(
     membership_metrics([3.0, 2.0, 0.5], [1.0, 0.0])["auc"]   # 5/6
     ```
     """
+    # Imported here: scikit-learn is a dependency of the audit's metrics only,
+    # not of `import tf_megadp.audit`.
+    from sklearn import metrics
+
     members = _as_vector("member_scores", member_scores)
     nonmembers = _as_vector("nonmember_scores", nonmember_scores)
     labels = np.concatenate([np.ones(members.size), np.zeros(nonmembers.size)])

@@ -144,11 +144,15 @@ def clip_factors(norms: tf.Tensor, l2_norm_clip, is_real: tf.Tensor,
         factor 0, and the caller must zero their gradients with `tf.where`
         (0 * NaN is NaN).
     """
-    norms = tf.cast(norms, tf.float32)
+    # float64 models clip in float64; every other dtype (bfloat16 and
+    # float16 included) in float32, so that a factor is never rounded to bf16.
+    dtype = tf.float64 if norms.dtype == tf.float64 else tf.float32
+    norms = tf.cast(norms, dtype)
+    l2_norm_clip = tf.cast(l2_norm_clip, dtype)
     finite = tf.math.is_finite(norms)
     safe_norms = tf.where(finite, norms, tf.ones_like(norms))
     if automatic_stability is None:
-        factors = tf.minimum(1.0, l2_norm_clip / tf.maximum(safe_norms, 1e-12))
+        factors = tf.minimum(tf.ones([], dtype), l2_norm_clip / tf.maximum(safe_norms, 1e-12))
     else:
         factors = l2_norm_clip / (safe_norms + automatic_stability)
     keep = tf.logical_and(finite, is_real > 0)

@@ -10,6 +10,7 @@ import pytest
 from scipy import optimize, stats
 from sklearn import metrics
 
+import tf_megadp
 from tf_megadp import audit
 
 # Tiny vocabulary for the masked-LM tests.
@@ -582,3 +583,50 @@ def test_masked_lm_canary_scores_are_the_canaries_exposures(trained):
     scores = score_fn(trained["model"])
     expected = [item["exposure"] for item in trained["callback"].last_report["canaries"]]
     np.testing.assert_allclose(scores, expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["float32", "mixed_bfloat16"])
+def test_the_job_audit_loads_the_run_model_as_the_job_built_it(tmp_path, precision):
+    # The release is what `tf-megadp pretrain` writes; `keras.models.load_model`
+    # would rebuild a mixed_bfloat16 run's MLM head in bfloat16, which raises.
+    from tf_megadp.jobs.bert import pretraining
+    from tf_megadp.jobs.bert.audit import load_run_model
+
+    config = pretraining.PretrainConfig(model="pico", sequence_length=16, precision=precision)
+    model = pretraining.build_model(config, VOCAB)
+    rng = np.random.default_rng(0)
+    # Weights no fresh model has, so a layer left at its initial weights shows.
+    model.set_weights([w + rng.normal(0.0, 0.05, w.shape).astype(w.dtype)
+                       for w in model.get_weights()])
+    path = str(tmp_path / pretraining.MODEL_NAME)
+    tf_megadp.export_model(model, path)
+
+    loaded = load_run_model(config, VOCAB, path)
+    for saved, restored in zip(model.weights, loaded.weights, strict=True):
+        assert saved.path == restored.path
+        np.testing.assert_array_equal(np.asarray(saved), np.asarray(restored))
+    assert loaded.masked_lm_head.dtype_policy.name == model.masked_lm_head.dtype_policy.name
+    assert loaded.backbone.dtype_policy.name == model.backbone.dtype_policy.name
+    x = {
+        "token_ids": rng.integers(5, VOCAB, size=(4, 16)),
+        "segment_ids": np.zeros((4, 16), "int32"),
+        "padding_mask": np.ones((4, 16), bool),
+        "mask_positions": np.tile(np.arange(3), (4, 1)),
+    }
+    logits = loaded(x)
+    assert logits.dtype == "float32"
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model(x)))
+
+
+def test_the_job_audit_refuses_a_model_of_another_shape(tmp_path):
+    from tf_megadp.jobs.bert import pretraining
+    from tf_megadp.jobs.bert.audit import load_run_model
+
+    config = pretraining.PretrainConfig(model="pico", sequence_length=16)
+    path = str(tmp_path / pretraining.MODEL_NAME)
+    tf_megadp.export_model(pretraining.build_model(config, VOCAB), path)
+    with pytest.raises(pretraining.PretrainError, match="does not hold the model"):
+        load_run_model(config, VOCAB + 1, path)
+    longer = pretraining.PretrainConfig(model="pico", sequence_length=32)
+    with pytest.raises(pretraining.PretrainError, match="sequence length 32"):
+        load_run_model(longer, VOCAB, path)

@@ -17,22 +17,66 @@ import os
 import warnings
 from typing import Any, Callable
 
+import keras
 import numpy as np
 
+from tf_megadp.audit.runner import run_audit
 from tf_megadp.files import write_json_atomically
+from tf_megadp.jobs.bert import pretraining, text
+from tf_megadp.jobs.bert.config import PretrainConfig
 
-__all__ = ["audit_pretraining_run"]
+__all__ = ["audit_pretraining_run", "load_run_model"]
 
 
-def _masked_batches(rows: np.ndarray, batcher, batch_size: int, seed: int) -> list:
-    from tf_megadp.jobs.bert.pretraining import masked_rows
-
-    x, y, w = masked_rows(rows, batcher, seed)
+def _masked_batches(rows: np.ndarray, batcher: text.MaskedLMBatcher, batch_size: int,
+                    seed: int) -> list:
+    x, y, w = pretraining.masked_rows(rows, batcher, seed)
     return [
         ({key: value[start:start + batch_size] for key, value in x.items()},
          y[start:start + batch_size], w[start:start + batch_size])
         for start in range(0, len(rows), batch_size)
     ]
+
+
+def load_run_model(config: PretrainConfig, vocabulary_size: int, model_path: str) -> keras.Model:
+    """The run's trained model: the job's `build_model` with the saved weights.
+
+    `keras.models.load_model` rebuilds a mixed_bfloat16 run with its MLM
+    head in bfloat16 too (the head's float32 policy is set after
+    construction and is not in its config), and that head raises on its
+    first call; building the model the way the job did keeps every layer's
+    policy.
+
+    Args:
+        config: the run's `PretrainConfig`.
+        vocabulary_size: V of the run's prepared vocabulary.
+        model_path: the run's `model.keras`.
+
+    Returns:
+        The `BertMaskedLM` holding the run's weights.
+
+    Raises:
+        PretrainError: the file does not hold weights for every layer of the
+            model `config` describes (an audit of freshly initialized layers
+            would understate what the run leaks).
+    """
+    model = pretraining.build_model(config, vocabulary_size)
+    with warnings.catch_warnings():
+        # Only the weights matter here: the release holds no optimizer state,
+        # and keras-hub compiles its tasks with one.
+        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
+        # Keras only warns when a layer keeps its initial weights.
+        warnings.filterwarnings("error", message="Skipping nested container")
+        try:
+            model.load_weights(model_path)
+        except (ValueError, UserWarning) as error:
+            raise pretraining.PretrainError(
+                f"{model_path} does not hold the model its run's {pretraining.REPORT_NAME} "
+                f"describes (BERT-{config.model}, vocabulary {vocabulary_size}, sequence length "
+                f"{config.sequence_length}); audit the folder the run wrote, unchanged: "
+                f"{str(error).splitlines()[0]}"
+            ) from error
+    return model
 
 
 def audit_pretraining_run(
@@ -62,11 +106,6 @@ def audit_pretraining_run(
         PretrainError: the folder is not a completed run, or its corpus is
             no longer in the cache.
     """
-    import keras
-
-    from tf_megadp.jobs.bert import pretraining, text
-    from tf_megadp.audit.runner import run_audit
-
     report_path = os.path.join(output_dir, pretraining.REPORT_NAME)
     model_path = os.path.join(output_dir, pretraining.MODEL_NAME)
     if not (os.path.isfile(report_path) and os.path.isfile(model_path)):
@@ -80,7 +119,7 @@ def audit_pretraining_run(
         run = json.load(handle)
     settings = dict(run["config"])
     settings.update(output_dir=output_dir, resume=False, cache_dir=cache_dir or settings.get("cache_dir"))
-    config = pretraining.PretrainConfig(**settings)
+    config = PretrainConfig(**settings)
     _, train, heldout = pretraining.prepare_data(config)
     canaries, canary_index = [], np.full(len(train), -1)
     if config.canaries:
@@ -97,10 +136,7 @@ def audit_pretraining_run(
 
     log(f"Auditing {output_dir}: {len(members)} members, {len(nonmembers)} non-members, "
         f"{len(canaries)} canaries (controls included).")
-    with warnings.catch_warnings():
-        # Only the weights matter here; the saved optimizer state is not restored.
-        warnings.filterwarnings("ignore", message="Skipping variable loading for optimizer")
-        model = keras.models.load_model(model_path, compile=False)
+    model = load_run_model(config, train.vocabulary_size, model_path)
     delta = run["delta"] if run["private"] else pretraining.default_delta(len(train))
     result = run_audit(
         model, member_batches, nonmember_batches, canaries,

@@ -15,19 +15,20 @@ from tests import reference
 CLIP, SIGMA, DIVISOR = 0.5, 2.0, 10.0
 
 
-def wide_model(seed=0):
+def wide_model(seed=0, dtype="float32"):
     """100,250 parameters: enough coordinates for a tight variance test."""
     keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((400,)), keras.layers.Dense(250)])
+    return keras.Sequential([keras.Input((400,), dtype=dtype),
+                             keras.layers.Dense(250, dtype=dtype)])
 
 
-def noise_update(*, seed, accumulation_steps=1, micro_batch=2):
+def noise_update(*, seed, accumulation_steps=1, micro_batch=2, dtype="float32"):
     """The update of one logical step in which every example is padding.
 
     All sample weights are zero, so every clipped gradient is zero and the
     whole update is -noise / B with SGD(learning_rate=1).
     """
-    model = wide_model()
+    model = wide_model(dtype=dtype)
     optimizer = tf_megadp.DPOptimizer(
         keras.optimizers.SGD(1.0),
         l2_norm_clip=CLIP,
@@ -39,12 +40,14 @@ def noise_update(*, seed, accumulation_steps=1, micro_batch=2):
     tf_megadp.make_private(model)
     model.compile(optimizer=optimizer, loss="mse")
     n = micro_batch * accumulation_steps
-    x = np.ones((n, 400), "float32")
-    y = np.ones((n, 250), "float32")
+    x = np.ones((n, 400), dtype)
+    y = np.ones((n, 250), dtype)
     before = reference.weights(model)
     model.fit(x, y, sample_weight=np.zeros(n, "float32"), batch_size=micro_batch,
               shuffle=False, verbose=0)
     assert int(optimizer.iterations.numpy()) == 1
+    accumulator_dtypes = {v.dtype for v in optimizer._in_memory.accumulators}
+    assert accumulator_dtypes == {"float64" if dtype == "float64" else "float32"}
     return np.concatenate([(a - b).ravel() for a, b in zip(reference.weights(model), before)])
 
 
@@ -79,6 +82,17 @@ class TestNoise:
 
     def test_same_seed_same_noise(self, seeded_update):
         np.testing.assert_array_equal(noise_update(seed=42), seeded_update)
+
+    def test_a_float64_model_gets_float64_noise(self):
+        update = noise_update(seed=3, dtype="float64")
+        assert_std_is(update, SIGMA * CLIP / DIVISOR)
+        # Float32 noise cast up would survive a round trip through float32.
+        assert np.mean(update.astype(np.float32).astype(np.float64) != update) > 0.99
+
+    def test_a_bfloat16_model_accumulates_and_draws_noise_in_float32(self):
+        update = noise_update(seed=3, dtype="bfloat16")
+        # Only the final update is rounded to the weights' bfloat16.
+        assert abs(np.std(update) / (SIGMA * CLIP / DIVISOR) - 1) < 0.02
 
     def test_no_seed_draws_fresh_noise(self):
         first, second = noise_update(seed=None), noise_update(seed=None)

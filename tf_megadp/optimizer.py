@@ -64,6 +64,17 @@ _PER_EXAMPLE_SCALINGS = frozenset({"clip", "automatic"})
 _PRIVATE_STEP = object()
 
 
+def accumulation_dtype(variable_dtype) -> str:
+    """float64 for float64 variables, float32 for every other dtype.
+
+    A bfloat16 accumulator would round each clipped sum to 8 bits of
+    mantissa, and bfloat16 noise would be a coarser distribution than the
+    Gaussian the accountant assumes; the update is cast to the variable's
+    dtype only after the noise is added and the sum divided.
+    """
+    return "float64" if keras.backend.standardize_dtype(variable_dtype) == "float64" else "float32"
+
+
 @dataclasses.dataclass
 class _InMemoryState:
     """Optimizer state that must never reach a file.
@@ -368,7 +379,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """
         colocate = contextlib.nullcontext()
         if reference is not None:
-            shape, dtype = reference.shape, reference.dtype
+            shape, dtype = reference.shape, accumulation_dtype(reference.dtype)
             name = f"{reference.path.replace('/', '_')}_{name}"
             colocate = self._distribution_strategy.extended.colocate_vars_with(
                 reference.value
@@ -618,10 +629,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             noise = tf.random.stateless_normal(
                 tf.shape(accumulator.value),
                 seed=tf.random.experimental.stateless_fold_in(key, index),
-                dtype=tf.float32,
+                dtype=accumulator.dtype,
             )
-            noisy_sum = tf.cast(accumulator.value, tf.float32) + stddev * noise
-            gradients.append(tf.cast(noisy_sum / divisor, accumulator.dtype))
+            noisy_sum = accumulator.value + tf.cast(stddev, accumulator.dtype) * noise
+            gradients.append(tf.cast(noisy_sum / tf.cast(divisor, accumulator.dtype),
+                                     variable.dtype))
             variables.append(variable)
         self.inner_optimizer.apply(gradients, variables)
         for accumulator in state.accumulators:

@@ -19,7 +19,7 @@ from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer
+from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private"]
 
@@ -400,11 +400,14 @@ def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_ba
     variables = model.trainable_variables
     reached, checked = [], []
 
+    def zeros(variable):
+        return tf.zeros(variable.shape, accumulation_dtype(variable.dtype))
+
     def compute():
         batch = strategy.clip_and_sum(model, x, y, sample_weight, clip, **scaling)
         reached[:] = [g is not None for g in batch.gradient_sum]
         checked[:] = [batch.mixing is not None]
-        gradients = [tf.zeros_like(v.value) if g is None else g
+        gradients = [zeros(v) if g is None else tf.cast(g, accumulation_dtype(v.dtype))
                      for g, v in zip(batch.gradient_sum, variables)]
         mixing = (tf.constant(independence.MIXING_OK, tf.int32) if batch.mixing is None
                   else tf.cast(batch.mixing, tf.int32))
@@ -412,10 +415,10 @@ def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_ba
                 tf.cast(batch.norms, tf.float32), batch.is_real, batch.nonfinite, mixing)
 
     def skip():
-        zeros = tf.zeros_like(is_real)
+        no_examples = tf.zeros_like(is_real)
         # Metrics still need predictions; they carry weight zero.
         y_pred = model(x, training=False)
-        return ([tf.zeros_like(v.value) for v in variables], zeros, y_pred, zeros, zeros,
+        return ([zeros(v) for v in variables], no_examples, y_pred, no_examples, no_examples,
                 tf.constant(0, tf.int64), tf.constant(independence.MIXING_OK, tf.int32))
 
     gradients, losses, y_pred, norms, is_real, nonfinite, mixing = tf.cond(

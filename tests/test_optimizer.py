@@ -232,6 +232,26 @@ class TestPersistence:
         with pytest.raises(PrivacyConfigurationError, match="make_private"):
             loaded.fit(x, y, verbose=0)
 
+    def test_weights_with_a_ledger_refuse_an_unbuilt_dp_optimizer(self, tmp_path):
+        # Without make_private's guard: Keras would skip the optimizer's
+        # variables with a warning, and the run would restart its ledger at 0.
+        model = _private_dense()
+        x = np.zeros((12, 4), "float32")
+        _train_micro_batches(model, x, np.zeros((12, 2), "float32"), batch=4)
+        assert tf_megadp.read_ledger(model.optimizer).total_steps == 1
+        model.save_weights(tmp_path / "m.weights.h5")
+        keras.utils.set_random_seed(3)
+        plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                                  keras.layers.Dense(2)])
+        plain.compile(optimizer=tf_megadp.DPOptimizer(keras.optimizers.Adam(0.05), 0.7, 0.8,
+                                                      accumulation_steps=3), loss="mse")
+        # Keras collects loading errors into one ValueError that quotes ours.
+        with pytest.raises(ValueError, match="privacy ledger of the steps already taken"):
+            plain.load_weights(tmp_path / "m.weights.h5")
+        plain.optimizer.build(plain.trainable_variables)
+        plain.load_weights(tmp_path / "m.weights.h5")
+        assert tf_megadp.read_ledger(plain.optimizer).total_steps == 1
+
 
 def _h5_arrays(path):
     """Every dataset in an HDF5 file (Keras .weights.h5), as NumPy arrays."""

@@ -424,6 +424,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return discarded
 
     def load_own_variables(self, store):
+        if len(store.keys()) and len(store.keys()) != len(self.variables):
+            # Keras would skip them with a warning: the ledger of the steps
+            # already taken would be lost and epsilon under-reported.
+            raise PrivacyConfigurationError(
+                f"The saved DPOptimizer has {len(store.keys())} variables, with the "
+                "privacy ledger of the steps already taken, but this one has "
+                f"{len(self.variables)}{' (it is not built)' if not self.built else ''}. "
+                "Loading would drop that ledger. Compile with the same DPOptimizer "
+                "settings, call model.optimizer.build(model.trainable_variables), then "
+                "load the weights; or resume with tf_megadp.restore_training_state."
+            )
         super().load_own_variables(store)
         if self.built:
             # A restored optimizer resumes at a logical-step boundary.

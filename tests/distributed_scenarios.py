@@ -372,6 +372,57 @@ def pretraining_job_checks(strategy, tmp_dir, result):
     result["job"]["privacy"] = {key: privacy[key] for key in ("ledger", "data", "steps")}
 
 
+ACCOUNTING_LAYOUTS = 2
+
+
+def accounting_checks(strategy, replicas, result):
+    """Random Poisson layouts (N, m, B, epochs) fit on R replicas: what the callback reports.
+
+    The test process recomputes epsilon with dp_accounting from the layout
+    alone; nothing here computes the expected value.
+    """
+    import warnings
+
+    import keras
+
+    import tf_megadp
+
+    rng = np.random.default_rng(200 + replicas)
+    layouts = []
+    for _ in range(ACCOUNTING_LAYOUTS):
+        num_examples = int(rng.integers(30, 80))
+        micro_batch = int(rng.integers(2, 5))
+        batch_size = int(rng.integers(2, num_examples // 3))
+        epochs = int(rng.integers(1, 3))
+        x = rng.normal(size=(num_examples, 4)).astype("float32")
+        y = rng.normal(size=(num_examples, 2)).astype("float32")
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=batch_size, epochs=epochs, micro_batch_size=micro_batch,
+            num_replicas=replicas)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # seeded noise below: a test run
+            with strategy.scope():
+                keras.utils.set_random_seed(0)
+                model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+                optimizer = tf_megadp.DPOptimizer(
+                    keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
+                    schedule=sampler.schedule, seed=1)
+                tf_megadp.make_private(model)
+                model.compile(optimizer=optimizer, loss="mse")
+        callback = tf_megadp.PrivacyCallback(1e-5, accountant="rdp")
+        model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+        layouts.append({
+            "num_examples": num_examples, "micro_batch": micro_batch,
+            "batch_size": batch_size, "epochs": epochs,
+            "steps_applied": int(optimizer.iterations.numpy()),
+            "ledger": [{"steps": e.steps, "sampling_rate": e.sampling_rate,
+                        "max_batch_size": e.max_batch_size, "sampling": e.sampling}
+                       for e in callback.ledger],
+            "epsilon": callback.epsilon,
+        })
+    result["accounting"] = layouts
+
+
 def run_replicas(replicas, out_path):
     import tempfile
 
@@ -389,6 +440,7 @@ def run_replicas(replicas, out_path):
     seconds["equality"] = time.perf_counter() - start
     noise_checks(strategy, replicas, result)
     seconds["noise"] = time.perf_counter() - start - seconds["equality"]
+    accounting_checks(strategy, replicas, result)
     if replicas == 2:
         mixed_bfloat16_checks(strategy, replicas, result)
         ghost_checks(strategy, replicas, result)

@@ -13,6 +13,7 @@ their measurements are asserted here.
 """
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -205,6 +206,34 @@ class TestGhostClipping:
         for distributed, single in zip(ghost["distributed_update"],
                                        ghost["single_device_update"]):
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
+
+
+class TestAccountingOnReplicas:
+    def test_reported_epsilon_equals_dp_accounting_for_random_poisson_layouts(self, replicated):
+        """Property: on R replicas, epsilon is dp_accounting's on the layout's steps."""
+        import dp_accounting
+        from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+        def epsilon(steps, q, delta):
+            event = dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)),
+                steps)
+            return rdp.RdpAccountant().compose(event).get_epsilon(delta)
+
+        replicas = replicated["replicas"]
+        assert len(replicated["accounting"]) == scenarios.ACCOUNTING_LAYOUTS
+        for layout in replicated["accounting"]:
+            n, batch = layout["num_examples"], layout["batch_size"]
+            steps = math.ceil(layout["epochs"] * n / batch)
+            assert layout["steps_applied"] == steps
+            (entry,) = layout["ledger"]
+            assert entry["steps"] == steps and entry["sampling"] == "poisson"
+            assert entry["sampling_rate"] == batch / n
+            # Capacity: whole micro-steps of m rows on each of the R replicas.
+            assert entry["max_batch_size"] % (layout["micro_batch"] * replicas) == 0
+            # Truncation at the capacity costs at most half of delta.
+            assert (epsilon(steps, batch / n, 1e-5) <= layout["epsilon"]
+                    <= epsilon(steps, batch / n, 5e-6))
 
 
 class TestMultiWorker:

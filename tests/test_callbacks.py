@@ -110,6 +110,8 @@ def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     assert report["steps"] == 2 * STEPS_PER_EPOCH
     assert report["num_examples"] == N and report["num_examples_measured"] is True
     assert report["settings"]["l2_norm_clip"] == 1.0
+    assert report["settings"]["per_example_scaling"] == "clip"
+    assert report["settings"]["automatic_scaling_stability"] is None
     assert report["ledger"] == [dict(steps=8, sampling_rate=BATCH / N, noise_multiplier=1.0,
                                      max_batch_size=0, sampling="shuffle")]
     assert report["data"]["poisson_guarantee"] is False

@@ -554,6 +554,8 @@ class PrivacyCallback(keras.callbacks.Callback):
             "schedule": optimizer.schedule.to_dict() if optimizer.schedule else None,
             "optimizer": type(optimizer.inner_optimizer).__name__,
             "clipping": optimizer.clipping,
+            "per_example_scaling": optimizer.per_example_scaling,
+            "automatic_scaling_stability": optimizer.automatic_stability,
             "target_epsilon": self.target_epsilon,
         }
 

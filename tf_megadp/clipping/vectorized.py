@@ -14,7 +14,11 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tf_megadp.clipping import base
+from tf_megadp.clipping import base, vectorized_pfor
+
+# Without these converters part of the per-example pass runs as a while_loop
+# over the examples (see vectorized_pfor).
+vectorized_pfor.register_converters()
 
 __all__ = ["VectorizedClipping"]
 
@@ -43,8 +47,10 @@ class VectorizedClipping(base.ClippingStrategy):
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
                      automatic_stability=None):
         function = self._function_for(model)
-        return function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32),
-                        automatic_stability)
+        # float64, so that a float64 model clips at C itself, not at float32(C).
+        clip = (tf.cast(l2_norm_clip, tf.float64) if tf.is_tensor(l2_norm_clip)
+                else tf.constant(l2_norm_clip, tf.float64))
+        return function(x, y, sample_weight, clip, automatic_stability)
 
     def per_example_gradients(self, model: keras.Model, x, y, sample_weight=None):
         """Per-example gradients, for tests and diagnostics (eager or graph).
@@ -74,6 +80,13 @@ def _per_example_gradients(model, x, y, sample_weight):
     batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     trainable_values = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     state_values, per_example = base.example_state_values(model, batch_size)
+    # Dropout masks are drawn for the whole micro-batch from the layer's own
+    # seed (vectorized_pfor.per_example_dropout): its state is not batched.
+    shared_seeds = vectorized_pfor.dropout_seed_states(model)
+    for j, variable in enumerate(model.non_trainable_variables):
+        if id(variable) in shared_seeds:
+            state_values[j] = tf.convert_to_tensor(variable.value)
+            per_example[j] = False
     varying_states = [v for v, varies in zip(state_values, per_example) if varies]
     connected = []
 
@@ -85,7 +98,8 @@ def _per_example_gradients(model, x, y, sample_weight):
         example_states = iter(example_states)
         states = [next(example_states) if varies else value
                   for value, varies in zip(state_values, per_example)]
-        with tf.GradientTape() as tape:
+        with vectorized_pfor.per_example_dropout(model, elements["index"], batch_size), \
+                tf.GradientTape() as tape:
             tape.watch(trainable_values)
             loss, y_pred_i = base.stateless_loss(
                 model,
@@ -103,7 +117,8 @@ def _per_example_gradients(model, x, y, sample_weight):
         return [g for g in gradients if g is not None], loss, y_pred_i
 
     # vectorized_map cannot carry None leaves: leave absent parts out.
-    elements = {"x": x, "states": varying_states}
+    elements = {"x": x, "states": varying_states,
+                "index": tf.range(batch_size, dtype=tf.int32)}
     if y is not None:
         elements["y"] = y
     if sample_weight is not None:
@@ -116,12 +131,23 @@ def _per_example_gradients(model, x, y, sample_weight):
     return full, losses, y_pred
 
 
+def _accumulation_dtype(dtype) -> tf.DType:
+    """float64 gradients are normed and summed in float64; every other dtype
+    (bfloat16 and float16 included) in float32, so that neither a norm nor a
+    sum of m examples is rounded to a 16-bit float."""
+    return tf.float64 if dtype == tf.float64 else tf.float32
+
+
 def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=None):
     gradients, losses, y_pred = _per_example_gradients(model, x, y, sample_weight)
     batch_size = tf.shape(losses)[0]
     present = [g for g in gradients if g is not None]
+    # One norm over all variables: in float64 as soon as one of them is.
+    norm_dtype = (tf.float64 if any(g.dtype == tf.float64 for g in present)
+                  else tf.float32)
     squared = tf.add_n([
-        tf.reduce_sum(tf.reshape(tf.square(g), [batch_size, -1]), axis=1)
+        tf.cast(tf.reduce_sum(tf.reshape(tf.square(tf.cast(g, _accumulation_dtype(g.dtype))),
+                                         [batch_size, -1]), axis=1), norm_dtype)
         for g in present
     ])
     norms = tf.sqrt(squared)
@@ -130,9 +156,10 @@ def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=
     keep = factors > 0
 
     def weighted_sum(g):
+        dtype = _accumulation_dtype(g.dtype)
         mask = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
-        g = tf.where(mask, g, tf.zeros_like(g))
-        return tf.tensordot(factors, g, axes=1)
+        g = tf.where(mask, tf.cast(g, dtype), tf.zeros([], dtype))
+        return tf.tensordot(tf.cast(factors, dtype), g, axes=1)
 
     gradient_sum = [None if g is None else weighted_sum(g) for g in gradients]
     return base.clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite)

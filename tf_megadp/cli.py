@@ -255,6 +255,8 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     overrides the field of the `--config` file (or of the defaults), a
     missing one leaves it. See `run_config_from_args`.
     """
+    from tf_megadp.jobs.bert.config import (LEARNING_RATE_SCALINGS, PER_EXAMPLE_SCALINGS,
+                                            SEPARATORS)
     from tf_megadp.jobs.bert.pretraining import MODEL_PRESETS, PRECISIONS, PretrainConfig
 
     defaults = PretrainConfig()
@@ -274,6 +276,9 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                       help="learn the vocabulary from --corpus itself: NOT private (it is "
                            "published with the model and shows the corpus's words "
                            "verbatim); warns, and report.json says so")
+    data.add_argument("--document-separator", choices=list(SEPARATORS), default=hidden,
+                      help="plain-text corpus files: documents separated by blank lines, or "
+                           f"one per line (default {defaults.document_separator})")
     data.add_argument("--max-characters", type=int, default=hidden,
                       help="size cap of the default corpus")
     data.add_argument("--heldout-fraction", type=float, default=hidden)
@@ -291,6 +296,19 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--learning-rate", type=float, default=hidden)
     model.add_argument("--warmup-steps", type=int, default=hidden)
     model.add_argument("--weight-decay", type=float, default=hidden)
+    model.add_argument("--learning-rate-scaling", choices=list(LEARNING_RATE_SCALINGS),
+                       default=hidden,
+                       help="scale the learning rate of each phase with its batch B: "
+                            "lr * (B / --reference-batch-size)^(0, 1/2, 1) "
+                            f"(default {defaults.learning_rate_scaling})")
+    model.add_argument("--reference-batch-size", type=int, default=hidden,
+                       help="the batch at which --learning-rate applies as given "
+                            f"(default {defaults.reference_batch_size})")
+    model.add_argument("--ema-momentum", type=_optional_fraction, metavar="M|none",
+                       default=hidden,
+                       help="average the weights (EMA, no privacy cost) with this momentum; "
+                            "evaluation and the exported model use the average; 'none' "
+                            f"turns it off (default {defaults.ema_momentum})")
     model.add_argument("--clipping", default=hidden,
                        help=f"per-example clipping strategy (default {defaults.clipping})")
     model.add_argument("--dropout", type=float, default=hidden)
@@ -309,7 +327,17 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     privacy.add_argument("--noise-multiplier", type=float, default=hidden,
                          help="sigma, instead of --target-epsilon")
     privacy.add_argument("--delta", type=float, default=hidden, help="default 1/N^1.1")
-    privacy.add_argument("--l2-norm-clip", type=float, default=hidden)
+    privacy.add_argument("--l2-norm-clip", type=float, default=hidden,
+                         help=f"C, the per-example gradient norm bound (default {defaults.l2_norm_clip})")
+    privacy.add_argument("--per-example-scaling", choices=list(PER_EXAMPLE_SCALINGS),
+                         default=hidden,
+                         help="clip: g * min(1, C/||g||); automatic: g * C/(||g|| + gamma), "
+                              "normalized clipping (Bu et al. 2022), same sensitivity C "
+                              f"(default {defaults.per_example_scaling})")
+    privacy.add_argument("--automatic-scaling-stability", type=float, metavar="GAMMA",
+                         default=hidden,
+                         help="gamma of automatic clipping "
+                              f"(default {defaults.automatic_scaling_stability})")
     privacy.add_argument("--accountant", choices=["pld", "rdp"], default=hidden)
     privacy.add_argument("--non-private", action="store_true", default=hidden,
                          help="baseline: same data, model and optimizer; no clipping or noise")
@@ -334,6 +362,16 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                           "canaries (all public); never the Poisson sampling or the DP "
                           "noise, which come from secret OS entropy")
     run.add_argument("--cache-dir", default=hidden, help="where prepared corpora are kept")
+
+
+def _optional_fraction(text: str) -> float | None:
+    """A number, or None for 'none'/'off' (a flag that can turn a default off)."""
+    if text.lower() in ("none", "off"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
 
 
 def run_config_from_args(args: argparse.Namespace, config_path: str | None):

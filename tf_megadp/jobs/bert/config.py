@@ -19,7 +19,8 @@ import math
 import os
 from typing import Any, Sequence
 
-__all__ = ["MODEL_PRESETS", "PRECISIONS", "Hardware", "PretrainConfig", "PretrainError",
+__all__ = ["LEARNING_RATE_SCALINGS", "MODEL_PRESETS", "PER_EXAMPLE_SCALINGS", "PRECISIONS",
+           "SEPARATORS", "Hardware", "PretrainConfig", "PretrainError",
            "default_delta", "load_run_config", "parse_schedule", "run_config_from_dict"]
 
 # (layers, hidden, heads, intermediate). "tiny" is what a 2-core CPU trains in minutes.
@@ -35,6 +36,12 @@ MODEL_PRESETS = {
 }
 
 PRECISIONS = ("float32", "mixed_bfloat16")
+# How the learning rate follows the logical batch B: lr * (B / reference)^power.
+LEARNING_RATE_SCALINGS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
+# DPOptimizer's per_example_scaling.
+PER_EXAMPLE_SCALINGS = ("clip", "automatic")
+# How a plain-text corpus file is cut into documents (tf_megadp.jobs.bert.text).
+SEPARATORS = ("blank-line", "line")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +100,9 @@ class PretrainConfig:
             outside epsilon; the run warns and its report says so. By default
             a run on a user corpus learns its vocabulary from the public
             offline default corpus instead (or uses `vocabulary`).
+        document_separator: how plain-text corpus files are cut into
+            documents: "blank-line" (paragraphs) or "line" (one document
+            per line). JSONL files always hold one document per line.
         max_characters: size cap of the default corpus (also when it only
             supplies the vocabulary of a user corpus).
         heldout_fraction: share of sequences kept out of training for evaluation.
@@ -109,9 +119,24 @@ class PretrainConfig:
         noise_multiplier: sigma, instead of target_epsilon.
         delta: default 1 / N^1.1 for N training sequences.
         l2_norm_clip: C.
+        per_example_scaling: "clip" (flat clipping) or "automatic"
+            (normalized clipping, Bu et al. 2022: every per-example gradient
+            scaled by C / (||g|| + gamma)); DPOptimizer's option.
+        automatic_scaling_stability: gamma of automatic clipping.
         accountant: "pld" (default, tighter) or "rdp" (faster).
         learning_rate, warmup_steps, weight_decay: AdamW with linear warmup and
             cosine decay over the logical steps.
+        learning_rate_scaling: "none", "sqrt" or "linear": the learning rate
+            of a step of logical batch B is learning_rate * (B /
+            reference_batch_size)^(0, 1/2 or 1), phase by phase of the
+            schedule (a larger batch averages its noise and sampling error
+            down, so it affords a larger step).
+        reference_batch_size: the batch at which `learning_rate` applies as given.
+        ema_momentum: None, or keep an exponential moving average of the
+            weights (Keras's `use_ema` of the inner AdamW, De et al. 2022)
+            with this momentum: held-out evaluations use the average
+            (`keras.callbacks.SwapEMAWeights`) and the exported model is the
+            average. Post-processing of the noisy updates: no privacy cost.
         non_private: the baseline: same data, model and optimizer, plain
             Keras step (no clipping, no noise).
         clipping: per-example strategy of DPOptimizer.
@@ -159,6 +184,7 @@ class PretrainConfig:
     vocabulary_size: int = 512
     vocabulary: str | None = None
     vocabulary_from_training_corpus: bool = False
+    document_separator: str = "blank-line"
     max_characters: int = 3_000_000
     heldout_fraction: float = 0.05
     canaries: int = 0
@@ -170,10 +196,15 @@ class PretrainConfig:
     noise_multiplier: float | None = None
     delta: float | None = None
     l2_norm_clip: float = 1.0
+    per_example_scaling: str = "clip"
+    automatic_scaling_stability: float = 0.01
     accountant: str = "pld"
     learning_rate: float = 2e-3
     warmup_steps: int = 25
     weight_decay: float = 0.01
+    learning_rate_scaling: str = "none"
+    reference_batch_size: int = 256
+    ema_momentum: float | None = None
     non_private: bool = False
     clipping: str = "vectorized"
     dropout: float = 0.0
@@ -200,7 +231,8 @@ class PretrainConfig:
         """Raises `PretrainError` naming the first bad field (and how to fix it)."""
         for name in ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
                      "learning_rate", "weight_decay", "dropout", "heldout_fraction", "beta_1",
-                     "beta_2", "max_truncation_probability"):
+                     "beta_2", "max_truncation_probability", "automatic_scaling_stability",
+                     "ema_momentum"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
@@ -214,10 +246,26 @@ class PretrainConfig:
             "batch_size": self.batch_size,
             "steps": self.steps,
             "eval_every": self.eval_every,
+            "reference_batch_size": self.reference_batch_size,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PretrainError(f"{name} must be a positive integer, got {value!r}.")
+        choices = {"document_separator": SEPARATORS,
+                   "per_example_scaling": PER_EXAMPLE_SCALINGS,
+                   "learning_rate_scaling": tuple(LEARNING_RATE_SCALINGS)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise PretrainError(
+                    f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
+        if not self.automatic_scaling_stability > 0:
+            raise PretrainError(
+                "automatic_scaling_stability must be > 0, got "
+                f"{self.automatic_scaling_stability!r}.")
+        if self.ema_momentum is not None and not 0 < self.ema_momentum < 1:
+            raise PretrainError(
+                f"ema_momentum must be in (0, 1) (or None for no averaging), got "
+                f"{self.ema_momentum!r}.")
         if not 0 <= self.dropout < 1:
             raise PretrainError(f"dropout must be in [0, 1), got {self.dropout}.")
         if not 0 < self.heldout_fraction < 0.5:
@@ -351,12 +399,15 @@ _YAML_FIELDS = {
               "dropout": "dropout", "precision": "precision"},
     "training": {"num_examples": "num_examples", "micro_batch_size": "micro_batch_size",
                  "clipping": "clipping", "l2_norm_clip": "l2_norm_clip",
+                 "per_example_scaling": "per_example_scaling",
+                 "automatic_scaling_stability": "automatic_scaling_stability",
                  "noise_multiplier": "noise_multiplier", "delta": "delta",
                  "target_epsilon": "target_epsilon", "accountant": "accountant",
                  "max_truncation_probability": "max_truncation_probability",
                  "non_private": "non_private"},
     "data": {"corpus": "corpus", "vocabulary": "vocabulary",
              "vocabulary_from_training_corpus": "vocabulary_from_training_corpus",
+             "document_separator": "document_separator",
              "max_characters": "max_characters", "heldout_fraction": "heldout_fraction",
              "canaries": "canaries", "cache_dir": "cache_dir"},
     "run": {"output_dir": "output_dir", "eval_every": "eval_every",
@@ -366,7 +417,10 @@ _YAML_FIELDS = {
 }
 _ARCHITECTURE_KEYS = ("num_layers", "hidden_dim", "num_heads", "intermediate_dim")
 _OPTIMIZER_FIELDS = {"learning_rate": "learning_rate", "weight_decay": "weight_decay",
-                     "beta_1": "beta_1", "beta_2": "beta_2", "warmup_steps": "warmup_steps"}
+                     "beta_1": "beta_1", "beta_2": "beta_2", "warmup_steps": "warmup_steps",
+                     "learning_rate_scaling": "learning_rate_scaling",
+                     "reference_batch_size": "reference_batch_size",
+                     "ema_momentum": "ema_momentum"}
 _HARDWARE_KEYS = ("name", "replicas", "hbm_gib_per_replica", "peak_tflops_per_replica",
                   "utilization")
 _PHASE_KEYS = ("steps", "batch_size", "accumulation_steps")

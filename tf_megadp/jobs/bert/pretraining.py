@@ -169,11 +169,13 @@ def _corpus_key(config: PretrainConfig) -> str:
         "chars": None if config.corpus else config.max_characters,
         "heldout": config.heldout_fraction, "seed": config.seed,
         "vocabulary": _vocabulary_plan(config),
+        # Only files have separators; the default corpus's key stays as it was.
+        **({"separator": config.document_separator} if config.corpus else {}),
     }, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _public_vocabulary(config: PretrainConfig):
+def _public_vocabulary(config: PretrainConfig, log=None):
     """The vocabulary to tokenize with: a token list, or None to learn it on the corpus.
 
     A vocabulary learned from the default corpus is cached by what it
@@ -195,8 +197,11 @@ def _public_vocabulary(config: PretrainConfig):
         path = os.path.join(config.cache_dir or _default_cache_dir(), f"vocabulary-{key}",
                             VOCABULARY_NAME)
         if not os.path.isfile(path):
+            if log:
+                log("  learning the public vocabulary from the offline default corpus...")
             vocabulary = text.learn_vocabulary(
-                text.default_corpus_documents(config.max_characters), config.vocabulary_size)
+                text.default_corpus_documents(config.max_characters), config.vocabulary_size,
+                progress=log)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             write_bytes_atomically(path, "".join(t + "\n" for t in vocabulary).encode("utf-8"))
         return text.read_vocabulary_file(path)
@@ -204,7 +209,7 @@ def _public_vocabulary(config: PretrainConfig):
         raise PretrainError(str(error)) from None
 
 
-def prepare_data(config: PretrainConfig):
+def prepare_data(config: PretrainConfig, log=None):
     """Tokenizes `config.corpus` once into the cache and splits it; reused across runs.
 
     The cache folder is keyed by everything that changes the tokens (corpus,
@@ -213,6 +218,9 @@ def prepare_data(config: PretrainConfig):
 
     Args:
         config: the run's settings.
+        log: called with progress lines (files read, words counted,
+            documents tokenized, sequences written), e.g. `print`; None is
+            silent.
 
     The vocabulary is public by default: learned from the offline default
     corpus (also for a user corpus), or the file `config.vocabulary`. Only
@@ -241,7 +249,7 @@ def prepare_data(config: PretrainConfig):
                      for name in ("all", "train", "heldout"))
     except (FileNotFoundError, ValueError):
         pass  # Not prepared yet (or damaged): build it.
-    vocabulary = _public_vocabulary(config)
+    vocabulary = _public_vocabulary(config, log)
     try:
         corpus = text.prepare_corpus(
             os.path.join(folder, "all"),
@@ -252,6 +260,8 @@ def prepare_data(config: PretrainConfig):
             # Short leftovers (stream ends) waste a row; keep rows at least half full.
             min_tokens=max(1, min(16, config.sequence_length // 2)),
             vocabulary=vocabulary,
+            separator=config.document_separator,
+            progress=log,
         )
     except text.CorpusError as error:
         raise PretrainError(str(error)) from None
@@ -426,8 +436,12 @@ def build_model(config: PretrainConfig, vocabulary_size: int):
     return model
 
 
-def _inner_optimizer(config: PretrainConfig, total_steps: int, accumulation_steps: int | None):
+def _inner_optimizer(config: PretrainConfig, schedule, accumulation_steps: int | None):
     """AdamW with linear warmup and cosine decay over the logical steps.
+
+    The learning rate of each phase is scaled with its batch as
+    `config.learning_rate_scaling` says (`BatchScaledSchedule`), and the
+    weights are averaged when `config.ema_momentum` is set.
 
     `accumulation_steps` is for the non-private baseline, which accumulates
     with Keras's own `gradient_accumulation_steps`; Keras then advances the
@@ -435,19 +449,33 @@ def _inner_optimizer(config: PretrainConfig, total_steps: int, accumulation_step
     """
     import keras
 
+    from tf_megadp.jobs.bert.config import LEARNING_RATE_SCALINGS
+    from tf_megadp.jobs.bert.learning_rate import BatchScaledSchedule
+
+    total_steps = schedule.total_steps
     scale = accumulation_steps or 1
     warmup = min(config.warmup_steps, max(total_steps - 1, 0)) * scale
-    total_steps *= scale
     learning_rate = keras.optimizers.schedules.CosineDecay(
         initial_learning_rate=0.0 if warmup else config.learning_rate,
-        decay_steps=max(total_steps - warmup, 1),
+        decay_steps=max(total_steps * scale - warmup, 1),
         alpha=0.1,
         warmup_target=config.learning_rate if warmup else None,
         warmup_steps=warmup,
     )
+    power = LEARNING_RATE_SCALINGS[config.learning_rate_scaling]
+    if power:
+        boundaries, factors, step = [], [], 0
+        for phase in schedule.phases:
+            if factors:
+                boundaries.append(step * scale)
+            factors.append((phase.batch_size / config.reference_batch_size) ** power)
+            step += phase.steps
+        learning_rate = BatchScaledSchedule(learning_rate, boundaries, factors)
+    ema = {} if config.ema_momentum is None else {"use_ema": True,
+                                                  "ema_momentum": config.ema_momentum}
     return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=config.weight_decay,
                                   beta_1=config.beta_1, beta_2=config.beta_2,
-                                  gradient_accumulation_steps=accumulation_steps)
+                                  gradient_accumulation_steps=accumulation_steps, **ema)
 
 
 def masked_rows(rows: np.ndarray, batcher, seed: int):
@@ -571,7 +599,9 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     replicas = strategy.num_replicas_in_sync
     log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'}; "
         f"vocabulary from {vocabulary_report(config)['source']})...")
-    corpus, train, heldout = prepare_data(config)
+    corpus, train, heldout = prepare_data(config, log)
+    log(f"Corpus: N = {len(train):,} training sequences of {train.sequence_length} tokens "
+        f"(the privacy unit), {len(heldout):,} held out.")
     canaries = None
     if config.canaries:
         train, canaries, _ = canary_split(config, train)
@@ -697,6 +727,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     import tf_megadp
     from tf_megadp import distribute, sampling
     from tf_megadp.jobs.bert import text
+    # Registers BatchScaledSchedule, which a resumed run's optimizer may hold.
+    from tf_megadp.jobs.bert import learning_rate  # noqa: F401
     from tf_megadp.checkpointing import export_model
 
     # Public randomness only (init, masking, dropout): the sampling and the
@@ -723,13 +755,15 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         else:
             if private:
                 optimizer = tf_megadp.DPOptimizer(
-                    _inner_optimizer(config, total_steps, None),
+                    _inner_optimizer(config, schedule, None),
                     l2_norm_clip=config.l2_norm_clip, noise_multiplier=sigma,
                     schedule=schedule, clipping=config.clipping,
+                    per_example_scaling=config.per_example_scaling,
+                    automatic_scaling_stability=config.automatic_scaling_stability,
                     seed=None if testing is None else testing.noise_seed)
             else:
                 k = schedule.phases[0].accumulation_steps
-                optimizer = _inner_optimizer(config, total_steps, k if k > 1 else None)
+                optimizer = _inner_optimizer(config, schedule, k if k > 1 else None)
             model.compile(optimizer=optimizer, **_compile_kwargs(private))
             model.optimizer.build(model.trainable_variables)
         if private:
@@ -804,9 +838,12 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             self._last_saved = -1
 
         def on_epoch_end(self, epoch, logs=None):
+            # With weight averaging, the held-out accuracy is the average's:
+            # the weights the run exports (fit leaves the average in the model).
             _, accuracy = self.model.evaluate(
                 heldout_x, heldout_y, sample_weight=heldout_w,
-                batch_size=config.micro_batch_size, verbose=0)
+                batch_size=config.micro_batch_size, verbose=0,
+                callbacks=[keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None)
             steps = int(self.model.optimizer.iterations.numpy())
             record = {
                 "step": steps,

@@ -28,11 +28,13 @@ import os
 import re
 import sys
 import sysconfig
-from typing import Any, Iterator, Sequence
+import time
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from tf_megadp.files import write_bytes_atomically
+from tf_megadp.jobs.bert.config import SEPARATORS
 from tf_megadp.sampling import MANIFEST_NAME, TokenShards, write_token_shards
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "default_corpus_documents",
     "read_documents",
+    "write_synthetic_corpus",
     "learn_vocabulary",
     "read_vocabulary_file",
     "prepare_corpus",
@@ -56,6 +59,14 @@ _DEFAULT_PACKAGES = ("stdlib", "numpy", "keras", "tensorflow")
 _SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _MIN_DOCSTRING_CHARACTERS = 40
 _FORMAT_VERSION = 1
+# Documents longer than this are counted and tokenized in pieces cut at
+# whitespace (the words and tokens are the same: WordPiece never joins across
+# whitespace), so a document of many megabytes is never one tensor element.
+_TOKENIZE_PIECE_CHARACTERS = 1 << 16
+# Progress lines report every this share of the work.
+_PROGRESS_SHARE = 0.1
+
+Progress = Callable[[str], None]
 
 
 class CorpusError(ValueError):
@@ -168,14 +179,15 @@ def _expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) ->
     return paths
 
 
-# A line break (LF or CRLF) ends a JSONL record; a run of blank lines ends a paragraph.
-_JSONL_SEPARATOR = re.compile(rb"\r?\n")
+# A line break (LF or CRLF) ends a JSONL record or a line document; a run of
+# blank lines ends a paragraph.
+_LINE_SEPARATOR = re.compile(rb"\r?\n")
 _PARAGRAPH_SEPARATOR = re.compile(rb"(?:\r?\n[ \t]*){2,}")
 
 
-def _split_units(data: bytes, jsonl: bool) -> list[tuple[int, bytes]]:
-    """(byte offset, bytes) of each document: JSONL lines or blank-line paragraphs."""
-    separator = _JSONL_SEPARATOR if jsonl else _PARAGRAPH_SEPARATOR
+def _split_units(data: bytes, by_line: bool) -> list[tuple[int, bytes]]:
+    """(byte offset, bytes) of each document: lines, or blank-line paragraphs."""
+    separator = _LINE_SEPARATOR if by_line else _PARAGRAPH_SEPARATOR
     units, start = [], 0
     for match in separator.finditer(data):
         units.append((start, data[start : match.start()]))
@@ -184,16 +196,23 @@ def _split_units(data: bytes, jsonl: bool) -> list[tuple[int, bytes]]:
     return units
 
 
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.1f} MB"
+
+
 def read_documents(
     sources: str | os.PathLike | Sequence[str | os.PathLike],
     *,
     jsonl_field: str = "text",
     skip_undecodable: bool = False,
+    separator: str = "blank-line",
+    progress: Progress | None = None,
 ) -> tuple[list[str], int]:
     """Documents from text files, JSONL files, or globs of them.
 
-    Plain text: documents are separated by blank lines. ``.jsonl`` files: one
-    JSON object per line, the document in `jsonl_field`.
+    Plain text: documents are separated by blank lines (``separator=
+    "blank-line"``) or each line is one document (``"line"``). ``.jsonl``
+    files: one JSON object per line, the document in `jsonl_field`.
 
     Args:
         sources: a path, a glob pattern, or a list of them.
@@ -201,17 +220,24 @@ def read_documents(
         skip_undecodable: False raises `CorpusError` at the first byte that is
             not UTF-8 (naming file and byte offset); True drops the documents
             that contain such bytes and counts them.
+        separator: how plain-text files are cut into documents, one of
+            `SEPARATORS`.
+        progress: called with one line per file read (size and documents).
 
     Returns:
         (documents, number of documents skipped for bad bytes).
     """
+    if separator not in SEPARATORS:
+        raise CorpusError(
+            f"separator must be one of {', '.join(SEPARATORS)}, got {separator!r}.")
     documents: list[str] = []
     skipped = 0
     for path in _expand_sources(sources):
         jsonl = path.endswith(".jsonl")
         with open(path, "rb") as handle:
             data = handle.read()
-        for offset, raw in _split_units(data, jsonl):
+        before = len(documents)
+        for offset, raw in _split_units(data, jsonl or separator == "line"):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as error:
@@ -240,12 +266,72 @@ def read_documents(
                 text = record[jsonl_field]
             if text.strip():
                 documents.append(text.strip())
+        if progress:
+            progress(f"  read {path}: {_megabytes(len(data))}, "
+                     f"{len(documents) - before:,} documents")
     if not documents:
         raise CorpusError(f"No non-empty document in {sources!r}.")
     return documents, skipped
 
 
-def _words_dataset(documents: Sequence[str], lowercase: bool):
+def write_synthetic_corpus(
+    path: str | os.PathLike,
+    size_bytes: int,
+    *,
+    separator: str = "blank-line",
+    seed: int = 0,
+) -> int:
+    """Writes generated English-like text: a corpus of a chosen size, no third-party text.
+
+    Words are made of random syllables and drawn with Zipf-like frequencies,
+    sentences of 5-20 words, documents of 1-8 sentences, so that a WordPiece
+    vocabulary has frequent words and rare ones to split, as in real text.
+    For exercising the pipeline at scale (tests, benchmarks); a model learns
+    only the word statistics from it.
+
+    Args:
+        path: the file to write (UTF-8).
+        size_bytes: stop once the file holds at least this many bytes.
+        separator: documents separated by a blank line or one per line
+            (`SEPARATORS`).
+        seed: the generator's seed; the same seed writes the same file.
+
+    Returns:
+        The number of documents written.
+    """
+    if separator not in SEPARATORS:
+        raise CorpusError(
+            f"separator must be one of {', '.join(SEPARATORS)}, got {separator!r}.")
+    rng = np.random.default_rng(seed)
+    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
+    lexicon = sorted({"".join(rng.choice(syllables, size=int(rng.integers(1, 4))))
+                      for _ in range(20_000)})
+    rng.shuffle(lexicon)
+    frequencies = 1.0 / np.arange(1, len(lexicon) + 1) ** 1.1
+    frequencies /= frequencies.sum()
+    gap = "\n" if separator == "line" else "\n\n"
+    written = documents = 0
+    with open(path, "w", encoding="utf-8") as handle:
+        while written < size_bytes:
+            # Draw words in blocks: one call per document keeps this fast.
+            counts = rng.integers(5, 21, size=int(rng.integers(1, 9)))
+            words = rng.choice(len(lexicon), size=int(counts.sum()), p=frequencies)
+            sentences, start = [], 0
+            for count in counts:
+                sentence = " ".join(lexicon[w] for w in words[start:start + count])
+                sentences.append(sentence[0].upper() + sentence[1:] + ".")
+                start += count
+            document = " ".join(sentences) + gap
+            handle.write(document)
+            written += len(document.encode("utf-8"))
+            documents += 1
+    return documents
+
+
+_WORD_COUNT_BATCH = 1024
+
+
+def _words_dataset(documents: Sequence[str], lowercase: bool, batch_size: int):
     import tensorflow as tf
     # The exact split WordPieceTokenizer applies before matching word pieces,
     # so the learned pieces are the ones the tokenizer will look for.
@@ -253,9 +339,60 @@ def _words_dataset(documents: Sequence[str], lowercase: bool):
 
     return (
         tf.data.Dataset.from_tensor_slices(list(documents))
-        .batch(1024)
+        .batch(batch_size)
         .map(lambda text: pretokenize(text, lowercase, False, True, True))
     )
+
+
+def _pieces(document: str, limit: int) -> list[str]:
+    """`document` cut at whitespace into pieces of at most `limit` characters.
+
+    A word longer than `limit` (no whitespace in it) is cut where it must be.
+    """
+    pieces, start = [], 0
+    while len(document) - start > limit:
+        cut = max(document.rfind(" ", start, start + limit), document.rfind("\n", start, start + limit))
+        cut = cut if cut > start else start + limit
+        pieces.append(document[start:cut])
+        start = cut
+    pieces.append(document[start:])
+    return pieces
+
+
+def _as_pieces(documents: Sequence[str], limit: int) -> tuple[list[str], list[int]]:
+    """Every document as `_pieces`, and the index of the document of each piece."""
+    pieces: list[str] = []
+    owners: list[int] = []
+    for index, document in enumerate(documents):
+        cut = _pieces(document, limit)
+        pieces.extend(cut)
+        owners.extend([index] * len(cut))
+    return pieces, owners
+
+
+def _documents_done(owners: list[int], pieces_done: int) -> int:
+    """How many documents are complete once the first `pieces_done` pieces are."""
+    if pieces_done == len(owners):
+        return owners[-1] + 1 if owners else 0
+    return owners[pieces_done]
+
+
+class _Reporter:
+    """Progress lines at every `_PROGRESS_SHARE` of a known total, with elapsed time."""
+
+    def __init__(self, progress: Progress | None, what: str, total: int):
+        self.progress, self.what, self.total = progress, what, max(total, 1)
+        self.started = time.time()
+        self.next_share = _PROGRESS_SHARE
+
+    def update(self, done: int, detail: str = "") -> None:
+        share = done / self.total
+        if self.progress is None or (share < self.next_share and done < self.total):
+            return
+        while self.next_share <= share:
+            self.next_share += _PROGRESS_SHARE
+        self.progress(f"  {self.what}: {share:4.0%} ({done:,} / {self.total:,} documents"
+                      f"{', ' + detail if detail else ''}; {time.time() - self.started:.0f} s)")
 
 
 def learn_vocabulary(
@@ -264,6 +401,7 @@ def learn_vocabulary(
     *,
     lowercase: bool = True,
     max_word_types: int | None = None,
+    progress: Progress | None = None,
 ) -> list[str]:
     """Learns a WordPiece vocabulary with tensorflow-text's learner.
 
@@ -274,11 +412,15 @@ def learn_vocabulary(
         max_word_types: learn from at most this many of the most frequent
             distinct words (rarer words are spelled with word pieces anyway);
             default 2 * V.
+        progress: called with a line at every tenth of the documents
+            counted, and when the learner starts and ends.
 
     Returns:
         The vocabulary: `SPECIAL_TOKENS` first ([PAD] = 0), then single
         characters, then word pieces by frequency.
     """
+    import collections
+
     from tensorflow_text.tools.wordpiece_vocab import wordpiece_tokenizer_learner_lib as learner
 
     minimum = len(SPECIAL_TOKENS) + 1
@@ -286,7 +428,22 @@ def learn_vocabulary(
         raise CorpusError(
             f"vocabulary_size must be an integer >= {minimum}, got {vocabulary_size!r}."
         )
-    counts = learner.count_words(_words_dataset(documents, lowercase))
+    # The learner's own count_words, batch by batch, so that a large corpus
+    # reports how far the count is.
+    counts: collections.Counter = collections.Counter()
+    pieces, owners = _as_pieces(documents, _TOKENIZE_PIECE_CHARACTERS)
+    reporter = _Reporter(progress, "counting words", len(documents))
+    done = 0
+    for words in _words_dataset(pieces, lowercase, _WORD_COUNT_BATCH):
+        counts.update(words.flat_values.numpy())
+        done = min(done + _WORD_COUNT_BATCH, len(pieces))
+        reporter.update(_documents_done(owners, done), f"{len(counts):,} distinct words")
+    counts = collections.Counter({word.decode("utf-8"): count for word, count in counts.items()})
+    if progress:
+        progress(f"  learning a WordPiece vocabulary of {vocabulary_size} from the "
+                 f"{min(len(counts), max_word_types or 2 * vocabulary_size):,} most frequent "
+                 f"of {len(counts):,} distinct words...")
+    started = time.time()
     # Settings chosen for speed on a CPU: the learner is pure Python and its
     # cost grows with distinct words, piece length and refinement rounds;
     # these keep a default-corpus vocabulary to about a minute.
@@ -300,6 +457,8 @@ def learn_vocabulary(
         slack_ratio=0.1,
         max_input_tokens=max_word_types or 2 * vocabulary_size,
     )
+    if progress:
+        progress(f"  vocabulary learned in {time.time() - started:.0f} s")
     # The learner orders special tokens, characters, then pieces by frequency;
     # cutting the tail drops the rarest pieces.
     return vocabulary[:vocabulary_size]
@@ -356,20 +515,33 @@ def read_vocabulary_file(path: str | os.PathLike) -> list[str]:
     return ordered
 
 
-def _tokenize(documents: Sequence[str], vocabulary: list[str], lowercase: bool) -> list[np.ndarray]:
+def _tokenize(documents: Sequence[str], vocabulary: list[str], lowercase: bool,
+              progress: Progress | None = None,
+              piece_characters: int = _TOKENIZE_PIECE_CHARACTERS) -> list[np.ndarray]:
+    """Token ids of each document, tokenized in batches of pieces of whole words."""
     import keras_hub
     import tensorflow as tf
 
     tokenizer = keras_hub.tokenizers.WordPieceTokenizer(
         vocabulary=vocabulary, lowercase=lowercase, oov_token=SPECIAL_TOKENS[_UNK]
     )
-    dataset = tf.data.Dataset.from_tensor_slices(list(documents)).batch(512).map(tokenizer.tokenize)
-    tokens: list[np.ndarray] = []
+    pieces, owners = _as_pieces(documents, piece_characters)
+    dataset = tf.data.Dataset.from_tensor_slices(pieces).batch(512).map(tokenizer.tokenize)
+    per_piece: list[np.ndarray] = []
+    reporter = _Reporter(progress, "tokenizing", len(documents))
+    total = 0
     for batch in dataset:
         values = batch.flat_values.numpy().astype(np.int32)
         splits = batch.row_splits.numpy()
-        tokens.extend(np.split(values, splits[1:-1]))
-    return tokens
+        per_piece.extend(np.split(values, splits[1:-1]))
+        total += len(values)
+        reporter.update(_documents_done(owners, len(per_piece)), f"{total:,} tokens")
+    if len(pieces) == len(documents):
+        return per_piece
+    tokens: list[list[np.ndarray]] = [[] for _ in documents]
+    for owner, ids in zip(owners, per_piece):
+        tokens[owner].append(ids)
+    return [np.concatenate(parts) for parts in tokens]
 
 
 def _pack(
@@ -447,6 +619,8 @@ def prepare_corpus(
     max_unknown_fraction: float = 0.05,
     rows_per_shard: int = 1 << 20,
     vocabulary: str | os.PathLike | Sequence[str] | None = None,
+    separator: str = "blank-line",
+    progress: Progress | None = None,
 ) -> TokenShards:
     """Builds (or reuses) the token shards of a corpus for masked-LM pretraining.
 
@@ -478,6 +652,11 @@ def prepare_corpus(
             private corpus puts the corpus's frequent words, names and
             identifiers into the vocabulary verbatim, outside the DP
             guarantee: pass a public vocabulary for private text.
+        separator: how plain-text `sources` are cut into documents
+            ("blank-line" or "line", see `read_documents`).
+        progress: called with progress lines (files read, words counted,
+            the vocabulary learned, documents tokenized, sequences written),
+            e.g. `print`; None is silent.
 
     Returns:
         The `TokenShards`. If `output_dir` already holds shards built from the
@@ -527,6 +706,12 @@ def prepare_corpus(
         "jsonl_field": jsonl_field,
         "skip_undecodable": skip_undecodable,
     }
+    if sources is not None:
+        # Only files have separators; the default corpus's key stays as it was.
+        if separator not in SEPARATORS:
+            raise CorpusError(
+                f"separator must be one of {', '.join(SEPARATORS)}, got {separator!r}.")
+        settings["separator"] = separator
     checksum = _inputs_checksum(sources, max_characters, settings)
     output_dir = os.fspath(output_dir)
     manifest_path = os.path.join(output_dir, MANIFEST_NAME)
@@ -534,20 +719,31 @@ def prepare_corpus(
         with open(manifest_path, encoding="utf-8") as handle:
             previous = json.load(handle)
         if previous.get("checksum") == checksum:
-            return TokenShards(output_dir)
+            shards = TokenShards(output_dir)
+            if progress:
+                progress(f"  reusing the prepared shards in {output_dir}: "
+                         f"N = {len(shards):,} sequences of {sequence_length} tokens")
+            return shards
 
+    started = time.time()
     if sources is None:
         documents, skipped = default_corpus_documents(max_characters), 0
         description = f"default corpus: docstrings of {', '.join(_DEFAULT_PACKAGES)}"
     else:
         documents, skipped = read_documents(
-            sources, jsonl_field=jsonl_field, skip_undecodable=skip_undecodable
+            sources, jsonl_field=jsonl_field, skip_undecodable=skip_undecodable,
+            separator=separator, progress=progress,
         )
         description = f"{len(_expand_sources(sources))} file(s)"
+    if progress:
+        progress(f"  {len(documents):,} documents, "
+                 f"{sum(len(d) for d in documents):,} characters"
+                 + (f" ({skipped:,} skipped: not UTF-8)" if skipped else ""))
 
     if vocabulary is None:
-        vocabulary = learn_vocabulary(documents, vocabulary_size, lowercase=lowercase)
-    tokens = _tokenize(documents, vocabulary, lowercase)
+        vocabulary = learn_vocabulary(documents, vocabulary_size, lowercase=lowercase,
+                                      progress=progress)
+    tokens = _tokenize(documents, vocabulary, lowercase, progress)
     total = sum(len(t) for t in tokens)
     unknown = sum(int(np.count_nonzero(t == _UNK)) for t in tokens)
     if total == 0:
@@ -586,6 +782,7 @@ def prepare_corpus(
         rows_per_shard=rows_per_shard,
         metadata={
             "vocabulary_file": "vocab.txt",
+            **({"separator": separator} if sources is not None else {}),
             "special_tokens": {name: index for index, name in enumerate(SPECIAL_TOKENS)},
             "lowercase": lowercase,
             "packing": packing,
@@ -597,6 +794,10 @@ def prepare_corpus(
             "unknown_fraction": unknown / total,
         },
     )
+    if progress:
+        progress(f"  wrote N = {len(rows):,} sequences of {sequence_length} tokens "
+                 f"({total:,} tokens, {unknown / total:.2%} [UNK]) to {output_dir} "
+                 f"in {time.time() - started:.0f} s")
     return TokenShards(output_dir)
 
 

@@ -143,6 +143,42 @@ def test_frequent_truncation_uses_the_exact_truncated_event():
         )
 
 
+def test_a_callbacks_repeated_evaluations_build_each_step_once_and_equal_dp_accounting():
+    # A PrivacyCallback asks for epsilon of the same steps at growing counts
+    # (every log, every budget probe). Each distinct step's PLD is built once
+    # per process; every epsilon must still be what a fresh dp_accounting
+    # PLDAccountant gives for the same events, for untruncated steps, rare
+    # truncation (coupling bound) and frequent truncation (exact PLD).
+    delta, n, q, sigma = 1e-6, 20_000, 0.01, 2.0
+    accounting._step_pld.cache_clear()
+    for steps in (10, 20):
+        untruncated = compute_epsilon(num_examples=n, batch_size=200, steps=steps,
+                                      noise_multiplier=sigma, delta=delta)
+        assert untruncated == pytest.approx(
+            reference_epsilon([poisson(steps, q, sigma)], delta, "pld"), rel=1e-9)
+
+        rare = compute_epsilon(num_examples=n, batch_size=200, steps=steps,
+                               noise_multiplier=sigma, max_batch_size=290, delta=delta)
+        mass = steps * stats.binom.sf(290, n + 1, q)
+        assert 0 < 2 * mass < delta / 2
+        upper = reference_epsilon([poisson(steps, q, sigma)], delta / 2, "pld")
+        slack = (1 + math.exp(upper)) * mass
+        assert rare == pytest.approx(
+            reference_epsilon([poisson(steps, q, sigma)], delta - slack, "pld"), rel=1e-9)
+
+        frequent = compute_epsilon(num_examples=n, batch_size=200, steps=steps,
+                                   noise_multiplier=sigma, max_batch_size=230, delta=delta)
+        exact = dp_accounting.SelfComposedDpEvent(
+            dp_accounting.TruncatedSubsampledGaussianDpEvent(
+                dataset_size=n, sampling_probability=q, truncated_batch_size=230,
+                noise_multiplier=sigma),
+            steps)
+        assert frequent == pytest.approx(reference_epsilon([exact], delta, "pld"), rel=1e-9)
+    # Two distinct steps: the Poisson step (shared by the untruncated run and
+    # the coupling bound) and the exact truncated step; six evaluations.
+    assert accounting._step_pld.cache_info().misses == 2
+
+
 def test_shuffle_is_reported_as_poisson_with_a_loud_warning():
     expected = reference_epsilon([poisson(100, 0.01, 1.0)], 1e-5, "rdp")
     with pytest.warns(UserWarning, match="UNDERSTATES.*Chua et al.*Poisson"):

@@ -452,9 +452,79 @@ def _quiet_unconverged_orders():
         logger.removeFilter(record_filter)
 
 
+@functools.lru_cache(maxsize=32)
+def _step_pld(event: dp_accounting.DpEvent) -> pld.privacy_loss_distribution.PrivacyLossDistribution:
+    """The PLD of one step `event`, built as dp_accounting's `PLDAccountant` builds it.
+
+    Building it is most of an evaluation's cost (~0.8 s for a Poisson step,
+    ~3 s for an exact truncated one); composing it over the steps is a few
+    FFTs. A run asks for the same step at every log, every budget check and
+    every probe of a budget search, so it is built once per process.
+    """
+    if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+        return pld.privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
+            dataset_size=event.dataset_size,
+            sampling_probability=event.sampling_probability,
+            truncated_batch_size=event.truncated_batch_size,
+            noise_multiplier=event.noise_multiplier,
+            value_discretization_interval=_PLD_DISCRETIZATION,
+            neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+        )
+    return pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=event.event.noise_multiplier,
+        value_discretization_interval=_PLD_DISCRETIZATION,
+        sampling_prob=event.sampling_probability,
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    )
+
+
+class _CachedPLDAccountant(dp_accounting.PrivacyAccountant):
+    """dp_accounting's PLD accounting of DP-SGD steps, with each step's PLD built once.
+
+    The same operations as `pld.PLDAccountant` in the same order (identity,
+    then for each event `compose(step_pld.self_compose(count))`), so the
+    epsilon is the same number; only `_step_pld` is cached. It accounts the
+    events `_entry_event` makes, with positive rates, sizes and noise;
+    anything else is refused rather than accounted some other way.
+    """
+
+    def __init__(self):
+        super().__init__(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        self._pld = pld.privacy_loss_distribution.identity(
+            value_discretization_interval=_PLD_DISCRETIZATION)
+
+    def _maybe_compose(self, event, count, do_compose):
+        if isinstance(event, dp_accounting.ComposedDpEvent):
+            for inner in event.events:
+                error = self._maybe_compose(inner, count, do_compose)
+                if error is not None:
+                    return error
+            return None
+        if isinstance(event, dp_accounting.SelfComposedDpEvent):
+            return self._maybe_compose(event.event, count * event.count, do_compose)
+        if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+            valid = (event.dataset_size > 0 and event.truncated_batch_size > 0
+                     and event.sampling_probability > 0 and event.noise_multiplier > 0)
+        elif isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+                event.event, dp_accounting.GaussianDpEvent):
+            valid = event.sampling_probability > 0 and event.event.noise_multiplier > 0
+        else:
+            valid = False
+        if not valid:
+            return self.CompositionErrorDetails(
+                event, "tf_megadp's PLD accountant accounts only Poisson-sampled and "
+                "truncated Gaussian steps with positive rate and noise")
+        if do_compose and count > 0:
+            self._pld = self._pld.compose(_step_pld(event).self_compose(count))
+        return None
+
+    def get_epsilon(self, target_delta: float) -> float:
+        return self._pld.get_epsilon_for_delta(target_delta)
+
+
 def _engine(accountant: str) -> dp_accounting.PrivacyAccountant:
     if accountant == "pld":
-        return pld.PLDAccountant(value_discretization_interval=_PLD_DISCRETIZATION)
+        return _CachedPLDAccountant()
     return rdp.RdpAccountant()
 
 
@@ -473,7 +543,9 @@ class _TruncationAwareAccountant(dp_accounting.PrivacyAccountant):
     `get_epsilon(delta)` takes eps_hi = eps_poisson(delta / 2) and, if the
     slack s = (1 + e^eps_hi) * m is at most delta / 2, returns
     eps_poisson(delta - s) (<= eps_hi, so the bound holds at the returned
-    epsilon). Otherwise it composes the exact truncated events with PLD.
+    epsilon). Otherwise it composes the exact truncated events with PLD. As
+    s >= 2m, a run with 2m > delta / 2 goes to the exact events at once,
+    without composing the untruncated ones it would not use.
 
     Args:
         accountant: ``"pld"`` or ``"rdp"``, the engine for everything else.
@@ -482,7 +554,10 @@ class _TruncationAwareAccountant(dp_accounting.PrivacyAccountant):
     def __init__(self, accountant: str):
         super().__init__(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
         self._kind = accountant
-        self._poisson = _engine(accountant)
+        # (event, count) of the untruncated run, in composition order; the
+        # engine is composed on first use (`_untruncated`).
+        self._steps: list[tuple[dp_accounting.DpEvent, int]] = []
+        self._poisson: dp_accounting.PrivacyAccountant | None = None
         self._truncation_mass = 0.0
 
     def _maybe_compose(self, event, count, do_compose):
@@ -503,28 +578,34 @@ class _TruncationAwareAccountant(dp_accounting.PrivacyAccountant):
                         event.sampling_probability,
                     )
                 )
-                self._poisson.compose(
-                    dp_accounting.PoissonSampledDpEvent(
-                        event.sampling_probability,
-                        dp_accounting.GaussianDpEvent(event.noise_multiplier),
-                    ),
-                    count,
+                event = dp_accounting.PoissonSampledDpEvent(
+                    event.sampling_probability,
+                    dp_accounting.GaussianDpEvent(event.noise_multiplier),
                 )
-            return None
-        if not self._poisson.supports(event):
+        elif not _engine(self._kind).supports(event):
             return self.CompositionErrorDetails(event, f"{self._kind} cannot account it")
         if do_compose:
-            self._poisson.compose(event, count)
+            self._steps.append((event, count))
+            self._poisson = None
         return None
+
+    def _untruncated(self) -> dp_accounting.PrivacyAccountant:
+        """The engine composed with the run's steps, truncated ones as Poisson."""
+        if self._poisson is None:
+            self._poisson = _engine(self._kind)
+            for event, count in self._steps:
+                self._poisson.compose(event, count)
+        return self._poisson
 
     def get_epsilon(self, target_delta: float) -> float:
         if self._truncation_mass == 0.0:
-            return self._poisson.get_epsilon(target_delta)
-        upper = self._poisson.get_epsilon(target_delta / 2)
-        if upper < 700:  # Beyond, e^eps overflows and the bound is useless anyway.
-            slack = (1.0 + math.exp(upper)) * self._truncation_mass
-            if slack <= target_delta / 2:
-                return self._poisson.get_epsilon(target_delta - slack)
+            return self._untruncated().get_epsilon(target_delta)
+        if 2.0 * self._truncation_mass <= target_delta / 2:
+            upper = self._untruncated().get_epsilon(target_delta / 2)
+            if upper < 700:  # Beyond, e^eps overflows and the bound is useless anyway.
+                slack = (1.0 + math.exp(upper)) * self._truncation_mass
+                if slack <= target_delta / 2:
+                    return self._untruncated().get_epsilon(target_delta - slack)
         if self._kind == "rdp":
             raise ValueError(
                 "Truncation is too likely for the coupling bound (per-run "

@@ -18,7 +18,7 @@ import tf_megadp
 from tests import reference
 from tf_megadp import PrivacyConfigurationError
 from tf_megadp.clipping import GhostClipping, VectorizedClipping, get_clipping_strategy
-from tf_megadp.clipping.layer_rules import einsum_plan
+from tf_megadp.clipping.ghost_rules.einsum import einsum_plan
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 RTOL = 1e-4
@@ -187,6 +187,112 @@ class TestGhostEqualsVectorizedPerLayer:
         assert_same_clipping(keras.Model(inputs, outputs), sequences(), labels((6, 5)))
 
 
+def assert_equals_naive(model, x, y, fallback="small", jit_compile=False, rtol=RTOL):
+    """Ghost norms and clipped sum equal the one-example-at-a-time reference.
+
+    The clip norm is the median naive norm: some examples are clipped, others not.
+    """
+    model(x)
+    model.compile(loss=LOSS)
+    grads = reference.naive_per_example_gradients(model, LOSS, x, y)
+    norms = np.array([np.sqrt(sum(np.sum(g**2) for g in gs)) for gs in grads])
+    clip = float(np.median(norms))
+    total = [sum(gs[j] * min(1.0, clip / n) for gs, n in zip(grads, norms))
+             for j in range(len(model.trainable_variables))]
+    batch = GhostClipping(fallback=fallback, jit_compile=jit_compile).clip_and_sum(
+        model, x, y, None, clip)
+    np.testing.assert_allclose(batch.norms.numpy(), norms, rtol=rtol)
+    scale = max(float(np.max(np.abs(t))) for t in total)
+    for variable, want, got in zip(model.trainable_variables, total, batch.gradient_sum):
+        assert got.dtype == variable.dtype, variable.path
+        np.testing.assert_allclose(got.numpy(), want, rtol=rtol, atol=rtol * scale,
+                                   err_msg=variable.path)
+    return batch
+
+
+def images(n=6, shape=(6, 6, 2), seed=0):
+    return np.random.default_rng(seed).normal(size=(n,) + shape).astype("float32")
+
+
+class TestConvolutionGhostRules:
+    """Unfolded convolutions (Outer terms) against the naive reference, no fallback."""
+
+    @pytest.mark.parametrize("options", [
+        {"padding": "same"},
+        {"padding": "valid", "strides": 2},
+        {"padding": "causal", "dilation_rate": 2},
+        {"padding": "same", "strides": 2, "use_bias": False},
+    ], ids=["same", "valid_strided", "causal_dilated", "same_strided_no_bias"])
+    def test_conv1d(self, options):
+        model = sequence_model(keras.layers.Conv1D(3, 3, activation="tanh", **options),
+                               keras.layers.Dense(3))
+        y = labels((6, model.output_shape[1]))
+        assert_equals_naive(model, sequences(), y)
+
+    @pytest.mark.parametrize("options", [
+        {"padding": "same"},  # T = 36: per-example A_i^T G_i
+        {"padding": "same", "strides": 2},  # T = 9, odd padding split
+        {"padding": "valid", "dilation_rate": 2},
+        {"padding": "valid", "kernel_size": (2, 3), "strides": (1, 2)},
+    ], ids=["same", "same_strided", "valid_dilated", "rectangular"])
+    def test_conv2d(self, options):
+        options = {"kernel_size": 3, **options}
+        model = sequence_model(keras.layers.Conv2D(4, activation="relu", **options),
+                               keras.layers.Flatten(), keras.layers.Dense(3),
+                               input_shape=(6, 6, 2))
+        assert_equals_naive(model, images(), labels(6))
+
+    def test_conv2d_gram_form(self):
+        # T = 4 output positions, P = 9 * 8, D = 16: 2 T^2 < P D.
+        model = sequence_model(keras.layers.Conv2D(16, 3, activation="tanh"),
+                               keras.layers.Flatten(), keras.layers.Dense(3),
+                               input_shape=(4, 4, 8))
+        assert_equals_naive(model, images(shape=(4, 4, 8)), labels(6))
+
+    def test_conv3d(self):
+        model = sequence_model(keras.layers.Conv3D(3, 2, padding="same", strides=(1, 2, 1)),
+                               keras.layers.Flatten(), keras.layers.Dense(3),
+                               input_shape=(3, 4, 3, 2))
+        assert_equals_naive(model, images(shape=(3, 4, 3, 2)), labels(6))
+
+    def test_conv2d_called_twice_under_xla(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((6, 6, 2))
+        shared = keras.layers.Conv2D(2, 3, padding="same", activation="tanh")
+        hidden = keras.layers.Flatten()(shared(shared(inputs)))
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        assert_equals_naive(model, images(), labels(6), jit_compile=True)
+
+    @pytest.mark.parametrize("layer, shape", [
+        (lambda: keras.layers.Conv1D(6, 2, groups=2, padding="same"), (5, 4)),
+        (lambda: keras.layers.Conv2D(4, 2, groups=2, strides=2), (6, 6, 2)),
+    ], ids=["conv1d", "conv2d"])
+    def test_grouped(self, layer, shape):
+        model = sequence_model(layer(), keras.layers.Flatten(), keras.layers.Dense(3),
+                               input_shape=shape)
+        assert_equals_naive(model, images(shape=shape), labels(6))
+
+    def test_channels_first_equals_its_channels_last_twin(self):
+        # TensorFlow's CPU kernels run no channels_first convolution (XLA
+        # does): the reference is the same model in channels_last.
+        def build(data_format):
+            model = sequence_model(
+                keras.layers.Conv1D(3, 2, strides=2, data_format=data_format, activation="tanh"),
+                keras.layers.GlobalAveragePooling1D(data_format=data_format),
+                keras.layers.Dense(3), input_shape=(4, 5) if data_format == "channels_first"
+                else (5, 4))
+            model.compile(loss=LOSS)
+            return model
+
+        first, last = build("channels_first"), build("channels_last")
+        last.set_weights(first.get_weights())
+        x, y = sequences(), labels(6)
+        expected = assert_equals_naive(last, x, y, jit_compile=True)
+        actual = GhostClipping().clip_and_sum(first, x.transpose(0, 2, 1), y, None,
+                                              float(np.median(expected.norms.numpy())))
+        assert_batches_equal(first, expected, actual)
+
+
 class Scaled(keras.layers.Layer):
     """A layer without a ghost rule that also calls a layer shared with others."""
 
@@ -214,7 +320,7 @@ class KernelThief(keras.layers.Layer):
 
 class TestAutoFallsBackPerLayer:
     def test_unsupported_layer_gets_exact_per_example_gradients(self):
-        model = sequence_model(keras.layers.Conv1D(4, 2, padding="same"),
+        model = sequence_model(keras.layers.SimpleRNN(4, return_sequences=True),
                                keras.layers.Dense(3))
         assert_same_clipping(model, sequences(), labels((6, 5)), fallback="any")
 
@@ -232,11 +338,12 @@ class TestAutoFallsBackPerLayer:
         assert_same_clipping(model, tokens(), labels((6, 5)), fallback="any")
 
     def test_ghost_refuses_layers_without_a_rule_and_names_auto(self):
-        model = sequence_model(keras.layers.Conv1D(4, 2), keras.layers.Dense(3))
+        model = sequence_model(keras.layers.SimpleRNN(4, return_sequences=True),
+                               keras.layers.Dense(3))
         model.compile(loss=LOSS)
         with pytest.raises(PrivacyConfigurationError, match="clipping='auto'"):
             GhostClipping(jit_compile=False).clip_and_sum(
-                model, sequences(), labels((6, 4)), None, 1.0)
+                model, sequences(), labels((6, 5)), None, 1.0)
 
     def test_variable_read_outside_its_layer_is_refused(self):
         keras.utils.set_random_seed(0)
@@ -336,7 +443,7 @@ class TestUnknownMicroBatchAxis:
         strategy.clip_and_sum(model, x, y, None, 1.0)  # creates the traced function
         step = strategy._functions[model].get_concrete_function(
             tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None,
-            tf.TensorSpec([]))
+            tf.TensorSpec([]), None)
         assert values_xla_must_fold(step.graph) == []
 
     def test_unknown_batch_axis_gives_the_same_clipping(self):

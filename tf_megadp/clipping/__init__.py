@@ -7,14 +7,8 @@ to a strategy object.
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, ClippingStrategy
 from tf_megadp.clipping.ghost import GhostClipping, auto_clipping
-from tf_megadp.clipping.layer_rules import (
-    Explicit,
-    Gather,
-    Outer,
-    Rule,
-    register_ghost_rule,
-    unregister_ghost_rule,
-)
+from tf_megadp.clipping.rules import Rule, register_ghost_rule, unregister_ghost_rule
+from tf_megadp.clipping.terms import Explicit, Gather, Outer, Term
 from tf_megadp.clipping.vectorized import VectorizedClipping
 
 __all__ = [
@@ -25,6 +19,7 @@ __all__ = [
     "GhostClipping",
     "Outer",
     "Rule",
+    "Term",
     "VectorizedClipping",
     "get_clipping_strategy",
     "independence",

@@ -1,7 +1,7 @@
 """Ghost clipping: per-example gradient norms without per-example gradients.
 
 The model runs ONCE on the whole micro-batch, with every layer intercepted by
-a rule of `tf_megadp.clipping.layer_rules`. One backward pass of the summed
+a rule of `tf_megadp.clipping.ghost_rules`. One backward pass of the summed
 per-example losses gives each layer's output gradients; from those and the
 recorded layer inputs, each example's squared gradient norm is assembled
 variable by variable (Gram forms, no per-example gradient of a large matrix
@@ -23,14 +23,9 @@ import weakref
 import tensorflow as tf
 
 from tf_megadp.clipping import base, independence
-from tf_megadp.clipping.layer_rules import (
-    Explicit,
-    Gather,
-    Outer,
-    ReadCheckingScope,
-    Recorder,
-    plan_rules,
-)
+from tf_megadp.clipping.ghost_rules import plan_rules
+from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
+from tf_megadp.clipping.terms import squared_norm_of_sum
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = ["GhostClipping"]
@@ -261,104 +256,20 @@ def _per_example_losses(model, x, y, y_pred, sample_weight):
 
 
 def _grouped(records, variables):
-    """Per trainable-variable index: (Outer or None, Gather or None, Explicit or None)."""
+    """Per trainable-variable index: its terms, one per kind (several calls merged)."""
     index = {id(v): i for i, v in enumerate(variables)}
     groups = {}
     for variable, term in records:
-        groups.setdefault(index[id(variable)], []).append(term)
-    merged = {}
-    for i, terms in groups.items():
-        outers = [t for t in terms if isinstance(t, Outer)]
-        gathers = [t for t in terms if isinstance(t, Gather)]
-        explicits = [t for t in terms if isinstance(t, Explicit)]
-        # Several calls of one layer: concatenating along the token axis
-        # makes their sum one term of the same kind.
-        outer = None if not outers else Outer(
-            tf.concat([t.left for t in outers], 1), tf.concat([t.right for t in outers], 1))
-        gather = None if not gathers else Gather(
-            tf.concat([t.ids for t in gathers], 1), tf.concat([t.values for t in gathers], 1))
-        explicit = None if not explicits else Explicit(tf.add_n([t.value for t in explicits]))
-        merged[i] = (outer, gather, explicit)
-    return merged
+        groups.setdefault(index[id(variable)], {}).setdefault(type(term), []).append(term)
+    return {i: [kind.merged(terms) if len(terms) > 1 else terms[0]
+                for kind, terms in kinds.items()]
+            for i, kinds in groups.items()}
 
 
-def outer_squared_norms(term: Outer) -> tf.Tensor:
-    """||left_i^T right_i||_F^2 per example: Gram form when 2 T^2 < P D, else A_i^T G_i."""
-    tokens, p, d = term.left.shape[1], term.left.shape[2], term.right.shape[2]
-    # An unknown token count gets the Gram form, whose memory does not grow
-    # with the layer's width.
-    if tokens is None or 2 * tokens * tokens < p * d:
-        left_gram = tf.einsum("mtp,msp->mts", term.left, term.left)
-        right_gram = tf.einsum("mtd,msd->mts", term.right, term.right)
-        return tf.reduce_sum(left_gram * right_gram, axis=[1, 2])
-    per_example = tf.einsum("mtp,mtd->mpd", term.left, term.right)
-    return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
-
-
-def gather_squared_norms(term: Gather) -> tf.Tensor:
-    """||scatter(ids_i, values_i)||^2: token-equality Gram, no [V, D] tensor."""
-    same = tf.cast(term.ids[:, :, None] == term.ids[:, None, :], tf.float32)
-    gram = tf.einsum("mtd,msd->mts", term.values, term.values)
-    return tf.reduce_sum(same * gram, axis=[1, 2])
-
-
-def _explicit_matrix(term: Explicit, rows: int) -> tf.Tensor:
-    return tf.reshape(term.value, [tf.shape(term.value)[0], rows, -1])
-
-
-def _squared_norms(outer, gather, explicit, shape) -> tf.Tensor:
-    """Squared norm of the sum of the terms, cross terms included."""
-    parts = []
-    if outer is not None:
-        parts.append(outer_squared_norms(outer))
-    if gather is not None:
-        parts.append(gather_squared_norms(gather))
-    if explicit is not None:
-        value = explicit.value
-        parts.append(tf.reduce_sum(tf.reshape(tf.square(value), [tf.shape(value)[0], -1]), 1))
-    if outer is not None and gather is not None:
-        # <left^T right, scatter(ids, values)> = sum_{s,t} left[s, ids_t] <right_s, values_t>
-        left_at_ids = tf.gather(outer.left, gather.ids, axis=2, batch_dims=1)
-        products = tf.einsum("msd,mtd->mst", outer.right, gather.values)
-        parts.append(2.0 * tf.reduce_sum(left_at_ids * products, axis=[1, 2]))
-    if outer is not None and explicit is not None:
-        matrix = _explicit_matrix(explicit, outer.left.shape[2])
-        parts.append(2.0 * tf.einsum("msp,mpd,msd->m", outer.left, matrix, outer.right))
-    if gather is not None and explicit is not None:
-        matrix = _explicit_matrix(explicit, shape[0])
-        rows = tf.gather(matrix, gather.ids, axis=1, batch_dims=1)
-        parts.append(2.0 * tf.reduce_sum(rows * gather.values, axis=[1, 2]))
-    return tf.add_n(parts)
-
-
-def _rows(tensor, keep):
-    """Zeroes the examples that do not count (0 * NaN would be NaN)."""
-    mask = tf.reshape(keep, [-1] + [1] * (tensor.shape.rank - 1))
-    return tf.where(mask, tensor, tf.zeros_like(tensor))
-
-
-def _clipped_sum(outer, gather, explicit, factors, keep, variable):
+def _clipped_sum(terms, factors, keep, variable):
     """sum_i c_i * g_i for one variable, from its terms."""
-    shape = variable.shape.as_list()
-    parts = []
-    if outer is not None:
-        left = _rows(outer.left, keep) * factors[:, None, None]
-        right = _rows(outer.right, keep)
-        # One [p, m*T] x [m*T, d] product: XLA on CPU runs it about twice as
-        # fast as the equivalent two-axis einsum "mtp,mtd->pd".
-        parts.append(tf.matmul(tf.reshape(left, [-1, left.shape[-1]]),
-                               tf.reshape(right, [-1, right.shape[-1]]), transpose_a=True))
-    if gather is not None:
-        values = _rows(gather.values, keep) * factors[:, None, None]
-        parts.append(tf.math.unsorted_segment_sum(
-            tf.reshape(values, [-1, values.shape[-1]]),
-            tf.reshape(gather.ids, [-1]),
-            shape[0],
-        ))
-    if explicit is not None:
-        parts.append(tf.tensordot(factors, _rows(explicit.value, keep), axes=1))
-    total = tf.add_n([tf.reshape(part, shape) for part in parts])
-    return tf.cast(tf.reshape(total, shape), variable.dtype)
+    total = tf.add_n([term.clipped_sum(factors, keep) for term in terms])
+    return tf.cast(tf.reshape(total, variable.shape), variable.dtype)
 
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
@@ -369,23 +280,25 @@ def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
     variables = model.trainable_variables
     groups = _grouped(records, variables)
     batch_size = tf.shape(losses)[0]
-    squared = [_squared_norms(*groups[i], variables[i].shape) for i in sorted(groups)]
+    squared = [squared_norm_of_sum(groups[i]) for i in sorted(groups)]
     _check_one_norm_per_example(squared, losses, [variables[i] for i in sorted(groups)])
+    # float64 models clip in float64 (every term of a float64 variable is).
+    dtype = tf.float64 if any(s.dtype == tf.float64 for s in squared) else tf.float32
     # A failed independence check gives every example a NaN norm: the
     # micro-batch then adds nothing (its examples count as non-finite).
     independent = tf.logical_and(consistent, tf.equal(mixing, independence.MIXING_OK))
     if squared:
-        squared = tf.add_n(squared)
+        squared = tf.add_n([tf.cast(s, dtype) for s in squared])
         # Gram forms can round a zero norm to a tiny negative; keep NaN as NaN.
         norms = tf.sqrt(tf.where(squared < 0.0, tf.zeros_like(squared), squared))
     else:
-        norms = tf.zeros([batch_size], tf.float32)
-    norms = tf.where(independent, norms, tf.fill(tf.shape(norms), float("nan")))
+        norms = tf.zeros([batch_size], dtype)
+    norms = tf.where(independent, norms, tf.fill(tf.shape(norms), tf.constant(float("nan"), dtype)))
     is_real = base.example_weights_present(sample_weight, batch_size)
     factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real, automatic_stability)
     keep = factors > 0
     gradient_sum = [
-        _clipped_sum(*groups[i], factors, keep, v) if i in groups else None
+        _clipped_sum(groups[i], factors, keep, v) if i in groups else None
         for i, v in enumerate(variables)
     ]
     return base.clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite,

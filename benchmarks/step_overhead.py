@@ -1,22 +1,40 @@
-"""Time and peak memory of the DP step versus the non-private Keras step.
+"""Time and peak memory of the DP step versus the non-private step, on the paths users take.
 
-Both steps run in one process on the same tiny BertMaskedLM and the same
-micro-batch; the script prints `dp_step / nonprivate_step` for time and for
-peak-memory growth. Run:
+For each BertMaskedLM size and micro-batch m, in ONE process, the script runs
+three training paths, each with the non-private model and with DPOptimizer
+under every requested clipping strategy:
 
-    python benchmarks/step_overhead.py                    # defaults of issue 2
-    python benchmarks/step_overhead.py --micro-batch 64 --repeats 20
-    python benchmarks/step_overhead.py --clipping ghost,vectorized
-    python benchmarks/step_overhead.py --sweep --clipping ghost,vectorized
+- `train_on_batch`: one micro-batch per call.
+- `fit_arrays`: `model.fit` on NumPy arrays, batch_size=m (one logical step
+  per micro-batch, as most users start).
+- `fit_poisson`: `model.fit` on `PoissonSampler.from_arrays(...).as_dataset()`
+  (q = B/N = 1/4, expected batch B = m, k = schedule's micro-batches per
+  step, padding included); the non-private model is fed the same dataset.
 
-`--sweep` runs tiny/mini/small BERT (hidden 128/256/512, 2/4/4 layers) at
-`--micro-batches` and prints one table row per (model, micro-batch, clipping).
+Every path is timed per micro-batch, XLA compilation excluded (the first
+`--warmup` rounds are dropped), median over `--repeats` rounds. For
+`train_on_batch` and `fit_arrays` the models run interleaved: in each round
+every model runs once (one call, or one `fit` epoch of `--steps`
+micro-batches timed by a callback), in a rotating order, so that load from
+other processes falls on all of them alike. A Poisson dataset can be read
+only once, so for `fit_poisson` each model gets its own sampler (same seed,
+same steps) and one `fit` call whose epochs are the rounds. The
+non-private baseline is run both ways Keras offers (`jit_compile=False`,
+which Keras's default "auto" resolves to on a CPU, and `jit_compile=True`);
+the ratios are to the faster of the two. Peak memory is the largest peak
+growth of resident memory during one timed round (`_measure.PeakRss`).
+Each row also prints the 1-minute load average when its path finished: the
+machine may be shared.
+
+Run:
+
+    python benchmarks/step_overhead.py --quick        # tiny m=32, mini m=256
+    python benchmarks/step_overhead.py --sizes tiny --micro-batches 32,64,128
+    python benchmarks/step_overhead.py                # whole grid (hours on 2 cores)
+
 Vectorized clipping is skipped where its per-example gradients alone would
-exceed `--memory-budget-gib` (the row says so), so that the sweep cannot
+exceed `--memory-budget-gib` (the row says so), so that the grid cannot
 exhaust a shared machine.
-
-The non-private baseline is the stock Keras `train_step`, compiled with XLA
-like the DP step's per-example pass (a non-XLA baseline is printed as well).
 """
 
 from __future__ import annotations
@@ -24,7 +42,10 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import subprocess
 import sys
+import time
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -35,35 +56,52 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_megadp  # noqa: E402
-from _measure import PeakRss, time_per_call  # noqa: E402
+from _measure import PeakRss  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")
 
+# name: (layers, hidden, heads)
+SIZES = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8)}
+PATHS = ("train_on_batch", "fit_arrays", "fit_poisson")
+# The non-private baselines: Keras's default on CPU (no XLA) and XLA.
+BASELINES = {"keras default": False, "XLA": True}
+QUICK = [("tiny", 32), ("mini", 256)]
 
-def build_model(args):
+
+def load_average() -> float:
+    with open("/proc/loadavg") as handle:
+        return float(handle.read().split()[0])
+
+
+def build_model(size, args):
+    layers, hidden, heads = SIZES[size]
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=args.vocab,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        hidden_dim=args.hidden,
-        intermediate_dim=4 * args.hidden,
+        num_layers=layers,
+        num_heads=heads,
+        hidden_dim=hidden,
+        intermediate_dim=4 * hidden,
         max_sequence_length=args.seq,
         dropout=args.dropout,
     )
     return keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
 
 
-def make_batch(args, rng):
-    m, seq, masks = args.micro_batch, args.seq, args.masks
+def make_data(rows, args, rng):
+    seq, masks = args.seq, args.masks
     x = {
-        "token_ids": rng.integers(0, args.vocab, (m, seq)).astype("int32"),
-        "segment_ids": np.zeros((m, seq), "int32"),
-        "padding_mask": np.ones((m, seq), "int32"),
-        "mask_positions": np.sort(rng.integers(0, seq, (m, masks)), axis=1).astype("int32"),
+        "token_ids": rng.integers(0, args.vocab, (rows, seq)).astype("int32"),
+        "segment_ids": np.zeros((rows, seq), "int32"),
+        "padding_mask": np.ones((rows, seq), "int32"),
+        "mask_positions": np.sort(rng.integers(0, seq, (rows, masks)), axis=1).astype("int32"),
     }
-    y = rng.integers(0, args.vocab, (m, masks)).astype("int32")
-    w = np.ones((m, masks), "float32")
+    y = rng.integers(0, args.vocab, (rows, masks)).astype("int32")
+    w = np.ones((rows, masks), "float32")
     return x, y, w
+
+
+def head(x, rows):
+    return {key: value[:rows] for key, value in x.items()}
 
 
 def compile_model(model, optimizer, jit_compile):
@@ -75,127 +113,201 @@ def compile_model(model, optimizer, jit_compile):
     )
 
 
-def measure(model, batch, args):
-    """(median seconds per step, peak RSS growth of the timed steps)."""
-    x, y, w = batch
-    step = lambda: model.train_on_batch(x, y, sample_weight=w)
-    # Warm up (XLA compilation included) before measuring memory: the peak
-    # must be the step's working set, not the compiler's.
-    for _ in range(args.warmup):
-        step()
-    gc.collect()  # models of earlier rows must not count
-    with PeakRss() as memory:
-        seconds = time_per_call(step, 0, args.repeats)
-    return seconds, memory.peak_increase
-
-
-def private_model(args, clipping):
-    model = tf_megadp.make_private(build_model(args))
+def new_model(size, args, clipping, jit_compile, schedule=None):
+    """A freshly built model: non-private when `clipping` is None."""
+    keras.utils.set_random_seed(0)
+    model = build_model(size, args)
+    if clipping is None:
+        compile_model(model, keras.optimizers.Adam(1e-4), jit_compile)
+        return model
+    tf_megadp.make_private(model)
+    settings = {"schedule": schedule} if schedule is not None else {"accumulation_steps": 1}
     optimizer = tf_megadp.DPOptimizer(
-        keras.optimizers.Adam(1e-4),
-        l2_norm_clip=1.0,
-        noise_multiplier=1.0,
-        accumulation_steps=1,
-        clipping=clipping,
-        seed=0,
-    )
+        keras.optimizers.Adam(1e-4), l2_norm_clip=1.0, noise_multiplier=1.0,
+        clipping=clipping, seed=0, **settings)
     compile_model(model, optimizer, jit_compile=False)
     return model
 
 
-SIZES = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8)}
+class _EpochTimer(keras.callbacks.Callback):
+    """Seconds and peak RSS growth of every epoch of a `fit` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.times, self.peaks = [], []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.memory = PeakRss().__enter__()
+        self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.times.append(time.perf_counter() - self.start)
+        self.memory.__exit__(None, None, None)
+        self.peaks.append(self.memory.peak_increase)
 
 
-def per_example_gradient_bytes(model, micro_batch):
-    return 4 * micro_batch * sum(v.shape.num_elements() for v in model.trainable_variables)
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
 
 
-def sweep(args, clippings):
-    """One row per (model size, micro-batch, clipping): ratios to the non-private step."""
-    print(f"seq={args.seq} vocab={args.vocab} masks={args.masks} dropout={args.dropout} "
-          f"warmup={args.warmup} repeats={args.repeats}")
-    print(f"{'model':6} {'m':>4} {'clipping':10} {'base ms':>9} {'dp ms':>9} {'time x':>7} "
-          f"{'base MiB':>9} {'dp MiB':>9} {'mem x':>7}")
+def one_round(model, path, data, args):
+    """Runs one timed round of `path` (not fit_poisson); (seconds per micro-batch, peak bytes)."""
+    x, y, w, _, m = data
+    gc.collect()
+    if path == "train_on_batch":
+        with PeakRss() as memory:
+            start = time.perf_counter()
+            model.train_on_batch(head(x, m), y[:m], sample_weight=w[:m])
+            seconds = time.perf_counter() - start
+        return seconds, memory.peak_increase
+    rows = args.steps * m
+    timer = _EpochTimer()
+    model.fit(head(x, rows), y[:rows], sample_weight=w[:rows], batch_size=m,
+              epochs=1, shuffle=False, verbose=0, callbacks=[timer])
+    return timer.times[0] / args.steps, timer.peaks[0]
+
+
+def interleaved(models, path, data, args):
+    """Rounds in which every model runs once, in an order that rotates.
+
+    Load from other processes on a shared machine then falls on every model
+    alike, instead of on whichever happened to run while it peaked.
+
+    Returns:
+        One (median seconds per micro-batch, max peak bytes) per model, over
+        the rounds after `args.warmup` (compilation is in the first).
+    """
+    times = [[] for _ in models]
+    peaks = [[] for _ in models]
+    for round_index in range(args.warmup + args.repeats):
+        shift = round_index % len(models)
+        for index in list(range(len(models)))[shift:] + list(range(len(models)))[:shift]:
+            seconds, peak = one_round(models[index], path, data, args)
+            if round_index >= args.warmup:
+                times[index].append(seconds)
+                peaks[index].append(peak)
+    return [(median(t), max(p)) for t, p in zip(times, peaks)]
+
+
+def poisson_fit(model, data, args):
+    """fit on a Poisson dataset, iterated once: (median s per micro-batch, max peak bytes).
+
+    A sampler's dataset can be read only once, so the epochs of one `fit`
+    call are the rounds, and models cannot be interleaved.
+    """
+    x, y, w, sampler, m = data
+    micro_batches = args.steps * sampler.schedule.phases[0].accumulation_steps
+    timer = _EpochTimer()
+    model.fit(sampler.as_dataset(), epochs=args.warmup + args.repeats,
+              steps_per_epoch=micro_batches, verbose=0, callbacks=[timer])
+    return (median(timer.times[args.warmup:]) / micro_batches,
+            max(timer.peaks[args.warmup:]))
+
+
+def poisson_sampler(x, y, w, m, args):
+    """N = 4m examples, expected batch B = m: enough steps for every epoch of the fit."""
+    rows = 4 * m
+    logical_steps = args.steps * (args.warmup + args.repeats)
+    return tf_megadp.PoissonSampler.from_arrays(
+        head(x, rows), y[:rows], w[:rows], batch_size=m, micro_batch_size=m,
+        epochs=logical_steps * m / rows, seed=0)
+
+
+def per_example_gradient_bytes(size, args, micro_batch):
+    model = build_model(size, args)
+    count = sum(v.shape.num_elements() for v in model.trainable_variables)
+    del model
+    return 4 * micro_batch * count
+
+
+def run_cell(size, m, paths, clippings, args):
+    """Prints one row per (path, strategy) of one (size, micro-batch) cell."""
+    rows = max(args.steps, 4) * m
+    x, y, w = make_data(rows, args, np.random.default_rng(0))
     budget = args.memory_budget_gib * 2**30
-    for size in args.sizes.split(","):
-        args.layers, args.hidden, args.heads = SIZES[size]
-        for micro_batch in [int(m) for m in args.micro_batches.split(",")]:
-            args.micro_batch = micro_batch
-            batch = make_batch(args, np.random.default_rng(0))
-            # Fresh models for every shape: each step is traced once, with a
-            # static micro-batch axis, as in training, and no earlier shape's
-            # graphs or compilations linger in the timed steps.
-            keras.backend.clear_session()
-            keras.utils.set_random_seed(0)
-            baseline = build_model(args)
-            compile_model(baseline, keras.optimizers.Adam(1e-4), jit_compile=True)
-            base_time, base_memory = measure(baseline, batch, args)
-            del baseline
-            for clipping in clippings:
-                head = f"{size:6} {micro_batch:4d} {clipping:10}"
-                keras.utils.set_random_seed(0)
-                model = private_model(args, clipping)
-                estimate = per_example_gradient_bytes(model, micro_batch)
-                if clipping == "vectorized" and estimate > budget:
-                    print(f"{head} skipped: per-example gradients alone need "
-                          f"{estimate / 2**30:.1f} GiB > budget", flush=True)
-                    continue
-                dp_time, dp_memory = measure(model, batch, args)
-                del model
-                print(f"{head} {base_time * 1e3:9.1f} {dp_time * 1e3:9.1f} "
-                      f"{dp_time / base_time:7.2f} {base_memory / 2**20:9.1f} "
-                      f"{dp_memory / 2**20:9.1f} {dp_memory / max(base_memory, 1):7.2f}",
-                      flush=True)
+    vectorized_bytes = per_example_gradient_bytes(size, args, m)
+    runnable = []
+    for clipping in clippings:
+        if clipping == "vectorized" and vectorized_bytes > budget:
+            print(f"{size:5} {m:4d} {'all paths':14} {clipping:11} skipped: per-example "
+                  f"gradients alone need {vectorized_bytes / 2**30:.1f} GiB > "
+                  "--memory-budget-gib", flush=True)
+        else:
+            runnable.append(clipping)
+    for path in paths:
+        keras.backend.clear_session()
+        gc.collect()
+        poisson = path == "fit_poisson"
+        # A Poisson dataset is iterated once: every model gets its own sampler
+        # (same settings, same seed, hence the same steps).
+        samplers = [poisson_sampler(x, y, w, m, args) if poisson else None
+                    for _ in range(len(BASELINES) + len(runnable))]
+        models = [new_model(size, args, None, jit) for jit in BASELINES.values()]
+        models += [new_model(size, args, clipping, False,
+                             sampler.schedule if poisson else None)
+                   for clipping, sampler in zip(runnable, samplers[len(BASELINES):])]
+        if poisson:
+            results = [poisson_fit(model, (x, y, w, sampler, m), args)
+                       for model, sampler in zip(models, samplers)]
+        else:
+            results = interleaved(models, path, (x, y, w, None, m), args)
+        del models
+        base = dict(zip(BASELINES, results))
+        best = min(base, key=lambda name: base[name][0])
+        base_time, base_memory = base[best]
+        others = ", ".join(f"{name} {t * 1e3:.1f} ms" for name, (t, _) in base.items())
+        load = load_average()
+        print(f"{size:5} {m:4d} {path:14} {'non-private':11} {base_time * 1e3:9.1f} "
+              f"{'':>7} {base_memory / 2**20:9.1f} {'':>6}  load {load:5.2f}  "
+              f"best of [{others}]: {best}", flush=True)
+        for clipping, (dp_time, dp_memory) in zip(runnable, results[len(BASELINES):]):
+            print(f"{size:5} {m:4d} {path:14} {clipping:11} {dp_time * 1e3:9.1f} "
+                  f"{dp_time / base_time:7.2f} {dp_memory / 2**20:9.1f} "
+                  f"{dp_memory / max(base_memory, 1):6.2f}  load {load:5.2f}", flush=True)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--masks", type=int, default=20)
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--clipping", default="vectorized",
-                        help="comma-separated strategies: vectorized, ghost, auto")
-    parser.add_argument("--sweep", action="store_true",
-                        help="tiny/mini/small BERT over --micro-batches (sets layers/hidden/heads)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the issue's two targets: tiny m=32 and mini m=256")
     parser.add_argument("--sizes", default="tiny,mini,small")
     parser.add_argument("--micro-batches", default="32,64,128,256,512")
+    parser.add_argument("--micro-batch", type=int,
+                        help="one micro-batch size (same as --micro-batches M)")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--clipping", default="vectorized,ghost,auto",
+                        help="comma-separated strategies: vectorized, ghost, auto")
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--masks", type=int, default=20)
+    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="logical steps per timed fit epoch")
     parser.add_argument("--memory-budget-gib", type=float, default=6.0)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    clippings = args.clipping.split(",")
-    if args.sweep:
-        sweep(args, clippings)
-        return
+    warnings.simplefilter("ignore")  # fixed-size-batch and sigma notices, once per model
 
-    rng = np.random.default_rng(0)
-    batch = make_batch(args, rng)
-    keras.utils.set_random_seed(0)
-
-    baseline = build_model(args)
-    compile_model(baseline, keras.optimizers.Adam(1e-4), jit_compile=True)
-    base_time, base_memory = measure(baseline, batch, args)
-    compile_model(baseline, keras.optimizers.Adam(1e-4), jit_compile=False)
-    plain_time, _ = measure(baseline, batch, args)
-
-    for clipping in clippings:
-        dp_time, dp_memory = measure(private_model(args, clipping), batch, args)
-        print(
-            f"BertMaskedLM layers={args.layers} hidden={args.hidden} heads={args.heads} "
-            f"seq={args.seq} vocab={args.vocab} micro_batch={args.micro_batch} "
-            f"clipping={clipping}"
-        )
-        print(f"nonprivate_step (XLA)   {base_time * 1e3:9.1f} ms   peak +{base_memory / 2**20:8.1f} MiB")
-        print(f"nonprivate_step (no XLA){plain_time * 1e3:9.1f} ms")
-        print(f"dp_step                 {dp_time * 1e3:9.1f} ms   peak +{dp_memory / 2**20:8.1f} MiB")
-        print(f"time ratio dp_step / nonprivate_step (XLA):    {dp_time / base_time:.2f}")
-        print(f"time ratio dp_step / nonprivate_step (no XLA): {dp_time / plain_time:.2f}")
-        print(f"peak-memory ratio dp_step / nonprivate_step:   {dp_memory / max(base_memory, 1):.2f}")
+    if args.micro_batch is not None:
+        args.micro_batches = str(args.micro_batch)
+    if args.quick:
+        cells = QUICK
+    else:
+        cells = [(size, int(m)) for size in args.sizes.split(",")
+                 for m in args.micro_batches.split(",")]
+    commit = subprocess.run(["git", "log", "--oneline", "-1"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    print(f"commit: {commit}")
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
+          f"TF {tf.__version__}, Keras {keras.__version__}; seq={args.seq} vocab={args.vocab} "
+          f"masks={args.masks} dropout={args.dropout} warmup={args.warmup} "
+          f"repeats={args.repeats} steps={args.steps}")
+    print(f"{'model':5} {'m':>4} {'path':14} {'clipping':11} {'ms/mb':>9} {'time x':>7} "
+          f"{'peak MiB':>9} {'mem x':>6}  (x: to the best non-private step of the path)")
+    for size, m in cells:
+        run_cell(size, m, args.paths.split(","), args.clipping.split(","), args)
 
 
 if __name__ == "__main__":

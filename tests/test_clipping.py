@@ -443,7 +443,7 @@ class TestUnknownMicroBatchAxis:
         strategy.clip_and_sum(model, x, y, None, 1.0)  # creates the traced function
         step = strategy._functions[model].get_concrete_function(
             tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None,
-            tf.TensorSpec([]), None)
+            tf.TensorSpec([]), None, tf.TensorSpec([], tf.bool))
         assert values_xla_must_fold(step.graph) == []
 
     def test_unknown_batch_axis_gives_the_same_clipping(self):

@@ -327,3 +327,62 @@ def test_fit_on_a_mixing_model_raises_the_named_error(clipping, jit_compile):
     x, y = mixing_batch("batch_mean")
     with pytest.raises(PrivacyConfigurationError, match="minus_batch_mean|mix"):
         model.fit(x, y, batch_size=M, verbose=0)
+
+
+# -- Once per traced input signature ---------------------------------------------
+
+def _mixes_on_large_inputs_model():
+    """Mixes examples only on a batch whose entries exceed 50: data-dependent."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T, FEATURES))
+    hidden = keras.layers.Dense(4, activation="tanh")(inputs)
+    large = keras.ops.cast(keras.ops.max(keras.ops.abs(inputs)) > 50.0, "float32")
+    hidden = keras.layers.Lambda(
+        lambda h: h[0] - h[1] * keras.ops.mean(h[0], axis=0, keepdims=True),
+        name="mixes_when_large")([hidden, large])
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden))
+
+
+def test_the_check_runs_on_the_first_call_of_each_input_signature():
+    model = _mixes_on_large_inputs_model()
+    model.compile(loss=LOSS)
+    strategy = GhostClipping()
+    x, y = sequences(), labels((6, 5))
+    strategy.clip_and_sum(model, x, y, None, 1.0)  # checked: passes
+    flags = strategy._checked[model].passed
+    assert int(tf.reduce_sum(flags)) == 1
+    # Same signature: the check is skipped, so mixing that depends on the
+    # data (not on the traced computation) is not seen again (documented).
+    strategy.clip_and_sum(model, 100.0 * x, y, None, 1.0)
+    # A new signature (m = 3) is checked on its first call, and refused.
+    with pytest.raises(PrivacyConfigurationError, match="mixes examples"):
+        strategy.clip_and_sum(model, 100.0 * x[:3], y[:3], None, 1.0)
+    assert int(tf.reduce_sum(flags)) == 1
+
+
+def test_a_failed_check_is_run_again_and_refuses_again():
+    model = batch_mean_model()
+    model.compile(loss=LOSS)
+    strategy = GhostClipping()
+    x, y = mixing_batch("batch_mean")
+    for _ in range(2):
+        with pytest.raises(PrivacyConfigurationError, match="mixes examples"):
+            strategy.clip_and_sum(model, x, y, None, 1.0)
+    assert int(tf.reduce_sum(strategy._checked[model].passed)) == 0
+
+
+def test_each_call_site_of_a_traced_step_has_its_own_flag():
+    model = _mixing_model(keras.layers.Identity())
+    model.compile(loss=LOSS)
+    strategy = GhostClipping()
+    x, y = mixing_batch("batch_mean")
+
+    @tf.function
+    def step(x, y):
+        first = strategy.clip_and_sum(model, x, y, None, 1.0)
+        second = strategy.clip_and_sum(model, x, y, None, 1.0)
+        return first.mixing, second.mixing
+
+    for _ in range(2):
+        assert [int(code) for code in step(x, y)] == [independence.MIXING_OK] * 2
+        np.testing.assert_array_equal(strategy._checked[model].passed.numpy()[:3], [1, 1, 0])

@@ -21,6 +21,7 @@ import warnings
 import weakref
 
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 
 from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.ghost_rules import plan_rules
@@ -58,6 +59,7 @@ class GhostClipping(base.ClippingStrategy):
         self.fallback = fallback
         self.jit_compile = jit_compile
         self._functions = weakref.WeakKeyDictionary()
+        self._checked = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
                      automatic_stability=None):
@@ -65,8 +67,10 @@ class GhostClipping(base.ClippingStrategy):
 
         Raises:
             PrivacyConfigurationError: the model has a layer ghost clipping
-                cannot attribute to examples, or (checked in every step) its
-                batched forward pass mixes examples. Called eagerly, the
+                cannot attribute to examples, or its batched forward pass
+                mixes examples (checked on the first call of every traced
+                input signature, before that call releases anything; see
+                `_CheckedSignatures`). Called eagerly, the
                 error is raised here. Inside a traced step (`fit`), a failed
                 check zeroes the micro-batch's contribution, returns its code
                 in `ClippedBatch.mixing`, and asserts; XLA drops assertions,
@@ -80,14 +84,18 @@ class GhostClipping(base.ClippingStrategy):
             if self.jit_compile:
                 base.refuse_layers_without_xla(model)
 
-            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability):
+            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability, check):
                 return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
-                                     automatic_stability)
+                                     automatic_stability, check=check)
 
             function = tf.function(clip_and_sum, jit_compile=self.jit_compile)
             self._functions[model] = function
+            self._checked[model] = _CheckedSignatures()
+        checked = self._checked[model]
+        slot = checked.slot((x, y, sample_weight, automatic_stability))
         batch = function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32),
-                         automatic_stability)
+                         automatic_stability, checked.needed(slot))
+        checked.record(slot, batch.mixing)
         if tf.executing_eagerly():
             if int(batch.mixing) != independence.MIXING_OK:
                 code = self.locate_mixing(model, x, y, sample_weight)
@@ -119,9 +127,69 @@ class GhostClipping(base.ClippingStrategy):
         @tf.function
         def locate(x, y, sample_weight):
             return _clip_and_sum(model, rules, x, y, sample_weight, tf.constant(1.0),
-                                 locate=True).mixing
+                                 check=tf.constant(True), locate=True).mixing
 
         return int(locate(x, y, sample_weight))
+
+
+class _CheckedSignatures:
+    """Which input signatures of one model's step have passed the independence check.
+
+    Whether a model mixes examples is a property of its traced computation,
+    so the check runs on the first call of each traced signature and is
+    skipped afterwards (`tf.cond` inside the compiled step: the per-example
+    pass, +7-24 % of a step, no longer runs in every step). Fail closed:
+    the flag of a signature is set only by a call whose check passed, in
+    the same step that released its clipped sum, and a call whose check
+    failed has already zeroed its micro-batch.
+
+    A slot is one flag. Called eagerly, a slot belongs to an input signature
+    (shapes, dtypes, automatic clipping's gamma), which is what makes the
+    `tf.function` retrace. Called while a caller's step is traced (`fit`),
+    every call site gets its own slot at trace time, so a retraced step, a
+    new shape or each replica of a distributed step starts unchecked. Past
+    `CAPACITY` slots, every call is checked.
+    """
+
+    CAPACITY = 1024
+
+    def __init__(self):
+        # A plain resource variable, created outside any trace or
+        # distribution strategy: bookkeeping of this strategy, not model state.
+        with tf.init_scope():
+            self.passed = resource_variable_ops.ResourceVariable(
+                tf.zeros([self.CAPACITY], tf.int32), trainable=False,
+                name="independence_checked")
+        self._eager_slots = {}
+        self._used = 0
+
+    def slot(self, inputs) -> int:
+        """The flag index for this call, or -1 (always check)."""
+        if tf.executing_eagerly():
+            signature = tuple(
+                (tuple(leaf.shape), str(leaf.dtype)) if hasattr(leaf, "shape") else repr(leaf)
+                for leaf in tf.nest.flatten(inputs))
+            if signature not in self._eager_slots:
+                self._eager_slots[signature] = self._new_slot()
+            return self._eager_slots[signature]
+        return self._new_slot()
+
+    def _new_slot(self) -> int:
+        slot = self._used if self._used < self.CAPACITY else -1
+        self._used += 1
+        return slot
+
+    def needed(self, slot: int) -> tf.Tensor:
+        """Whether this call must run the check (a bool tensor)."""
+        if slot < 0:
+            return tf.constant(True)
+        return tf.equal(self.passed[slot], 0)
+
+    def record(self, slot: int, mixing) -> None:
+        """Sets the slot's flag to whether this call's check passed (or was skipped)."""
+        if slot >= 0:
+            self.passed.scatter_nd_update(
+                [[slot]], [tf.cast(tf.equal(mixing, independence.MIXING_OK), tf.int32)])
 
 
 def auto_clipping() -> GhostClipping:
@@ -144,12 +212,13 @@ def _check_no_regularizers(model):
         )
 
 
-def _forward(model, rules, x, y, sample_weight, locate=False):
+def _forward(model, rules, x, y, sample_weight, check, locate=False):
     """The recorded forward pass.
 
     Returns:
         (records, batch axes ok, losses, y_pred, mixing code of the
-        independence check).
+        independence check, which runs only where the bool tensor `check`
+        is true and gives `MIXING_OK` otherwise).
     """
     leading = tf.nest.flatten(x)[0]
     batch_size = tf.shape(leading)[0]
@@ -194,9 +263,12 @@ def _forward(model, rules, x, y, sample_weight, locate=False):
             "another layer's weights directly); ghost clipping would miss "
             "that use. Use clipping='vectorized'."
         )
-    mixing = independence.check_independence(
-        model, taps, x, [value for _, value in values], states, batch_size,
-        rule_layers={id(rule.layer) for rule in rules}, locate=locate)
+    def run_check():
+        return independence.check_independence(
+            model, taps, x, [value for _, value in values], states, batch_size,
+            rule_layers={id(rule.layer) for rule in rules}, locate=locate)
+
+    mixing = tf.cond(check, run_check, lambda: tf.constant(independence.MIXING_OK, tf.int32))
     return records, recorder.batch_axes_consistent(), losses, y_pred, mixing
 
 
@@ -273,10 +345,10 @@ def _clipped_sum(terms, factors, keep, variable):
 
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
-                  automatic_stability=None, locate=False):
+                  automatic_stability=None, *, check, locate=False):
     with base.example_axis_guards(model):
         records, consistent, losses, y_pred, mixing = _forward(
-            model, rules, x, y, sample_weight, locate)
+            model, rules, x, y, sample_weight, check, locate)
     variables = model.trainable_variables
     groups = _grouped(records, variables)
     batch_size = tf.shape(losses)[0]

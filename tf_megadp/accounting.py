@@ -452,7 +452,9 @@ def _quiet_unconverged_orders():
         logger.removeFilter(record_filter)
 
 
-@functools.lru_cache(maxsize=32)
+# One step's PLD holds ~1-3 MB at the default grid; 16 cover every phase of
+# a run (and its exact truncated steps) with room for a calibration's probes.
+@functools.lru_cache(maxsize=16)
 def _step_pld(event: dp_accounting.DpEvent) -> pld.privacy_loss_distribution.PrivacyLossDistribution:
     """The PLD of one step `event`, built as dp_accounting's `PLDAccountant` builds it.
 

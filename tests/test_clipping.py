@@ -187,14 +187,14 @@ class TestGhostEqualsVectorizedPerLayer:
         assert_same_clipping(keras.Model(inputs, outputs), sequences(), labels((6, 5)))
 
 
-def assert_equals_naive(model, x, y, fallback="small", jit_compile=False, rtol=RTOL):
+def assert_equals_naive(model, x, y, fallback="small", jit_compile=False, rtol=RTOL, loss=LOSS):
     """Ghost norms and clipped sum equal the one-example-at-a-time reference.
 
     The clip norm is the median naive norm: some examples are clipped, others not.
     """
     model(x)
-    model.compile(loss=LOSS)
-    grads = reference.naive_per_example_gradients(model, LOSS, x, y)
+    model.compile(loss=loss)
+    grads = reference.naive_per_example_gradients(model, loss, x, y)
     norms = np.array([np.sqrt(sum(np.sum(g**2) for g in gs)) for gs in grads])
     clip = float(np.median(norms))
     total = [sum(gs[j] * min(1.0, clip / n) for gs, n in zip(grads, norms))
@@ -291,6 +291,26 @@ class TestConvolutionGhostRules:
         actual = GhostClipping().clip_and_sum(first, x.transpose(0, 2, 1), y, None,
                                               float(np.median(expected.norms.numpy())))
         assert_batches_equal(first, expected, actual)
+
+
+class TestFloat64Models:
+    """float64 models: norms, cross terms and clipped sums in float64."""
+
+    def test_equal_to_the_naive_reference_in_float64(self):
+        # Embedding (Gather), Conv1D and Dense (Outer), LayerNormalization
+        # (Explicit). Precision a float32 computation cannot reach (rtol 1e-10); the loss
+        # in float64 too, or Keras would compute it in floatx (float32).
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="float64")
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,), dtype="int32")
+        embedding = keras.layers.Embedding(7, 4, dtype="float64")
+        hidden = keras.layers.Conv1D(4, 2, padding="same", activation="tanh",
+                                     dtype="float64")(embedding(inputs))
+        hidden = keras.layers.LayerNormalization(dtype="float64")(hidden)
+        hidden = keras.layers.Dense(4, activation="tanh", dtype="float64")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(3, dtype="float64")(hidden))
+        batch = assert_equals_naive(model, tokens(), labels((6, 5)), rtol=1e-10, loss=loss)
+        assert batch.norms.dtype == tf.float64
 
 
 class Scaled(keras.layers.Layer):
@@ -443,7 +463,7 @@ class TestUnknownMicroBatchAxis:
         strategy.clip_and_sum(model, x, y, None, 1.0)  # creates the traced function
         step = strategy._functions[model].get_concrete_function(
             tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None,
-            tf.TensorSpec([]), None, tf.TensorSpec([], tf.bool))
+            tf.TensorSpec([], tf.float64), None, tf.TensorSpec([], tf.bool))
         assert values_xla_must_fold(step.graph) == []
 
     def test_unknown_batch_axis_gives_the_same_clipping(self):

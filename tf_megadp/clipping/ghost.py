@@ -93,7 +93,7 @@ class GhostClipping(base.ClippingStrategy):
             self._checked[model] = _CheckedSignatures()
         checked = self._checked[model]
         slot = checked.slot((x, y, sample_weight, automatic_stability))
-        batch = function(x, y, sample_weight, tf.constant(l2_norm_clip, tf.float32),
+        batch = function(x, y, sample_weight, tf.cast(l2_norm_clip, tf.float64),
                          automatic_stability, checked.needed(slot))
         checked.record(slot, batch.mixing)
         if tf.executing_eagerly():

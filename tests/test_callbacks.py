@@ -353,6 +353,28 @@ def test_a_fit_that_consumed_nothing_of_a_sampler_raises(data):
         keeper.on_train_end()
 
 
+def test_the_budget_search_looks_no_further_than_the_fit_can_go(data, monkeypatch):
+    # Past the end of its schedule a search was unbounded (up to 2^24 steps
+    # ahead: ~24 accountant evaluations for steps no fit would take).
+    x, y = data
+    sampler = tf_megadp.PoissonSampler.from_arrays(
+        x, y, batch_size=BATCH, epochs=1, micro_batch_size=MICRO_BATCH)
+    model = private_model(schedule=sampler.schedule)
+    limits = []
+    original = tf_megadp.PrivacyAccountant.steps_within_budget
+
+    def spy(self, target_epsilon, entry, *, limit=None):
+        limits.append(limit)
+        return original(self, target_epsilon, entry, limit=limit)
+
+    monkeypatch.setattr(tf_megadp.PrivacyAccountant, "steps_within_budget", spy)
+    callback = PrivacyCallback(DELTA, accountant="rdp", target_epsilon=100.0)
+    model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+    total = sampler.schedule.total_steps
+    assert int(model.optimizer.iterations.numpy()) == total
+    assert limits and all(limit is not None and limit <= total + 1 for limit in limits)
+
+
 def test_budget_stop_halts_exactly_at_the_last_step_that_fits(data, capsys):
     # Budget between epsilon after 5 and after 6 logical steps: the run must
     # take exactly 5 steps (10 micro-batches) of the 40 that 10 epochs offer.

@@ -632,6 +632,7 @@ class PrivacyCallback(keras.callbacks.Callback):
             keeper.num_examples, self.delta, accountant=self.accountant_name)
         self._stop_at = None
         self._budget_entry = None
+        self._micro_batches_seen = 0
         self.stopped_at_step = None
         iterations = _number(optimizer.iterations)
         self._seen_iterations = iterations
@@ -668,9 +669,10 @@ class PrivacyCallback(keras.callbacks.Callback):
             # that many have been taken. With a schedule, asking about the
             # rest of the phase first usually settles it in one evaluation.
             schedule = self._optimizer.schedule
-            limit = None
+            limit = self._steps_left_in_fit(step)
             if schedule is not None and step < schedule.total_steps:
-                limit = schedule.phase_ends[schedule.phase_index(step)] - step
+                phase_left = schedule.phase_ends[schedule.phase_index(step)] - step
+                limit = phase_left if limit is None else min(limit, phase_left)
             self._budget_entry = entry
             self._accountant.ledger = self._keeper.ledger.copy()
             self._stop_at = step + self._accountant.steps_within_budget(
@@ -678,7 +680,22 @@ class PrivacyCallback(keras.callbacks.Callback):
             )
         return step < self._stop_at
 
+    def _steps_left_in_fit(self, step: int) -> int | None:
+        """An upper bound on the logical steps this fit can still take (None: unknown).
+
+        It bounds the budget search: without it, a search past the end of
+        a schedule would look up to 2^24 steps ahead, many evaluations for
+        steps this fit never takes (a later fit searches again).
+        """
+        steps, epochs = self.params.get("steps"), self.params.get("epochs")
+        if not steps or not epochs:
+            return None
+        optimizer = self._optimizer
+        left = steps * epochs - self._micro_batches_seen + _number(optimizer.micro_steps)
+        return max(1, left // optimizer.accumulation_steps_at(step) + 1)
+
     def on_train_batch_end(self, batch, logs=None):
+        self._micro_batches_seen += 1
         iterations = _number(self._optimizer.iterations)
         if iterations == self._seen_iterations:
             return  # Mid-accumulation: no noisy update was released.

@@ -9,6 +9,6 @@ Modules:
 * `pretraining`: data preparation, canaries, model presets (`build_model`,
   mixed_bfloat16 included), training on any strategy, the report.
 
-The audit of a finished run is `tf_megadp.audit.job.audit_pretraining_run`
+The audit of a finished run is `tf_megadp.jobs.bert.audit.audit_pretraining_run`
 (`tf-megadp audit`).
 """

@@ -214,3 +214,69 @@ def test_every_command_in_docs_tpu_runs_in_a_test_or_is_marked(capsys):
             assert dataclasses.replace(config, **run_only) == reference
             seen["cpu"] += 1
     assert seen == {"plan": 5, "cpu": 2}
+
+
+class TestRecipeOptions:
+    """Weight averaging, automatic clipping and batch-scaled learning rates as run fields."""
+
+    def test_flags_and_file_keys_set_the_same_fields(self, tmp_path):
+        run = parsed("pretrain", "--ema-momentum", "0.9", "--per-example-scaling", "automatic",
+                     "--automatic-scaling-stability", "0.05", "--learning-rate-scaling", "sqrt",
+                     "--reference-batch-size", "64", "--document-separator", "line")
+        assert (run.ema_momentum, run.per_example_scaling, run.automatic_scaling_stability,
+                run.learning_rate_scaling, run.reference_batch_size,
+                run.document_separator) == (0.9, "automatic", 0.05, "sqrt", 64, "line")
+        assert parsed("pretrain", "--ema-momentum", "none").ema_momentum is None
+        raw = yaml.safe_load(open(SHIPPED, encoding="utf-8"))
+        raw["training"]["per_example_scaling"] = "automatic"
+        raw["training"]["optimizer"].update(ema_momentum=0.9, learning_rate_scaling="sqrt",
+                                            reference_batch_size=64)
+        raw["data"] = {"document_separator": "line"}
+        path = tmp_path / "recipe.yaml"
+        path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+        from_file = pretraining.load_run_config(path)
+        assert (from_file.ema_momentum, from_file.per_example_scaling,
+                from_file.learning_rate_scaling, from_file.reference_batch_size,
+                from_file.document_separator) == (0.9, "automatic", "sqrt", 64, "line")
+
+    @pytest.mark.parametrize("field, value, message", [
+        ("ema_momentum", 1.0, "ema_momentum must be in \\(0, 1\\)"),
+        ("per_example_scaling", "normalized", "per_example_scaling must be one of clip, automatic"),
+        ("learning_rate_scaling", "square", "learning_rate_scaling must be one of none, sqrt"),
+        ("document_separator", "tab", "document_separator must be one of blank-line, line"),
+        ("automatic_scaling_stability", 0.0, "automatic_scaling_stability must be > 0"),
+        ("reference_batch_size", 0, "reference_batch_size must be a positive integer"),
+    ])
+    def test_bad_values_are_named(self, field, value, message):
+        with pytest.raises(pretraining.PretrainError, match=message):
+            dataclasses.replace(pretraining.PretrainConfig(), **{field: value}).validate()
+
+    @pytest.mark.parametrize("scaling, power", [("none", 0.0), ("sqrt", 0.5), ("linear", 1.0)])
+    def test_the_learning_rate_follows_each_phases_batch(self, scaling, power):
+        config = pretraining.PretrainConfig(
+            schedule=[(4, 16), (6, 64)], learning_rate=1e-3, warmup_steps=2,
+            learning_rate_scaling=scaling, reference_batch_size=32, micro_batch_size=8)
+        schedule = config.make_schedule(num_examples=1000, num_replicas=1)
+        optimizer = pretraining._inner_optimizer(config, schedule, None)
+
+        def reference(step):  # warmup to 1e-3 over 2 steps, cosine to 10 % over 8
+            shape = (step / 2 if step < 2 else
+                     0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - 2) / 8)))
+            return 1e-3 * shape * ((16 if step < 4 else 64) / 32) ** power
+
+        for step in range(10):
+            # The optimizer's schedule object, called at logical step `step`.
+            assert float(optimizer._learning_rate(step)) == pytest.approx(reference(step), rel=1e-5)
+
+    def test_a_scaled_schedule_survives_serialization(self):
+        import keras
+
+        from tf_megadp.jobs.bert.learning_rate import BatchScaledSchedule
+
+        schedule = BatchScaledSchedule(keras.optimizers.schedules.CosineDecay(1e-3, 10),
+                                       boundaries=[4], factors=[0.5, 2.0])
+        again = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(schedule))
+        assert [float(again(s)) for s in (0, 3, 4, 9)] == [float(schedule(s)) for s in (0, 3, 4, 9)]
+        assert float(schedule(4)) == pytest.approx(2.0 * float(schedule.base(4)))
+        with pytest.raises(ValueError, match="one factor per phase"):
+            BatchScaledSchedule(schedule.base, boundaries=[4], factors=[1.0])

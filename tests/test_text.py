@@ -19,6 +19,7 @@ from tf_megadp.jobs.bert.text import (
     prepare_corpus,
     read_documents,
     read_vocabulary_file,
+    write_synthetic_corpus,
 )
 
 PAD, CLS, SEP, UNK, MASK = range(5)
@@ -107,6 +108,78 @@ class TestReadDocuments:
             read_documents(path)
         documents, skipped = read_documents(path, skip_undecodable=True)
         assert documents == ["Good text.", "Good again."] and skipped == 1
+
+
+class TestLargeCorpora:
+    """A corpus of megabytes: line- or blank-line-separated, with progress lines and N.
+
+    The CI file is 0.5 MB; docs/results.md reports a run on a 30 MB one.
+    """
+
+    @pytest.fixture(scope="class")
+    def prepared(self, tmp_path_factory):
+        folder = tmp_path_factory.mktemp("large")
+        path = folder / "lines.txt"
+        documents = write_synthetic_corpus(path, 500_000, separator="line", seed=3)
+        lines = []
+        shards = prepare_corpus(folder / "shards", path, sequence_length=64, vocabulary_size=300,
+                                separator="line", progress=lines.append)
+        return path, documents, shards, lines
+
+    def test_the_generator_writes_the_size_and_documents_it_says(self, tmp_path):
+        for separator in ("line", "blank-line"):
+            path = tmp_path / f"{separator}.txt"
+            count = write_synthetic_corpus(path, 50_000, separator=separator, seed=1)
+            assert os.path.getsize(path) >= 50_000
+            documents, _ = read_documents(path, separator=separator)
+            assert len(documents) == count
+        # Without blank lines, a file of lines is one paragraph.
+        assert len(read_documents(tmp_path / "line.txt", separator="blank-line")[0]) == 1
+        again = tmp_path / "again.txt"
+        write_synthetic_corpus(again, 50_000, separator="blank-line", seed=1)
+        assert again.read_bytes() == (tmp_path / "blank-line.txt").read_bytes()
+
+    def test_progress_names_every_stage_and_n(self, prepared):
+        path, documents, shards, lines = prepared
+        text = "\n".join(lines)
+        assert f"{documents:,} documents" in text
+        for stage in ("counting words", "tokenizing"):
+            shares = [int(m) for m in re.findall(stage + r":\s+(\d+)%", text)]
+            # At least every tenth of the work once it is big enough, ending at 100 %.
+            assert len(shares) >= 5 and shares == sorted(shares) and shares[-1] == 100
+        assert "learning a WordPiece vocabulary of 300" in text
+        assert f"wrote N = {len(shards):,} sequences of 64 tokens" in lines[-1]
+        assert shards.manifest["num_documents"] == documents
+
+    def test_prepared_shards_are_reused_and_say_n(self, prepared, tmp_path):
+        path, _, shards, _ = prepared
+        lines = []
+        again = prepare_corpus(shards.directory, path, sequence_length=64, vocabulary_size=300,
+                               separator="line", progress=lines.append)
+        assert len(again) == len(shards)
+        assert lines == [f"  reusing the prepared shards in {shards.directory}: "
+                         f"N = {len(shards):,} sequences of 64 tokens"]
+
+    def test_a_long_document_is_tokenized_in_pieces_as_a_whole(self, shards):
+        import keras_hub
+
+        from tf_megadp.jobs.bert import text
+
+        vocabulary = load_vocabulary(shards)
+        document = " ".join(make_documents(40, seed=5)) + " averyveryverylongwordwithoutspaces"
+        reference = np.asarray(keras_hub.tokenizers.WordPieceTokenizer(
+            vocabulary=vocabulary, lowercase=True, oov_token="[UNK]")(document))
+        for limit in (40, 64, 1000):
+            pieces = text._pieces(document, limit)
+            assert "".join(pieces) == document and max(map(len, pieces)) <= limit
+            (ids,) = text._tokenize([document], vocabulary, True, piece_characters=limit)
+            np.testing.assert_array_equal(ids, reference)
+
+    def test_an_unknown_separator_is_named(self, corpus_file, tmp_path):
+        with pytest.raises(CorpusError, match="separator must be one of blank-line, line"):
+            read_documents(corpus_file, separator="paragraph")
+        with pytest.raises(CorpusError, match="separator"):
+            prepare_corpus(tmp_path, corpus_file, separator="paragraph")
 
 
 class TestPrepareCorpus:

@@ -856,6 +856,11 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             history.append(record)
             if logs is not None:
                 logs["heldout_mlm_accuracy"] = float(accuracy)
+            if epoch == self.params["epochs"] - 1:
+                # Here, before fit's end replaces the weights by their average
+                # (ema_momentum): a resumed run continues from the trained
+                # weights, with the average in the optimizer.
+                checkpointer.save(self.model)
 
     callbacks.append(_Evaluate())
     callbacks.append(keras.callbacks.CSVLogger(os.path.join(output_dir, HISTORY_NAME), append=config.resume))
@@ -880,7 +885,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     train_seconds = time.time() - train_started
 
     final_steps = history[-1]["step"] if history else logical_done
-    checkpointer.save(model)
+    if not epochs:
+        checkpointer.save(model)
     # The release: the model without any optimizer state, and the
     # vocabulary it reads (public unless --vocabulary-from-training-corpus).
     export_model(model, os.path.join(output_dir, MODEL_NAME))

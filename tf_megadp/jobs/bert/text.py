@@ -328,7 +328,7 @@ def write_synthetic_corpus(
     return documents
 
 
-_WORD_COUNT_BATCH = 1024
+_WORD_COUNT_BATCH = 256
 
 
 def _words_dataset(documents: Sequence[str], lowercase: bool, batch_size: int):

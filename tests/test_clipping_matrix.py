@@ -174,6 +174,95 @@ def reversible_embedding():
     return keras.Model(inputs, table(hidden, reverse=True)), _tokens(), _labels((M, T), 7)
 
 
+def _images(shape=(4, 4, 2)):
+    return np.random.default_rng(0).normal(size=(M,) + shape).astype("float32")
+
+
+def conv3d():
+    return _stack(keras.layers.Conv3D(2, 2, padding="same", activation="relu"),
+                  keras.layers.Flatten(), keras.layers.Dense(3),
+                  input_shape=(3, 3, 3, 2)), _images((3, 3, 3, 2)), _labels((M,))
+
+
+def depthwise_conv2d():
+    return _stack(keras.layers.DepthwiseConv2D(2, depth_multiplier=2, activation="relu"),
+                  keras.layers.Flatten(), keras.layers.Dense(3),
+                  input_shape=(4, 4, 2)), _images(), _labels((M,))
+
+
+def separable_conv1d():
+    return _stack(keras.layers.SeparableConv1D(3, 2, padding="same", activation="relu"),
+                  keras.layers.Dense(3)), _sequences(), _labels((M, T))
+
+
+def conv2d_transpose():
+    return _stack(keras.layers.Conv2DTranspose(2, 2, strides=2, activation="relu"),
+                  keras.layers.Flatten(), keras.layers.Dense(3),
+                  input_shape=(4, 4, 2)), _images(), _labels((M,))
+
+
+def time_distributed():
+    return _stack(keras.layers.TimeDistributed(keras.layers.Dense(4, activation="tanh")),
+                  keras.layers.Dense(3)), _sequences(), _labels((M, T))
+
+
+def group_query_attention():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T, F))
+    attended = keras.layers.GroupQueryAttention(head_dim=2, num_query_heads=2,
+                                                num_key_value_heads=1)(inputs, inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(attended)), _sequences(), _labels((M, T))
+
+
+def group_normalization():
+    return _stack(keras.layers.Dense(4, activation="tanh"),
+                  keras.layers.GroupNormalization(groups=2, gamma_initializer="random_normal",
+                                                  beta_initializer="random_normal"),
+                  keras.layers.Dense(3)), _sequences(), _labels((M, T))
+
+
+def unit_normalization():
+    return _stack(keras.layers.Dense(4, activation="tanh"), keras.layers.UnitNormalization(),
+                  keras.layers.Dense(3)), _sequences(), _labels((M, T))
+
+
+def prelu():
+    return _stack(keras.layers.Dense(4), keras.layers.PReLU(alpha_initializer="random_normal"),
+                  keras.layers.Dense(3)), _sequences(), _labels((M, T))
+
+
+def rescaling():
+    return _stack(keras.layers.Rescaling(0.5, offset=0.1), keras.layers.Dense(3)), \
+        _sequences(), _labels((M, T))
+
+
+def transformer_decoder():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((T, F))
+    hidden = keras_hub.layers.TransformerDecoder(intermediate_dim=8, num_heads=2)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3)(hidden)), _sequences(), _labels((M, T))
+
+
+def rotary_embedding():
+    return _stack(keras.layers.Dense(4, activation="tanh"), keras_hub.layers.RotaryEmbedding(),
+                  keras.layers.Dense(3)), _sequences(), _labels((M, T))
+
+
+class _SharedScale(keras.layers.Layer):
+    """A custom layer using one weight twice (a shared-weight custom layer)."""
+
+    def build(self, shape):
+        self.scale = self.add_weight(shape=shape[-1:], initializer="random_normal")
+
+    def call(self, inputs):
+        return keras.ops.tanh(inputs * self.scale) * self.scale
+
+
+def shared_weight_custom_layer():
+    return _stack(keras.layers.Dense(4, activation="tanh"), _SharedScale(),
+                  keras.layers.Dense(3)), _sequences(), _labels((M, T))
+
+
 CASES = {
     "Dense": dense,
     "EinsumDense": einsum_dense,
@@ -193,10 +282,24 @@ CASES = {
     "keras_hub TransformerEncoder": transformer_encoder,
     "keras_hub PositionEmbedding": position_embedding,
     "keras_hub ReversibleEmbedding (tied)": reversible_embedding,
+    "Conv3D": conv3d,
+    "DepthwiseConv2D": depthwise_conv2d,
+    "SeparableConv1D": separable_conv1d,
+    "Conv2DTranspose": conv2d_transpose,
+    "TimeDistributed(Dense)": time_distributed,
+    "GroupQueryAttention": group_query_attention,
+    "GroupNormalization": group_normalization,
+    "UnitNormalization": unit_normalization,
+    "PReLU": prelu,
+    "Rescaling (preprocessing)": rescaling,
+    "keras_hub TransformerDecoder": transformer_decoder,
+    "keras_hub RotaryEmbedding": rotary_embedding,
+    "custom layer, shared weight": shared_weight_custom_layer,
 }
 
 EXACT, REFUSED, RUNS = "exact", "refused", "runs"
-_NO_GHOST_RULE = {"SimpleRNN", "GRU", "LSTM", "Bidirectional(LSTM)"}
+_NO_GHOST_RULE = {"SimpleRNN", "GRU", "LSTM", "Bidirectional(LSTM)", "DepthwiseConv2D",
+                  "SeparableConv1D", "Conv2DTranspose", "PReLU", "custom layer, shared weight"}
 
 
 def _expected(case, strategy):

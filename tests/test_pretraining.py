@@ -13,6 +13,7 @@ for a vocabulary learned on that corpus.
 
 import io
 import json
+import re
 import warnings
 import zipfile
 
@@ -101,17 +102,24 @@ class Captured:
         return next(d[2] for d in self.draws if d[0] == sampler_number and d[1] == 0)
 
 
+# The resumed run averages its weights (EMA) and normalizes its per-example
+# gradients: a checkpoint must carry both across the interruption.
+RECIPE = dict(ema_momentum=0.5, per_example_scaling="automatic")
+
+
 @pytest.fixture(scope="module")
 def resumed_capture(workspace):
-    """The job stopped after 2 of 4 steps, then resumed; its randomness captured."""
+    """The job stopped after 2 of 4 steps, then resumed; its randomness and log captured."""
     root, corpus, cache = workspace
     output = root / "run"
+    captured_log = []
     with pytest.MonkeyPatch.context() as monkeypatch:
         captured = Captured(monkeypatch)
-        first = run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=2),
-                                log=lambda *_: None)
-        report = run_pretraining(tiny_config(corpus, cache, output, resume=True),
+        first = run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=2, **RECIPE),
+                                log=captured_log.append)
+        report = run_pretraining(tiny_config(corpus, cache, output, resume=True, **RECIPE),
                                  log=lambda *_: None)
+    captured.log = captured_log
     return first, report, output, captured
 
 
@@ -208,11 +216,53 @@ class TestEndToEnd:
         assert 0.0 <= on_disk["heldout_mlm_accuracy"] <= 1.0
         assert 0.0 < on_disk["unigram_baseline_accuracy"] < 1.0
 
+    def test_the_log_says_n_and_how_the_corpus_was_prepared(self, resumed_capture, workspace):
+        first, _, _, captured = resumed_capture
+        text = "\n".join(captured.log)
+        assert f"Corpus: N = {first['num_examples']:,} training sequences of 16 tokens" in text
+        assert f"held-out {first['heldout_examples']}" in text
+        # The first run of the module built the shards: its progress lines are there.
+        assert re.search(r"tokenizing: 100% \(400 / 400 documents", text), text
+        assert f"wrote N = {first['num_examples'] + first['heldout_examples']:,} sequences" in text
+
+    def test_the_exported_model_is_the_evaluated_average(self, resumed_run, workspace):
+        """The last held-out accuracy is that of model.keras: the EMA weights, not the live ones."""
+        import keras
+
+        from tf_megadp.jobs.bert import pretraining, text
+
+        _, report, output = resumed_run
+        root, corpus, cache = workspace
+        config = tiny_config(corpus, cache, output, **RECIPE)
+        _, train, heldout = prepare_data(config)
+        batcher = text.MaskedLMBatcher.from_shards(train)
+        x, y, w = pretraining._heldout_batches(heldout, batcher, config.micro_batch_size,
+                                               config.seed)
+        exported = pretraining.build_model(config, train.vocabulary_size)
+        exported.load_weights(str(output / "model.keras"))
+        predicted = np.argmax(exported.predict(x, batch_size=8, verbose=0), axis=-1)
+        accuracy = float(np.sum((predicted == y) * w) / np.sum(w))
+        assert accuracy == pytest.approx(report["heldout_mlm_accuracy"], abs=1e-6)
+        # The checkpoint keeps the trained weights apart from their average.
+        live = pretraining.build_model(config, train.vocabulary_size)
+        from tf_megadp.checkpointing import restore_training_state
+
+        restore_training_state(live, str(output / "checkpoint"), pretraining._compile_kwargs(True))
+        averaged = live.optimizer.inner_optimizer._model_variables_moving_average
+        assert len(averaged) == len(live.trainable_variables)
+        for variable, average, released in zip(live.trainable_variables, averaged,
+                                               exported.trainable_variables):
+            np.testing.assert_allclose(keras.ops.convert_to_numpy(average),
+                                       keras.ops.convert_to_numpy(released), atol=1e-6)
+        assert any(not np.allclose(keras.ops.convert_to_numpy(v), keras.ops.convert_to_numpy(a))
+                   for v, a in zip(live.trainable_variables, averaged))
+
     def test_resuming_with_other_settings_is_refused(self, resumed_run, workspace):
         root, corpus, cache = workspace
         _, _, output = resumed_run
         with pytest.raises(ValueError, match="noise_multiplier"):
-            run_pretraining(tiny_config(corpus, cache, output, resume=True, noise_multiplier=2.0),
+            run_pretraining(tiny_config(corpus, cache, output, resume=True, noise_multiplier=2.0,
+                                        **RECIPE),
                             log=lambda *_: None)
 
 

@@ -20,6 +20,7 @@ import contextlib
 import warnings
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
@@ -93,7 +94,7 @@ class GhostClipping(base.ClippingStrategy):
             self._checked[model] = _CheckedSignatures()
         checked = self._checked[model]
         slot = checked.slot((x, y, sample_weight, automatic_stability))
-        batch = function(x, y, sample_weight, tf.cast(l2_norm_clip, tf.float64),
+        batch = function(x, y, sample_weight, _as_float64(l2_norm_clip),
                          automatic_stability, checked.needed(slot))
         checked.record(slot, batch.mixing)
         if tf.executing_eagerly():
@@ -130,6 +131,16 @@ class GhostClipping(base.ClippingStrategy):
                                  check=tf.constant(True), locate=True).mixing
 
         return int(locate(x, y, sample_weight))
+
+
+def _as_float64(value) -> tf.Tensor:
+    """C in float64 (a float64 model clips at C, not at C rounded to float32).
+
+    `tf.cast` of a Python float would first make it a float32 tensor.
+    """
+    if isinstance(value, (int, float, np.floating, np.integer)):
+        return tf.constant(value, tf.float64)
+    return tf.cast(value, tf.float64)
 
 
 class _CheckedSignatures:

@@ -312,6 +312,23 @@ class TestFloat64Models:
         batch = assert_equals_naive(model, tokens(), labels((6, 5)), rtol=1e-10, loss=loss)
         assert batch.norms.dtype == tf.float64
 
+    def test_bfloat16_models_keep_norms_and_sums_in_float32(self):
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        try:
+            model = sequence_model(keras.layers.Conv1D(4, 2, padding="same", activation="tanh"),
+                                   keras.layers.Dense(3, dtype="float32"))
+        finally:
+            keras.config.set_dtype_policy("float32")
+        model.compile(loss=LOSS)
+        x, y = sequences(), labels((6, 5))
+        batch = GhostClipping(jit_compile=False).clip_and_sum(model, x, y, None, 1.0)
+        assert batch.norms.dtype == tf.float32
+        assert all(g.dtype == tf.float32 for g in batch.gradient_sum)
+        # The same bfloat16 forward pass, one example at a time: bfloat16
+        # activations bound the agreement, not the float32 sums.
+        expected = VectorizedClipping(jit_compile=False).clip_and_sum(model, x, y, None, 1.0)
+        np.testing.assert_allclose(batch.norms.numpy(), expected.norms.numpy(), rtol=2e-2)
+
 
 class Scaled(keras.layers.Layer):
     """A layer without a ghost rule that also calls a layer shared with others."""

@@ -40,9 +40,10 @@ custom layer with a SeedGenerator, `keras.layers.MixUp`) runs in both passes
 with different draws and is refused: the check cannot tell its randomness
 from mixing.
 
-Cost: one extra forward pass of the model per micro-batch (vectorized over
-examples, no backward pass), plus element-wise comparisons of the tapped
-activations; see docs/clipping.md for the measured step time. What it does
+Cost: one extra forward pass of the model (vectorized over examples, no
+backward pass), plus element-wise comparisons of the tapped activations. The
+ghost strategy runs it on the first call of each traced input signature only
+(`ghost._CheckedSignatures`); see docs/clipping.md for the measured step time. What it does
 not see: a layer whose gradient is not the derivative of its forward pass
 (`tf.custom_gradient`, `stop_gradient` tricks) can mix examples in the
 backward pass only; such code is trusted.

@@ -94,6 +94,9 @@ STUDIES = {
         "ema-0.9": _row("+ EMA of the weights (momentum 0.9)", "300x256",
                         **_old_default(300) | {"warmup_steps": 25, "eval_every": 25,
                                                "ema_momentum": 0.9}),
+        # The defaults as shipped: a replicate of lr-8e-3 with fresh draws and noise.
+        "default": _row("the new default again (no recipe flags; fresh draws and noise)",
+                        "300x256"),
         "lr-4e-3-ema-0.9": _row("learning rate 4e-3 + EMA 0.9", "300x256",
                                 **_old_default(300) | {"warmup_steps": 25, "eval_every": 25,
                                                        "learning_rate": 0.004,

@@ -328,7 +328,9 @@ def write_synthetic_corpus(
     return documents
 
 
-_WORD_COUNT_BATCH = 256
+# Documents (or pieces) per batch when counting words and tokenizing: small
+# enough for progress lines at every tenth of a corpus of a few thousand.
+_TEXT_BATCH = 256
 
 
 def _words_dataset(documents: Sequence[str], lowercase: bool, batch_size: int):
@@ -434,9 +436,9 @@ def learn_vocabulary(
     pieces, owners = _as_pieces(documents, _TOKENIZE_PIECE_CHARACTERS)
     reporter = _Reporter(progress, "counting words", len(documents))
     done = 0
-    for words in _words_dataset(pieces, lowercase, _WORD_COUNT_BATCH):
+    for words in _words_dataset(pieces, lowercase, _TEXT_BATCH):
         counts.update(words.flat_values.numpy())
-        done = min(done + _WORD_COUNT_BATCH, len(pieces))
+        done = min(done + _TEXT_BATCH, len(pieces))
         reporter.update(_documents_done(owners, done), f"{len(counts):,} distinct words")
     counts = collections.Counter({word.decode("utf-8"): count for word, count in counts.items()})
     if progress:
@@ -526,7 +528,7 @@ def _tokenize(documents: Sequence[str], vocabulary: list[str], lowercase: bool,
         vocabulary=vocabulary, lowercase=lowercase, oov_token=SPECIAL_TOKENS[_UNK]
     )
     pieces, owners = _as_pieces(documents, piece_characters)
-    dataset = tf.data.Dataset.from_tensor_slices(pieces).batch(512).map(tokenizer.tokenize)
+    dataset = tf.data.Dataset.from_tensor_slices(pieces).batch(_TEXT_BATCH).map(tokenizer.tokenize)
     per_piece: list[np.ndarray] = []
     reporter = _Reporter(progress, "tokenizing", len(documents))
     total = 0

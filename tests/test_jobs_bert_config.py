@@ -267,16 +267,3 @@ class TestRecipeOptions:
         for step in range(10):
             # The optimizer's schedule object, called at logical step `step`.
             assert float(optimizer._learning_rate(step)) == pytest.approx(reference(step), rel=1e-5)
-
-    def test_a_scaled_schedule_survives_serialization(self):
-        import keras
-
-        from tf_megadp.jobs.bert.learning_rate import BatchScaledSchedule
-
-        schedule = BatchScaledSchedule(keras.optimizers.schedules.CosineDecay(1e-3, 10),
-                                       boundaries=[4], factors=[0.5, 2.0])
-        again = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(schedule))
-        assert [float(again(s)) for s in (0, 3, 4, 9)] == [float(schedule(s)) for s in (0, 3, 4, 9)]
-        assert float(schedule(4)) == pytest.approx(2.0 * float(schedule.base(4)))
-        with pytest.raises(ValueError, match="one factor per phase"):
-            BatchScaledSchedule(schedule.base, boundaries=[4], factors=[1.0])

@@ -450,7 +450,7 @@ def _inner_optimizer(config: PretrainConfig, schedule, accumulation_steps: int |
     import keras
 
     from tf_megadp.jobs.bert.config import LEARNING_RATE_SCALINGS
-    from tf_megadp.jobs.bert.learning_rate import BatchScaledSchedule
+    from tf_megadp.learning_rate import BatchScaledSchedule
 
     total_steps = schedule.total_steps
     scale = accumulation_steps or 1
@@ -464,13 +464,9 @@ def _inner_optimizer(config: PretrainConfig, schedule, accumulation_steps: int |
     )
     power = LEARNING_RATE_SCALINGS[config.learning_rate_scaling]
     if power:
-        boundaries, factors, step = [], [], 0
-        for phase in schedule.phases:
-            if factors:
-                boundaries.append(step * scale)
-            factors.append((phase.batch_size / config.reference_batch_size) ** power)
-            step += phase.steps
-        learning_rate = BatchScaledSchedule(learning_rate, boundaries, factors)
+        learning_rate = BatchScaledSchedule.for_batch_schedule(
+            learning_rate, schedule, reference_batch_size=config.reference_batch_size,
+            power=power, steps_per_logical_step=scale)
     ema = {} if config.ema_momentum is None else {"use_ema": True,
                                                   "ema_momentum": config.ema_momentum}
     return keras.optimizers.AdamW(learning_rate=learning_rate, weight_decay=config.weight_decay,
@@ -727,8 +723,6 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     import tf_megadp
     from tf_megadp import distribute, sampling
     from tf_megadp.jobs.bert import text
-    # Registers BatchScaledSchedule, which a resumed run's optimizer may hold.
-    from tf_megadp.jobs.bert import learning_rate  # noqa: F401
     from tf_megadp.checkpointing import export_model
 
     # Public randomness only (init, masking, dropout): the sampling and the

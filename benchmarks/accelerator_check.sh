@@ -42,8 +42,8 @@ fi
 echo "running on: ${where}"
 
 echo "== step overhead (tiny BERT, m = 64) =="
-timeout "${TIMEOUT_S}" python benchmarks/step_overhead.py --micro-batch 64 \
-    --clipping ghost,vectorized --repeats 10 || status=$?
+timeout "${TIMEOUT_S}" python benchmarks/step_overhead.py --sizes tiny --micro-batch 64 \
+    --paths train_on_batch --clipping ghost,vectorized --repeats 10 || status=$?
 
 # m is per replica; B = 1024 keeps k = 2 micro-steps on up to 8 replicas.
 MODEL="${MODEL:-mini}"; STEPS="${STEPS:-20}"; MICRO_BATCH="${MICRO_BATCH:-64}"; BATCH="${BATCH:-1024}"

@@ -49,6 +49,7 @@ __all__ = [
     "train_micro_steps",
     "check_schedule_matches_strategy",
     "shared_sampling_secret",
+    "build_without_reading",
 ]
 
 STRATEGIES = ("default", "mirrored", "multiworker", "tpu")
@@ -438,3 +439,35 @@ def shared_sampling_secret(strategy: tf.distribute.Strategy | None = None) -> in
     if _worker_count(strategy) == 1:
         return local
     return _broadcast_from_replica_zero(strategy, local)
+
+
+def build_without_reading(model, element_spec) -> None:
+    """Lets Keras build `model` from a sampler dataset's shapes, not its first batch.
+
+    Under a tf.distribute strategy, Keras 3's `fit` reads one batch of the
+    training data to build the model, then restarts the data. A sampler's
+    dataset can be read once only (a restart would replay its draws, which
+    it refuses), so Keras gets the per-replica shapes and dtypes instead,
+    which is all the build uses. Without a strategy Keras builds while
+    tracing and reads nothing early; then this does nothing. The private
+    `fit` of `make_private` calls it for sampler datasets; call it before a
+    plain (non-private) `fit` on one.
+
+    Args:
+        model: the compiled model, under its strategy.
+        element_spec: the dataset's element spec (global micro-batches of
+            m * R rows).
+    """
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None:
+        return
+    replicas = strategy.num_replicas_in_sync
+    per_replica = tf.nest.map_structure(
+        lambda spec: tf.TensorSpec([spec.shape[0] // replicas, *spec.shape[1:]], spec.dtype),
+        element_spec)
+
+    def build(iterator=None, data_batch=None):
+        with strategy.scope():
+            model._symbolic_build(data_batch=per_replica)
+
+    model._maybe_symbolic_build = build

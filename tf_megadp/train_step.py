@@ -14,7 +14,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tf_megadp import sources
+from tf_megadp import distribute, sources
 from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
@@ -198,7 +198,7 @@ def _private_fit(model: keras.Model, original_fit):
         privacy = [c for c in callbacks if isinstance(c, PrivacyCallback)]
         source = _fit_source(arguments)
         if source is not None and isinstance(arguments.get("x"), tf.data.Dataset):
-            _build_without_reading(model, arguments["x"].element_spec)
+            distribute.build_without_reading(model, arguments["x"].element_spec)
         keeper = LedgerKeeper(
             source=source,
             stated_num_examples=privacy[0].num_examples if privacy else None,
@@ -222,31 +222,6 @@ def _private_fit(model: keras.Model, original_fit):
             raise converted from None
 
     return fit
-
-
-def _build_without_reading(model: keras.Model, element_spec) -> None:
-    """Lets Keras build `model` from a sampler dataset's shapes, not its first batch.
-
-    Under a tf.distribute strategy, Keras 3's `fit` reads one batch of the
-    training data to build the model, then restarts the data. A sampler's
-    dataset can be read once only (a restart would replay its draws, which
-    it refuses), so Keras gets the per-replica shapes and dtypes instead,
-    which is all the build uses. Without a strategy Keras builds while
-    tracing and reads nothing early; then this does nothing.
-    """
-    strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is None:
-        return
-    replicas = strategy.num_replicas_in_sync
-    per_replica = tf.nest.map_structure(
-        lambda spec: tf.TensorSpec([spec.shape[0] // replicas, *spec.shape[1:]], spec.dtype),
-        element_spec)
-
-    def build(iterator=None, data_batch=None):
-        with strategy.scope():
-            model._symbolic_build(data_batch=per_replica)
-
-    model._maybe_symbolic_build = build
 
 
 def _saved_dp_optimizer_variables(path) -> int:

@@ -652,36 +652,6 @@ class _Checkpointer:
         })
 
 
-def _build_without_reading(model, element_spec, replicas: int) -> None:
-    """Lets Keras build `model` from the data's shapes instead of its first batch.
-
-    Under a tf.distribute strategy, Keras 3.15's `fit` reads one batch of
-    the training data to build the model, then restarts the data. A
-    sampler's dataset can be read once only (a restart would replay its
-    draws, which it refuses), so the job hands Keras the per-replica shapes
-    and dtypes, which is all the build uses. Without a strategy Keras builds
-    while tracing and reads nothing early; then this does nothing.
-
-    Args:
-        model: the compiled model.
-        element_spec: the sampler dataset's element spec (m * R rows).
-        replicas: R.
-    """
-    if getattr(model, "_distribute_strategy", None) is None:
-        return
-    import tensorflow as tf
-
-    per_replica = tf.nest.map_structure(
-        lambda spec: tf.TensorSpec([spec.shape[0] // replicas, *spec.shape[1:]], spec.dtype),
-        element_spec)
-
-    def build(iterator=None, data_batch=None):
-        with model.distribute_strategy.scope():
-            model._symbolic_build(data_batch=per_replica)
-
-    model._maybe_symbolic_build = build
-
-
 def _compile_kwargs(private: bool):
     import keras
 
@@ -798,7 +768,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # distribute.replica_micro_batches gives one input pipeline. keras-hub
     # tasks cannot take a tf.distribute DistributedDataset in fit.
     dataset = sampler.as_dataset(batcher)
-    _build_without_reading(model, dataset.element_spec, schedule.num_replicas)
+    if not private:  # The private fit does this itself.
+        distribute.build_without_reading(model, dataset.element_spec)
 
     # One fit step consumes one micro-batch per replica: a sampler micro-step.
     remaining_micro = sampler.total_micro_steps

@@ -304,7 +304,8 @@ def mixed_bfloat16_checks(strategy, replicas, result):
         # Tracing (not compiling) the clipping function shows its dtypes.
         slots = slice(0, MICRO_BATCH)
         batch = model.optimizer.clipping_strategy._function_for(model).get_concrete_function(
-            x[slots], y[slots], w[slots], tf.constant(CLIP)).structured_outputs
+            x[slots], y[slots], w[slots], tf.constant(CLIP, tf.float64),
+            None).structured_outputs
         dtypes = {
             "compute": model.dtype_policy.compute_dtype,
             "variables": sorted({v.dtype for v in model.trainable_variables}),

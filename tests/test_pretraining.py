@@ -242,7 +242,10 @@ class TestEndToEnd:
         exported.load_weights(str(output / "model.keras"))
         predicted = np.argmax(exported.predict(x, batch_size=8, verbose=0), axis=-1)
         accuracy = float(np.sum((predicted == y) * w) / np.sum(w))
-        assert accuracy == pytest.approx(report["heldout_mlm_accuracy"], abs=1e-6)
+        # A pico model after 3 steps has near-tied logits: fit's compiled
+        # evaluation and predict may break one tie differently (CI: 1 token
+        # of 201). The weights themselves are compared exactly below.
+        assert accuracy == pytest.approx(report["heldout_mlm_accuracy"], abs=1.01 / np.sum(w))
         # The checkpoint keeps the trained weights apart from their average.
         live = pretraining.build_model(config, train.vocabulary_size)
         from tf_megadp.checkpointing import restore_training_state

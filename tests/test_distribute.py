@@ -282,7 +282,7 @@ class TestTheJobCommandOnCpuReplicas:
     """`tf-megadp pretrain --strategy mirrored --cpu-replicas R`, end to end."""
 
     # Not in CI: on CI's two loaded cores the job's weights after 3 AdamW steps
-    # differed from the 1-device run in 2 of 5 clean-clone runs (1.7e-3 at R = 4,
+    # differed from the 1-device run in 2 of 4 clean-clone runs (1.7e-3 at R = 4,
     # then 1.9e-2 at R = 2 with lr 8e-3), while matching to 1e-8 here alone.
     # Some thread-timing dependence in the job's input path is left, not yet
     # found (the parallel masking map was one, fixed). The library's own

@@ -16,6 +16,17 @@ from typing import Any, Callable
 __all__ = ["atomic_write", "write_bytes_atomically", "write_json_atomically"]
 
 
+def sha256_of_file(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, as hex, read in 4 MiB chunks."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Calls `write(temporary_path)`, flushes the result to disk and renames it onto `path`.
 

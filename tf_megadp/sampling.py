@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import hashlib
 import json
 import math
 import mmap
@@ -51,7 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Self
 import numpy as np
 
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.files import atomic_write, write_json_atomically
+from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
 from tf_megadp.schedules import BatchSizeSchedule, Phase
 from tf_megadp.sources import DataSource, attach_source
 
@@ -76,14 +75,6 @@ _SUBSET_BLOCK = 1 << 20
 # on a 10M-row corpus), so unmapping often is what keeps memory flat; 16 rows
 # cost 18 MiB of peak memory and ~70k rows/s (benchmarks/input_pipeline.py).
 _RELEASE_EVERY_ROWS = 16
-
-
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def token_dtype(vocabulary_size: int) -> np.dtype:
@@ -133,7 +124,7 @@ def write_token_shards(
         name = f"shard-{len(shards):05d}.npy"
         path = os.path.join(directory, name)
         atomic_write(path, lambda temporary: np.save(temporary, block, allow_pickle=False))
-        shards.append({"file": name, "rows": int(block.shape[0]), "sha256": _sha256_file(path)})
+        shards.append({"file": name, "rows": int(block.shape[0]), "sha256": sha256_of_file(path)})
 
     for block in rows:
         block = np.asarray(block)
@@ -246,7 +237,7 @@ class TokenShards:
                 raise FileNotFoundError(
                     f"Shard {shard_path} named in the manifest is missing. Rebuild the shards."
                 )
-            if verify and _sha256_file(shard_path) != entry["sha256"]:
+            if verify and sha256_of_file(shard_path) != entry["sha256"]:
                 raise ValueError(
                     f"Shard {shard_path} does not match its SHA-256 in the manifest: "
                     "it was modified or is corrupt. Rebuild the shards."

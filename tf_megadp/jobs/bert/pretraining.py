@@ -97,16 +97,6 @@ def _default_corpus_sources() -> list:
         (name, importlib.metadata.version(name)) for name in ("tensorflow", "keras", "numpy")]
 
 
-def _file_sha256(path: str) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _vocabulary_plan(config: PretrainConfig) -> dict[str, Any]:
     """Where the run's vocabulary comes from, as JSON (part of the corpus cache key).
 
@@ -114,8 +104,10 @@ def _vocabulary_plan(config: PretrainConfig) -> dict[str, Any]:
     the default is the public offline default corpus.
     """
     if config.vocabulary:
+        from tf_megadp.files import sha256_of_file
+
         path = os.path.abspath(config.vocabulary)
-        return {"kind": "file", "path": path, "sha256": _file_sha256(path)}
+        return {"kind": "file", "path": path, "sha256": sha256_of_file(path)}
     if config.corpus and config.vocabulary_from_training_corpus:
         return {"kind": "training corpus"}
     return {"kind": "default corpus", "max_characters": config.max_characters,

@@ -17,7 +17,7 @@ import tensorflow as tf
 import tf_megadp
 from tests import reference
 from tf_megadp import PrivacyConfigurationError
-from tf_megadp.clipping import GhostClipping, VectorizedClipping, get_clipping_strategy
+from tf_megadp.clipping import GhostClipping, Outer, VectorizedClipping, get_clipping_strategy
 from tf_megadp.clipping.ghost_rules.einsum import einsum_plan
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -95,6 +95,45 @@ class TestEinsumPlan:
         assert einsum_plan("abc,cd->abcd") is None  # kernel letter kept in output
 
 
+class TestOuterTerm:
+    """Both forms of an `Outer` record equal the per-example products built naively."""
+
+    @pytest.mark.parametrize("tokens,p,d,materialised", [
+        (5, 4, 6, True),     # p d = 24 <= T (p + d) = 50
+        (2, 8, 8, False),    # 64 > 32: Gram form
+        (None, 4, 6, False),  # unknown token count: Gram form
+    ])
+    def test_norms_and_clipped_sum(self, tokens, p, d, materialised):
+        rng = np.random.default_rng(0)
+        m, length = 5, tokens or 3
+        left_value = rng.normal(size=(m, length, p)).astype("float32")
+        right_value = rng.normal(size=(m, length, d)).astype("float32")
+        factors = tf.constant(rng.uniform(0.1, 1.0, m).astype("float32"))
+        keep = tf.constant([True, True, False, True, True])
+        expected = np.einsum("mtp,mtd->mpd", left_value, right_value)
+
+        @tf.function(input_signature=[tf.TensorSpec([m, tokens, p]), tf.TensorSpec([m, tokens, d])])
+        def forms(left, right):
+            term = Outer(left, right, [p, d])
+            assert term.materialised is materialised
+            return term.squared_norms(), term.clipped_sum(factors, keep)
+
+        norms, total = forms(left_value, right_value)
+        np.testing.assert_allclose(norms, np.sum(expected ** 2, axis=(1, 2)), rtol=1e-4)
+        weights = np.where(keep, factors, 0.0)
+        np.testing.assert_allclose(total, np.tensordot(weights, expected, axes=1),
+                                   rtol=1e-4, atol=1e-5)
+
+    def test_a_dropped_example_with_nonfinite_gradients_adds_nothing(self):
+        left = np.ones((2, 3, 2), "float32")
+        right = np.ones((2, 3, 2), "float32")
+        right[1, 0, 0] = np.nan
+        term = Outer(tf.constant(left), tf.constant(right), [2, 2])
+        assert term.materialised
+        total = term.clipped_sum(tf.constant([1.0, 1.0]), tf.constant([True, False]))
+        np.testing.assert_array_equal(total, np.full((2, 2), 3.0))
+
+
 class TestGhostEqualsVectorizedPerLayer:
     def test_dense_on_flat_inputs(self):
         model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"),
@@ -103,9 +142,10 @@ class TestGhostEqualsVectorizedPerLayer:
         assert_same_clipping(model, rng.normal(size=(8, 6)).astype("float32"), labels(8))
 
     def test_dense_on_sequences_gram_and_materialised_forms(self):
-        # Dense(16) on T=5, p=4: 2 T^2 = 50 < p d = 64 (Gram form);
-        # Dense(3) on p=16: 50 > 48 (per-example A_i^T G_i).
+        # T = 5. Dense(16) on p=4: p d = 64 <= T (p + d) = 100 (materialised);
+        # Dense(16) on p=16: 256 > 160 (Gram form); Dense(3): 48 <= 95.
         model = sequence_model(keras.layers.Dense(16, activation="relu"),
+                               keras.layers.Dense(16, activation="tanh"),
                                keras.layers.Dense(3))
         assert_same_clipping(model, sequences(), labels((6, 5)))
 

@@ -79,6 +79,17 @@ class Term(abc.ABC):
 class Outer(Term):
     """Per-example gradient `left_i^T right_i`, reshaped to the variable.
 
+    Two forms, chosen per layer from the static shapes:
+
+    - materialised, when p d <= T (p + d): the per-example gradients
+      [m, p, d] are built once (T p d per example, the cost of the ordinary
+      weight gradient) and no larger than the records they come from. Both
+      the norms and the clipped sum are read off them, so the clipped sum
+      costs p d per example instead of a second T p d product.
+    - Gram, otherwise: ||g_i||^2 = <A_i A_i^T, G_i G_i^T> (T^2 (p + d) per
+      example, T^2 memory) and the clipped sum is one [p, m T] x [m T, d]
+      product of the records.
+
     Args:
         left: [m, T, P] (a layer's inputs, or unfolded patches of them).
         right: [m, T, D] (the output gradient).
@@ -88,24 +99,38 @@ class Outer(Term):
     def __init__(self, left, right, shape):
         super().__init__(shape)
         self.left, self.right = left, right
+        self._per_example = None
 
     @property
     def dtype(self):
         return self.left.dtype
 
-    def squared_norms(self):
-        """Gram form <A_i A_i^T, G_i G_i^T> when 2 T^2 < P D, else ||A_i^T G_i||^2."""
+    @property
+    def materialised(self) -> bool:
+        """Whether the per-example gradients are built (see the class docstring)."""
         tokens, p, d = self.left.shape[1], self.left.shape[2], self.right.shape[2]
         # An unknown token count gets the Gram form, whose memory does not
         # grow with the layer's width.
-        if tokens is None or 2 * tokens * tokens < p * d:
-            left_gram = tf.einsum("mtp,msp->mts", self.left, self.left)
-            right_gram = tf.einsum("mtd,msd->mts", self.right, self.right)
-            return tf.reduce_sum(left_gram * right_gram, axis=[1, 2])
-        per_example = tf.einsum("mtp,mtd->mpd", self.left, self.right)
-        return tf.reduce_sum(tf.square(per_example), axis=[1, 2])
+        return tokens is not None and p * d <= tokens * (p + d)
+
+    def _per_example_gradients(self) -> tf.Tensor:
+        """[m, P, D], built once per term (norms and clipped sum share it)."""
+        if self._per_example is None:
+            self._per_example = tf.einsum("mtp,mtd->mpd", self.left, self.right)
+        return self._per_example
+
+    def squared_norms(self):
+        if self.materialised:
+            return tf.reduce_sum(tf.square(self._per_example_gradients()), axis=[1, 2])
+        left_gram = tf.einsum("mtp,msp->mts", self.left, self.left)
+        right_gram = tf.einsum("mtd,msd->mts", self.right, self.right)
+        return tf.reduce_sum(left_gram * right_gram, axis=[1, 2])
 
     def clipped_sum(self, factors, keep):
+        if self.materialised:
+            per_example = _rows(self._per_example_gradients(), keep)
+            total = tf.tensordot(tf.cast(factors, self.dtype), per_example, axes=1)
+            return tf.reshape(total, self.shape)
         left = _rows(self.left, keep) * tf.cast(factors, self.dtype)[:, None, None]
         right = _rows(self.right, keep)
         # One [p, m*T] x [m*T, d] product: XLA on CPU runs it about twice as
@@ -115,7 +140,7 @@ class Outer(Term):
         return tf.reshape(total, self.shape)
 
     def dense(self):
-        per_example = tf.einsum("mtp,mtd->mpd", self.left, self.right)
+        per_example = self._per_example_gradients()
         return tf.reshape(per_example, [tf.shape(per_example)[0]] + self.shape)
 
     @classmethod

@@ -4,9 +4,10 @@ A convolution is a matmul of each output position's input window with the
 kernel: unfolding example i's (padded) input into its windows ("im2col"),
 A_i [T, k C] with T output positions, the kernel gradient is A_i^T G_i with
 G_i [T, filters] the output gradient, reshaped to [k..., C, filters]. That is
-an `Outer` term, so its norm takes the Gram form <A_i A_i^T, G_i G_i^T> when
-2 T^2 < k C filters and A_i^T G_i otherwise (the per-layer choice of "mixed
-ghost clipping", Bu et al. 2022), and its clipped sum is one matmul.
+an `Outer` term: its norm takes the Gram form <A_i A_i^T, G_i G_i^T> when
+k C filters > T (k C + filters), and otherwise A_i^T G_i is built per example
+and gives both the norm and the clipped sum (the per-layer choice of "mixed
+ghost clipping", Bu et al. 2022; see `terms.Outer`).
 
 The windows are gathered by strided slices of the padded input, one per
 kernel offset (no [k C, k C] identity convolution), with TensorFlow's padding

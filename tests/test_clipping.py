@@ -8,6 +8,8 @@ tied input/output embedding. Single-layer cases trace without XLA to keep the
 suite fast; the BertMaskedLM cases run compiled with XLA, as in training.
 """
 
+import warnings
+
 import keras
 import keras_hub
 import numpy as np
@@ -440,6 +442,66 @@ class TestAutoFallsBackPerLayer:
         with pytest.raises(PrivacyConfigurationError, match="regularizers"):
             GhostClipping(jit_compile=False).clip_and_sum(
                 model, np.ones((2, 3), "float32"), np.zeros(2, "int32"), None, 1.0)
+
+
+class TestAutoFallsBackToVectorizedPerModel:
+    """What ghost norms cannot attribute, `auto` clips with per-example gradients."""
+
+    def regularized(self):
+        keras.utils.set_random_seed(0)
+        model = sequence_model(keras.layers.Dense(4, activation="tanh", kernel_regularizer="l2"),
+                               keras.layers.Dense(3))
+        model.compile(loss=LOSS)
+        return model
+
+    def kernel_thief(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5, 4))
+        donor = keras.layers.Dense(4)
+        hidden = donor(inputs) + KernelThief(donor)(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        model.compile(loss=LOSS)
+        return model
+
+    @pytest.mark.parametrize("build", ["regularized", "kernel_thief"])
+    def test_auto_equals_vectorized_where_ghost_refuses(self, build):
+        model, x, y = getattr(self, build)(), sequences(), labels((6, 5))
+        with pytest.raises(tf_megadp.GhostClippingUnsupportedError, match="clipping='vectorized'"):
+            GhostClipping(fallback="any", jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
+        expected = VectorizedClipping(jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
+        auto = get_clipping_strategy("auto")
+        with pytest.warns(UserWarning, match="clipped with exact per-example gradients"):
+            actual = auto.clip_and_sum(model, x, y, None, 0.5)
+        assert_batches_equal(model, expected, actual)
+        # Decided once per model: the next call neither retries ghost nor warns again.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = auto.clip_and_sum(model, x, y, None, 0.5)
+        assert_batches_equal(model, expected, again)
+
+    def test_falls_back_inside_a_traced_step(self):
+        model, x, y = self.regularized(), sequences(), labels((6, 5))
+        expected = VectorizedClipping(jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
+        auto = get_clipping_strategy("auto")
+
+        @tf.function
+        def step(x, y):
+            return auto.clip_and_sum(model, x, y, None, 0.5)
+
+        with pytest.warns(UserWarning, match="clipping='vectorized'"):
+            actual = step(tf.constant(x), tf.constant(y))
+        assert_batches_equal(model, expected, actual)
+
+    def test_mixing_examples_is_still_refused(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5, 4), batch_size=6)
+        hidden = keras.layers.LayerNormalization(axis=[0, 2])(inputs)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        model.compile(loss=LOSS)
+        with pytest.raises(PrivacyConfigurationError, match="micro-batch axis") as raised:
+            get_clipping_strategy("auto").clip_and_sum(
+                model, sequences(), labels((6, 5)), None, 1.0)
+        assert not isinstance(raised.value, tf_megadp.GhostClippingUnsupportedError)
 
 
 class TestPaddingAndNonFinite:

@@ -24,8 +24,8 @@ from tf_megadp.accounting import (
 )
 from tf_megadp.callbacks import PrivacyCallback, read_ledger
 from tf_megadp.checkpointing import export_model, restore_training_state, save_training_state
-from tf_megadp.clipping import ClippingStrategy, GhostClipping, VectorizedClipping
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.clipping import AutoClipping, ClippingStrategy, GhostClipping, VectorizedClipping
+from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
@@ -51,6 +51,7 @@ _LAZY = {
 
 __all__ = [
     "AuditCallback",
+    "AutoClipping",
     "BatchScaledSchedule",
     "BatchSizeSchedule",
     "ClippingStrategy",
@@ -58,6 +59,7 @@ __all__ = [
     "DPOptimizer",
     "DataSource",
     "GhostClipping",
+    "GhostClippingUnsupportedError",
     "LedgerEntry",
     "MaskedLMBatcher",
     "Phase",

@@ -6,12 +6,13 @@ to a strategy object.
 
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, ClippingStrategy
-from tf_megadp.clipping.ghost import GhostClipping, auto_clipping
+from tf_megadp.clipping.ghost import AutoClipping, GhostClipping
 from tf_megadp.clipping.rules import Rule, register_ghost_rule, unregister_ghost_rule
 from tf_megadp.clipping.terms import Explicit, Gather, Outer, Term
 from tf_megadp.clipping.vectorized import VectorizedClipping
 
 __all__ = [
+    "AutoClipping",
     "ClippedBatch",
     "ClippingStrategy",
     "Explicit",
@@ -30,7 +31,7 @@ __all__ = [
 _STRATEGIES = {
     "vectorized": VectorizedClipping,
     "ghost": GhostClipping,
-    "auto": auto_clipping,
+    "auto": AutoClipping,
 }
 
 

@@ -28,9 +28,10 @@ from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.ghost_rules import plan_rules
 from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
 from tf_megadp.clipping.terms import squared_norm_of_sum
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.clipping.vectorized import VectorizedClipping
+from tf_megadp.errors import GhostClippingUnsupportedError
 
-__all__ = ["GhostClipping"]
+__all__ = ["AutoClipping", "GhostClipping"]
 
 
 class GhostClipping(base.ClippingStrategy):
@@ -203,11 +204,51 @@ class _CheckedSignatures:
                 [[slot]], [tf.cast(tf.equal(mixing, independence.MIXING_OK), tf.int32)])
 
 
-def auto_clipping() -> GhostClipping:
-    """The `clipping="auto"` strategy: ghost norms, per-layer exact fallback."""
-    strategy = GhostClipping(fallback="any")
-    strategy.name = "auto"
-    return strategy
+class AutoClipping(GhostClipping):
+    """The `clipping="auto"` strategy: ghost norms where possible, exact elsewhere.
+
+    Layers with a ghost rule get ghost norms; every other layer gets exact
+    per-example gradients for its own variables only (`fallback="any"`). A
+    model that ghost clipping cannot attribute at all (weight regularizers,
+    `add_loss`, a weight read outside its layer, a layer applied off the
+    example axis: `GhostClippingUnsupportedError`) is clipped with
+    `VectorizedClipping` instead, with a warning naming the reason. Both
+    give each example's exact clipped gradient; only time and memory differ.
+    Errors that mean examples are mixed are raised, never worked around.
+
+    Example:
+    ```python
+    optimizer = tf_megadp.DPOptimizer(keras.optimizers.Adam(1e-3), l2_norm_clip=1.0,
+                                      noise_multiplier=1.1, clipping="auto")
+    ```
+    """
+
+    name = "auto"
+
+    def __init__(self, jit_compile: bool = True):
+        super().__init__(fallback="any", jit_compile=jit_compile)
+        self._vectorized = weakref.WeakKeyDictionary()
+
+    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
+                     automatic_stability=None):
+        """See `GhostClipping.clip_and_sum`; falls back per model as described above."""
+        vectorized = self._vectorized.get(model)
+        if vectorized is None:
+            try:
+                return super().clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
+                                            automatic_stability)
+            except GhostClippingUnsupportedError as error:
+                warnings.warn(
+                    f"clipping='auto': ghost norms cannot attribute part of model "
+                    f"'{model.name}' to examples ({error}). This model is clipped with "
+                    "exact per-example gradients (clipping='vectorized') instead: the "
+                    "same clipped sums, more time and memory.",
+                    stacklevel=2,
+                )
+                vectorized = VectorizedClipping(jit_compile=self.jit_compile)
+                self._vectorized[model] = vectorized
+        return vectorized.clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
+                                       automatic_stability)
 
 
 def _check_no_regularizers(model):
@@ -217,7 +258,7 @@ def _check_no_regularizers(model):
     regularized += [layer.name for layer in model._flatten_layers()
                     if getattr(layer, "activity_regularizer", None) is not None]
     if regularized:
-        raise PrivacyConfigurationError(
+        raise GhostClippingUnsupportedError(
             f"Ghost clipping does not support regularizers ({regularized}). "
             "Use weight decay on the inner optimizer, or clipping='vectorized'."
         )
@@ -252,7 +293,7 @@ def _forward(model, rules, x, y, sample_weight, check, locate=False):
                 else:
                     y_pred = model(x)
         if scope.losses:
-            raise PrivacyConfigurationError(
+            raise GhostClippingUnsupportedError(
                 "The model adds losses with add_loss(); ghost clipping cannot "
                 "attribute them to examples. Use clipping='vectorized'."
             )
@@ -268,7 +309,7 @@ def _forward(model, rules, x, y, sample_weight, check, locate=False):
     )
     records = recorder.terms(gradients)
     if recorder.violations:
-        raise PrivacyConfigurationError(
+        raise GhostClippingUnsupportedError(
             f"Trainable variables {sorted(set(recorder.violations))} are read "
             "outside the layer that owns them (e.g. a custom layer using "
             "another layer's weights directly); ghost clipping would miss "
@@ -393,7 +434,7 @@ def _check_one_norm_per_example(squared, losses, variables):
     expected = losses.shape[0]
     for norms, variable in zip(squared, variables):
         if not norms.shape.is_compatible_with([expected]):
-            raise PrivacyConfigurationError(
+            raise GhostClippingUnsupportedError(
                 f"The per-example gradient records of {variable.path} have "
                 f"{norms.shape[0]} rows, not one per example ({expected}): the layer "
                 "owning it ran on a tensor whose first axis is not the example axis. "

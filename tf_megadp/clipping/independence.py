@@ -60,7 +60,7 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 
 from tf_megadp.clipping import base
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 
 __all__ = ["LayerTaps", "MIXING_OK", "MODEL_MIXES", "check_independence",
            "error_from_assertion", "mixing_code", "mixing_error"]
@@ -319,7 +319,7 @@ def check_independence(model, batched: LayerTaps, x, trainable_values, state_val
     # does that.
     outputs_of_model = [k for k in batched.records if k.layer == 0 and k.output]
     if not outputs_of_model:
-        raise PrivacyConfigurationError(
+        raise GhostClippingUnsupportedError(
             f"No output of model '{model.name}' has the micro-batch as its first "
             "axis; ghost clipping needs one prediction per example along axis 0. "
             "Use clipping='vectorized'."

@@ -23,7 +23,7 @@ from keras.src.backend.common import masking
 
 from tf_megadp.clipping import base
 from tf_megadp.clipping.terms import Explicit, compute_dtype
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.errors import GhostClippingUnsupportedError
 
 __all__ = ["ReadCheckingScope", "Recorder", "Rule", "accept_without_rule", "register_ghost_rule",
            "rule_for", "unregister_ghost_rule"]
@@ -103,7 +103,7 @@ class Recorder:
         # Rules read axis 0 as the example axis; a layer applied to reshaped
         # or transposed activations would get wrong norms, so refuse it.
         if not self.has_batch_axis(tensor):
-            raise PrivacyConfigurationError(
+            raise GhostClippingUnsupportedError(
                 f"Layer '{layer.name}' was called on a tensor of shape "
                 f"{tensor.shape} whose first axis is not the micro-batch axis "
                 f"(size {self.static_batch_size}); ghost clipping cannot "

@@ -19,7 +19,7 @@ import keras
 from tf_megadp.clipping.ghost_rules import convolution, dense, einsum, embedding, normalization
 from tf_megadp.clipping.ghost_rules.fallback import fallback_rule
 from tf_megadp.clipping.rules import SMALL_LAYERS, Rule, rule_for
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.errors import GhostClippingUnsupportedError
 
 __all__ = ["convolution", "dense", "einsum", "embedding", "normalization", "plan_rules"]
 
@@ -74,7 +74,7 @@ def plan_rules(model: keras.Model, fallback: str) -> list[Rule]:
 
     visit(model)
     if unsupported:
-        raise PrivacyConfigurationError(
+        raise GhostClippingUnsupportedError(
             "clipping='ghost' has no ghost-norm rule for layer(s) "
             f"{', '.join(unsupported)}. Use clipping='auto' (exact per-example "
             "gradients for those layers, ghost norms for the rest) or "
@@ -83,7 +83,7 @@ def plan_rules(model: keras.Model, fallback: str) -> list[Rule]:
     covered = {id(v) for rule in rules for v in rule.variables}
     missing = [v.path for v in model.trainable_variables if id(v) not in covered]
     if missing:
-        raise PrivacyConfigurationError(
+        raise GhostClippingUnsupportedError(
             f"Trainable variables {missing} belong to no layer that ghost "
             "clipping can intercept. Use clipping='vectorized'."
         )

@@ -30,7 +30,7 @@ import tensorflow as tf
 from tf_megadp.clipping.rules import (Rule, bias_gradient, builtin_rule,
                                       call_with_probed_activation, flat_tokens)
 from tf_megadp.clipping.terms import Explicit, Outer, compute_dtype
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.errors import GhostClippingUnsupportedError
 
 __all__ = ["ConvolutionRule", "unfold"]
 
@@ -117,7 +117,7 @@ class ConvolutionRule(Rule):
         layer = self.layer
         recorder.check_batch_axis(inputs, layer)
         if not inputs.shape[1:].is_fully_defined():
-            raise PrivacyConfigurationError(
+            raise GhostClippingUnsupportedError(
                 f"Convolution '{layer.name}' is called on inputs of shape {inputs.shape}; "
                 "its ghost rule unfolds the input windows, which needs static spatial "
                 "dimensions. Give the model's Input a fixed shape (e.g. "

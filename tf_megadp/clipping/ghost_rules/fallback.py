@@ -13,7 +13,7 @@ from keras.src import backend as keras_backend
 from tf_megadp.clipping import base
 from tf_megadp.clipping.rules import Rule
 from tf_megadp.clipping.terms import Explicit, compute_dtype
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.errors import GhostClippingUnsupportedError
 
 __all__ = ["PerExampleRule", "ReplayRule", "fallback_rule"]
 
@@ -52,7 +52,7 @@ class PerExampleRule(Rule):
         leaves = tf.nest.flatten((args, kwargs))
         batched = [recorder.has_batch_axis(t) for t in leaves]
         if not any(batched):
-            raise PrivacyConfigurationError(
+            raise GhostClippingUnsupportedError(
                 f"Layer '{layer.name}' was called without any input carrying "
                 f"the micro-batch axis (size {m}). Use clipping='vectorized'."
             )
@@ -130,7 +130,7 @@ class ReplayRule(Rule):
         leaves = tf.nest.flatten((args, kwargs))
         batched = [recorder.has_batch_axis(t) for t in leaves]
         if not any(batched):
-            raise PrivacyConfigurationError(
+            raise GhostClippingUnsupportedError(
                 f"Layer '{layer.name}' was called without any input carrying "
                 f"the micro-batch axis (size {recorder.static_batch_size}). Use "
                 "clipping='vectorized'."

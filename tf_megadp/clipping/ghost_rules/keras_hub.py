@@ -12,7 +12,7 @@ import tensorflow as tf
 from tf_megadp.clipping.rules import (Rule, accept_without_rule, bias_gradient, builtin_rule,
                                       call_with_probed_activation, flat_tokens)
 from tf_megadp.clipping.terms import Gather, compute_dtype
-from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.errors import GhostClippingUnsupportedError
 
 accept_without_rule(keras_hub.layers.RMSNormalization)
 
@@ -24,7 +24,7 @@ class PositionEmbeddingRule(Rule):
     def call(self, recorder, original, inputs, start_index=0, positions=None):
         layer = self.layer
         if positions is not None:
-            raise PrivacyConfigurationError(
+            raise GhostClippingUnsupportedError(
                 f"Ghost clipping does not cover '{layer.name}' called with explicit "
                 "`positions`. Use clipping='vectorized'."
             )

@@ -472,6 +472,17 @@ class TestPerExampleScaling:
         with pytest.raises(ValueError, match=message):
             tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), 1.0, 1.0, **kwargs)
 
+    def test_a_custom_strategy_written_for_flat_clipping_is_refused_for_automatic(self):
+        class FlatOnly(tf_megadp.ClippingStrategy):
+            def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip):
+                raise AssertionError("never called")
+
+        with pytest.raises(TypeError, match="accepts `automatic_stability`"):
+            tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), 1.0, 1.0, clipping=FlatOnly(),
+                                  per_example_scaling="automatic")
+        # Flat clipping never passes the keyword: the same strategy is accepted.
+        tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), 1.0, 1.0, clipping=FlatOnly())
+
     def test_scaling_is_frozen_and_survives_the_config(self):
         optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), 1.0, 1.0,
                                           per_example_scaling="automatic",

@@ -23,6 +23,7 @@ What is saved and what is not is a privacy decision, not a convenience:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import secrets
 import warnings
@@ -135,6 +136,23 @@ def _check_inner_does_not_rescale(optimizer: keras.optimizers.Optimizer) -> None
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
+def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
+    """Automatic clipping needs a strategy whose `clip_and_sum` takes `automatic_stability`.
+
+    The DP step passes the keyword only for automatic clipping, so a strategy
+    written for flat clipping would otherwise fail with a bare TypeError at
+    the first step.
+    """
+    parameters = inspect.signature(strategy.clip_and_sum).parameters.values()
+    if not any(p.name == "automatic_stability" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise TypeError(
+            f"per_example_scaling='automatic' needs a clipping strategy whose "
+            f"clip_and_sum accepts `automatic_stability`; {type(strategy).__name__}."
+            "clip_and_sum does not. Add the argument (pass it to "
+            "tf_megadp.clipping.base.clip_factors), or use per_example_scaling='clip'."
+        )
+
+
 class DPOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer to perform DP-SGD with mega-batch accumulation.
 
@@ -275,6 +293,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.per_example_scaling = per_example_scaling
         self.automatic_scaling_stability = automatic_scaling_stability
         if isinstance(clipping, ClippingStrategy):
+            if per_example_scaling == "automatic":
+                _check_takes_automatic_stability(clipping)
             self.clipping_strategy = clipping
             self.clipping = type(clipping).__name__
         else:

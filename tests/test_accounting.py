@@ -179,6 +179,32 @@ def test_a_callbacks_repeated_evaluations_build_each_step_once_and_equal_dp_acco
     assert accounting._step_pld.cache_info().misses == 2
 
 
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_nested_composed_and_self_composed_events_compose_like_dp_accounting(accountant):
+    # Both tf_megadp accountants walk composed events in order and multiply
+    # self-composed counts into their steps; a fresh dp_accounting accountant
+    # walking the same tree is the reference. A count not multiplied (3 x 2
+    # of the second step) or a part skipped would change epsilon.
+    first, second = poisson(1, 0.01, 2.0).event, poisson(1, 0.02, 1.5).event
+    nested = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.ComposedDpEvent([first, poisson(2, 0.02, 1.5)]), 3),
+        first,
+    ])
+    expected = reference_epsilon([nested], 1e-6, accountant)
+    engines = [accounting._TruncationAwareAccountant(accountant)]
+    if accountant == "pld":
+        engines.append(accounting._CachedPLDAccountant())
+    for engine in engines:
+        assert engine.compose(nested).get_epsilon(1e-6) == pytest.approx(expected, rel=1e-9)
+        # An event neither can account, deep in the tree, is refused, not skipped.
+        hidden = dp_accounting.ComposedDpEvent([
+            second, dp_accounting.SelfComposedDpEvent(dp_accounting.UnsupportedDpEvent(), 2)])
+        assert not engine.supports(hidden)
+        with pytest.raises(dp_accounting.UnsupportedEventError):
+            engine.compose(hidden)
+
+
 def test_shuffle_is_reported_as_poisson_with_a_loud_warning():
     expected = reference_epsilon([poisson(100, 0.01, 1.0)], 1e-5, "rdp")
     with pytest.warns(UserWarning, match="UNDERSTATES.*Chua et al.*Poisson"):

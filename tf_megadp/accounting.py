@@ -33,6 +33,7 @@ about 0.1 s, 6-135 % looser). See docs/privacy.md for the measurements.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import fractions
@@ -480,20 +481,17 @@ def _step_pld(event: dp_accounting.DpEvent) -> pld.privacy_loss_distribution.Pri
     )
 
 
-class _CachedPLDAccountant(dp_accounting.PrivacyAccountant):
-    """dp_accounting's PLD accounting of DP-SGD steps, with each step's PLD built once.
+class _StepAccountant(dp_accounting.PrivacyAccountant):
+    """A dp_accounting accountant that composes a run step by step.
 
-    The same operations as `pld.PLDAccountant` in the same order (identity,
-    then for each event `compose(step_pld.self_compose(count))`), so the
-    epsilon is the same number; only `_step_pld` is cached. It accounts the
-    events `_entry_event` makes, with positive rates, sizes and noise;
-    anything else is refused rather than accounted some other way.
+    dp_accounting hands `_maybe_compose` a tree of composed and self-composed
+    events; both tf_megadp accountants walk it the same way (composed events
+    in order, self-composed ones multiplying the count) and differ only in
+    what they do with each step, `_maybe_compose_step`.
     """
 
     def __init__(self):
         super().__init__(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
-        self._pld = pld.privacy_loss_distribution.identity(
-            value_discretization_interval=_PLD_DISCRETIZATION)
 
     def _maybe_compose(self, event, count, do_compose):
         if isinstance(event, dp_accounting.ComposedDpEvent):
@@ -504,6 +502,40 @@ class _CachedPLDAccountant(dp_accounting.PrivacyAccountant):
             return None
         if isinstance(event, dp_accounting.SelfComposedDpEvent):
             return self._maybe_compose(event.event, count * event.count, do_compose)
+        return self._maybe_compose_step(event, count, do_compose)
+
+    @abc.abstractmethod
+    def _maybe_compose_step(
+        self, event: dp_accounting.DpEvent, count: int, do_compose: bool
+    ) -> dp_accounting.PrivacyAccountant.CompositionErrorDetails | None:
+        """Checks one step `event`, and with `do_compose` composes it `count` times.
+
+        Args:
+            event: a DpEvent that is neither composed nor self-composed.
+            count: how many times the step is taken.
+            do_compose: whether to update the accountant's state.
+
+        Returns:
+            None if the step can be accounted, else why not.
+        """
+
+
+class _CachedPLDAccountant(_StepAccountant):
+    """dp_accounting's PLD accounting of DP-SGD steps, with each step's PLD built once.
+
+    The same operations as `pld.PLDAccountant` in the same order (identity,
+    then for each event `compose(step_pld.self_compose(count))`), so the
+    epsilon is the same number; only `_step_pld` is cached. It accounts the
+    events `_entry_event` makes, with positive rates, sizes and noise;
+    anything else is refused rather than accounted some other way.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._pld = pld.privacy_loss_distribution.identity(
+            value_discretization_interval=_PLD_DISCRETIZATION)
+
+    def _maybe_compose_step(self, event, count, do_compose):
         if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
             valid = (event.dataset_size > 0 and event.truncated_batch_size > 0
                      and event.sampling_probability > 0 and event.noise_multiplier > 0)
@@ -530,7 +562,7 @@ def _engine(accountant: str) -> dp_accounting.PrivacyAccountant:
     return rdp.RdpAccountant()
 
 
-class _TruncationAwareAccountant(dp_accounting.PrivacyAccountant):
+class _TruncationAwareAccountant(_StepAccountant):
     """A PLD or RDP accountant that accounts truncated Poisson steps cheaply.
 
     dp_accounting's exact PLD for `TruncatedSubsampledGaussianDpEvent` costs
@@ -554,7 +586,7 @@ class _TruncationAwareAccountant(dp_accounting.PrivacyAccountant):
     """
 
     def __init__(self, accountant: str):
-        super().__init__(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+        super().__init__()
         self._kind = accountant
         # (event, count) of the untruncated run, in composition order; the
         # engine is composed on first use (`_untruncated`).
@@ -562,15 +594,7 @@ class _TruncationAwareAccountant(dp_accounting.PrivacyAccountant):
         self._poisson: dp_accounting.PrivacyAccountant | None = None
         self._truncation_mass = 0.0
 
-    def _maybe_compose(self, event, count, do_compose):
-        if isinstance(event, dp_accounting.ComposedDpEvent):
-            for inner in event.events:
-                error = self._maybe_compose(inner, count, do_compose)
-                if error is not None:
-                    return error
-            return None
-        if isinstance(event, dp_accounting.SelfComposedDpEvent):
-            return self._maybe_compose(event.event, count * event.count, do_compose)
+    def _maybe_compose_step(self, event, count, do_compose):
         if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
             if do_compose:
                 self._truncation_mass += count * float(

@@ -22,7 +22,7 @@ from keras.src import backend as keras_backend
 from keras.src.backend.common import masking
 
 from tf_megadp.clipping import base
-from tf_megadp.clipping.terms import Explicit, compute_dtype
+from tf_megadp.clipping.terms import Explicit, Term, compute_dtype
 from tf_megadp.errors import GhostClippingUnsupportedError
 
 __all__ = ["ReadCheckingScope", "Recorder", "Rule", "accept_without_rule", "register_ghost_rule",
@@ -270,6 +270,50 @@ class Rule:
 
         with base.override_call(self.layer, intercepted):
             yield
+
+
+class KernelBiasRule(Rule):
+    """Rule for a layer computing activation(f(inputs, kernel) + bias): Dense, EinsumDense.
+
+    The pre-activation output is probed; example i's bias gradient is its
+    output gradient summed over the broadcast axes, and its kernel gradient is
+    the term subclasses build in `kernel_term` from the inputs and that
+    output gradient.
+    """
+
+    def call(self, recorder, original, inputs, *args, **kwargs):
+        layer = self.layer
+        recorder.check_batch_axis(inputs, layer)
+        outputs, index = call_with_probed_activation(
+            recorder, layer, original, inputs, *args, **kwargs)
+
+        def finish(gradient_of):
+            gradient = gradient_of(index)
+            if gradient is None:
+                return []
+            term = self.kernel_term(inputs, gradient, recorder.batch_size,
+                                    compute_dtype(layer.kernel))
+            records = [(layer.kernel, term)]
+            if layer.bias is not None:
+                records.append((layer.bias, bias_gradient(gradient, layer.bias)))
+            return records
+
+        recorder.on_gradients(finish)
+        return outputs
+
+    def kernel_term(self, inputs, gradient, batch_size, dtype) -> Term:
+        """Example i's kernel gradient.
+
+        Args:
+            inputs: the layer's inputs, [m, ...].
+            gradient: dL/d(pre-activation output), [m, ...].
+            batch_size: m, a scalar tensor.
+            dtype: the dtype the term computes in (the kernel's compute dtype).
+
+        Returns:
+            A term of the kernel's shape.
+        """
+        raise NotImplementedError
 
 
 # (layer class, rule class) in the order they are tried: user rules, newest

@@ -8,9 +8,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp.clipping.rules import (Rule, bias_gradient, builtin_rule,
-                                      call_with_probed_activation, plain)
-from tf_megadp.clipping.terms import Outer, compute_dtype
+from tf_megadp.clipping.rules import KernelBiasRule, builtin_rule, plain
+from tf_megadp.clipping.terms import Outer
 
 __all__ = ["EinsumDenseRule", "EinsumPlan", "einsum_plan"]
 
@@ -62,37 +61,20 @@ def einsum_plan(equation: str) -> EinsumPlan | None:
 
 
 @builtin_rule(keras.layers.EinsumDense)
-class EinsumDenseRule(Rule):
+class EinsumDenseRule(KernelBiasRule):
     """`keras.layers.EinsumDense`: Outer of the input and output gradient, regrouped by letters."""
 
     @classmethod
     def matches(cls, layer):
         return plain(layer, keras.layers.EinsumDense) and einsum_plan(layer.equation) is not None
 
-    def call(self, recorder, original, inputs, *args, **kwargs):
-        layer = self.layer
-        plan = einsum_plan(layer.equation)
-        recorder.check_batch_axis(inputs, layer)
-        outputs, index = call_with_probed_activation(
-            recorder, layer, original, inputs, *args, **kwargs)
-
-        def finish(gradient_of):
-            gradient = gradient_of(index)
-            if gradient is None:
-                return []
-            m, dtype = recorder.batch_size, compute_dtype(layer.kernel)
-            left = tf.einsum(plan.to_left, tf.cast(inputs, dtype))
-            right = tf.einsum(plan.to_right, tf.cast(gradient, dtype))
-            sizes = dict(zip(plan.kernel, layer.kernel.shape))
-            size = lambda letters: int(np.prod([sizes[c] for c in letters]))
-            left = tf.reshape(left, [m, -1, size(plan.contracted)])
-            right = tf.reshape(right, [m, -1, size(plan.produced)])
-            shape = layer.kernel.shape
-            term = Outer(right, left, shape) if plan.swap else Outer(left, right, shape)
-            records = [(layer.kernel, term)]
-            if layer.bias is not None:
-                records.append((layer.bias, bias_gradient(gradient, layer.bias)))
-            return records
-
-        recorder.on_gradients(finish)
-        return outputs
+    def kernel_term(self, inputs, gradient, batch_size, dtype):
+        plan = einsum_plan(self.layer.equation)
+        left = tf.einsum(plan.to_left, tf.cast(inputs, dtype))
+        right = tf.einsum(plan.to_right, tf.cast(gradient, dtype))
+        shape = self.layer.kernel.shape
+        sizes = dict(zip(plan.kernel, shape))
+        size = lambda letters: int(np.prod([sizes[c] for c in letters]))
+        left = tf.reshape(left, [batch_size, -1, size(plan.contracted)])
+        right = tf.reshape(right, [batch_size, -1, size(plan.produced)])
+        return Outer(right, left, shape) if plan.swap else Outer(left, right, shape)

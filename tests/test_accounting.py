@@ -27,6 +27,7 @@ from tf_megadp.accounting import (
     ledger_from_schedule,
 )
 from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tests.log_records import logged_messages
 
 
 def reference_epsilon(events, delta, accountant):
@@ -299,26 +300,10 @@ def test_calibration_with_a_schedule_keeps_phases_that_fix_their_noise():
         calibrate_noise_multiplier(1.0, 1e-4, schedule=fixed)
 
 
-class _Records(logging.Handler):
-    """Collects the records that reach the absl logger's handlers."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @pytest.fixture
 def absl_records():
-    logger = logging.getLogger("absl")
-    handler = _Records()
-    logger.addHandler(handler)
-    try:
-        yield handler.messages
-    finally:
-        logger.removeHandler(handler)
+    with logged_messages("absl") as messages:
+        yield messages
 
 
 def test_calibration_prints_no_unconverged_order_warnings_and_is_right(absl_records):

@@ -20,6 +20,7 @@ import tf_megadp
 from tf_megadp.clipping import vectorized
 from tf_megadp.clipping.vectorized import VectorizedClipping
 from tests import reference
+from tests.log_records import logged_messages
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 # A Keras loss computes in floatx (float32) unless told otherwise.
@@ -27,29 +28,15 @@ LOSS64 = keras.losses.SparseCategoricalCrossentropy(from_logits=True, dtype="flo
 FALLBACK = "Using a while_loop for converting"
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
 @contextlib.contextmanager
 def pfor_fallbacks():
     """Collects pfor's fallback messages (TensorFlow's 'tensorflow' logger)."""
-    logger = logging.getLogger("tensorflow")
-    handler, level = _Records(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
     fallbacks = []
-    try:
-        yield fallbacks
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-        fallbacks.extend(m for m in handler.messages if FALLBACK in m)
+    with logged_messages("tensorflow", logging.DEBUG) as messages:
+        try:
+            yield fallbacks
+        finally:
+            fallbacks.extend(m for m in messages if FALLBACK in m)
 
 
 def test_the_fallback_detector_sees_a_fallback():

@@ -135,7 +135,6 @@ def _check_inner_does_not_rescale(optimizer: keras.optimizers.Optimizer) -> None
         )
 
 
-@keras.saving.register_keras_serializable(package="tf_megadp")
 def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
     """Automatic clipping needs a strategy whose `clip_and_sum` takes `automatic_stability`.
 
@@ -153,6 +152,7 @@ def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
         )
 
 
+@keras.saving.register_keras_serializable(package="tf_megadp")
 class DPOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer to perform DP-SGD with mega-batch accumulation.
 
@@ -188,13 +188,18 @@ class DPOptimizer(keras.optimizers.Optimizer):
             Poisson-sampled steps, never the realised one. Not allowed together
             with `schedule`.
         seed: None draws the noise key from OS entropy; an int makes the noise
-            reproducible. The RNG state is saved with the optimizer.
+            reproducible, and the run not private against anyone who can guess
+            it (a warning says so). The key lives only in memory: no saved
+            file holds it.
         schedule: a `tf_megadp.BatchSizeSchedule`; then accumulation steps,
             divisor and (where a phase sets it) the noise multiplier of each
             logical step come from the schedule.
-        clipping: per-example clipping strategy: "vectorized", "ghost" or "auto"
-            (docs/clipping.md), or a `ClippingStrategy` instance (not restored by
-            `from_config`).
+        clipping: per-example clipping strategy: "auto" (default: ghost norms
+            where a layer has a rule, exact per-example gradients elsewhere,
+            vectorized for a model ghost norms cannot attribute), "ghost" or
+            "vectorized" (docs/clipping.md: all three give the same clipped
+            sums and differ in time and memory), or a `ClippingStrategy`
+            instance (not restored by `from_config`).
         per_example_scaling: "clip" (flat clipping, g_i * min(1, C / ||g_i||))
             or "automatic" (automatic clipping, Bu et al. 2022: g_i * C /
             (||g_i|| + gamma), every gradient normalized to norm just below C,
@@ -221,7 +226,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         normalize_by: float | None = None,
         seed: int | None = None,
         schedule: BatchSizeSchedule | dict | None = None,
-        clipping: str | ClippingStrategy = "vectorized",
+        clipping: str | ClippingStrategy = "auto",
         per_example_scaling: str = "clip",
         automatic_scaling_stability: float = 0.01,
         name: str | None = None,

@@ -116,7 +116,7 @@ def make_private_with_epsilon(
     delta: float,
     l2_norm_clip: float,
     accountant: str = "pld",
-    clipping: str = "vectorized",
+    clipping: str = "auto",
     **compile_kwargs,
 ) -> keras.Model:
     """Makes `model` private with the noise that spends `target_epsilon` over `sampler`'s run.
@@ -139,7 +139,7 @@ def make_private_with_epsilon(
         delta: the target delta, at most 1/N.
         l2_norm_clip: C, the per-example gradient norm bound.
         accountant: ``"pld"`` (default) or ``"rdp"``.
-        clipping: the per-example clipping strategy.
+        clipping: the per-example clipping strategy (`DPOptimizer`'s `clipping`).
         **compile_kwargs: passed to `model.compile` (loss, metrics, ...).
 
     Returns:

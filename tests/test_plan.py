@@ -114,6 +114,12 @@ class TestArithmetic:
             intermediate_dim=48, max_sequence_length=16)
         model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
         assert spec.parameter_count() == model.count_params()
+        # Ghost clipping records biases and LayerNorm parameters per example
+        # (Explicit terms); the pooler gets no gradient from the MLM loss.
+        small = [v for v in model.trainable_variables
+                 if v.name in ("bias", "output_bias", "gamma", "beta")
+                 and "pooled" not in v.path]
+        assert spec.small_parameter_count() == sum(math.prod(v.shape) for v in small)
 
     def test_vectorized_memory_holds_one_gradient_per_example(self):
         config = plan.load_config(CONFIGS[0])
@@ -122,6 +128,79 @@ class TestArithmetic:
         vectorized = result["memory_bytes"]["vectorized"]
         assert vectorized["clipping"] == config.micro_batch_size * 4 * params
         assert vectorized["parameters"] == 4 * params
+
+    def test_ghost_costs_of_a_spec_with_materialised_and_gram_layers(self):
+        """Hand arithmetic: one forward, one backward, norms by the form Outer picks.
+
+        L=1, h=8, 2 heads, i=32, V=20, T=6, P=2. Attention kernels (6, 8, 8):
+        p d = 64 <= T (p + d) = 96, materialised. MLP (6, 8, 32) and (6, 32, 8):
+        256 > 240, Gram. Head transform (2, 8, 8): 64 > 32, Gram. Tied decoder,
+        left = the 20-wide logit gradient, right = the 8-wide hidden state
+        (2, 20, 8): 160 > 56, Gram.
+        """
+        spec = plan.ModelSpec(num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=32,
+                              vocabulary_size=20, sequence_length=6, max_predictions=2)
+        forward = (4 * 2 * 6 * 8 * 8          # q, k, v, output kernels
+                   + 2 * 6 * 8 * 32 + 2 * 6 * 32 * 8  # MLP
+                   + 2 * 2 * 8 * 8 + 2 * 2 * 20 * 8   # head transform, tied decoder
+                   + 4 * 6 * 6 * 8)           # attention scores and context
+        assert forward == 11264
+        parameters = ((20 + 6 + 2) * 8 + 2 * 8                                # embeddings + LN
+                      + 4 * (8 * 8 + 8) + (8 * 32 + 32) + (32 * 8 + 8) + 4 * 8  # the layer
+                      + (8 * 8 + 8) + 2 * 8 + 20                            # MLM head
+                      + 8 * 8 + 8)                                          # pooler
+        assert parameters == spec.parameter_count() == 1292
+        ghost_extra = (
+            4 * (4 * 8 * 8)                                  # materialised: norm + sum, 4 p d
+            + (2 * 36 * (8 + 32) + 2 * 36 + 6 * 8)           # MLP in, Gram: grams, product, scale
+            + (2 * 36 * (32 + 8) + 2 * 36 + 6 * 32)          # MLP out, Gram
+            + (2 * 4 * (8 + 8) + 2 * 4 + 2 * 8)              # head transform, Gram
+            + (2 * 4 * (20 + 8) + 2 * 4 + 2 * 20)            # tied decoder, Gram
+            + 3 * (2 * 36 * (8 + 1) + 2 * 6 * 8)             # token, position, segment lookups
+            + 2 * 2 * 6 * (8 + 1)                            # decoder x token-lookup cross term
+            + 4 * (2 * 8 + (4 * 8 + 32 + 8 + 4 * 8) + (8 + 2 * 8 + 20))  # biases, LayerNorms
+        )
+        assert ghost_extra == 10696
+        # No second backward pass: training is 3 F either way.
+        assert plan._example_flops(spec, "ghost") == 3 * forward + ghost_extra == 44488
+        assert plan._example_flops(spec, "vectorized") == 3 * forward + 4 * parameters == 38960
+        m = 3
+        floats = 4 * 8 * 8 + 2 * 36 + 2 * 36 + 2 * 4 + 2 * 4  # [p, d] gradients; two Grams each
+        memory = plan._memory(spec, m, "ghost", "float32")
+        assert memory["clipping"] == m * 4 * floats + 4 * parameters == 10160
+        assert plan._memory(spec, m, "vectorized", "float32")["clipping"] == m * 4 * parameters
+
+    def test_ghost_costs_when_every_layer_is_materialised(self):
+        """L=1, h=4, i=8, V=10, T=16, P=4: every p d <= T (p + d) (16 <= 128, 32 <= 192,
+        head 16 <= 32, decoder 40 <= 56), so no Gram is formed."""
+        spec = plan.ModelSpec(num_layers=1, hidden_dim=4, num_heads=2, intermediate_dim=8,
+                              vocabulary_size=10, sequence_length=16, max_predictions=4)
+        forward = (4 * 2 * 16 * 4 * 4 + 2 * 2 * 16 * 4 * 8 + 2 * 4 * 4 * 4 + 2 * 4 * 10 * 4
+                   + 4 * 16 * 16 * 4)
+        ghost_extra = (4 * (4 * 16 + 2 * 32 + 16 + 40)        # 4 p d per kernel
+                       + 3 * (2 * 256 * (4 + 1) + 2 * 16 * 4)  # lookups
+                       + 2 * 4 * 16 * (4 + 1)                  # cross term
+                       + 4 * (2 * 4 + (4 * 4 + 8 + 4 + 4 * 4) + (4 + 2 * 4 + 10)))
+        assert plan._example_flops(spec, "ghost") == 3 * forward + ghost_extra == 35656
+        m = 5
+        memory = plan._memory(spec, m, "ghost", "float32")
+        parameters = ((10 + 16 + 2) * 4 + 2 * 4 + 4 * (4 * 4 + 4) + (4 * 8 + 8) + (8 * 4 + 4)
+                      + 4 * 4 + (4 * 4 + 4) + 2 * 4 + 10 + 4 * 4 + 4)
+        assert memory["clipping"] == m * 4 * (4 * 16 + 2 * 32 + 16 + 40) + 4 * parameters == 5080
+
+    @pytest.mark.parametrize("shape, materialised", [
+        ((6, 8, 8), True), ((6, 8, 32), False), ((6, 32, 8), False), ((2, 8, 8), False),
+        ((2, 20, 8), False), ((16, 4, 8), True), ((4, 10, 4), True),
+        ((512, 1024, 1024), True), ((128, 1024, 1024), False),
+    ])
+    def test_the_tested_forms_are_the_forms_the_ghost_code_picks(self, shape, materialised):
+        import tensorflow as tf
+
+        from tf_megadp.clipping.terms import Outer
+
+        tokens, p, d = shape
+        term = Outer(tf.zeros([1, tokens, p]), tf.zeros([1, tokens, d]), [p, d])
+        assert term.materialised is materialised
 
     def test_step_flops_scale_with_the_static_capacity(self):
         result = plan.make_plan(plan.load_config(CONFIGS[0]))

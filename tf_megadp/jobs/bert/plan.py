@@ -12,12 +12,33 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
 
 * FLOPs: a multiply-add counts 2. Forward F per sequence = dense layers
   (2 T p d each) + attention scores and context (4 T^2 H per layer) + the
-  MLM head on the P masked positions. Training = 3 F (backward = 2 F).
-  Vectorized clipping adds 4 FLOPs per parameter per example (squared norm,
-  scaled sum); ghost clipping adds a second backward pass (2 F) plus, per
-  dense layer, the cheaper of the ghost norm 2 T^2 (p + d) and the
-  materialised per-example gradient 2 T p d. Static shapes compute padding
-  slots too, so a step costs its capacity k m R, not its expected batch B.
+  MLM head on the P masked positions. Training = 3 F (backward = 2 F: the
+  gradients of the layer inputs, F, and the weight-gradient products, F).
+  Static shapes compute padding slots too, so a step costs its capacity
+  k m R, not its expected batch B. Per example:
+  - vectorized: 3 F + 4 per parameter (squared norm, scaled sum).
+  - ghost (book-keeping, `tf_megadp.clipping.ghost`): ONE forward and ONE
+    backward pass. The backward gives every layer's output gradients, no
+    weight gradients; each Outer record (a dense kernel: T tokens, p inputs,
+    d outputs, `tf_megadp.clipping.terms.Outer`) then takes the form the
+    code picks from its shapes. Materialised (p d <= T (p + d)): the
+    per-example gradient is built once (2 T p d, which replaces the
+    ordinary weight-gradient product, so it is inside the 3 F), and its
+    norm (2 p d) and clipped sum (2 p d) are read off it: + 4 p d. Gram
+    (otherwise): the norm costs 2 T^2 (p + d) for the two Grams and 2 T^2
+    for their product and sum; the clipped sum is the ordinary
+    weight-gradient product (inside the 3 F) on the left factor scaled by
+    the clip factors (+ T p). The token, position and segment embeddings
+    are Gather records: 2 T^2 (h + 1) for each norm (token-equality Gram;
+    the equality mask is compares, no FLOPs) and 2 T h for each clipped
+    sum (scaling, segment sum); the tied MLM decoder adds the cross term of
+    its Outer record with the token lookup, 2 P T (h + 1). Biases and
+    LayerNorm parameters are per-example gradients (Explicit records):
+    + 4 per parameter (norm, clipped sum). The pooler gets no gradient from
+    the MLM loss and costs nothing. Not counted: the independence check (a
+    per-example forward pass on the first call of each traced input
+    signature only, not in the steady state) and the per-example loss
+    gradients (elementwise, as in non-private training).
 * Memory per core: float32 parameters; optimizer state = inner optimizer
   slots + the DP accumulator (float32, one copy per parameter each); step
   buffers = two float32 gradients the DP step holds besides its state (the
@@ -26,8 +47,18 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
   compute (precision mixed_bfloat16) about 34 T H + 5 heads T^2 bytes per
   layer per sequence (no rematerialisation), twice that in float32, plus
   float32 MLM logits. Vectorized clipping materialises m float32
-  per-example gradients (m * 4 * params bytes); ghost clipping holds T^2
-  Gram matrices per dense layer per example and one extra float32 gradient.
+  per-example gradients (m * 4 * params bytes). Ghost clipping holds, per
+  example, the two float32 T x T Grams of every Gram-form layer (counted as
+  if all were held at once; XLA may free each pair after its reduction) and
+  the float32 p x d gradient of every materialised layer (held from its
+  norm to the clipped sum), plus one float32 gradient-sized allowance per
+  core (part of the model checked against the measured step below; the
+  book-keeping code names no such buffer: its clipped sum is the first
+  step buffer). Not counted: the float32 output-gradient records every
+  Outer term holds from the backward pass to the clipped sums, m * 4 *
+  sum(T d) bytes (3.45 GiB per core for BERT-Large at m = 32, T = 128), and
+  under mixed_bfloat16 the float32 casts of the recorded layer inputs that
+  XLA does not fuse into their consumers.
   Checked against one measured DP step of BERT-Large on a CPU
   (benchmarks/bert_large_check.py, docs/tpu.md): without the step buffers
   and the float32 activations the model was 37-40 % under the measured peak.
@@ -107,11 +138,33 @@ class ModelSpec:
             )
 
     def dense_layers(self) -> list[tuple[int, int, int]]:
-        """(tokens, fan_in, fan_out) of every dense kernel, head included."""
+        """(T, p, d) of every dense kernel's ghost Outer record, head included.
+
+        Returns:
+            Per kernel: tokens T, width p of the record's left factor and d
+            of its right one. For a dense layer these are its input and
+            output widths; for the tied MLM decoder (logits = h E^T) the
+            left factor is the V-wide logit gradient and the right one the
+            h-wide hidden state (`ReversibleEmbeddingRule`).
+        """
         t, h, i = self.sequence_length, self.hidden_dim, self.intermediate_dim
         layer = [(t, h, h)] * 4 + [(t, h, i), (t, i, h)]
-        head = [(self.max_predictions, h, h), (self.max_predictions, h, self.vocabulary_size)]
+        head = [(self.max_predictions, h, h), (self.max_predictions, self.vocabulary_size, h)]
         return layer * self.num_layers + head
+
+    def embedding_lookups(self) -> list[tuple[int, int]]:
+        """(tokens, width) of the token, position and segment lookups (Gather records)."""
+        return [(self.sequence_length, self.hidden_dim)] * 3
+
+    def small_parameter_count(self) -> int:
+        """Biases and LayerNorm scales and offsets that get a gradient from the MLM loss.
+
+        Ghost clipping records their per-example gradients explicitly.
+        """
+        h, i = self.hidden_dim, self.intermediate_dim
+        layer = 4 * h + i + h + 2 * 2 * h  # attention and MLP biases, two LayerNorms
+        head = h + 2 * h + self.vocabulary_size  # transform bias, its LayerNorm, output bias
+        return 2 * h + self.num_layers * layer + head  # embedding LayerNorm first
 
     def parameter_count(self) -> int:
         """Trainable parameters (the MLM decoder shares the token embedding)."""
@@ -160,14 +213,45 @@ def model_spec(config, vocabulary_size: int | None = None) -> ModelSpec:
     )
 
 
+def _outer_is_materialised(tokens: int, left: int, right: int) -> bool:
+    """Whether ghost clipping builds an Outer record's per-example gradient.
+
+    The rule of `tf_megadp.clipping.terms.Outer.materialised` (tests pin the
+    two together): the [p, d] gradient is built when it is no larger than
+    the records it comes from, p d <= T (p + d); otherwise the Gram form.
+
+    Args:
+        tokens: T, the tokens of the record.
+        left: p, the width of its left factor.
+        right: d, the width of its right factor.
+
+    Returns:
+        True for the materialised form, False for the Gram form.
+    """
+    return left * right <= tokens * (left + right)
+
+
+def _ghost_clipping_flops(model: ModelSpec) -> float:
+    """FLOPs per example ghost clipping adds to the 3 F of training (module docstring)."""
+    flops = 0.0
+    for t, p, d in model.dense_layers():
+        if _outer_is_materialised(t, p, d):
+            flops += 4.0 * p * d  # norm and clipped sum read off the built [p, d] gradient
+        else:
+            # Two Grams, their product and sum; the clip factors scale the left factor.
+            flops += 2.0 * t * t * (p + d) + 2.0 * t * t + t * p
+    for t, width in model.embedding_lookups():
+        flops += 2.0 * t * t * (width + 1) + 2.0 * t * width
+    # Cross term of the tied decoder's Outer record with the token lookup.
+    flops += 2.0 * model.max_predictions * model.sequence_length * (model.hidden_dim + 1)
+    return flops + 4.0 * model.small_parameter_count()
+
+
 def _example_flops(model: ModelSpec, clipping: str) -> float:
-    forward = model.forward_flops()
+    training = 3.0 * model.forward_flops()
     if clipping == "vectorized":
-        return 3.0 * forward + 4.0 * model.parameter_count()
-    ghost_norms = sum(
-        min(2.0 * t * t * (p + d), 2.0 * t * p * d) for t, p, d in model.dense_layers()
-    )
-    return 5.0 * forward + ghost_norms + 4.0 * model.parameter_count()
+        return training + 4.0 * model.parameter_count()
+    return training + _ghost_clipping_flops(model)
 
 
 # Float32 gradients the DP step holds besides its state: the micro-batch's
@@ -188,8 +272,9 @@ def _memory(model: ModelSpec, m: int, clipping: str, precision: str) -> dict[str
     if clipping == "vectorized":
         memory["clipping"] = m * 4.0 * params
     else:
-        grams = sum(2.0 * t * t for t, _, _ in model.dense_layers())
-        memory["clipping"] = m * 4.0 * grams + 4.0 * params
+        floats = sum(p * d if _outer_is_materialised(t, p, d) else 2.0 * t * t
+                     for t, p, d in model.dense_layers())
+        memory["clipping"] = m * 4.0 * floats + 4.0 * params
     memory["total"] = sum(memory.values())
     return memory
 

@@ -202,6 +202,43 @@ class TestArithmetic:
         term = Outer(tf.zeros([1, tokens, p]), tf.zeros([1, tokens, d]), [p, d])
         assert term.materialised is materialised
 
+    def test_the_records_ghost_clipping_makes_are_the_ones_costed(self):
+        """A keras-hub BERT's ghost records: Outer kernels, Gather lookups, Explicit rest."""
+        import keras
+        import keras_hub
+        import numpy as np
+        import tensorflow as tf
+
+        from tf_megadp.clipping import ghost
+        from tf_megadp.clipping.ghost_rules import plan_rules
+        from tf_megadp.clipping.terms import Explicit, Gather, Outer
+
+        spec = plan.ModelSpec(num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=24,
+                              vocabulary_size=37, sequence_length=8, max_predictions=3)
+        backbone = keras_hub.models.BertBackbone(
+            vocabulary_size=37, num_layers=2, num_heads=2, hidden_dim=16,
+            intermediate_dim=24, max_sequence_length=8)
+        model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        m = 2
+        x = {"token_ids": tf.constant(rng.integers(0, 37, (m, 8)), tf.int32),
+             "segment_ids": tf.zeros((m, 8), tf.int32),
+             "padding_mask": tf.ones((m, 8), tf.int32),
+             "mask_positions": tf.constant([[1, 4, 6], [0, 2, 7]], tf.int32)}
+        y = tf.constant(rng.integers(0, 37, (m, 3)), tf.int32)
+        records, *_ = ghost._forward(model, plan_rules(model, "small"), x, y, None,
+                                     check=tf.constant(False))
+        outer = sorted((t.left.shape[1], t.left.shape[2], t.right.shape[2])
+                       for _, t in records if isinstance(t, Outer))
+        gather = sorted((t.values.shape[1], t.values.shape[2])
+                        for _, t in records if isinstance(t, Gather))
+        explicit = sum(math.prod(t.shape) for _, t in records if isinstance(t, Explicit))
+        assert {type(t) for _, t in records} == {Outer, Gather, Explicit}
+        assert outer == sorted(spec.dense_layers())
+        assert gather == sorted(spec.embedding_lookups())
+        assert explicit == spec.small_parameter_count()
+
     def test_step_flops_scale_with_the_static_capacity(self):
         result = plan.make_plan(plan.load_config(CONFIGS[0]))
         per_example = result["flops_per_example"][result["clipping"]]

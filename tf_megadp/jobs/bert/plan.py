@@ -13,7 +13,7 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
 * FLOPs: a multiply-add counts 2. Forward F per sequence = dense layers
   (2 T p d each) + attention scores and context (4 T^2 H per layer) + the
   MLM head on the P masked positions. Training = 3 F (backward = 2 F: the
-  gradients of the layer inputs, F, and the weight-gradient products, F).
+  gradients of the layer inputs and the weight-gradient products).
   Static shapes compute padding slots too, so a step costs its capacity
   k m R, not its expected batch B. Per example:
   - vectorized: 3 F + 4 per parameter (squared norm, scaled sum).

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tf_megadp import accounting, cli, distribute, sampling
+from tf_megadp.schedules import BatchSizeSchedule
 from tf_megadp.jobs.bert.pretraining import PretrainConfig, prepare_data, run_pretraining
 
 SUBJECTS = ["the model", "a student", "our team", "the network", "each layer", "the sampler"]
@@ -489,3 +490,120 @@ class TestCanariesAndAudit:
         assert cli.main(["audit", str(tmp_path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "not a completed pretraining run" in err[0]
+
+
+MASKING_LENGTH = 16
+MASKING_VOCABULARY = 200
+
+
+@pytest.fixture(scope="module")
+def masking_shards(tmp_path_factory):
+    """Rows laid out as the job's: [CLS] 4..14 tokens [SEP] then [PAD]."""
+    rng = np.random.default_rng(3)
+    rows = np.zeros((512, MASKING_LENGTH), np.int64)
+    for row in rows:
+        real = int(rng.integers(4, MASKING_LENGTH - 1))
+        row[0], row[1:real + 1], row[real + 1] = 1, rng.integers(5, MASKING_VOCABULARY, real), 2
+    directory = tmp_path_factory.mktemp("masking")
+    sampling.write_token_shards(directory, [rows], sequence_length=MASKING_LENGTH,
+                                vocabulary_size=MASKING_VOCABULARY, checksum="masking")
+    return sampling.TokenShards(directory)
+
+
+def masking_schedule(shards):
+    """Two phases of different accumulation, so micro-batch indices cross a phase change."""
+    return BatchSizeSchedule.for_poisson([(2, 16), (2, 48)], num_examples=len(shards),
+                                         micro_batch_size=8)
+
+
+def as_arrays(element):
+    x, y, sample_weight = element
+    return [np.asarray(x[key]) for key in sorted(x)] + [np.asarray(y), np.asarray(sample_weight)]
+
+
+class TestTheMasksAreAFunctionOfTheSeedAndTheMicroBatch:
+    """The job's masking draws nothing from stateful RNG state.
+
+    On CI's loaded cores the seeded job's masks changed from run to run
+    (keras-hub's mask generator shuffles each row in parallel loop
+    iterations of one stateful op), so R replicas and one device trained on
+    different masks. The masks of micro-batch k must be a function of the
+    rows, the seed and k alone, however and in whatever order they are
+    computed.
+    """
+
+    def test_the_pipeline_masks_each_micro_batch_as_a_lone_call_with_its_index(
+            self, masking_shards):
+        from tf_megadp.jobs.bert.text import MaskedLMBatcher
+
+        schedule = masking_schedule(masking_shards)
+        batcher = MaskedLMBatcher.from_shards(masking_shards, seed=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # seeded sampling: a test
+            pipeline = [as_arrays(e) for e in sampling.PoissonSampler(
+                masking_shards, schedule, seed=9).as_dataset(batcher, parallel_map=True)]
+            raw = list(sampling.PoissonSampler(masking_shards, schedule, seed=9).micro_batches())
+        assert len(pipeline) == len(raw) == sum(
+            phase.steps * phase.accumulation_steps for phase in schedule.phases)
+        # Eagerly, one call per micro-batch, last first: no shared state, no order.
+        for index in reversed(range(len(raw))):
+            rows, weights = raw[index]
+            alone = as_arrays(batcher(rows, weights, micro_batch=index))
+            for got, expected in zip(pipeline[index], alone):
+                np.testing.assert_array_equal(got, expected)
+
+    def test_the_seed_and_the_index_both_change_the_masks(self, masking_shards):
+        from tf_megadp.jobs.bert.text import MaskedLMBatcher
+
+        rows = masking_shards.read(np.arange(64)).astype(np.int32)
+        weights = np.ones(len(rows), np.float32)
+
+        def positions(seed, index):
+            x, _, _ = MaskedLMBatcher.from_shards(masking_shards, seed=seed)(
+                rows, weights, micro_batch=index)
+            return x["mask_positions"].numpy()
+
+        np.testing.assert_array_equal(positions(5, 3), positions(5, 3))
+        assert not np.array_equal(positions(5, 3), positions(5, 4))
+        assert not np.array_equal(positions(5, 3), positions(6, 3))
+
+    def test_a_resumed_sampler_continues_the_micro_batch_index(self, masking_shards):
+        schedule = masking_schedule(masking_shards)
+
+        def index_of(rows, weights, *, micro_batch):
+            return micro_batch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            done = sampling.PoissonSampler(masking_shards, schedule, seed=1, end_step=3)
+            resumed = sampling.PoissonSampler(masking_shards, schedule, seed=1, start_step=3)
+        indices = [int(i) for i in resumed.as_dataset(index_of)]
+        first = done.total_micro_steps  # micro-batches of steps 0, 1, 2
+        assert indices == list(range(first, first + resumed.total_micro_steps))
+
+    def test_selection_is_a_uniform_subset_and_other_tokens_are_untouched(self, masking_shards):
+        from scipy import stats
+
+        from tf_megadp.jobs.bert.text import MaskedLMBatcher
+
+        # [CLS] ten real tokens [SEP] [PAD]...: ceil(0.15 * 10) = 2 of the ten.
+        row = np.zeros(MASKING_LENGTH, np.int32)
+        row[0], row[1:11], row[11] = 1, np.arange(10, 20), 2
+        rows, weights = np.tile(row, (64, 1)), np.ones(64, np.float32)
+        batcher = MaskedLMBatcher.from_shards(masking_shards, seed=0)
+        counts = np.zeros(MASKING_LENGTH)
+        for index in range(40):
+            x, y, sample_weight = batcher(rows, weights, micro_batch=index)
+            x, y = {key: np.asarray(value) for key, value in x.items()}, np.asarray(y)
+            positions, selected = x["mask_positions"], np.asarray(sample_weight) == 1
+            assert np.all(selected.sum(axis=1) == 2) and np.all(selected[:, :2])
+            chosen = positions[:, :2]
+            assert np.all(chosen[:, 0] < chosen[:, 1])  # ascending, distinct
+            assert np.all(positions[:, 2:] == 0)  # padding slots
+            np.testing.assert_array_equal(y[:, :2], np.take_along_axis(rows, chosen, axis=1))
+            untouched = np.ones_like(rows, bool)
+            np.put_along_axis(untouched, chosen, False, axis=1)
+            np.testing.assert_array_equal(x["token_ids"][untouched], rows[untouched])
+            np.add.at(counts, chosen.ravel(), 1)
+        assert not np.any(counts[[0, *range(11, MASKING_LENGTH)]])  # [CLS], [SEP], [PAD]
+        assert stats.chisquare(counts[1:11]).pvalue > 1e-3

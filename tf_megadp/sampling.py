@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import json
 import math
 import mmap
@@ -995,12 +996,17 @@ class _Sampler(abc.ABC):
                 rows, which returns `(x, y, sample_weight)`. Without it,
                 token shards give `(rows int32 [M, L], weights float32 [M])`
                 and arrays/records give `(x, y, sample_weight)`.
+                A `map_fn` with a keyword-only parameter `micro_batch` (as
+                `MaskedLMBatcher`) is also passed each micro-batch's index in
+                the run (0 at logical step 0, counted across `start_step`),
+                to key stateless random draws by: its results then depend
+                on neither thread timing nor the order the calls run in.
             parallel_map: run `map_fn` on several micro-batches at once.
-                Only for a `map_fn` without stateful random ops: those (the
-                masking of `MaskedLMBatcher`) hand out their numbers in the
-                order the calls happen to run, so a parallel map makes a
-                seeded run's masks depend on thread timing. The default
-                maps in order; `prefetch` still overlaps it with training.
+                Only for a `map_fn` without stateful random ops: those hand
+                out their numbers in the order the calls happen to run, so
+                a parallel map makes a seeded run's results depend on thread
+                timing. The default maps in order; `prefetch` still
+                overlaps it with training.
             prefetch: micro-batches to prepare ahead (default: AUTOTUNE).
 
         Returns:
@@ -1023,8 +1029,26 @@ class _Sampler(abc.ABC):
         dataset = tf.data.Dataset.from_generator(self.micro_batches, output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
         if map_fn is not None:
+            try:
+                parameter = inspect.signature(map_fn).parameters.get("micro_batch")
+            except (TypeError, ValueError):  # no signature to read: it takes no index
+                parameter = None
+            keyed = parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+            if keyed:
+                # The index rides along each element (zip keeps the order), so a
+                # keyed map_fn sees the same index for a micro-batch however
+                # the map is scheduled.
+                first = sum(self.schedule.phase_at(step).accumulation_steps
+                            for step in range(self.start_step))
+                indices = tf.data.Dataset.range(first, first + self.total_micro_steps)
+                dataset = tf.data.Dataset.zip((dataset, indices))
+
+            def with_index(element, index):
+                return map_fn(*element, micro_batch=index)
+
             dataset = dataset.map(
-                map_fn, num_parallel_calls=tf.data.AUTOTUNE if parallel_map else None,
+                with_index if keyed else map_fn,
+                num_parallel_calls=tf.data.AUTOTUNE if parallel_map else None,
                 deterministic=True)
         dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
         return attach_source(dataset, self.source)

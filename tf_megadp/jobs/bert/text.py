@@ -814,22 +814,39 @@ class MaskedLMBatcher:
     """Turns a micro-batch of token rows into `BertMaskedLM` training inputs.
 
     Use it as the `map_fn` of a sampler's `as_dataset`. It selects
-    `mask_rate` of each row's real tokens (never [PAD], [CLS], [SEP]) with
-    `keras_hub.layers.MaskedLMMaskGenerator`, replacing 80 % of them by
-    [MASK], 10 % by a random token, and leaving 10 % unchanged.
+    `mask_rate` of each row's real tokens (never [PAD], [CLS], [SEP]; at most
+    `max_predictions`) uniformly at random, replaces 80 % of them by [MASK],
+    10 % by a random token, and leaves 10 % unchanged: BERT's masking, as
+    `keras_hub.layers.MaskedLMMaskGenerator` does it.
+
+    Every draw is stateless, keyed by `(seed, micro_batch)`: the masks of a
+    micro-batch are a function of its rows, the seed and its index alone,
+    whatever the thread timing or the order in which a pipeline runs the
+    calls. (Stateful random ops hand out their numbers in the order the
+    calls happen to run; the mask generator's per-row shuffles run as
+    parallel loop iterations, so seeded masks changed from run to run.) A
+    sampler's `as_dataset` passes each micro-batch's index in the run.
+    Masking randomness is not secret: the Poisson sampling keeps its own.
 
     Args:
         vocabulary_size: V of the model.
         sequence_length: L of the rows.
         mask_rate: fraction of real tokens to predict.
-        max_predictions: P, the static number of predicted positions per row;
-            default ceil(mask_rate * L).
+        max_predictions: P, the static number of predicted positions per row,
+            in [1, L]; default ceil(mask_rate * L).
         mask_token_rate: share of selected tokens replaced by [MASK].
         random_token_rate: share replaced by a random token.
+        seed: the masking seed, a non-negative int below 2**63. Default: one
+            drawn from Python's `random` (so `keras.utils.set_random_seed`
+            fixes it, as it fixes Keras's own default seeds).
 
     Call arguments:
         rows: int32 [M, L] token ids ([PAD] = 0).
         weights: float32 [M], 0 for padding examples.
+        micro_batch: int scalar, the micro-batch's index in the run (a
+            sampler's `as_dataset` passes it). Calls with the same index
+            draw the same masks on the same rows: give each micro-batch
+            its own.
 
     Returns:
         `(x, y, sample_weight)`: x = {"token_ids", "segment_ids",
@@ -847,8 +864,9 @@ class MaskedLMBatcher:
         max_predictions: int | None = None,
         mask_token_rate: float = 0.8,
         random_token_rate: float = 0.1,
+        seed: int | None = None,
     ):
-        import keras_hub
+        import random
 
         if not 0 < mask_rate < 1:
             raise ValueError(f"mask_rate must be in (0, 1), got {mask_rate}.")
@@ -857,46 +875,102 @@ class MaskedLMBatcher:
                 f"vocabulary_size must exceed the special token ids (> {_MASK}), "
                 f"got {vocabulary_size}."
             )
+        if not (0 <= mask_token_rate and 0 <= random_token_rate
+                and mask_token_rate + random_token_rate <= 1):
+            raise ValueError(
+                "mask_token_rate and random_token_rate must be non-negative with a sum "
+                f"of at most 1, got {mask_token_rate} and {random_token_rate}.")
+        max_predictions = max_predictions or math.ceil(mask_rate * sequence_length)
+        if not 1 <= max_predictions <= sequence_length:
+            raise ValueError(
+                f"max_predictions must be in [1, sequence_length={sequence_length}], "
+                f"got {max_predictions}.")
+        if seed is None:
+            seed = random.randrange(2**63)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}.")
         self.vocabulary_size = vocabulary_size
         self.sequence_length = sequence_length
-        self.max_predictions = max_predictions or math.ceil(mask_rate * sequence_length)
-        self._generator = keras_hub.layers.MaskedLMMaskGenerator(
-            vocabulary_size=vocabulary_size,
-            mask_selection_rate=mask_rate,
-            mask_token_id=_MASK,
-            mask_selection_length=self.max_predictions,
-            unselectable_token_ids=[_PAD, _CLS, _SEP],
-            mask_token_rate=mask_token_rate,
-            random_token_rate=random_token_rate,
-        )
+        self.mask_rate = mask_rate
+        self.max_predictions = max_predictions
+        self.mask_token_rate = mask_token_rate
+        self.random_token_rate = random_token_rate
+        self.seed = seed
 
     @classmethod
     def from_shards(cls, shards: TokenShards, **kwargs: Any) -> "MaskedLMBatcher":
         """A batcher with V and L read from the shards' manifest."""
         return cls(shards.vocabulary_size, shards.sequence_length, **kwargs)
 
-    def __call__(self, rows, weights):
+    def with_seed(self, seed: int) -> "MaskedLMBatcher":
+        """The same masking with another seed (e.g. for a fixed evaluation set).
+
+        Args:
+            seed: the new masking seed.
+
+        Returns:
+            A new `MaskedLMBatcher`.
+        """
+        return MaskedLMBatcher(
+            self.vocabulary_size, self.sequence_length, mask_rate=self.mask_rate,
+            max_predictions=self.max_predictions, mask_token_rate=self.mask_token_rate,
+            random_token_rate=self.random_token_rate, seed=seed)
+
+    def _keys(self, micro_batch):
+        """Three independent stateless keys (selection, replacement, random token)."""
         import tensorflow as tf
 
-        masked = self._generator(rows)
+        key = tf.random.experimental.stateless_fold_in(
+            tf.constant([self.seed, 0], tf.int64), tf.cast(micro_batch, tf.int64))
+        return tf.unstack(tf.random.experimental.stateless_split(key, 3))
+
+    def __call__(self, rows, weights, *, micro_batch=0):
+        import tensorflow as tf
+
+        rows = tf.convert_to_tensor(rows, tf.int32)
+        length, predictions = self.sequence_length, self.max_predictions
+        selection_key, replacement_key, token_key = self._keys(micro_batch)
+        selectable = (tf.not_equal(rows, _PAD) & tf.not_equal(rows, _CLS)
+                      & tf.not_equal(rows, _SEP))
+        count = tf.reduce_sum(tf.cast(selectable, tf.int32), axis=1)
+        chosen = tf.minimum(
+            tf.cast(tf.math.ceil(tf.cast(count, tf.float32) * self.mask_rate), tf.int32),
+            predictions)
+        # The `chosen` selectable positions of lowest score: a uniform subset
+        # (scores of unselectable positions, 2, rank after every real one).
+        scores = tf.where(selectable, tf.random.stateless_uniform(tf.shape(rows), selection_key), 2.0)
+        _, ranked = tf.math.top_k(-scores, k=predictions)
+        valid = tf.range(predictions)[None, :] < chosen[:, None]
+        # Positions ascending, the padding slots (position 0, weight 0) last.
+        positions = tf.sort(tf.where(valid, ranked, length), axis=1)
+        positions = tf.where(valid, positions, 0)
+        mask_ids = tf.where(valid, tf.gather(rows, positions, batch_dims=1), 0)
+
+        draw = tf.random.stateless_uniform(tf.shape(positions), replacement_key)
+        random_tokens = tf.random.stateless_uniform(
+            tf.shape(positions), token_key, minval=0, maxval=self.vocabulary_size, dtype=tf.int32)
+        shown = tf.where(draw < self.mask_token_rate, _MASK,
+                         tf.where(draw < self.mask_token_rate + self.random_token_rate,
+                                  random_tokens, mask_ids))
+        # Each row's valid positions are distinct: one one-hot sum places them.
+        placed = tf.one_hot(positions, length, dtype=tf.int32) * tf.cast(valid, tf.int32)[..., None]
+        is_selected = tf.reduce_sum(placed, axis=1) > 0
+        token_ids = tf.where(is_selected, tf.reduce_sum(placed * shown[..., None], axis=1), rows)
+
         real = tf.not_equal(rows, _PAD)
         # A padding example has no real token; letting it attend to position 0
         # keeps its (zero-weight) loss finite, so 0 * loss stays 0, not NaN.
         is_padding = tf.equal(weights, 0.0)
-        first = tf.range(self.sequence_length) == 0
+        first = tf.range(length) == 0
         padding_mask = tf.logical_or(real, tf.logical_and(first[None, :], is_padding[:, None]))
-        # The mask generator densifies through a ragged tensor and loses the
-        # static batch size; XLA and the DP step need it back.
-        predictions = [rows.shape[0], self.max_predictions]
         x = {
-            "token_ids": tf.cast(masked["token_ids"], tf.int32),
+            "token_ids": token_ids,
             "segment_ids": tf.zeros_like(rows, tf.int32),
             # int32, BertBackbone's own input dtype: under a tf.distribute
             # strategy Keras averages the first batch across replicas to
             # build the model, which no all-reduce can do for bool.
             "padding_mask": tf.cast(padding_mask, tf.int32),
-            "mask_positions": tf.ensure_shape(tf.cast(masked["mask_positions"], tf.int32), predictions),
+            "mask_positions": positions,
         }
-        y = tf.ensure_shape(tf.cast(masked["mask_ids"], tf.int32), predictions)
-        sample_weight = tf.cast(masked["mask_weights"], tf.float32) * weights[:, None]
-        return x, y, tf.ensure_shape(sample_weight, predictions)
+        sample_weight = tf.cast(valid, tf.float32) * tf.cast(weights, tf.float32)[:, None]
+        return x, mask_ids, sample_weight

@@ -823,9 +823,10 @@ class MaskedLMBatcher:
     micro-batch are a function of its rows, the seed and its index alone,
     whatever the thread timing or the order in which a pipeline runs the
     calls. (Stateful random ops hand out their numbers in the order the
-    calls happen to run; the mask generator's per-row shuffles run as
-    parallel loop iterations, so seeded masks changed from run to run.) A
-    sampler's `as_dataset` passes each micro-batch's index in the run.
+    calls happen to run: keras-hub's mask generator, used before, shuffles
+    each row in parallel loop iterations of one stateful op, so seeded masks
+    changed from run to run.) A sampler's `as_dataset` passes each
+    micro-batch's index in the run.
     Masking randomness is not secret: the Poisson sampling keeps its own.
 
     Args:
@@ -844,7 +845,7 @@ class MaskedLMBatcher:
         rows: int32 [M, L] token ids ([PAD] = 0).
         weights: float32 [M], 0 for padding examples.
         micro_batch: int scalar, the micro-batch's index in the run (a
-            sampler's `as_dataset` passes it). Calls with the same index
+            sampler's `as_dataset` passes it; default 0). Calls with the same index
             draw the same masks on the same rows: give each micro-batch
             its own.
 

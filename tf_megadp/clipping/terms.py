@@ -25,7 +25,8 @@ import abc
 
 import tensorflow as tf
 
-__all__ = ["Explicit", "Gather", "Outer", "Term", "compute_dtype", "squared_norm_of_sum"]
+__all__ = ["Explicit", "Gather", "Outer", "Term", "compute_dtype", "outer_is_materialised",
+           "squared_norm_of_sum"]
 
 
 def compute_dtype(variable) -> tf.DType:
@@ -37,6 +38,17 @@ def _rows(tensor, keep):
     """Zeroes the examples that do not count (0 * NaN would be NaN)."""
     mask = tf.reshape(keep, [-1] + [1] * (tensor.shape.rank - 1))
     return tf.where(mask, tensor, tf.zeros_like(tensor))
+
+
+def outer_is_materialised(tokens: int | None, p: int, d: int) -> bool:
+    """Whether an `Outer` record of T tokens, p inputs, d outputs builds its per-example gradient.
+
+    True when p d <= T (p + d): the [p, d] gradient is no larger than the
+    records it comes from. An unknown token count gets the Gram form, whose
+    memory does not grow with the layer's width. Plain arithmetic, so that
+    the run planner (`tf_megadp.jobs.bert.plan`) applies the same rule.
+    """
+    return tokens is not None and p * d <= tokens * (p + d)
 
 
 class Term(abc.ABC):
@@ -108,10 +120,7 @@ class Outer(Term):
     @property
     def materialised(self) -> bool:
         """Whether the per-example gradients are built (see the class docstring)."""
-        tokens, p, d = self.left.shape[1], self.left.shape[2], self.right.shape[2]
-        # An unknown token count gets the Gram form, whose memory does not
-        # grow with the layer's width.
-        return tokens is not None and p * d <= tokens * (p + d)
+        return outer_is_materialised(self.left.shape[1], self.left.shape[2], self.right.shape[2])
 
     def _per_example_gradients(self) -> tf.Tensor:
         """[m, P, D], built once per term (norms and clipped sum share it)."""

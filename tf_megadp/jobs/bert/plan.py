@@ -17,7 +17,8 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
   Static shapes compute padding slots too, so a step costs its capacity
   k m R, not its expected batch B. Per example:
   - vectorized: 3 F + 4 per parameter (squared norm, scaled sum).
-  - ghost (book-keeping, `tf_megadp.clipping.ghost`): ONE forward and ONE
+  - ghost (book-keeping, `tf_megadp.clipping.ghost`; auto is the same
+    step for BERT, every layer having a ghost rule): ONE forward and ONE
     backward pass. The backward gives every layer's output gradients, no
     weight gradients; each Outer record (a dense kernel: T tokens, p inputs,
     d outputs, `tf_megadp.clipping.terms.Outer`) then takes the form the
@@ -47,21 +48,38 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
   compute (precision mixed_bfloat16) about 34 T H + 5 heads T^2 bytes per
   layer per sequence (no rematerialisation), twice that in float32, plus
   float32 MLM logits. Vectorized clipping materialises m float32
-  per-example gradients (m * 4 * params bytes). Ghost clipping holds, per
-  example, the two float32 T x T Grams of every Gram-form layer (counted as
-  if all were held at once; XLA may free each pair after its reduction) and
-  the float32 p x d gradient of every materialised layer (held from its
-  norm to the clipped sum), plus one float32 gradient-sized allowance per
-  core (part of the model checked against the measured step below; the
-  book-keeping code names no such buffer: its clipped sum is the first
-  step buffer). Not counted: the float32 output-gradient records every
-  Outer term holds from the backward pass to the clipped sums, m * 4 *
-  sum(T d) bytes (3.45 GiB per core for BERT-Large at m = 32, T = 128), and
-  under mixed_bfloat16 the float32 casts of the recorded layer inputs that
-  XLA does not fuse into their consumers.
+  per-example gradients (m * 4 * params bytes). Ghost clipping (and auto,
+  which for BERT is ghost: every layer has a rule) holds, per example, what
+  the book-keeping step keeps from its backward pass until the clip factors
+  exist and the clipped sums are formed (`_ghost_held_floats`), all
+  float32 (`terms.compute_dtype`), summed as if held at once:
+  - a materialised Outer record: its built p x d gradient (its factors are
+    not needed after it is built);
+  - a Gram-form Outer record: its output-gradient factor, T d values (T V
+    for the tied decoder, whose gradient factor is the V-wide logit
+    gradient), and its two T x T Grams (XLA may free each pair after its
+    reduction). Its other factor is the layer's input (`flat_tokens`): in
+    float32 that is the activation itself, already counted above; under
+    mixed_bfloat16 it is a float32 cast of the bfloat16 input, T p values,
+    counted once per input tensor (the query, key and value kernels cast
+    the same input, which XLA computes once);
+  - the token, position and segment Gather records: T h values each;
+  - the Explicit records of biases and LayerNorm parameters: their
+    per-example gradients.
+  For BERT-Large (T = 128, all Gram form) that is 131 MiB per sequence in
+  float32 and 215 MiB under mixed_bfloat16 (110 MiB of output gradients,
+  84 MiB of input casts, 18 MiB of Grams). Not counted: the per-example
+  loss gradients ([P, V] per example, the same values as the decoder's
+  record), the clip-factor-scaled factors of each clipped sum (one layer
+  at a time), the independence check's per-example forward pass (first
+  call of each traced input signature only), the bfloat16 copies of the
+  weights under mixed_bfloat16 (as in non-private training), and
+  TensorFlow's and XLA's own memory.
   Checked against one measured DP step of BERT-Large on a CPU
-  (benchmarks/bert_large_check.py, docs/tpu.md): without the step buffers
-  and the float32 activations the model was 37-40 % under the measured peak.
+  (benchmarks/bert_large_check.py, docs/tpu.md): the measured peak exceeds
+  the plan by 2.10 GiB for ghost and 2.43 GiB for vectorized (measured/plan
+  1.25 and 1.23), about the same for both clippings, i.e. memory outside
+  the modelled buffers rather than a missing ghost buffer.
 
 Example:
 ```python
@@ -75,14 +93,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from tf_megadp import accounting
+from tf_megadp.clipping.terms import outer_is_materialised
 from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta, load_run_config
 
 __all__ = [
     "InfeasiblePlanError",
     "ModelSpec",
+    "OuterRecord",
     "Hardware",
     "load_config",
     "model_spec",
@@ -93,11 +113,37 @@ __all__ = [
 GIB = 2**30
 # Float32 slots the job's inner optimizer (AdamW: two moments) keeps per parameter.
 OPTIMIZER_SLOTS = 2
-CLIPPING = ("vectorized", "ghost")
+# The clipping methods a plan accepts, each with the cost model it follows.
+# Under "auto" every layer of a BERT masked LM has a ghost rule (the test of
+# the records pins that no layer gets the exact fallback), so its step is
+# ghost's step.
+CLIPPING = {"vectorized": "vectorized", "ghost": "ghost", "auto": "ghost"}
+# Always shown side by side in a plan's memory table (and the selected one).
+COMPARED = ("vectorized", "ghost")
 
 
 class InfeasiblePlanError(ValueError):
     """The configuration cannot run as stated; the message names the number."""
+
+
+class OuterRecord(NamedTuple):
+    """The shape of one ghost Outer record (`tf_megadp.clipping.terms.Outer`).
+
+    Args:
+        tokens: T, the rows of both factors.
+        left: p, the width of the left factor.
+        right: d, the width of the right factor.
+        gradient: which factor is the output gradient, "left" or "right";
+            the other is a layer input.
+        input: a name of that layer input; records with the same name read
+            the same tensor.
+    """
+
+    tokens: int
+    left: int
+    right: int
+    gradient: str
+    input: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,20 +183,33 @@ class ModelSpec:
                 f"{self.sequence_length}."
             )
 
-    def dense_layers(self) -> list[tuple[int, int, int]]:
-        """(T, p, d) of every dense kernel's ghost Outer record, head included.
+    def outer_records(self) -> list[OuterRecord]:
+        """Every dense kernel's ghost Outer record, head included (module docstring).
 
         Returns:
             Per kernel: tokens T, width p of the record's left factor and d
-            of its right one. For a dense layer these are its input and
-            output widths; for the tied MLM decoder (logits = h E^T) the
-            left factor is the V-wide logit gradient and the right one the
-            h-wide hidden state (`ReversibleEmbeddingRule`).
+            of its right one, which factor is the output gradient and the
+            layer input the other factor is. For a dense layer the left
+            factor is its input and the right one its output gradient; the
+            query, key and value kernels of a layer read the same input.
+            For the tied MLM decoder (logits = h E^T) the left factor is the
+            V-wide logit gradient and the right one the h-wide hidden state
+            (`ReversibleEmbeddingRule`).
         """
         t, h, i = self.sequence_length, self.hidden_dim, self.intermediate_dim
-        layer = [(t, h, h)] * 4 + [(t, h, i), (t, i, h)]
-        head = [(self.max_predictions, h, h), (self.max_predictions, self.vocabulary_size, h)]
-        return layer * self.num_layers + head
+        records = []
+        for n in range(self.num_layers):
+            records += [OuterRecord(t, h, h, "right", f"{n}.attention")] * 3  # query, key, value
+            records += [OuterRecord(t, h, h, "right", f"{n}.context"),
+                        OuterRecord(t, h, i, "right", f"{n}.mlp"),
+                        OuterRecord(t, i, h, "right", f"{n}.intermediate")]
+        p = self.max_predictions
+        return records + [OuterRecord(p, h, h, "right", "head"),
+                          OuterRecord(p, self.vocabulary_size, h, "left", "decoder")]
+
+    def dense_layers(self) -> list[tuple[int, int, int]]:
+        """(T, p, d) of every `outer_records` record: the shapes the FLOPs follow."""
+        return [(r.tokens, r.left, r.right) for r in self.outer_records()]
 
     def embedding_lookups(self) -> list[tuple[int, int]]:
         """(tokens, width) of the token, position and segment lookups (Gather records)."""
@@ -213,29 +272,11 @@ def model_spec(config, vocabulary_size: int | None = None) -> ModelSpec:
     )
 
 
-def _outer_is_materialised(tokens: int, left: int, right: int) -> bool:
-    """Whether ghost clipping builds an Outer record's per-example gradient.
-
-    The rule of `tf_megadp.clipping.terms.Outer.materialised` (tests pin the
-    two together): the [p, d] gradient is built when it is no larger than
-    the records it comes from, p d <= T (p + d); otherwise the Gram form.
-
-    Args:
-        tokens: T, the tokens of the record.
-        left: p, the width of its left factor.
-        right: d, the width of its right factor.
-
-    Returns:
-        True for the materialised form, False for the Gram form.
-    """
-    return left * right <= tokens * (left + right)
-
-
 def _ghost_clipping_flops(model: ModelSpec) -> float:
     """FLOPs per example ghost clipping adds to the 3 F of training (module docstring)."""
     flops = 0.0
     for t, p, d in model.dense_layers():
-        if _outer_is_materialised(t, p, d):
+        if outer_is_materialised(t, p, d):
             flops += 4.0 * p * d  # norm and clipped sum read off the built [p, d] gradient
         else:
             # Two Grams, their product and sum; the clip factors scale the left factor.
@@ -249,7 +290,7 @@ def _ghost_clipping_flops(model: ModelSpec) -> float:
 
 def _example_flops(model: ModelSpec, clipping: str) -> float:
     training = 3.0 * model.forward_flops()
-    if clipping == "vectorized":
+    if CLIPPING[clipping] == "vectorized":
         return training + 4.0 * model.parameter_count()
     return training + _ghost_clipping_flops(model)
 
@@ -258,6 +299,26 @@ def _example_flops(model: ModelSpec, clipping: str) -> float:
 # clipped sum (before it enters the accumulator) and the noisy mean gradient
 # handed to the inner optimizer.
 STEP_BUFFERS = 2
+
+
+def _ghost_held_floats(model: ModelSpec, precision: str) -> float:
+    """Float32 values per example ghost clipping holds until its clipped sums (module docstring)."""
+    floats = 0.0
+    copied_inputs = {}
+    for record in model.outer_records():
+        t, p, d = record.tokens, record.left, record.right
+        if outer_is_materialised(t, p, d):
+            floats += p * d  # the built [p, d] gradient; its factors are no longer needed
+            continue
+        gradient, layer_input = (d, p) if record.gradient == "right" else (p, d)
+        floats += t * gradient + 2.0 * t * t  # the output-gradient factor; the two Grams
+        copied_inputs[record.input] = t * layer_input  # one cast per input tensor
+    if precision != "float32":
+        # The float32 casts of bfloat16 layer inputs (`flat_tokens`); in
+        # float32 the factor is the activation itself, counted there.
+        floats += sum(copied_inputs.values())
+    floats += sum(t * width for t, width in model.embedding_lookups())  # Gather values
+    return floats + model.small_parameter_count()  # Explicit records
 
 
 def _memory(model: ModelSpec, m: int, clipping: str, precision: str) -> dict[str, float]:
@@ -269,12 +330,10 @@ def _memory(model: ModelSpec, m: int, clipping: str, precision: str) -> dict[str
         "step_buffers": 4.0 * params * STEP_BUFFERS,
         "activations": m * model.activation_bytes(4 if precision == "float32" else 2),
     }
-    if clipping == "vectorized":
+    if CLIPPING[clipping] == "vectorized":
         memory["clipping"] = m * 4.0 * params
     else:
-        floats = sum(p * d if _outer_is_materialised(t, p, d) else 2.0 * t * t
-                     for t, p, d in model.dense_layers())
-        memory["clipping"] = m * 4.0 * floats + 4.0 * params
+        memory["clipping"] = m * 4.0 * _ghost_held_floats(model, precision)
     memory["total"] = sum(memory.values())
     return memory
 
@@ -309,7 +368,7 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             "to plan the sampling rates and epsilon.")
     if config.clipping not in CLIPPING:
         raise InfeasiblePlanError(
-            f"training.clipping must be one of {CLIPPING} to be planned, got "
+            f"training.clipping must be one of {', '.join(CLIPPING)} to be planned, got "
             f"{config.clipping!r}.")
     try:
         schedule = config.make_schedule(config.num_examples, hardware.replicas)
@@ -322,7 +381,8 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
         sigma = accounting.calibrate_noise_multiplier(
             config.target_epsilon, delta, schedule=schedule, accountant=config.accountant)
     peak = hardware.peak_tflops_per_replica * 1e12 * hardware.replicas * hardware.utilization
-    flops_per_slot = {c: _example_flops(model, c) for c in CLIPPING}
+    shown = COMPARED + ((config.clipping,) if config.clipping not in COMPARED else ())
+    flops_per_slot = {c: _example_flops(model, c) for c in shown}
     phases = []
     for index, phase in enumerate(schedule.phases):
         capacity = schedule.capacity(phase)
@@ -348,7 +408,7 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             "flops_per_logical_step": flops,
             "seconds_per_logical_step": flops / peak,
         })
-    memory = {c: _memory(model, config.micro_batch_size, c, config.precision) for c in CLIPPING}
+    memory = {c: _memory(model, config.micro_batch_size, c, config.precision) for c in shown}
     hbm = hardware.hbm_gib_per_replica * GIB
     needed = memory[config.clipping]["total"]
     if needed > hbm:
@@ -361,7 +421,8 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             f"{memory[config.clipping]['step_buffers'] / GIB:.2f}, activations "
             f"{memory[config.clipping]['activations'] / GIB:.2f}, clipping "
             f"{memory[config.clipping]['clipping'] / GIB:.2f} GiB). Lower micro_batch_size "
-            "(and raise accumulation_steps) or use ghost clipping."
+            "(and raise accumulation_steps)"
+            + (" or use ghost clipping." if CLIPPING[config.clipping] == "vectorized" else ".")
         )
     epsilon = math.inf if config.non_private else accounting.compute_epsilon(
         delta=delta, schedule=schedule, noise_multiplier=sigma, accountant=config.accountant,
@@ -403,6 +464,12 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
     }
 
 
+def _costed_as(clipping: str) -> str:
+    if CLIPPING[clipping] == clipping:
+        return ""
+    return f" (every BERT layer has a ghost rule: costed as {CLIPPING[clipping]})"
+
+
 def format_plan(plan: dict[str, Any]) -> str:
     """A human-readable rendering of `make_plan`'s result."""
     hw = plan["hardware"]
@@ -415,7 +482,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"({plan['model']['num_layers']} layers, hidden {plan['model']['hidden_dim']}, "
         f"seq {plan['model']['sequence_length']})",
         f"  micro-batch   : {plan['micro_batch_size']} per core, clipping "
-        f"{plan['clipping']}, optimizer {plan['optimizer']['name']}",
+        f"{plan['clipping']}{_costed_as(plan['clipping'])}, optimizer "
+        f"{plan['optimizer']['name']}",
         f"  logical steps : {plan['logical_steps']:,} "
         f"({plan['examples_processed']:,} expected examples, N = {plan['num_examples']:,})",
     ]

@@ -52,7 +52,9 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
   which for BERT is ghost: every layer has a rule) holds, per example, what
   the book-keeping step keeps from its backward pass until the clip factors
   exist and the clipped sums are formed (`_ghost_held_floats`), all
-  float32 (`terms.compute_dtype`), summed as if held at once:
+  float32 (`terms.compute_dtype`), summed as if held at once and on top of
+  all activations (an upper bound: by the end of the backward pass only
+  the recorded inputs among the activations are still needed):
   - a materialised Outer record: its built p x d gradient (its factors are
     not needed after it is built);
   - a Gram-form Outer record: its output-gradient factor, T d values (T V
@@ -351,7 +353,8 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
     Returns:
         A JSON-ready dict: per phase k_t, capacity, expected batch, sampling
         rate and truncation probability; totals; epsilon; FLOPs; step times;
-        memory per clipping method.
+        FLOPs per example and memory for vectorized, ghost and the selected
+        clipping.
 
     Raises:
         InfeasiblePlanError: memory over the per-core HBM, a phase whose

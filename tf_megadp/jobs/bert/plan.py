@@ -73,15 +73,20 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
   84 MiB of input casts, 18 MiB of Grams). Not counted: the per-example
   loss gradients ([P, V] per example, the same values as the decoder's
   record), the clip-factor-scaled factors of each clipped sum (one layer
-  at a time), the independence check's per-example forward pass (first
-  call of each traced input signature only), the bfloat16 copies of the
+  at a time), the independence check (first call of each traced input
+  signature only; compiled as its own function run before the step, it
+  holds nothing beside the records), the bfloat16 copies of the
   weights under mixed_bfloat16 (as in non-private training), and
   TensorFlow's and XLA's own memory.
   Checked against one measured DP step of BERT-Large on a CPU
   (benchmarks/bert_large_check.py, docs/tpu.md): the measured peak exceeds
   the plan by 2.10 GiB for ghost and 2.43 GiB for vectorized (measured/plan
   1.25 and 1.23), about the same for both clippings, i.e. memory outside
-  the modelled buffers rather than a missing ghost buffer.
+  the modelled buffers rather than a missing ghost buffer. The measured
+  ghost step also ran the independence check inside the step, beside its
+  records: by the tensors the check compares (the model's outputs and its
+  Dropout layers' inputs, in the per-example and the batched pass) about
+  0.15 GiB of that peak.
 
 Example:
 ```python

@@ -57,22 +57,22 @@ class TestOneConfiguration:
         run = parsed("pretrain", "--config", SHIPPED)
         assert planned == run == plan.load_config(SHIPPED)
         assert run.model == "large" and run.hardware.replicas == 1024
-        assert run.phases()[0] == (2000, 262144, 9)
+        assert run.phases()[0] == (2000, 262144, 18)
 
     def test_a_flag_overrides_the_files_field_in_both(self):
-        run = parsed("pretrain", "--config", SHIPPED, "--micro-batch-size", "16",
+        run = parsed("pretrain", "--config", SHIPPED, "--micro-batch-size", "8",
                      "--accountant", "pld")
-        assert run == parsed("plan", SHIPPED, "--micro-batch-size", "16", "--accountant", "pld")
-        assert (run.micro_batch_size, run.accountant) == (16, "pld")
-        assert dataclasses.replace(run, micro_batch_size=32, accountant="rdp") == parsed(
+        assert run == parsed("plan", SHIPPED, "--micro-batch-size", "8", "--accountant", "pld")
+        assert (run.micro_batch_size, run.accountant) == (8, "pld")
+        assert dataclasses.replace(run, micro_batch_size=16, accountant="rdp") == parsed(
             "plan", SHIPPED)
 
     def test_the_plan_uses_the_overridden_field(self, capsys):
-        # Ghost clipping fits 32 sequences per v3 core; vectorized holds 32
-        # per-example gradients of BERT-Large (40 GiB) and does not.
+        # Ghost clipping fits 16 sequences per v3 core; vectorized holds 16
+        # per-example gradients of BERT-Large (about 20 GiB) and does not.
         assert cli.main(["plan", SHIPPED, "--json"]) == 0
         assert cli.main(["plan", SHIPPED, "--clipping", "vectorized", "--json"]) == 2
-        assert "vectorized clipping at micro_batch_size 32 exceeds" in capsys.readouterr().err
+        assert "vectorized clipping at micro_batch_size 16 exceeds" in capsys.readouterr().err
 
     def test_without_a_file_the_flags_build_the_defaults(self):
         assert parsed("pretrain") == pretraining.PretrainConfig()

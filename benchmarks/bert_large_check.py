@@ -186,7 +186,25 @@ def main(argv=None) -> int:
     if args.json and not saved:
         with open(args.json, "w", encoding="utf-8") as stream:
             json.dump(rows, stream, indent=2)
-    return 0 if rows and all(abs(r["memory_ratio"] - 1) <= 0.25 for r in rows) else 1
+    return 0 if rows and plan_agrees(rows) else 1
+
+
+# The measured peak also holds TensorFlow's and XLA's own memory (compilation
+# included), which no buffer of the step names: an additive remainder, about
+# 2.1-2.4 GiB on the saved CPU measurement. The plan must not exceed the peak
+# (every counted buffer exists) and may fall short by at most UNMODELLED_GIB;
+# the clippings' remainders must agree within CLIPPING_SPECIFIC_GIB, or one
+# clipping holds a buffer the plan misses (or counts one the code lacks).
+UNMODELLED_GIB = 2.5
+CLIPPING_SPECIFIC_GIB = 0.5
+
+
+def plan_agrees(rows) -> bool:
+    """Whether measured peaks and planned memory agree (rows as `--json` writes them)."""
+    remainders = [(r["peak_rss_increase_bytes"] - r["plan_memory_bytes"]["total"]) / GIB
+                  for r in rows]
+    return (all(0 <= r <= UNMODELLED_GIB for r in remainders)
+            and max(remainders) - min(remainders) <= CLIPPING_SPECIFIC_GIB)
 
 
 if __name__ == "__main__":

@@ -371,17 +371,16 @@ class TestAgainstAMeasuredStep:
     no buffer of the step names and which does not scale with the plan: an
     additive remainder, 2.10 GiB for ghost and 2.43 GiB for vectorized. So
     the plan must not exceed the measured peak (every counted buffer exists)
-    and may fall short of it by at most UNMODELLED_GIB, the larger remainder
-    rounded up; the two remainders must agree within CLIPPING_SPECIFIC_GIB
+    and may fall short of it by at most `UNMODELLED_GIB`, the larger remainder
+    rounded up; the two remainders must agree within `CLIPPING_SPECIFIC_GIB`
+    (both in benchmarks/bert_large_check.py, whose `--compare` applies the same
+    `plan_agrees`)
     (a buffer one clipping holds and the plan misses, or counts without the
     code holding it, would set them apart). (As a ratio, ghost is 1.254: 0.4 % outside the 25 % the
     earlier multiplicative check allowed. The upper bound here is looser
     than that check's for ghost, 2.5 against 2.07 GiB, and tighter for
     vectorized, against 2.63 GiB; the lower bound is tighter for both.)
     """
-
-    UNMODELLED_GIB = 2.5
-    CLIPPING_SPECIFIC_GIB = 0.5
 
     def test_plan_memory_is_under_the_measured_peak_by_less_than_the_runtime(self):
         import argparse
@@ -396,14 +395,18 @@ class TestAgainstAMeasuredStep:
                   encoding="utf-8") as stream:
             saved = json.load(stream)
         assert sorted(row["clipping"] for row in saved) == ["ghost", "vectorized"]
-        remainders = {}
+        rows = []
         for row in saved:
             args = argparse.Namespace(micro_batch=row["micro_batch"],
                                       precision=row["precision"], peak_tflops=0.16)
             result = plan.make_plan(check.run_config(args, row["clipping"]))
-            planned = result["memory_bytes"][row["clipping"]]["total"]
-            remainder = (row["peak_rss_increase_bytes"] - planned) / plan.GIB
-            assert 0 <= remainder <= self.UNMODELLED_GIB, (row["clipping"], remainder)
-            remainders[row["clipping"]] = remainder
-        assert abs(remainders["ghost"] - remainders["vectorized"]) <= self.CLIPPING_SPECIFIC_GIB, (
-            remainders)
+            rows.append(dict(row, plan_memory_bytes=result["memory_bytes"][row["clipping"]]))
+        assert check.plan_agrees(rows), [
+            (r["clipping"], (r["peak_rss_increase_bytes"] - r["plan_memory_bytes"]["total"])
+             / plan.GIB) for r in rows]
+        # The rule can fail: a plan that missed vectorized's per-example
+        # gradients (m x 4 x parameters) would leave a remainder far above it.
+        missed = [dict(r, plan_memory_bytes={"total": r["plan_memory_bytes"]["total"]
+                                             - r["plan_memory_bytes"]["clipping"]})
+                  if r["clipping"] == "vectorized" else r for r in rows]
+        assert not check.plan_agrees(missed)

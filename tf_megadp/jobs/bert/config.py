@@ -139,10 +139,10 @@ class PretrainConfig:
             average. Post-processing of the noisy updates: no privacy cost.
         non_private: the baseline: same data, model and optimizer, plain
             Keras step (no clipping, no noise).
-        clipping: per-example strategy of DPOptimizer.
+        clipping: per-example strategy of DPOptimizer ("auto", the
+            library's default, "ghost" or "vectorized").
         dropout: BERT dropout rate. Off by default: the DP noise already
-            regularizes, and per-example dropout masks make the vectorized
-            per-example pass slower.
+            regularizes.
         eval_every: logical steps between held-out evaluations (and epochs).
         checkpoint_every: logical steps between checkpoints (0: only at the end).
         resume: continue the run in `output_dir` from its checkpoint; the
@@ -208,7 +208,7 @@ class PretrainConfig:
     reference_batch_size: int = 256
     ema_momentum: float | None = None
     non_private: bool = False
-    clipping: str = "vectorized"
+    clipping: str = "auto"
     dropout: float = 0.0
     eval_every: int = 25
     checkpoint_every: int = 0

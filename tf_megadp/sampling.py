@@ -1046,10 +1046,12 @@ class _Sampler(abc.ABC):
             def with_index(element, index):
                 return map_fn(*element, micro_batch=index)
 
-            dataset = dataset.map(
-                with_index if keyed else map_fn,
-                num_parallel_calls=tf.data.AUTOTUNE if parallel_map else None,
-                deterministic=True)
+            function = with_index if keyed else map_fn
+            if parallel_map:
+                dataset = dataset.map(function, num_parallel_calls=tf.data.AUTOTUNE,
+                                      deterministic=True)
+            else:
+                dataset = dataset.map(function)
         dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
         return attach_source(dataset, self.source)
 

@@ -247,8 +247,9 @@ class TestStaticMicroBatches:
         assert all(r.dtype == tf.int32 and w.dtype == tf.float32 for r, w in elements)
 
     def test_a_seeded_map_fn_draws_the_same_masks_whatever_the_thread_timing(self, small):
-        # The failure CI met: a stateful random map_fn (the job's masking) in
-        # a parallel map hands its numbers out in the order the calls run.
+        # The first failure CI met: a stateful random map_fn (as the job's
+        # masking was) in a parallel map hands its numbers out in the order
+        # the calls run.
         # Here the first micro-batch is slow, so a parallel map lets later
         # ones draw first (with parallel_map=True this test fails, as
         # measured).

@@ -398,6 +398,25 @@ class KernelThief(keras.layers.Layer):
         return keras.ops.matmul(inputs, self.donor.kernel)
 
 
+def regularized_model():
+    """A compiled sequence model with an L2 kernel regularizer: ghost cannot attribute it."""
+    model = sequence_model(keras.layers.Dense(4, activation="tanh", kernel_regularizer="l2"),
+                           keras.layers.Dense(3))
+    model.compile(loss=LOSS)
+    return model
+
+
+def kernel_thief_model():
+    """Dense + KernelThief reading the Dense's kernel, compiled: ghost cannot see that read."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5, 4))
+    donor = keras.layers.Dense(4)
+    hidden = donor(inputs) + KernelThief(donor)(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(loss=LOSS)
+    return model
+
+
 class TestAutoFallsBackPerLayer:
     def test_unsupported_layer_gets_exact_per_example_gradients(self):
         model = sequence_model(keras.layers.SimpleRNN(4, return_sequences=True),
@@ -426,12 +445,7 @@ class TestAutoFallsBackPerLayer:
                 model, sequences(), labels((6, 5)), None, 1.0)
 
     def test_variable_read_outside_its_layer_is_refused(self):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((5, 4))
-        donor = keras.layers.Dense(4)
-        hidden = donor(inputs) + KernelThief(donor)(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
-        model.compile(loss=LOSS)
+        model = kernel_thief_model()
         with pytest.raises(PrivacyConfigurationError, match="read outside"):
             GhostClipping(fallback="any", jit_compile=False).clip_and_sum(
                 model, sequences(), labels((6, 5)), None, 1.0)
@@ -448,25 +462,10 @@ class TestAutoFallsBackPerLayer:
 class TestAutoFallsBackToVectorizedPerModel:
     """What ghost norms cannot attribute, `auto` clips with per-example gradients."""
 
-    def regularized(self):
-        keras.utils.set_random_seed(0)
-        model = sequence_model(keras.layers.Dense(4, activation="tanh", kernel_regularizer="l2"),
-                               keras.layers.Dense(3))
-        model.compile(loss=LOSS)
-        return model
-
-    def kernel_thief(self):
-        keras.utils.set_random_seed(0)
-        inputs = keras.Input((5, 4))
-        donor = keras.layers.Dense(4)
-        hidden = donor(inputs) + KernelThief(donor)(inputs)
-        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
-        model.compile(loss=LOSS)
-        return model
-
-    @pytest.mark.parametrize("build", ["regularized", "kernel_thief"])
+    @pytest.mark.parametrize("build", [regularized_model, kernel_thief_model],
+                             ids=["regularized", "kernel_thief"])
     def test_auto_equals_vectorized_where_ghost_refuses(self, build):
-        model, x, y = getattr(self, build)(), sequences(), labels((6, 5))
+        model, x, y = build(), sequences(), labels((6, 5))
         with pytest.raises(tf_megadp.GhostClippingUnsupportedError, match="clipping='vectorized'"):
             GhostClipping(fallback="any", jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
         expected = VectorizedClipping(jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
@@ -481,7 +480,7 @@ class TestAutoFallsBackToVectorizedPerModel:
         assert_batches_equal(model, expected, again)
 
     def test_falls_back_inside_a_traced_step(self):
-        model, x, y = self.regularized(), sequences(), labels((6, 5))
+        model, x, y = regularized_model(), sequences(), labels((6, 5))
         expected = VectorizedClipping(jit_compile=False).clip_and_sum(model, x, y, None, 0.5)
         auto = get_clipping_strategy("auto")
 

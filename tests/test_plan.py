@@ -46,6 +46,17 @@ def accountant_epsilon(config):
         noise_multiplier=training["noise_multiplier"], accountant=training["accountant"])
 
 
+def keras_hub_bert(spec):
+    """The keras-hub BertMaskedLM a `plan.ModelSpec` describes."""
+    import keras_hub
+
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=spec.vocabulary_size, num_layers=spec.num_layers,
+        num_heads=spec.num_heads, hidden_dim=spec.hidden_dim,
+        intermediate_dim=spec.intermediate_dim, max_sequence_length=spec.sequence_length)
+    return keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
+
+
 def run_cli(capsys, *argv):
     status = cli.main(["plan", *argv])
     captured = capsys.readouterr()
@@ -105,14 +116,9 @@ class TestShippedConfigs:
 
 class TestArithmetic:
     def test_parameter_count_matches_a_keras_hub_bert(self):
-        import keras_hub
-
         spec = plan.ModelSpec(num_layers=2, hidden_dim=32, num_heads=4, intermediate_dim=48,
                               vocabulary_size=101, sequence_length=16, max_predictions=4)
-        backbone = keras_hub.models.BertBackbone(
-            vocabulary_size=101, num_layers=2, num_heads=4, hidden_dim=32,
-            intermediate_dim=48, max_sequence_length=16)
-        model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
+        model = keras_hub_bert(spec)
         assert spec.parameter_count() == model.count_params()
         # Ghost clipping records biases and LayerNorm parameters per example
         # (Explicit terms); the pooler gets no gradient from the MLM loss.
@@ -230,7 +236,6 @@ class TestArithmetic:
         costs auto as ghost.
         """
         import keras
-        import keras_hub
         import numpy as np
         import tensorflow as tf
 
@@ -241,10 +246,7 @@ class TestArithmetic:
 
         spec = plan.ModelSpec(num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=24,
                               vocabulary_size=37, sequence_length=8, max_predictions=3)
-        backbone = keras_hub.models.BertBackbone(
-            vocabulary_size=37, num_layers=2, num_heads=2, hidden_dim=16,
-            intermediate_dim=24, max_sequence_length=8)
-        model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
+        model = keras_hub_bert(spec)
         model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         rng = np.random.default_rng(0)
         m = 2

@@ -29,7 +29,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from step_overhead import SIZES, build_model, compile_model, head, load_average, make_data, median  # noqa: E402
+from step_overhead import (SIZES, add_model_arguments, build_model, compile_model, head,  # noqa: E402
+                           load_average, make_data, median)
 from tf_megadp.clipping import get_clipping_strategy  # noqa: E402
 
 
@@ -38,10 +39,7 @@ def main(argv=None):
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--clipping", default="vectorized,ghost,auto")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--masks", type=int, default=20)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    add_model_arguments(parser)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)

@@ -73,6 +73,14 @@ def load_average() -> float:
         return float(handle.read().split()[0])
 
 
+def add_model_arguments(parser) -> None:
+    """The BertMaskedLM options `build_model` and `make_data` read."""
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=8000)
+    parser.add_argument("--masks", type=int, default=20)
+    parser.add_argument("--dropout", type=float, default=0.1)
+
+
 def build_model(size, args):
     layers, hidden, heads = SIZES[size]
     backbone = keras_hub.models.BertBackbone(
@@ -278,10 +286,7 @@ def main(argv=None):
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--clipping", default="vectorized,ghost,auto",
                         help="comma-separated strategies: vectorized, ghost, auto")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=8000)
-    parser.add_argument("--masks", type=int, default=20)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=2,
                         help="logical steps per timed fit epoch")
     parser.add_argument("--memory-budget-gib", type=float, default=6.0)

@@ -931,10 +931,12 @@ class _Sampler(abc.ABC):
     @property
     def total_micro_steps(self) -> int:
         """Micro-batches from start_step to end_step (a logical step is drawn whole)."""
-        return sum(
-            self.schedule.phase_at(step).accumulation_steps
-            for step in range(self.start_step, self.end_step)
-        )
+        return self._micro_steps(self.start_step, self.end_step)
+
+    def _micro_steps(self, first_step: int, end_step: int) -> int:
+        """Micro-batches of logical steps first_step .. end_step - 1."""
+        return sum(self.schedule.phase_at(step).accumulation_steps
+                   for step in range(first_step, end_step))
 
     def step_micro_batches(self, draw: StepDraw) -> Iterator[Any]:
         """Splits a step into its k_t static micro-batches of M = m * R rows.
@@ -1038,8 +1040,7 @@ class _Sampler(abc.ABC):
                 # The index rides along each element (zip keeps the order), so a
                 # keyed map_fn sees the same index for a micro-batch however
                 # the map is scheduled.
-                first = sum(self.schedule.phase_at(step).accumulation_steps
-                            for step in range(self.start_step))
+                first = self._micro_steps(0, self.start_step)
                 indices = tf.data.Dataset.range(first, first + self.total_micro_steps)
                 dataset = tf.data.Dataset.zip((dataset, indices))
 

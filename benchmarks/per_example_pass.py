@@ -34,15 +34,19 @@ from step_overhead import (SIZES, add_model_arguments, build_model, compile_mode
 from tf_megadp.clipping import get_clipping_strategy  # noqa: E402
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser) -> None:
+    """The options of `pass_calls`: model size, micro-batch, strategies."""
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--clipping", default="vectorized,ghost,auto")
     add_model_arguments(parser)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args(argv)
+
+
+def pass_calls(args) -> dict:
+    """Name -> zero-argument callable: the non-private gradient, then each strategy's pass.
+
+    All share one model and one micro-batch; `gradient (XLA)` comes first.
+    """
     m = args.micro_batch
     x, y, w = make_data(m, args, np.random.default_rng(0))
     x, y, w = tf.nest.map_structure(tf.constant, (head(x, m), y, w))
@@ -63,21 +67,44 @@ def main(argv=None):
         strategy = get_clipping_strategy(name)
         calls[f"{name}.clip_and_sum"] = (
             lambda strategy=strategy: strategy.clip_and_sum(model, x, y, w, 1.0))
+    return calls
+
+
+def run_to_completion(call) -> None:
+    """Calls `call` and waits for every output (TensorFlow dispatches asynchronously)."""
+    tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, call())
+
+
+def interleaved_times(calls: dict, warmup: int, repeats: int) -> dict:
+    """Name -> median seconds per call, the calls interleaved in rotating rounds."""
     names = list(calls)
     times = {name: [] for name in names}
-    for round_index in range(args.warmup + args.repeats):
+    for round_index in range(warmup + repeats):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t,
-                                  calls[name]())
-            if round_index >= args.warmup:
+            run_to_completion(calls[name])
+            if round_index >= warmup:
                 times[name].append(time.perf_counter() - start)
-    base = median(times["gradient (XLA)"])
-    print(f"{args.size} m={m} seq={args.seq} vocab={args.vocab} dropout={args.dropout} "
-          f"warmup={args.warmup} repeats={args.repeats} load {load_average():.2f}")
-    for name in names:
-        print(f"{name:28} {median(times[name]) * 1e3:9.1f} ms  {median(times[name]) / base:5.2f}x")
+    return {name: median(values) for name, values in times.items()}
+
+
+def describe(args) -> str:
+    return (f"{args.size} m={args.micro_batch} seq={args.seq} vocab={args.vocab} "
+            f"dropout={args.dropout} load {load_average():.2f}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+    times = interleaved_times(pass_calls(args), args.warmup, args.repeats)
+    base = times["gradient (XLA)"]
+    print(f"{describe(args)} warmup={args.warmup} repeats={args.repeats}")
+    for name, seconds in times.items():
+        print(f"{name:28} {seconds * 1e3:9.1f} ms  {seconds / base:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,12 @@ one logical step each, compilation included) and reports:
   compilation out, but also everything step 1 allocated and kept, so it
   understates what the step needs; it is printed beside the others to show
   how much of the step figure is first-call (compilation and held buffers);
+- ms/mb 2..n: the median seconds of steps 2..n (compilation left out). The
+  configurations run one after another in separate processes, not
+  interleaved in one process as in step_overhead.py, so this is the time
+  figure for cells whose models cannot share one process's memory (BERT-mini
+  at m = 512: the XLA non-private step alone peaks at 18 GB of the
+  machine's 23); it is only as good as the machine is idle;
 - held: RSS before step 2 minus RSS before training, what the first step
   left resident.
 
@@ -99,11 +105,19 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
     x, y, w = step_overhead.make_data(rows, args, np.random.default_rng(0))
 
     class _AfterFirstStep(keras.callbacks.Callback):
-        """Samples RSS from the start of step 2 to the end of training."""
+        """Samples RSS from the start of step 2 to the end of training; times steps 2..n."""
+
+        def on_train_begin(self, logs=None):
+            self.step_seconds = []
 
         def on_train_batch_begin(self, batch, logs=None):
             if batch == 1:
                 self.sampler = PeakRss().__enter__()
+            self.step_start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch >= 1:
+                self.step_seconds.append(time.perf_counter() - self.step_start)
 
         def on_train_end(self, logs=None):
             self.sampler.__exit__(None, None, None)
@@ -129,6 +143,7 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
         "later": callback.sampler.peak_increase,
         "after": rss_bytes(),
         "seconds": seconds,
+        "step_seconds": step_overhead.median(callback.step_seconds),
     }
 
 
@@ -169,20 +184,29 @@ def run_cell(size: str, m: int, clippings: list[str], args: argparse.Namespace) 
     """Prints one row per configuration of one (size, micro-batch) cell."""
     results = {}
     for config in list(NON_PRIVATE) + clippings:
-        results[config] = run_child(size, m, config, args)
+        try:
+            results[config] = run_child(size, m, config, args)
+        except RuntimeError as error:  # e.g. out of memory: the row says so, the cell goes on
+            last = str(error).strip().splitlines()[-1]
+            results[config] = {"skipped": f"failed ({last[:120]})"}
         results[config]["state"] = _machine_state()
     measured = {name: r for name, r in results.items() if "skipped" not in r}
-    base = {key: min(measured[name][key] for name in NON_PRIVATE)
-            for key in ("peak", "step", "later")}
+    baselines = [name for name in NON_PRIVATE if name in measured]
+    if not baselines:
+        print(f"{size:5} {m:4d} no non-private configuration ran: no ratios", flush=True)
+        baselines = list(measured) or list(NON_PRIVATE)
+    base = {key: min((measured[name][key] for name in baselines if name in measured),
+                     default=0) for key in ("peak", "step", "later", "step_seconds")}
     for config, r in results.items():
         if "skipped" in r:
             print(f"{size:5} {m:4d} {config:15} skipped: {r['skipped']}", flush=True)
             continue
-        ratios = {key: r[key] / max(base[key], 1) for key in base}
+        ratios = {key: r[key] / base[key] if base[key] else float("nan") for key in base}
         print(f"{size:5} {m:4d} {config:15} {_mib(r['before'])} {_mib(r['peak'])} "
               f"{ratios['peak']:6.2f} {_mib(r['step'])} {ratios['step']:6.2f} "
               f"{_mib(r['held'])} {_mib(r['later'])} {ratios['later']:6.2f} "
-              f"{_mib(r['after'])} {r['seconds']:7.1f}  {r['state']}"
+              f"{_mib(r['after'])} {r['seconds']:7.1f} {1e3 * r['step_seconds']:9.1f} "
+              f"{ratios['step_seconds']:6.2f}  {r['state']}"
               + ("  (peak reached before training)" if r["peak"] == r["peak_before"] else ""),
               flush=True)
 
@@ -243,7 +267,8 @@ def main(argv: list[str] | None = None) -> None:
           f"masks={args.masks} dropout={args.dropout}; one fresh process per row")
     print(f"{'model':5} {'m':>4} {'config':15} {'pre MiB':>9} {'peak MiB':>9} {'x':>6} "
           f"{'step MiB':>9} {'x':>6} {'held MiB':>9} {'2..n MiB':>9} {'x':>6} "
-          f"{'after MiB':>9} {'fit s':>7}  (x: to the lowest non-private figure)")
+          f"{'after MiB':>9} {'fit s':>7} {'ms/mb 2..n':>9} {'x':>6}  "
+          "(x: to the lowest non-private figure)")
     for size, m in cells:
         run_cell(size, m, clippings, args)
 

@@ -40,6 +40,35 @@ def _rows(tensor, keep):
     return tf.where(mask, tensor, tf.zeros_like(tensor))
 
 
+def _squared_row_norms(per_example) -> tf.Tensor:
+    """||row i||^2 of [m, ...] per-example values, shape [m].
+
+    Reduced over one flattened axis: XLA on CPU ran the multi-axis
+    reduction 1.5x slower (mini, m = 256: 14.5 against 9.6 ms per layer).
+    """
+    flat = tf.reshape(per_example, [tf.shape(per_example)[0], -1])
+    return tf.reduce_sum(tf.square(flat), axis=1)
+
+
+def _weighted_row_sum(factors, per_example, keep) -> tf.Tensor:
+    """sum_i factors_i row_i over the rows with keep_i, of [m, ...] values; shape [...].
+
+    The rows not kept may be non-finite (0 * NaN is NaN), so they are zeroed,
+    but only when there are any: zeroing is a pass over all m rows. The sum
+    is a product of a [2, m] matrix (factors and a zero row) with the [m, k]
+    rows: XLA rewrites a vector-matrix product into a multiply and a
+    column reduction, which on CPU ran 2.7x slower (mini, m = 256, a 256 x
+    256 kernel: 11.3 against 4.2 ms).
+    """
+    flat = tf.reshape(per_example, [tf.shape(per_example)[0], -1])
+    factors = tf.cast(factors, flat.dtype)
+    weights = tf.stack([factors, tf.zeros_like(factors)])
+    total = tf.cond(tf.reduce_all(keep),
+                    lambda: tf.matmul(weights, flat),
+                    lambda: tf.matmul(weights, _rows(flat, keep)))[0]
+    return tf.reshape(total, tf.shape(per_example)[1:])
+
+
 def outer_is_materialised(tokens: int | None, p: int, d: int) -> bool:
     """Whether an `Outer` record of T tokens, p inputs, d outputs builds its per-example gradient.
 
@@ -130,16 +159,15 @@ class Outer(Term):
 
     def squared_norms(self):
         if self.materialised:
-            return tf.reduce_sum(tf.square(self._per_example_gradients()), axis=[1, 2])
+            return _squared_row_norms(self._per_example_gradients())
         left_gram = tf.einsum("mtp,msp->mts", self.left, self.left)
         right_gram = tf.einsum("mtd,msd->mts", self.right, self.right)
         return tf.reduce_sum(left_gram * right_gram, axis=[1, 2])
 
     def clipped_sum(self, factors, keep):
         if self.materialised:
-            per_example = _rows(self._per_example_gradients(), keep)
-            total = tf.tensordot(tf.cast(factors, self.dtype), per_example, axes=1)
-            return tf.reshape(total, self.shape)
+            return tf.reshape(_weighted_row_sum(factors, self._per_example_gradients(), keep),
+                              self.shape)
         left = _rows(self.left, keep) * tf.cast(factors, self.dtype)[:, None, None]
         right = _rows(self.right, keep)
         # One [p, m*T] x [m*T, d] product: XLA on CPU runs it about twice as
@@ -240,11 +268,10 @@ class Explicit(Term):
         return self.value.dtype
 
     def squared_norms(self):
-        return tf.reduce_sum(tf.reshape(tf.square(self.value), [tf.shape(self.value)[0], -1]), 1)
+        return _squared_row_norms(self.value)
 
     def clipped_sum(self, factors, keep):
-        total = tf.tensordot(tf.cast(factors, self.dtype), _rows(self.value, keep), axes=1)
-        return tf.reshape(total, self.shape)
+        return tf.reshape(_weighted_row_sum(factors, self.value, keep), self.shape)
 
     def dense(self):
         return tf.reshape(self.value, [tf.shape(self.value)[0]] + self.shape)

@@ -135,6 +135,31 @@ class TestArithmetic:
         assert vectorized["clipping"] == config.micro_batch_size * 4 * params
         assert vectorized["parameters"] == 4 * params
 
+    @pytest.mark.parametrize("ema_momentum", [None, 0.999])
+    def test_optimizer_state_is_what_the_jobs_inner_optimizer_builds(self, tmp_path,
+                                                                      ema_momentum):
+        """Per weight: the job's AdamW variables (two moments, the EMA copy) + the DP accumulator."""
+        import keras
+
+        from tf_megadp.jobs.bert import pretraining
+
+        config = raw(CONFIGS[0])
+        if ema_momentum is not None:
+            config["training"]["optimizer"]["ema_momentum"] = ema_momentum
+        config = plan.load_config(write(tmp_path, config))
+        result = plan.make_plan(config)
+        copies = {c: memory["optimizer_state"] / (4 * result["parameters"])
+                  for c, memory in result["memory_bytes"].items()}
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5)])
+        schedule = config.make_schedule(config.num_examples, config.hardware.replicas)
+        inner = pretraining._inner_optimizer(config, schedule, None)
+        inner.build(model.trainable_variables)
+        weights = sum(math.prod(v.shape) for v in model.trainable_variables)
+        # Scalars (the step counter) are not per weight.
+        built = sum(math.prod(v.shape) for v in inner.variables if math.prod(v.shape) > 1)
+        assert built / weights == (3 if ema_momentum else 2)
+        assert set(copies.values()) == {built / weights + 1}
+
     def test_ghost_costs_of_a_spec_with_materialised_and_gram_layers(self):
         """Hand arithmetic: one forward, one backward, norms by the form Outer picks.
 

@@ -41,7 +41,8 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
     signature only, not in the steady state) and the per-example loss
     gradients (elementwise, as in non-private training).
 * Memory per core: float32 parameters; optimizer state = inner optimizer
-  slots + the DP accumulator (float32, one copy per parameter each); step
+  slots + the DP accumulator + with `ema_momentum` the moving average of
+  the weights (float32, one copy per parameter each); step
   buffers = two float32 gradients the DP step holds besides its state (the
   micro-batch's clipped sum before it enters the accumulator, and the noisy
   mean gradient handed to the inner optimizer); activations with bfloat16
@@ -328,9 +329,11 @@ def _ghost_held_floats(model: ModelSpec, precision: str) -> float:
     return floats + model.small_parameter_count()  # Explicit records
 
 
-def _memory(model: ModelSpec, m: int, clipping: str, precision: str) -> dict[str, float]:
+def _memory(model: ModelSpec, m: int, clipping: str, precision: str,
+            ema: bool = False) -> dict[str, float]:
     params = model.parameter_count()
-    slots = OPTIMIZER_SLOTS
+    # Keras's use_ema keeps one more float32 copy of every weight.
+    slots = OPTIMIZER_SLOTS + (1 if ema else 0)
     memory = {
         "parameters": 4.0 * params,
         "optimizer_state": 4.0 * params * (slots + 1),
@@ -416,7 +419,8 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             "flops_per_logical_step": flops,
             "seconds_per_logical_step": flops / peak,
         })
-    memory = {c: _memory(model, config.micro_batch_size, c, config.precision) for c in shown}
+    memory = {c: _memory(model, config.micro_batch_size, c, config.precision,
+                         ema=config.ema_momentum is not None) for c in shown}
     hbm = hardware.hbm_gib_per_replica * GIB
     needed = memory[config.clipping]["total"]
     if needed > hbm:

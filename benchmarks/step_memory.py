@@ -187,8 +187,7 @@ def run_cell(size: str, m: int, clippings: list[str], args: argparse.Namespace) 
         try:
             results[config] = run_child(size, m, config, args)
         except RuntimeError as error:  # e.g. out of memory: the row says so, the cell goes on
-            last = str(error).strip().splitlines()[-1]
-            results[config] = {"skipped": f"failed ({last[:120]})"}
+            results[config] = {"skipped": f"failed: {str(error).splitlines()[0]}"}
         results[config]["state"] = _machine_state()
     measured = {name: r for name, r in results.items() if "skipped" not in r}
     baselines = [name for name in NON_PRIVATE if name in measured]

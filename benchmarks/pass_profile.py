@@ -31,6 +31,7 @@ import glob
 import math
 import os
 import re
+import shutil
 import sys
 import tempfile
 
@@ -106,17 +107,19 @@ def traced_durations(logdir: str, calls: int) -> collections.Counter:
     return totals
 
 
-def profile(call, calls: int) -> tuple[dict, collections.Counter]:
-    """The module `call` runs and its operations' milliseconds per call."""
-    run_to_completion(call)  # compiles; the dump now holds its module
+def profile(call, calls: int, modules: list[dict]) -> tuple[dict, collections.Counter]:
+    """The module `call` runs (one of `modules`) and its operations' milliseconds per call."""
     logdir = tempfile.mkdtemp(prefix="pass_profile_trace_")
-    tf.profiler.experimental.start(logdir)
-    for _ in range(calls):
-        run_to_completion(call)
-    tf.profiler.experimental.stop()
-    durations = traced_durations(logdir, calls)
+    try:
+        tf.profiler.experimental.start(logdir)
+        for _ in range(calls):
+            run_to_completion(call)
+        tf.profiler.experimental.stop()
+        durations = traced_durations(logdir, calls)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
     # The module whose instruction names the trace hit most is the one that ran.
-    module = max(read_modules(_DUMP), key=lambda m: sum(name in m for name in durations))
+    module = max(modules, key=lambda m: sum(name in m for name in durations))
     leaves = collections.Counter({
         name: ms for name, ms in durations.items()
         if name in module and module[name].opcode not in _CONTAINERS})
@@ -154,11 +157,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
     calls = pass_calls(args)
     walls = interleaved_times(calls, args.warmup, args.repeats)
+    # Every computation has compiled by now: the dump holds all their modules.
+    modules = read_modules(_DUMP)
+    shutil.rmtree(_DUMP, ignore_errors=True)
     print(f"{describe(args)} warmup={args.warmup} repeats={args.repeats} "
           f"traced calls={args.traced_calls}")
     summaries = {}
     for name, call in calls.items():
-        module, leaves = profile(call, args.traced_calls)
+        module, leaves = profile(call, args.traced_calls, modules)
         summaries[name] = report(name, walls[name] * 1e3, module, leaves, args.top)
     base_name = next(iter(calls))
     base = summaries[base_name]

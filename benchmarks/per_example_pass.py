@@ -90,6 +90,7 @@ def interleaved_times(calls: dict, warmup: int, repeats: int) -> dict:
 
 
 def describe(args) -> str:
+    """One line naming the model shape, the micro-batch and the machine load."""
     return (f"{args.size} m={args.micro_batch} seq={args.seq} vocab={args.vocab} "
             f"dropout={args.dropout} load {load_average():.2f}")
 

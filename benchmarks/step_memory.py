@@ -190,12 +190,10 @@ def run_cell(size: str, m: int, clippings: list[str], args: argparse.Namespace) 
             results[config] = {"skipped": f"failed: {str(error).splitlines()[0]}"}
         results[config]["state"] = _machine_state()
     measured = {name: r for name, r in results.items() if "skipped" not in r}
+    # Ratios are to the non-private configurations that ran (nan if none did).
     baselines = [name for name in NON_PRIVATE if name in measured]
-    if not baselines:
-        print(f"{size:5} {m:4d} no non-private configuration ran: no ratios", flush=True)
-        baselines = list(measured) or list(NON_PRIVATE)
-    base = {key: min((measured[name][key] for name in baselines if name in measured),
-                     default=0) for key in ("peak", "step", "later", "step_seconds")}
+    base = {key: min((measured[name][key] for name in baselines), default=0)
+            for key in ("peak", "step", "later", "step_seconds")}
     for config, r in results.items():
         if "skipped" in r:
             print(f"{size:5} {m:4d} {config:15} skipped: {r['skipped']}", flush=True)

@@ -11,19 +11,29 @@ that child belongs to that configuration alone.
 The child builds BertMaskedLM and its optimizer exactly as step_overhead.py
 does (`new_model`, `make_data`), collects garbage and hands freed heap back
 to the OS, records its resident memory (RSS) before the first training call,
-then runs `model.fit` on NumPy arrays (batch_size = m, `--steps` micro-batches,
-one logical step each, compilation included) and reports:
+then runs `model.fit` on the path `--path` names, compilation included:
+
+- `fit_arrays`: NumPy arrays, batch_size = m, `--steps` micro-batches, one
+  logical step each;
+- `fit_poisson`: `PoissonSampler.from_arrays(...).as_dataset()` as
+  step_overhead.py builds it (N = 4m, expected batch m, k = 2 micro-batches
+  of m per logical step, padding included; the non-private model is fed the
+  same dataset), `--steps` logical steps, one fit epoch each;
+
+and reports:
 
 - peak: `ru_maxrss` of the whole child (imports, model, data, training);
 - step: peak minus the RSS before training, i.e. what training adds,
   compilation and the buffers a compiled step holds included. These two
   answer "peak memory of the DP step";
 - steps 2..n: the peak RSS sampled every millisecond during steps 2..n
+  (on the Poisson path, logical steps)
   (`_measure.PeakRss`) minus the RSS just before step 2. It leaves
   compilation out, but also everything step 1 allocated and kept, so it
   understates what the step needs; it is printed beside the others to show
   how much of the step figure is first-call (compilation and held buffers);
-- ms/mb 2..n: the median seconds of steps 2..n (compilation left out). The
+- ms/mb 2..n: the median seconds per micro-batch of steps 2..n (compilation
+  left out; on the Poisson path, of logical steps 2..n divided by k). The
   configurations run one after another in separate processes, not
   interleaved in one process as in step_overhead.py, so this is the time
   figure for cells whose models cannot share one process's memory (BERT-mini
@@ -42,6 +52,7 @@ Run:
 
     python benchmarks/step_memory.py                       # tiny m=32, mini m=256
     python benchmarks/step_memory.py --sizes mini --micro-batches 256 --steps 3
+    python benchmarks/step_memory.py --sizes mini --micro-batches 512 --path fit_poisson
 
 Vectorized clipping is skipped where its per-example gradients alone
 (m x parameters x 4 bytes) would exceed `--memory-budget-gib`; the child
@@ -62,6 +73,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NON_PRIVATE = {"non-private": False, "non-private XLA": True}
+PATHS = ("fit_arrays", "fit_poisson")
 CLIPPINGS = ("vectorized", "ghost", "auto")
 RESULT = "RESULT "
 
@@ -92,45 +104,81 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
     from _measure import PeakRss, _trim, rss_bytes
 
     warnings.simplefilter("ignore")  # fixed-size-batch and sigma notices
+    poisson = args.path == "fit_poisson"
+    x, y, w = step_overhead.make_data(max(args.steps, 4) * m, args, np.random.default_rng(0))
+    sampler = None
+    if poisson:
+        # step_overhead's sampler holds steps * (warmup + repeats) logical steps.
+        sampler = step_overhead.poisson_sampler(
+            x, y, w, m, argparse.Namespace(steps=1, warmup=0, repeats=args.steps))
     if config in NON_PRIVATE:
         model = step_overhead.new_model(size, args, None, NON_PRIVATE[config])
     else:
-        model = step_overhead.new_model(size, args, config, False)
+        model = step_overhead.new_model(size, args, config, False,
+                                        sampler.schedule if poisson else None)
     parameters = sum(v.shape.num_elements() for v in model.trainable_variables)
     vectorized_bytes = 4 * m * parameters
     if config == "vectorized" and vectorized_bytes > args.memory_budget_gib * 2**30:
         return {"skipped": f"per-example gradients alone need "
                            f"{vectorized_bytes / 2**30:.1f} GiB > --memory-budget-gib"}
-    rows = args.steps * m
-    x, y, w = step_overhead.make_data(rows, args, np.random.default_rng(0))
 
     class _AfterFirstStep(keras.callbacks.Callback):
-        """Samples RSS from the start of step 2 to the end of training; times steps 2..n."""
+        """Samples RSS from the start of step 2 to the end of training; times steps 2..n.
 
-        def on_train_begin(self, logs=None):
+        A step is a batch of a fit on arrays, an epoch (one logical step of
+        k micro-batches) of a fit on the Poisson dataset.
+        """
+
+        def __init__(self, micro_batches_per_step):
+            super().__init__()
+            self.micro_batches_per_step = micro_batches_per_step
             self.step_seconds = []
 
-        def on_train_batch_begin(self, batch, logs=None):
-            if batch == 1:
+        def begin(self, step):
+            if step == 1:
                 self.sampler = PeakRss().__enter__()
             self.step_start = time.perf_counter()
 
-        def on_train_batch_end(self, batch, logs=None):
-            if batch >= 1:
-                self.step_seconds.append(time.perf_counter() - self.step_start)
+        def end(self, step):
+            if step >= 1:
+                seconds = time.perf_counter() - self.step_start
+                self.step_seconds.append(seconds / self.micro_batches_per_step)
 
         def on_train_end(self, logs=None):
             self.sampler.__exit__(None, None, None)
             self.before_second = self.sampler.start
 
+    class _PerBatch(_AfterFirstStep):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.begin(batch)
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.end(batch)
+
+    class _PerEpoch(_AfterFirstStep):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.begin(epoch)
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.end(epoch)
+
+    if poisson:
+        k = sampler.schedule.phases[0].accumulation_steps
+        callback = _PerEpoch(k)
+        train = lambda: model.fit(sampler.as_dataset(), epochs=args.steps, steps_per_epoch=k,
+                                  verbose=0, callbacks=[callback])
+    else:
+        rows = args.steps * m
+        callback = _PerBatch(1)
+        train = lambda: model.fit(step_overhead.head(x, rows), y[:rows], sample_weight=w[:rows],
+                                  batch_size=m, epochs=1, shuffle=False, verbose=0,
+                                  callbacks=[callback])
     gc.collect()
     _trim()
     before = rss_bytes()
     peak_before = _peak_rss_bytes()
-    callback = _AfterFirstStep()
     start = time.perf_counter()
-    model.fit(x, y, sample_weight=w, batch_size=m, epochs=1, shuffle=False, verbose=0,
-              callbacks=[callback])
+    train()
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     return {
@@ -163,7 +211,7 @@ def run_child(size: str, m: int, config: str, args: argparse.Namespace) -> dict:
         RuntimeError: the child failed or printed no result; carries its stderr tail.
     """
     command = [sys.executable, os.path.abspath(__file__), "--child", f"{size},{m},{config}",
-               "--steps", str(args.steps), "--seq", str(args.seq), "--vocab", str(args.vocab),
+               "--steps", str(args.steps), "--path", args.path, "--seq", str(args.seq), "--vocab", str(args.vocab),
                "--masks", str(args.masks), "--dropout", str(args.dropout),
                "--memory-budget-gib", str(args.memory_budget_gib)]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -222,7 +270,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clipping", default=",".join(CLIPPINGS),
                         help="comma-separated strategies: vectorized, ghost, auto")
     parser.add_argument("--steps", type=int, default=3,
-                        help="micro-batches (logical steps) of the fit call; at least 2")
+                        help="logical steps of the fit call (on arrays, micro-batches); "
+                             "at least 2")
+    parser.add_argument("--path", choices=PATHS, default="fit_arrays",
+                        help="fit on NumPy arrays, or on the Poisson dataset")
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--masks", type=int, default=20)
@@ -260,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                            capture_output=True, text=True, cwd=here).stdout.strip()
     print(f"commit: {commit}" + (" (working tree has uncommitted changes)" if dirty else ""))
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
-          f"fit on arrays, steps={args.steps} seq={args.seq} vocab={args.vocab} "
+          f"{args.path}, steps={args.steps} seq={args.seq} vocab={args.vocab} "
           f"masks={args.masks} dropout={args.dropout}; one fresh process per row")
     print(f"{'model':5} {'m':>4} {'config':15} {'pre MiB':>9} {'peak MiB':>9} {'x':>6} "
           f"{'step MiB':>9} {'x':>6} {'held MiB':>9} {'2..n MiB':>9} {'x':>6} "

@@ -126,14 +126,16 @@ class TestOuterTerm:
         np.testing.assert_allclose(total, np.tensordot(weights, expected, axes=1),
                                    rtol=1e-4, atol=1e-5)
 
-    def test_a_dropped_example_with_nonfinite_gradients_adds_nothing(self):
-        left = np.ones((2, 3, 2), "float32")
-        right = np.ones((2, 3, 2), "float32")
+    @pytest.mark.parametrize("tokens, width, materialised", [(3, 2, True), (1, 3, False)])
+    def test_a_dropped_example_with_nonfinite_gradients_adds_nothing(self, tokens, width,
+                                                                     materialised):
+        left = np.ones((2, tokens, width), "float32")
+        right = np.ones((2, tokens, width), "float32")
         right[1, 0, 0] = np.nan
-        term = Outer(tf.constant(left), tf.constant(right), [2, 2])
-        assert term.materialised
+        term = Outer(tf.constant(left), tf.constant(right), [width, width])
+        assert term.materialised is materialised
         total = term.clipped_sum(tf.constant([1.0, 1.0]), tf.constant([True, False]))
-        np.testing.assert_array_equal(total, np.full((2, 2), 3.0))
+        np.testing.assert_array_equal(total, np.full((width, width), float(tokens)))
 
 
 class TestGhostEqualsVectorizedPerLayer:
@@ -519,6 +521,21 @@ class TestPaddingAndNonFinite:
         assert batch.losses.numpy()[1] == 0.0 and batch.losses.numpy()[4] == 0.0
         assert all(np.all(np.isfinite(g.numpy())) for g in batch.gradient_sum)
         keep = [0, 2, 3, 5]
+        trimmed = GhostClipping(jit_compile=False).clip_and_sum(
+            model, x[keep], y[keep], weight[keep], 1.0)
+        for got, want in zip(batch.gradient_sum, trimmed.gradient_sum):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
+
+    def test_padding_with_nonfinite_inputs_adds_nothing(self):
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3))
+        x, y = sequences(), labels((6, 5))
+        weight = np.ones((6, 5), "float32")
+        weight[3] = 0.0
+        x[3] = np.inf
+        model.compile(loss=LOSS)
+        batch = GhostClipping(jit_compile=False).clip_and_sum(model, x, y, weight, 1.0)
+        assert int(batch.nonfinite.numpy()) == 0  # padding is not counted as dropped
+        keep = [0, 1, 2, 4, 5]
         trimmed = GhostClipping(jit_compile=False).clip_and_sum(
             model, x[keep], y[keep], weight[keep], 1.0)
         for got, want in zip(batch.gradient_sum, trimmed.gradient_sum):

@@ -448,7 +448,10 @@ def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
     norms = tf.where(independent, norms, tf.fill(tf.shape(norms), tf.constant(float("nan"), dtype)))
     is_real = base.example_weights_present(sample_weight, batch_size)
     factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real, automatic_stability)
-    keep = factors > 0
+    # Only rows with a non-finite norm need zeroing before the sums (0 * NaN
+    # is NaN): padding has factor 0 and, with a finite norm, finite
+    # gradients, so it needs no pass of its own.
+    keep = tf.math.is_finite(norms)
     gradient_sum = [
         _clipped_sum(groups[i], factors, keep, v) if i in groups else None
         for i, v in enumerate(variables)

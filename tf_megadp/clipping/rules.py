@@ -291,7 +291,8 @@ class KernelBiasRule(Rule):
             gradient = gradient_of(index)
             if gradient is None:
                 return []
-            term = self.kernel_term(inputs, gradient, recorder.batch_size,
+            layer_inputs, gradient = self.bias_layout(inputs, gradient)
+            term = self.kernel_term(layer_inputs, gradient, recorder.batch_size,
                                     compute_dtype(layer.kernel))
             records = [(layer.kernel, term)]
             if layer.bias is not None:
@@ -301,12 +302,19 @@ class KernelBiasRule(Rule):
         recorder.on_gradients(finish)
         return outputs
 
+    def bias_layout(self, inputs, gradient):
+        """(inputs, output gradient) laid out so that the bias broadcasts right-aligned.
+
+        The identity here; a channels_first convolution moves its channels last.
+        """
+        return inputs, gradient
+
     def kernel_term(self, inputs, gradient, batch_size, dtype) -> Term:
         """Example i's kernel gradient.
 
         Args:
-            inputs: the layer's inputs, [m, ...].
-            gradient: dL/d(pre-activation output), [m, ...].
+            inputs: the layer's inputs, [m, ...], as `bias_layout` returns them.
+            gradient: dL/d(pre-activation output), [m, ...], likewise.
             batch_size: m, a scalar tensor.
             dtype: the dtype the term computes in (the kernel's compute dtype).
 

@@ -50,22 +50,29 @@ def _squared_row_norms(per_example) -> tf.Tensor:
     return tf.reduce_sum(tf.square(flat), axis=1)
 
 
+def _with_dropped_rows_zeroed(keep, compute, *tensors):
+    """compute(*tensors), the rows not kept zeroed first, but only when there are any.
+
+    The rows not kept may be non-finite (0 * NaN is NaN), so they must be
+    zeroed; zeroing is a pass over all m rows (and a copy of each tensor),
+    and most micro-batches keep every row.
+    """
+    return tf.cond(tf.reduce_all(keep), lambda: compute(*tensors),
+                   lambda: compute(*[_rows(tensor, keep) for tensor in tensors]))
+
+
 def _weighted_row_sum(factors, per_example, keep) -> tf.Tensor:
     """sum_i factors_i row_i over the rows with keep_i, of [m, ...] values; shape [...].
 
-    The rows not kept may be non-finite (0 * NaN is NaN), so they are zeroed,
-    but only when there are any: zeroing is a pass over all m rows. The sum
-    is a product of a [2, m] matrix (factors and a zero row) with the [m, k]
-    rows: XLA rewrites a vector-matrix product into a multiply and a
-    column reduction, which on CPU ran 2.7x slower (mini, m = 256, a 256 x
-    256 kernel: 11.3 against 4.2 ms).
+    The sum is a product of a [2, m] matrix (factors and a zero row) with
+    the [m, k] rows: XLA rewrites a vector-matrix product into a multiply
+    and a column reduction, which on CPU ran 2.7x slower (mini, m = 256, a
+    256 x 256 kernel: 11.3 against 4.2 ms).
     """
     flat = tf.reshape(per_example, [tf.shape(per_example)[0], -1])
     factors = tf.cast(factors, flat.dtype)
     weights = tf.stack([factors, tf.zeros_like(factors)])
-    total = tf.cond(tf.reduce_all(keep),
-                    lambda: tf.matmul(weights, flat),
-                    lambda: tf.matmul(weights, _rows(flat, keep)))[0]
+    total = _with_dropped_rows_zeroed(keep, lambda rows: tf.matmul(weights, rows), flat)[0]
     return tf.reshape(total, tf.shape(per_example)[1:])
 
 
@@ -168,12 +175,15 @@ class Outer(Term):
         if self.materialised:
             return tf.reshape(_weighted_row_sum(factors, self._per_example_gradients(), keep),
                               self.shape)
-        left = _rows(self.left, keep) * tf.cast(factors, self.dtype)[:, None, None]
-        right = _rows(self.right, keep)
-        # One [p, m*T] x [m*T, d] product: XLA on CPU runs it about twice as
-        # fast as the equivalent two-axis einsum "mtp,mtd->pd".
-        total = tf.matmul(tf.reshape(left, [-1, left.shape[-1]]),
-                          tf.reshape(right, [-1, right.shape[-1]]), transpose_a=True)
+        factors = tf.cast(factors, self.dtype)[:, None, None]
+
+        def product(left, right):
+            # One [p, m*T] x [m*T, d] product: XLA on CPU runs it about twice
+            # as fast as the equivalent two-axis einsum "mtp,mtd->pd".
+            return tf.matmul(tf.reshape(left * factors, [-1, left.shape[-1]]),
+                             tf.reshape(right, [-1, right.shape[-1]]), transpose_a=True)
+
+        total = _with_dropped_rows_zeroed(keep, product, self.left, self.right)
         return tf.reshape(total, self.shape)
 
     def dense(self):

@@ -27,9 +27,8 @@ import itertools
 import keras
 import tensorflow as tf
 
-from tf_megadp.clipping.rules import (Rule, bias_gradient, builtin_rule,
-                                      call_with_probed_activation, flat_tokens)
-from tf_megadp.clipping.terms import Explicit, Outer, compute_dtype
+from tf_megadp.clipping.rules import KernelBiasRule, builtin_rule, flat_tokens
+from tf_megadp.clipping.terms import Explicit, Outer
 from tf_megadp.errors import GhostClippingUnsupportedError
 
 __all__ = ["ConvolutionRule", "unfold"]
@@ -105,7 +104,7 @@ def _grouped_gradients(patches, right, layer):
 @builtin_rule(keras.layers.Conv3D)
 @builtin_rule(keras.layers.Conv2D)
 @builtin_rule(keras.layers.Conv1D)
-class ConvolutionRule(Rule):
+class ConvolutionRule(KernelBiasRule):
     """`Conv1D`/`Conv2D`/`Conv3D`: Outer(unfolded input, dL/dpre-activation), and the bias."""
 
     @classmethod
@@ -115,7 +114,6 @@ class ConvolutionRule(Rule):
 
     def call(self, recorder, original, inputs):
         layer = self.layer
-        recorder.check_batch_axis(inputs, layer)
         if not inputs.shape[1:].is_fully_defined():
             raise GhostClippingUnsupportedError(
                 f"Convolution '{layer.name}' is called on inputs of shape {inputs.shape}; "
@@ -123,27 +121,18 @@ class ConvolutionRule(Rule):
                 "dimensions. Give the model's Input a fixed shape (e.g. "
                 "keras.Input((32, 32, 3))), or use clipping='vectorized'."
             )
-        outputs, index = call_with_probed_activation(recorder, layer, original, inputs)
+        return super().call(recorder, original, inputs)
 
-        def finish(gradient_of):
-            gradient = gradient_of(index)
-            if gradient is None:
-                return []
-            m, dtype = recorder.batch_size, compute_dtype(layer.kernel)
-            x = tf.cast(inputs, dtype)
-            if layer.data_format == "channels_first":
-                x, gradient = _channels_last(x), _channels_last(gradient)
-            patches = unfold(x, layer.kernel_size, layer.strides, layer.dilation_rate,
-                             layer.padding, gradient.shape[1:-1])
-            right = flat_tokens(gradient, m, dtype)
-            if layer.groups == 1:
-                term = Outer(patches, right, layer.kernel.shape)
-            else:
-                term = Explicit(_grouped_gradients(patches, right, layer), layer.kernel.shape)
-            records = [(layer.kernel, term)]
-            if layer.use_bias:
-                records.append((layer.bias, bias_gradient(gradient, layer.bias)))
-            return records
+    def bias_layout(self, inputs, gradient):
+        if self.layer.data_format == "channels_first":
+            return _channels_last(inputs), _channels_last(gradient)
+        return inputs, gradient
 
-        recorder.on_gradients(finish)
-        return outputs
+    def kernel_term(self, inputs, gradient, batch_size, dtype):
+        layer = self.layer
+        patches = unfold(tf.cast(inputs, dtype), layer.kernel_size, layer.strides,
+                         layer.dilation_rate, layer.padding, gradient.shape[1:-1])
+        right = flat_tokens(gradient, batch_size, dtype)
+        if layer.groups == 1:
+            return Outer(patches, right, layer.kernel.shape)
+        return Explicit(_grouped_gradients(patches, right, layer), layer.kernel.shape)

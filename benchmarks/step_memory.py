@@ -33,7 +33,9 @@ and reports:
   understates what the step needs; it is printed beside the others to show
   how much of the step figure is first-call (compilation and held buffers);
 - ms/mb 2..n: the median seconds per micro-batch of steps 2..n (compilation
-  left out; on the Poisson path, of logical steps 2..n divided by k). The
+  left out; on the Poisson path, of logical steps 2..n divided by k, and
+  the row says how many of those micro-batches held only padding, whose
+  per-example pass the DP step skips). The
   configurations run one after another in separate processes, not
   interleaved in one process as in step_overhead.py, so this is the time
   figure for cells whose models cannot share one process's memory (BERT-mini
@@ -181,6 +183,16 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
     train()
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
+    padding_only = None
+    if poisson:
+        # The DP step skips the per-example pass of a micro-batch that holds
+        # only padding, so its time depends on how many the timed steps had.
+        # The sampler is seeded (seed=0): a second one draws the same steps.
+        again = step_overhead.poisson_sampler(
+            x, y, w, m, argparse.Namespace(steps=1, warmup=0, repeats=args.steps))
+        weights = [batch[2] for batch in again.as_dataset()]
+        padding_only = sum(int(not np.any(weights_of_one.numpy()))
+                           for weights_of_one in weights[k:])
     return {
         "parameters": parameters,
         "before": before,
@@ -192,6 +204,7 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
         "after": rss_bytes(),
         "seconds": seconds,
         "step_seconds": step_overhead.median(callback.step_seconds),
+        "padding_only": padding_only,
     }
 
 
@@ -252,6 +265,8 @@ def run_cell(size: str, m: int, clippings: list[str], args: argparse.Namespace) 
               f"{_mib(r['held'])} {_mib(r['later'])} {ratios['later']:6.2f} "
               f"{_mib(r['after'])} {r['seconds']:7.1f} {1e3 * r['step_seconds']:9.1f} "
               f"{ratios['step_seconds']:6.2f}  {r['state']}"
+              + (f"  padding-only micro-batches in steps 2..n: {r['padding_only']}"
+                 if r.get("padding_only") is not None else "")
               + ("  (peak reached before training)" if r["peak"] == r["peak_before"] else ""),
               flush=True)
 

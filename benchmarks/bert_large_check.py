@@ -104,7 +104,8 @@ def measure(args, clipping) -> dict:
         keras.utils.set_random_seed(0)
         model = pretraining.build_model(config, VOCABULARY)
         optimizer = tf_megadp.DPOptimizer(
-            pretraining._inner_optimizer(config, 2, None), l2_norm_clip=1.0,
+            pretraining._inner_optimizer(config, config.make_schedule(config.num_examples, 1),
+                                         None), l2_norm_clip=1.0,
             noise_multiplier=1.0, accumulation_steps=1, clipping=clipping)
         tf_megadp.make_private(model)
         model.compile(optimizer=optimizer, **pretraining._compile_kwargs(True))

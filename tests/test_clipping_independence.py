@@ -225,6 +225,32 @@ def test_state_written_in_the_step_is_discarded(fallback):
     np.testing.assert_array_equal(running.mean.numpy(), np.zeros(FEATURES))
 
 
+def test_without_xla_the_check_loops_over_examples_instead_of_vectorizing(monkeypatch):
+    """TensorFlow 2.21's `vectorized_map` without XLA segfaulted on BERT-mini (m = 32).
+
+    So `GhostClipping(jit_compile=False)` runs its check, and `locate_mixing`
+    its search, as a loop of batches of one: they still refuse a mixing model
+    and pass an independent one.
+    """
+    vectorize = tf.vectorized_map
+
+    def vectorized_map(fn, elements, **kwargs):
+        if fn.__module__ == independence.__name__:
+            raise AssertionError("the check called tf.vectorized_map outside XLA")
+        return vectorize(fn, elements, **kwargs)  # the step's per-example losses
+
+    monkeypatch.setattr(tf, "vectorized_map", vectorized_map)
+    model = batch_mean_model()
+    x, y = mixing_batch("batch_mean")
+    model.compile(loss=LOSS)
+    with pytest.raises(PrivacyConfigurationError, match="'minus_batch_mean'"):
+        GhostClipping(jit_compile=False).clip_and_sum(model, x, y, None, 1.0)
+    clean = _mixing_model(keras.layers.Lambda(lambda h: 2.0 * h, name="doubles"))
+    clean.compile(loss=LOSS)
+    batch = GhostClipping(jit_compile=False).clip_and_sum(clean, x, y, None, 1.0)
+    assert int(batch.mixing) == independence.MIXING_OK
+
+
 # -- Negative controls: independent models pass and stay exact ----------------
 
 def test_dense_embedding_layer_norm_model_passes():

@@ -92,7 +92,7 @@ class GhostClipping(base.ClippingStrategy):
                                      automatic_stability, mixing=mixing)
 
             def check(x):
-                return _independence_code(model, rules, x)
+                return _independence_code(model, rules, x, vectorize=self.jit_compile)
 
             function = (tf.function(clip_and_sum, jit_compile=self.jit_compile),
                         tf.function(check, jit_compile=self.jit_compile))
@@ -138,7 +138,7 @@ class GhostClipping(base.ClippingStrategy):
 
         @tf.function
         def locate(x):
-            return _independence_code(model, rules, x, locate=True)
+            return _independence_code(model, rules, x, locate=True, vectorize=False)
 
         return int(locate(x))
 
@@ -322,7 +322,7 @@ def _forward(model, rules, x, y, sample_weight):
     return records, recorder.batch_axes_consistent(), losses, y_pred
 
 
-def _independence_code(model, rules, x, locate=False) -> tf.Tensor:
+def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tensor:
     """The independence check of the batched forward pass (`independence`).
 
     Its own batched forward pass, every layer tapped, then the per-example
@@ -331,7 +331,8 @@ def _independence_code(model, rules, x, locate=False) -> tf.Tensor:
     follows draws exactly the masks it would have drawn without the check.
     The batched pass is the same computation as the step's recorded one
     (the rules only read tensors and split activations off), so whether it
-    treats examples independently is the step's answer too.
+    treats examples independently is the step's answer too. `vectorize`:
+    see `independence.check_independence`.
 
     Returns:
         int32 scalar: `independence.MIXING_OK` or the code of the difference.
@@ -350,7 +351,7 @@ def _independence_code(model, rules, x, locate=False) -> tf.Tensor:
                 model(x)
         return independence.check_independence(
             model, taps, x, trainable, states, tf.shape(leading)[0],
-            rule_layers={id(rule.layer) for rule in rules}, locate=locate)
+            rule_layers={id(rule.layer) for rule in rules}, locate=locate, vectorize=vectorize)
 
 
 def _keep_only_seed_updates(model, scope):

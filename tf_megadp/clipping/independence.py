@@ -253,7 +253,8 @@ def _structural_error(layer, batched, alone, source) -> PrivacyConfigurationErro
 
 
 def check_independence(model, batched: LayerTaps, x, trainable_values, state_values,
-                       batch_size, rule_layers, locate: bool = False) -> tf.Tensor:
+                       batch_size, rule_layers, locate: bool = False,
+                       vectorize: bool = True) -> tf.Tensor:
     """Runs the per-example pass and compares it with the batched one.
 
     Args:
@@ -269,6 +270,11 @@ def check_independence(model, batched: LayerTaps, x, trainable_values, state_val
         locate: compare every tapped tensor, to name the first layer whose
             output differs; otherwise only the model's outputs and the inputs
             of Dropout-like layers (enough to detect mixing, cheaper).
+        vectorize: run the examples with `tf.vectorized_map` (for a caller
+            compiled with XLA), or one after another with `tf.map_fn`.
+            Without XLA, TensorFlow 2.21's vectorization of a keras-hub BERT
+            crashes the process (segmentation fault); the loop is slower,
+            but the check runs once per traced input signature.
 
     Returns:
         int32 scalar: `MIXING_OK`, or the `mixing_code` of the first compared
@@ -383,8 +389,12 @@ def check_independence(model, batched: LayerTaps, x, trainable_values, state_val
         return one_example
 
     selected = list(range(len(keys))) if locate else essential
-    differs = tf.reduce_any(
-        tf.vectorized_map(per_example_pass(selected), elements), axis=0)
+    if vectorize:
+        per_example = tf.vectorized_map(per_example_pass(selected), elements)
+    else:
+        per_example = tf.map_fn(per_example_pass(selected), elements,
+                                fn_output_signature=tf.TensorSpec([len(selected)], tf.bool))
+    differs = tf.reduce_any(per_example, axis=0)
     # Without `locate` a difference only says that the model mixes examples
     # somewhere (a difference at the outputs says nothing about where): the
     # code of the model's own output.

@@ -15,6 +15,7 @@ import keras
 import tensorflow as tf
 
 from tf_megadp.clipping import base, vectorized_pfor
+from tf_megadp.clipping.terms import Explicit, compute_dtype
 
 # Without these converters part of the per-example pass runs as a while_loop
 # over the examples (see vectorized_pfor).
@@ -131,35 +132,25 @@ def _per_example_gradients(model, x, y, sample_weight):
     return full, losses, y_pred
 
 
-def _accumulation_dtype(dtype) -> tf.DType:
-    """float64 gradients are normed and summed in float64; every other dtype
-    (bfloat16 and float16 included) in float32, so that neither a norm nor a
-    sum of m examples is rounded to a 16-bit float."""
-    return tf.float64 if dtype == tf.float64 else tf.float32
-
-
 def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=None):
     gradients, losses, y_pred = _per_example_gradients(model, x, y, sample_weight)
     batch_size = tf.shape(losses)[0]
-    present = [g for g in gradients if g is not None]
+    # The per-example gradients are `Explicit` terms: their norms and
+    # clipped sums are the ones ghost clipping computes for such records, in
+    # float32 for 16-bit gradients (neither a norm nor a sum of m examples
+    # is rounded to a 16-bit float) and float64 for float64 ones.
+    terms = [None if g is None else Explicit(tf.cast(g, compute_dtype(g)))
+             for g in gradients]
+    present = [t for t in terms if t is not None]
     # One norm over all variables: in float64 as soon as one of them is.
-    norm_dtype = (tf.float64 if any(g.dtype == tf.float64 for g in present)
+    norm_dtype = (tf.float64 if any(t.dtype == tf.float64 for t in present)
                   else tf.float32)
-    squared = tf.add_n([
-        tf.cast(tf.reduce_sum(tf.reshape(tf.square(tf.cast(g, _accumulation_dtype(g.dtype))),
-                                         [batch_size, -1]), axis=1), norm_dtype)
-        for g in present
-    ])
+    squared = tf.add_n([tf.cast(t.squared_norms(), norm_dtype) for t in present])
     norms = tf.sqrt(squared)
     is_real = base.example_weights_present(sample_weight, batch_size)
     factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real, automatic_stability)
-    keep = factors > 0
-
-    def weighted_sum(g):
-        dtype = _accumulation_dtype(g.dtype)
-        mask = tf.reshape(keep, [-1] + [1] * (g.shape.rank - 1))
-        g = tf.where(mask, tf.cast(g, dtype), tf.zeros([], dtype))
-        return tf.tensordot(tf.cast(factors, dtype), g, axes=1)
-
-    gradient_sum = [None if g is None else weighted_sum(g) for g in gradients]
+    # Rows with a non-finite norm are zeroed before the sums (0 * NaN is NaN);
+    # padding has factor 0 and finite gradients.
+    keep = tf.math.is_finite(norms)
+    gradient_sum = [None if t is None else t.clipped_sum(factors, keep) for t in terms]
     return base.clipped_batch(gradient_sum, losses, y_pred, norms, is_real, nonfinite)

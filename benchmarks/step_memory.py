@@ -108,11 +108,11 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
     warnings.simplefilter("ignore")  # fixed-size-batch and sigma notices
     poisson = args.path == "fit_poisson"
     x, y, w = step_overhead.make_data(max(args.steps, 4) * m, args, np.random.default_rng(0))
-    sampler = None
-    if poisson:
-        # step_overhead's sampler holds steps * (warmup + repeats) logical steps.
-        sampler = step_overhead.poisson_sampler(
-            x, y, w, m, argparse.Namespace(steps=1, warmup=0, repeats=args.steps))
+    # step_overhead's sampler holds steps * (warmup + repeats) logical steps;
+    # it is seeded, so every sampler made here draws the same steps.
+    new_sampler = lambda: step_overhead.poisson_sampler(
+        x, y, w, m, argparse.Namespace(steps=1, warmup=0, repeats=args.steps))
+    sampler = new_sampler() if poisson else None
     if config in NON_PRIVATE:
         model = step_overhead.new_model(size, args, None, NON_PRIVATE[config])
     else:
@@ -187,10 +187,7 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
     if poisson:
         # The DP step skips the per-example pass of a micro-batch that holds
         # only padding, so its time depends on how many the timed steps had.
-        # The sampler is seeded (seed=0): a second one draws the same steps.
-        again = step_overhead.poisson_sampler(
-            x, y, w, m, argparse.Namespace(steps=1, warmup=0, repeats=args.steps))
-        weights = [batch[2] for batch in again.as_dataset()]
+        weights = [batch[2] for batch in new_sampler().as_dataset()]
         padding_only = sum(int(not np.any(weights_of_one.numpy()))
                            for weights_of_one in weights[k:])
     return {

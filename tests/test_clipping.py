@@ -526,17 +526,18 @@ class TestPaddingAndNonFinite:
         for got, want in zip(batch.gradient_sum, trimmed.gradient_sum):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)
 
-    def test_padding_with_nonfinite_inputs_adds_nothing(self):
+    @pytest.mark.parametrize("strategy", [GhostClipping, VectorizedClipping])
+    def test_padding_with_nonfinite_inputs_adds_nothing(self, strategy):
         model = sequence_model(keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3))
         x, y = sequences(), labels((6, 5))
         weight = np.ones((6, 5), "float32")
         weight[3] = 0.0
         x[3] = np.inf
         model.compile(loss=LOSS)
-        batch = GhostClipping(jit_compile=False).clip_and_sum(model, x, y, weight, 1.0)
+        batch = strategy(jit_compile=False).clip_and_sum(model, x, y, weight, 1.0)
         assert int(batch.nonfinite.numpy()) == 0  # padding is not counted as dropped
         keep = [0, 1, 2, 4, 5]
-        trimmed = GhostClipping(jit_compile=False).clip_and_sum(
+        trimmed = strategy(jit_compile=False).clip_and_sum(
             model, x[keep], y[keep], weight[keep], 1.0)
         for got, want in zip(batch.gradient_sum, trimmed.gradient_sum):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-7)

@@ -19,24 +19,29 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["tf_megadp", "tf_megadp.*"]),
     py_modules=["tf_megadp_cli"],
+    # Lower bounds are the versions .ci/lowest tests; upper bounds stop at the
+    # next minor release of what moves fast or whose private API tf_megadp
+    # uses (keras.src, tf.__internal__), so that a new release elsewhere
+    # cannot break a fresh install silently. docs/quickstart.md lists the
+    # versions tested.
     install_requires=[
         "tensorflow>=2.21,<2.22",
-        "keras>=3.15",
-        "keras-hub>=0.32",
+        "keras>=3.15,<3.16",
+        "keras-hub>=0.32,<0.33",
         "tensorflow-text>=2.21,<2.22",
-        "tensorboard>=2.20",
-        "dp-accounting>=0.6",
-        "numpy",
-        "scipy",
-        "pyyaml",
+        "tensorboard>=2.21,<2.22",
+        "dp-accounting>=0.6,<0.7",
+        "numpy>=2.0,<3",
+        "scipy>=1.13,<2",
+        "h5py>=3.11",
+        "pyyaml>=6.0",
         # tf_megadp.audit (exported at top level) uses scikit-learn's metrics;
         # the pretraining job plots its report with matplotlib.
-        "scikit-learn",
-        "matplotlib",
+        "scikit-learn>=1.5",
+        "matplotlib>=3.9",
     ],
     extras_require={
-        "dev": ["pytest>=8", "scikit-learn", "matplotlib"],
-        "examples": ["scikit-learn", "matplotlib"],
+        "dev": ["pytest>=9.2,<9.3"],
     },
     entry_points={"console_scripts": ["tf-megadp=tf_megadp_cli:main"]},
 )

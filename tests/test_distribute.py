@@ -251,28 +251,6 @@ class TestMultiWorker:
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
 
 
-class TestTheMainJobOnReplicas:
-    def test_pretrain_on_two_replicas_trains_and_accounts_every_step(self, replicated):
-        if replicated["replicas"] != 2:
-            pytest.skip("the job is checked on the 2-replica run")
-        job = replicated["job"]
-        schedule = tf_megadp.BatchSizeSchedule.from_dict(job["schedule"])
-        assert schedule.num_replicas == 2 and job["logical_steps"] == 2
-        (phase,) = schedule.phases
-        # The ledger holds the sampler's Poisson steps, truncated at the
-        # capacity k * m * R of both replicas together.
-        assert job["privacy"]["data"]["sampling"] == "poisson"
-        assert job["privacy"]["data"]["num_examples_measured"]
-        assert job["privacy"]["ledger"] == [{
-            "steps": 2, "sampling_rate": phase.batch_size / job["num_examples"],
-            "noise_multiplier": job["noise_multiplier"],
-            "max_batch_size": phase.accumulation_steps * 4 * 2, "sampling": "poisson"}]
-        expected = tf_megadp.compute_epsilon(
-            schedule=schedule, noise_multiplier=job["noise_multiplier"], delta=job["delta"],
-            accountant="rdp", steps=2)
-        assert job["epsilon"] == pytest.approx(expected, rel=1e-9)
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda r: f"job_on_{r}_replicas")
 def job_on_replicas(request, scenario_results):
     return _result(scenario_results, f"job{request.param}")
@@ -298,17 +276,23 @@ class TestTheJobCommandOnCpuReplicas:
         for distributed, reference in zip(job_on_replicas["weights"], single["weights"]):
             np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
 
-    def test_an_interrupted_private_run_resumes_and_accounts_every_step(self, job_on_replicas):
-        run = job_on_replicas["resumed"]
+    def test_an_interrupted_private_run_resumes_and_accounts_every_step(self, scenario_results):
+        run = _result(scenario_results, "job2")["resumed"]
         assert (run["first_steps"], run["resumed_from"]) == (1, 1)
         assert run["completed"] and run["logical_steps"] == scenarios.JOB_STEPS
         schedule = tf_megadp.BatchSizeSchedule.from_dict(run["schedule"])
+        assert schedule.num_replicas == 2
         (phase,) = schedule.phases
+        # The ledger holds the sampler's Poisson steps, N measured, truncated
+        # at the capacity k * m * R of both replicas together.
+        assert run["data"]["sampling"] == "poisson"
+        assert run["data"]["num_examples_measured"]
         assert [entry["steps"] for entry in run["ledger"]] in (
             [scenarios.JOB_STEPS], [1, scenarios.JOB_STEPS - 1])
         for entry in run["ledger"]:
             assert entry["sampling_rate"] == phase.batch_size / run["num_examples"]
             assert entry["max_batch_size"] == schedule.capacity(phase)
+            assert schedule.capacity(phase) == phase.accumulation_steps * scenarios.JOB_ROWS
             assert entry["noise_multiplier"] == 1.0 and entry["sampling"] == "poisson"
         expected = tf_megadp.compute_epsilon(
             schedule=schedule, noise_multiplier=1.0, delta=run["delta"], accountant="rdp",

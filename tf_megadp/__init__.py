@@ -23,7 +23,12 @@ from tf_megadp.accounting import (
     ledger_from_schedule,
 )
 from tf_megadp.callbacks import PrivacyCallback, model_ledger, read_ledger
-from tf_megadp.checkpointing import export_model, restore_training_state, save_training_state
+from tf_megadp.checkpointing import (
+    export_model,
+    has_training_state,
+    restore_training_state,
+    save_training_state,
+)
 from tf_megadp.clipping import AutoClipping, ClippingStrategy, GhostClipping, VectorizedClipping
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
@@ -78,6 +83,7 @@ __all__ = [
     "distribute",
     "export_model",
     "extend_schedule",
+    "has_training_state",
     "is_private",
     "jobs",
     "ledger_from_schedule",

@@ -145,9 +145,10 @@ class LedgerKeeper(keras.callbacks.Callback):
         stated_num_examples: N as the user stated it, if they did.
         require_poisson_sampling: refuse fixed-size batches.
         micro_batch_size: the micro-batch size of array inputs.
-        resumed_complete: the fit resumes a backup that already applied every
-            step of its sampler (`keras.callbacks.BackupAndRestore` after a
-            preemption at the very end): it trains nothing, and that is no error.
+        nothing_to_train: the fit was asked for no epoch (`initial_epoch >=
+            epochs`, as for a run that `keras.callbacks.BackupAndRestore`
+            restored at its end): an exhausted or empty sampler is then no
+            error.
     """
 
     def __init__(
@@ -157,11 +158,11 @@ class LedgerKeeper(keras.callbacks.Callback):
         *,
         require_poisson_sampling: bool = False,
         micro_batch_size: int | None = None,
-        resumed_complete: bool = False,
+        nothing_to_train: bool = False,
     ):
         super().__init__()
         self.source = source
-        self.resumed_complete = resumed_complete
+        self.nothing_to_train = nothing_to_train
         self.stated_num_examples = stated_num_examples
         self.require_poisson_sampling = require_poisson_sampling
         self.micro_batch_size = micro_batch_size
@@ -271,7 +272,7 @@ class LedgerKeeper(keras.callbacks.Callback):
         self.drain()
         self._end_partial_step("a fit call")
         if (self.sampling == "poisson" and not self._batches and not self.model.stop_training
-                and not self.resumed_complete):
+                and not self.nothing_to_train):
             raise PrivacyConfigurationError(
                 "fit consumed no micro-batch of the sampler's dataset. Under a "
                 "tf.distribute strategy Keras reads one batch to build an unbuilt model "
@@ -296,7 +297,7 @@ class LedgerKeeper(keras.callbacks.Callback):
         if source is not None and source.schedule is not None:
             iterations = _number(optimizer.iterations)
             if (schedule is not None and iterations >= schedule.total_steps
-                    and not self.resumed_complete):
+                    and not self.nothing_to_train):
                 raise PrivacyConfigurationError(
                     f"The optimizer's schedule is exhausted: all {schedule.total_steps} "
                     "logical steps of it were applied, so no sampler of it has steps "
@@ -318,7 +319,7 @@ class LedgerKeeper(keras.callbacks.Callback):
                     f"optimizer is at step {iterations}. Create the sampler with "
                     "start_step=int(optimizer.iterations)."
                 )
-            if source.end_step == source.start_step and not self.resumed_complete:
+            if source.end_step == source.start_step and not self.nothing_to_train:
                 raise PrivacyConfigurationError(
                     f"The sampler's dataset is empty: it draws the logical steps "
                     f"[{source.start_step}, {source.end_step}). Build the sampler with an "
@@ -666,7 +667,8 @@ class PrivacyCallback(keras.callbacks.Callback):
         iterations = _number(optimizer.iterations)
         self._seen_iterations = iterations
         self._check_batch_size(keeper.next_entry(iterations))
-        if self.target_epsilon is not None and not self._next_step_fits(iterations):
+        if (self.target_epsilon is not None and not keeper.nothing_to_train
+                and not self._next_step_fits(iterations)):
             raise RuntimeError(
                 f"The privacy budget is spent: epsilon is {self.epsilon:.4g} after "
                 f"{keeper.ledger.total_steps} logical steps and one more step would "

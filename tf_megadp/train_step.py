@@ -213,14 +213,14 @@ def _private_fit(model: keras.Model, original_fit):
         source = _fit_source(arguments)
         if source is not None and isinstance(arguments.get("x"), tf.data.Dataset):
             distribute.build_without_reading(model, arguments["x"].element_spec)
-        callbacks, resumed_complete, ran_out = _restore_backup(model, arguments, callbacks, source)
+        callbacks, ran_out = _restore_backup(model, arguments, callbacks, source)
         source = _fit_source(arguments)
         keeper = LedgerKeeper(
             source=source,
             stated_num_examples=privacy[0].num_examples if privacy else None,
             require_poisson_sampling=model._tf_megadp_require_poisson,
             micro_batch_size=_array_micro_batch_size(arguments),
-            resumed_complete=resumed_complete,
+            nothing_to_train=arguments.get("initial_epoch", 0) >= arguments.get("epochs", 1),
         )
         # First, so that every other callback sees the ledger it kept. The
         # mixing guard raises when a step compiled whole with XLA (whose
@@ -255,36 +255,35 @@ def _restore_backup(model, arguments, callbacks, source):
     epoch the backup was taken in.
 
     Returns:
-        (callbacks, resumed_complete, ran_out): the callbacks to use; whether
-        the backup already holds every step of the sampler (the fit trains
-        nothing); whether Keras will find the sampler's dataset shorter than
-        its last epoch (a restored step inside an epoch shifts the epochs by
-        the micro-batches before it).
+        (callbacks, ran_out): the callbacks to use, and whether Keras will find
+        the sampler's dataset shorter than its last epoch (a restored step
+        inside an epoch shifts the epochs by the micro-batches before it).
+        A backup that holds every step of the sampler sets `initial_epoch`
+        to `epochs`: the fit trains nothing.
     """
     backups = [c for c in callbacks if isinstance(c, keras.callbacks.BackupAndRestore)]
     if not backups:
-        return callbacks, False, False
+        return callbacks, False
     if len(backups) > 1:
         raise ValueError("Pass at most one keras.callbacks.BackupAndRestore to fit.")
     backup = preemption.PrivateBackup(backups[0])
     callbacks = [backup if c is backups[0] else c for c in callbacks]
     position = backup.restore(model)
     if position is None:
-        return callbacks, False, False
+        return callbacks, False
     if source is None or source.schedule is None:
         arguments["initial_epoch"] = position["epoch"]
-        return callbacks, False, False
+        return callbacks, False
     step = position["logical_step"]
     arguments["x"] = sources.resumed_at(arguments["x"], step)
     consumed = sum(source.schedule.phase_at(t).accumulation_steps
                    for t in range(source.start_step, step))
     steps_per_epoch = arguments.get("steps_per_epoch")
-    complete = source.end_step is not None and step >= source.end_step
-    if complete:
+    if source.end_step is not None and step >= source.end_step:
         arguments["initial_epoch"] = arguments.get("epochs", 1)
     elif steps_per_epoch:
         arguments["initial_epoch"] = consumed // steps_per_epoch
-    return callbacks, complete, bool(steps_per_epoch and consumed % steps_per_epoch)
+    return callbacks, bool(steps_per_epoch and consumed % steps_per_epoch)
 
 
 def _saved_dp_optimizer_variables(path) -> int:

@@ -253,6 +253,15 @@ class TestPersistence:
         assert tf_megadp.read_ledger(plain.optimizer).total_steps == 1
 
 
+def test_read_ledger_before_the_optimizer_is_built_is_an_empty_ledger():
+    # Issue #27. Before: AttributeError: 'DPOptimizer' object has no
+    # attribute 'privacy_ledger_rows'.
+    optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0)
+    assert tf_megadp.read_ledger(optimizer) == tf_megadp.PrivacyLedger()
+    with pytest.raises(TypeError, match="keeps none"):
+        tf_megadp.read_ledger(keras.optimizers.SGD(0.1))
+
+
 def _h5_arrays(path):
     """Every dataset in an HDF5 file (Keras .weights.h5), as NumPy arrays."""
     import h5py

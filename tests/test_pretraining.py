@@ -13,7 +13,13 @@ for a vocabulary learned on that corpus.
 
 import io
 import json
+import pathlib
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 import warnings
 import zipfile
 
@@ -271,6 +277,86 @@ class TestEndToEnd:
             run_pretraining(tiny_config(corpus, cache, output, resume=True, noise_multiplier=2.0,
                                         **RECIPE),
                             log=lambda *_: None)
+
+
+def _job_argv(workspace, output, steps):
+    """The pico job's command line, checkpointing every logical step."""
+    _, corpus, cache = workspace
+    return ["pretrain", "--corpus", corpus, "--cache-dir", str(cache), "--output-dir", str(output),
+            "--model", "pico", "--sequence-length", "16", "--vocabulary-size", "200",
+            "--max-characters", "300000", "--micro-batch-size", "8", "--batch-size", "16",
+            "--steps", str(steps), "--eval-every", str(steps), "--checkpoint-every", "1",
+            "--noise-multiplier", "1.0", "--accountant", "rdp", "--warmup-steps", "1"]
+
+
+def _committed_steps(output):
+    """The logical step of the job's committed checkpoint (0 without one)."""
+    index = output / "checkpoint" / "training_state.json"
+    return json.loads(index.read_text())["extra"]["logical_steps"] if index.exists() else 0
+
+
+def _killed_job(argv, output, after_step, rng, timeout_s=120):
+    """Starts `tf-megadp` ARGV and SIGKILLs it at a random moment once step `after_step` is saved."""
+    folder = pathlib.Path(__file__).resolve().parent.parent
+    with open(output.parent / f"{output.name}-stderr.txt", "a") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tf_megadp.cli import main; sys.exit(main())",
+             *argv], cwd=folder, stdout=subprocess.DEVNULL, stderr=stderr)
+    watchdog = threading.Timer(timeout_s, child.kill)
+    watchdog.start()
+    try:
+        while child.poll() is None and _committed_steps(output) < after_step:
+            time.sleep(0.05)
+        assert child.poll() is None, f"the job ended before step {after_step} ({child.returncode})"
+        # Anywhere in the next step, its checkpoint included.
+        time.sleep(float(rng.uniform(0.0, 1.0)))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        watchdog.cancel()
+    assert child.returncode == -signal.SIGKILL
+    return _committed_steps(output)
+
+
+def _run_job_with_kills(workspace, output, steps, kills, seed):
+    """The job killed `kills` times at random steps, resumed each time; its report."""
+    rng = np.random.default_rng(seed)
+    argv = _job_argv(workspace, output, steps)
+    kill_after = sorted(rng.choice(np.arange(1, steps), size=kills, replace=False))
+    resumed = []
+    for number, step in enumerate(kill_after):
+        resumed.append(_killed_job(argv + (["--resume"] if number else []), output, step, rng))
+    assert cli.main(argv + ["--resume"]) == 0  # The last start runs to the end, here.
+    return json.loads((output / "report.json").read_text()), resumed
+
+
+def _assert_same_epsilon_as_uninterrupted(report):
+    # The uninterrupted run of the same steps, from dp_accounting (via the
+    # accountant that test_accounting checks against it).
+    schedule = BatchSizeSchedule.from_dict(report["schedule"])
+    expected = accounting.compute_epsilon(
+        delta=report["delta"], schedule=schedule, noise_multiplier=1.0, accountant="rdp")
+    assert report["completed"] and report["logical_steps"] == schedule.total_steps
+    assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+class TestPreemption:
+    """Issue #27: `tf-megadp pretrain --resume` after SIGKILLs at random points."""
+
+    def test_a_job_killed_once_resumes_and_reports_the_uninterrupted_epsilon(
+            self, workspace, tmp_path):
+        report, resumed = _run_job_with_kills(workspace, tmp_path / "run", steps=3, kills=1,
+                                              seed=0)
+        _assert_same_epsilon_as_uninterrupted(report)
+        assert report["resumes"] == resumed and len(resumed) == 1
+
+    @pytest.mark.slow
+    def test_a_job_killed_three_times_resumes_and_reports_the_uninterrupted_epsilon(
+            self, workspace, tmp_path):
+        report, resumed = _run_job_with_kills(workspace, tmp_path / "run", steps=6, kills=3,
+                                              seed=1)
+        _assert_same_epsilon_as_uninterrupted(report)
+        assert report["resumes"] == resumed and len(resumed) == 3
 
 
 class TestTheDrawsStaySecret:

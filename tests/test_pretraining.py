@@ -325,6 +325,9 @@ def _run_job_with_kills(workspace, output, steps, kills, seed):
     kill_after = sorted(rng.choice(np.arange(1, steps), size=kills, replace=False))
     resumed = []
     for number, step in enumerate(kill_after):
+        # Each start is killed after it saved a step of its own: a start
+        # killed before that leaves no trace in the run.
+        step = max(step, (resumed[-1] if resumed else 0) + 1)
         resumed.append(_killed_job(argv + (["--resume"] if number else []), output, step, rng))
     assert cli.main(argv + ["--resume"]) == 0  # The last start runs to the end, here.
     return json.loads((output / "report.json").read_text()), resumed
@@ -353,7 +356,7 @@ class TestPreemption:
     @pytest.mark.slow
     def test_a_job_killed_three_times_resumes_and_reports_the_uninterrupted_epsilon(
             self, workspace, tmp_path):
-        report, resumed = _run_job_with_kills(workspace, tmp_path / "run", steps=6, kills=3,
+        report, resumed = _run_job_with_kills(workspace, tmp_path / "run", steps=8, kills=3,
                                               seed=1)
         _assert_same_epsilon_as_uninterrupted(report)
         assert report["resumes"] == resumed and len(resumed) == 3

@@ -8,10 +8,10 @@ Two callbacks share the work:
   values that step used) into privacy-ledger entries, adding what only the
   data can tell, N and how each step chose its examples
   (`tf_megadp.sources.DataSource`). The ledger lives in the optimizer's
-  `privacy_ledger` variable, so `model.save`, `ModelCheckpoint` and
-  `tf_megadp.save_training_state` carry the spend and a resumed run
-  continues it. It also ends partial logical steps where an example could
-  otherwise enter one noisy sum twice.
+  `privacy_ledger` variable, so `model.save`, `ModelCheckpoint`,
+  `keras.callbacks.BackupAndRestore` and `tf_megadp.save_training_state`
+  carry the spend and a resumed run continues it. It also ends partial
+  logical steps where an example could otherwise enter one noisy sum twice.
 * `PrivacyCallback` (the user's): writes `epsilon` and `delta` into the
   Keras `logs`, enforces a `target_epsilon` budget and writes the
   publishable report.
@@ -94,7 +94,7 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
     tf_megadp.PrivacyAccountant(N, 1e-5, ledger=tf_megadp.model_ledger(model)).epsilon()
     ```
     """
-    optimizer = _weights_owner(model.trainable_variables) or _dp_optimizer(model)
+    optimizer = _ledger_optimizer(model)
     missing = optimizer.unrecorded_steps
     if missing:
         raise PrivacyConfigurationError(
@@ -114,6 +114,11 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
             "first step (with num_examples=N for data of unknown size)."
         )
     return read_ledger(optimizer)
+
+
+def _ledger_optimizer(model) -> DPOptimizer:
+    """The DPOptimizer whose ledger covers `model`'s weights (`model.optimizer` but after a recompile)."""
+    return _weights_owner(model.trainable_variables) or _dp_optimizer(model)
 
 
 def _dp_optimizer(model) -> DPOptimizer:
@@ -568,7 +573,7 @@ class PrivacyCallback(keras.callbacks.Callback):
                 "tf_megadp.PrivacyAccountant(N, delta, ledger=tf_megadp.model_ledger(model))."
             )
         ledger = model_ledger(self.model)
-        if _number(self._optimizer.noiseless_steps):
+        if _number(_ledger_optimizer(self.model).noiseless_steps):
             return math.inf
         return self._accountant.epsilon(ledger)
 
@@ -604,7 +609,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         whether the steps were Poisson draws, whether noise or sampling came
         from an explicit seed, and what the run releases outside epsilon.
         """
-        keeper, optimizer = self._keeper, self._optimizer
+        keeper, optimizer = self._keeper, _ledger_optimizer(self.model)
         accountant = PrivacyAccountant(
             self._accountant.num_examples, self.delta, accountant=self.accountant_name,
             ledger=model_ledger(self.model))

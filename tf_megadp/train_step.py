@@ -213,8 +213,10 @@ def _private_fit(model: keras.Model, original_fit):
         source = _fit_source(arguments)
         if source is not None and isinstance(arguments.get("x"), tf.data.Dataset):
             distribute.build_without_reading(model, arguments["x"].element_spec)
+        data = arguments.get("x")
         callbacks, ran_out = _restore_backup(model, arguments, callbacks, source)
-        source = _fit_source(arguments)
+        if arguments.get("x") is not data:  # A sampler's dataset, continued.
+            source = _fit_source(arguments)
         keeper = LedgerKeeper(
             source=source,
             stated_num_examples=privacy[0].num_examples if privacy else None,

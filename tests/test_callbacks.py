@@ -242,17 +242,26 @@ class TestTheLedgerFollowsTheModel:
         assert callback.epsilon == pytest.approx(
             reference_epsilon(3 * STEPS_PER_EPOCH, accountant="pld"), rel=1e-2)
 
-    def test_a_new_optimizer_on_the_old_inner_optimizer_continues_its_state_too(self, data):
-        # Another batch size for a run without schedule: the inner optimizer's
-        # step count (here the learning-rate schedule's position) continues.
+    @pytest.fixture(scope="class")
+    def two_optimizers(self, data):
+        """A model trained by one DPOptimizer, then by a new one on the same inner optimizer."""
         model = private_model()
+        first = model.optimizer
         fit(model, data, 1, [PrivacyCallback(DELTA)])
-        inner = model.optimizer.inner_optimizer
+        # Another batch size for a run without schedule.
         model.compile(optimizer=tf_megadp.DPOptimizer(
-            inner, 1.0, 1.0, accumulation_steps=4, normalize_by=32, seed=1), loss="mse")
+            first.inner_optimizer, 1.0, 1.0, accumulation_steps=4, normalize_by=32, seed=1),
+            loss="mse")
         callback = PrivacyCallback(DELTA, accountant="rdp")
         fit(model, data, 1, [callback])
-        assert int(inner.iterations.numpy()) == STEPS_PER_EPOCH + 2
+        return model, first, callback
+
+    def test_a_new_optimizer_on_the_old_inner_optimizer_continues_its_state_too(
+            self, two_optimizers):
+        _, first, callback = two_optimizers
+        # The inner optimizer's step count (the position of a learning-rate
+        # schedule) continues.
+        assert int(first.inner_optimizer.iterations.numpy()) == STEPS_PER_EPOCH + 2
         assert [(e.steps, e.sampling_rate) for e in callback.ledger] == [
             (STEPS_PER_EPOCH, BATCH / N), (2, 32 / N)]
         steps = [dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
@@ -260,17 +269,13 @@ class TestTheLedgerFollowsTheModel:
         assert callback.epsilon == pytest.approx(rdp.RdpAccountant().compose(
             dp_accounting.ComposedDpEvent(steps)).get_epsilon(DELTA), rel=1e-2)
 
-    def test_an_optimizer_whose_weights_were_trained_further_by_another_refuses(self, data):
-        model = private_model()
-        first = model.optimizer
-        fit(model, data, 1, [PrivacyCallback(DELTA)])
-        model.compile(optimizer=tf_megadp.DPOptimizer(
-            keras.optimizers.SGD(0.1), 1.0, 1.0, accumulation_steps=ACCUMULATION), loss="mse")
-        fit(model, data, 1, [PrivacyCallback(DELTA)])
+    def test_an_optimizer_whose_weights_another_trained_further_refuses(self, data,
+                                                                        two_optimizers):
+        model, first, _ = two_optimizers
         model.compile(optimizer=first, loss="mse")
         with pytest.raises(PrivacyConfigurationError, match="trained further by another"):
             fit(model, data, 1, [PrivacyCallback(DELTA)])
-        assert int(first.iterations.numpy()) == STEPS_PER_EPOCH
+        assert int(first.iterations.numpy()) == STEPS_PER_EPOCH + 2  # No step taken.
 
     def test_compiling_again_with_a_new_optimizer_carries_the_spent_privacy(self, data):
         # Before: 16 noisy steps, 8 reported.

@@ -290,8 +290,8 @@ class TestEndToEnd:
         shutil.copytree(output / "checkpoint", copy / "checkpoint")
         report = run_pretraining(tiny_config(corpus, cache, copy, resume=True, **RECIPE),
                                  log=lambda *_: None)
-        assert report["logical_steps"] == 4 and report["resumes"] == [2, 4]
         assert report["epsilon"] == pytest.approx(finished["epsilon"], rel=1e-12)
+        assert report["logical_steps"] == 4 and report["resumes"] == [2, 4]
         assert json.loads((copy / "privacy.json").read_text())["steps"] == 4
 
 

@@ -22,7 +22,8 @@ same settings (`backup_dir`, `save_freq`, `delete_checkpoint`), which:
   has just ended;
 * writes each backup atomically, its position (epoch and logical step)
   inside the same file, so a kill during a write leaves the previous backup
-  whole. (`double_checkpoint` is therefore not needed and not used.)
+  whole. (`double_checkpoint` is therefore not needed and not used;
+  `save_freq=False` writes no backup.)
 
 Data that no sampler drew (arrays) restarts the epoch the backup was taken
 in, as with Keras: its steps are new fixed-size batches, recorded in the
@@ -126,7 +127,7 @@ class PrivateBackup(keras.callbacks.Callback):
         self._last_batch = -1
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq == "epoch":
+        if self.save_freq == "epoch" or self.save_freq is False:
             return
         # `batch` is the index of the last micro-batch of this call (several
         # with steps_per_execution > 1).

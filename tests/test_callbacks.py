@@ -181,6 +181,26 @@ class TestValuesAreMeasuredNotTrusted:
         with pytest.raises(PrivacyConfigurationError, match="cannot be accounted"):
             fit(model, data, 1, [PrivacyCallback(DELTA)])
 
+    def test_steps_outside_fit_make_epsilon_and_the_report_refuse(self, data):
+        # Issue #27. Before: 4 steps through fit, 5 through train_on_batch,
+        # and PrivacyCallback.epsilon and report() still said 4 steps
+        # (epsilon 6.68 with q = 1/2; 9 steps were applied).
+        x, y = data
+        model = private_model()
+        callback = PrivacyCallback(DELTA)
+        fit(model, (x[:32], y[:32]), 2, [callback])
+        for _ in range(5 * ACCUMULATION):
+            model.train_on_batch(x[:MICRO_BATCH], y[:MICRO_BATCH])
+        assert int(model.optimizer.iterations.numpy()) == 9
+        for read in (lambda: callback.epsilon, callback.report,
+                     lambda: tf_megadp.model_ledger(model)):
+            with pytest.raises(PrivacyConfigurationError, match="5 of the 9 logical steps"):
+                read()
+
+    def test_epsilon_before_any_fit_says_so(self):
+        with pytest.raises(RuntimeError, match="passed to a private fit"):
+            PrivacyCallback(DELTA).epsilon
+
     def test_zero_noise_reports_infinite_epsilon(self, data):
         with pytest.warns(UserWarning, match="NOT differentially private"):
             model = private_model(noise_multiplier=0.0)
@@ -191,6 +211,72 @@ class TestValuesAreMeasuredNotTrusted:
 
 
 class TestTheLedgerFollowsTheModel:
+    @pytest.fixture(scope="class")
+    def saved_run(self, data, tmp_path_factory):
+        """A model.keras file of a private run of 8 logical steps."""
+        model = private_model()
+        fit(model, data, 2, [PrivacyCallback(DELTA)])
+        path = tmp_path_factory.mktemp("saved") / "run.keras"
+        model.save(path)
+        return path
+
+    @pytest.mark.parametrize("order", ["make_private, compile", "compile, make_private"])
+    def test_a_loaded_model_compiled_with_a_new_optimizer_continues_the_ledger(
+            self, data, saved_run, order):
+        # Issue #27. Before: the file held 8 logical steps, 4 more were
+        # trained, and the report said epsilon 4.21 on 4 steps (honest: 6.45
+        # on 12), with no warning.
+        loaded = keras.models.load_model(saved_run)
+        new_optimizer = tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.1), 1.0, 1.0, accumulation_steps=ACCUMULATION, seed=1)
+        if order == "make_private, compile":
+            tf_megadp.make_private(loaded)
+            loaded.compile(optimizer=new_optimizer, loss="mse")
+        else:
+            loaded.compile(optimizer=new_optimizer, loss="mse")
+            tf_megadp.make_private(loaded)
+        callback = PrivacyCallback(DELTA, accountant="pld")
+        with pytest.warns(UserWarning, match="the 8 logical steps of the previous one stay"):
+            fit(loaded, data, 1, [callback])
+        assert callback.ledger.total_steps == 3 * STEPS_PER_EPOCH
+        assert callback.epsilon == pytest.approx(
+            reference_epsilon(3 * STEPS_PER_EPOCH, accountant="pld"), rel=1e-2)
+
+    @pytest.fixture(scope="class")
+    def two_optimizers(self, data):
+        """A model trained by one DPOptimizer, then by a new one on the same inner optimizer."""
+        model = private_model()
+        first = model.optimizer
+        fit(model, data, 1, [PrivacyCallback(DELTA)])
+        # Another batch size for a run without schedule.
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            first.inner_optimizer, 1.0, 1.0, accumulation_steps=4, normalize_by=32, seed=1),
+            loss="mse")
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        fit(model, data, 1, [callback])
+        return model, first, callback
+
+    def test_a_new_optimizer_on_the_old_inner_optimizer_continues_its_state_too(
+            self, two_optimizers):
+        _, first, callback = two_optimizers
+        # The inner optimizer's step count (the position of a learning-rate
+        # schedule) continues.
+        assert int(first.inner_optimizer.iterations.numpy()) == STEPS_PER_EPOCH + 2
+        assert [(e.steps, e.sampling_rate) for e in callback.ledger] == [
+            (STEPS_PER_EPOCH, BATCH / N), (2, 32 / N)]
+        steps = [dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            q, dp_accounting.GaussianDpEvent(1.0)), n) for n, q in ((4, BATCH / N), (2, 32 / N))]
+        assert callback.epsilon == pytest.approx(rdp.RdpAccountant().compose(
+            dp_accounting.ComposedDpEvent(steps)).get_epsilon(DELTA), rel=1e-2)
+
+    def test_an_optimizer_whose_weights_another_trained_further_refuses(self, data,
+                                                                        two_optimizers):
+        model, first, _ = two_optimizers
+        model.compile(optimizer=first, loss="mse")
+        with pytest.raises(PrivacyConfigurationError, match="trained further by another"):
+            fit(model, data, 1, [PrivacyCallback(DELTA)])
+        assert int(first.iterations.numpy()) == STEPS_PER_EPOCH + 2  # No step taken.
+
     def test_compiling_again_with_a_new_optimizer_carries_the_spent_privacy(self, data):
         # Before: 16 noisy steps, 8 reported.
         model = private_model()
@@ -230,11 +316,11 @@ class TestTheLedgerFollowsTheModel:
         fit(model, data, 1, [PrivacyCallback(DELTA)])
         model.save_weights(tmp_path / "run.weights.h5")
         fresh = tf_megadp.make_private(keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)]))
-        with pytest.raises(PrivacyConfigurationError, match="optimizer.build"):
+        with pytest.raises(PrivacyConfigurationError, match="Compile with the DPOptimizer first"):
             fresh.load_weights(tmp_path / "run.weights.h5")
         fresh.compile(optimizer=tf_megadp.DPOptimizer(
             keras.optimizers.SGD(0.1), 1.0, 1.0, accumulation_steps=ACCUMULATION), loss="mse")
-        fresh.optimizer.build(fresh.trainable_variables)
+        # The private model's load_weights builds the optimizer it loads into.
         fresh.load_weights(tmp_path / "run.weights.h5")
         callback = PrivacyCallback(DELTA, accountant="rdp")
         fit(fresh, data, 1, [callback])

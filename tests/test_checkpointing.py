@@ -1,10 +1,13 @@
 """Specification of `save_training_state` / `restore_training_state`."""
 
+import re
+
 import keras
 import numpy as np
 import pytest
 
 import tf_megadp
+from tf_megadp import checkpointing
 from tf_megadp.checkpointing import restore_training_state, save_training_state
 from tests import reference
 
@@ -29,8 +32,10 @@ def test_round_trip_at_a_step_boundary_continues_the_same_run(tmp_path):
     first = private_model()
     first.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
     save_training_state(first, str(tmp_path / "ckpt"), extra={"note": "boundary"})
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
-        "model.weights.h5", "optimizer_variables.npz", "training_state.json"]
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert re.fullmatch(r"model-00000001-[0-9a-f]{8}\.weights\.h5", names[0]), names
+    assert re.fullmatch(r"optimizer-00000001-[0-9a-f]{8}\.npz", names[1]), names
+    assert names[2] == "training_state.json"
 
     resumed = tf_megadp.make_private(
         keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
@@ -72,3 +77,41 @@ def test_checkpoint_from_another_model_is_refused(tmp_path):
         keras.Sequential([keras.Input((5,)), keras.layers.Dense(4), keras.layers.Dense(2)]))
     with pytest.raises(ValueError):
         restore_training_state(other, str(tmp_path), {"loss": "mse"})
+
+
+class Killed(BaseException):
+    """A process killed in the middle of a save."""
+
+
+def test_a_save_killed_after_its_first_file_leaves_the_previous_checkpoint_whole(
+        tmp_path, monkeypatch):
+    # Before, the weights, optimizer and index files had fixed names, each
+    # renamed into place on its own: a kill after the first rename left the
+    # new weights with the old optimizer (and ledger), one noisy update
+    # unaccounted.
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+    model = private_model()
+    model.fit(x[:8], y[:8], batch_size=4, shuffle=False, verbose=0)
+    save_training_state(model, str(tmp_path / "ckpt"))
+    saved = reference.weights(model)
+    model.fit(x[8:], y[8:], batch_size=4, shuffle=False, verbose=0)
+    real_write = checkpointing.atomic_write
+
+    def killed_after_writing(path, write):
+        real_write(path, write)
+        raise Killed
+
+    monkeypatch.setattr(checkpointing, "atomic_write", killed_after_writing)
+    with pytest.raises(Killed):
+        save_training_state(model, str(tmp_path / "ckpt"))
+    monkeypatch.undo()
+
+    resumed = tf_megadp.make_private(
+        keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    restore_training_state(resumed, str(tmp_path / "ckpt"), {"loss": "mse"})
+    assert int(resumed.optimizer.iterations.numpy()) == 1
+    assert tf_megadp.read_ledger(resumed.optimizer).total_steps == 1
+    for a, b in zip(reference.weights(resumed), saved):
+        np.testing.assert_array_equal(a, b)

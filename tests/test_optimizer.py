@@ -253,6 +253,15 @@ class TestPersistence:
         assert tf_megadp.read_ledger(plain.optimizer).total_steps == 1
 
 
+def test_read_ledger_before_the_optimizer_is_built_is_an_empty_ledger():
+    # Issue #27. Before: AttributeError: 'DPOptimizer' object has no
+    # attribute 'privacy_ledger_rows'.
+    optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0)
+    assert tf_megadp.read_ledger(optimizer) == tf_megadp.PrivacyLedger()
+    with pytest.raises(TypeError, match="keeps none"):
+        tf_megadp.read_ledger(keras.optimizers.SGD(0.1))
+
+
 def _h5_arrays(path):
     """Every dataset in an HDF5 file (Keras .weights.h5), as NumPy arrays."""
     import h5py
@@ -323,8 +332,13 @@ class TestSecrets:
         # Saved after 3 micro-batches: one noisy step applied, one micro-batch
         # (the un-noised sum of x[4:6]) accumulated.
         checkpoint = keras.callbacks.ModelCheckpoint(files["checkpoint"], save_freq=3)
+        # The preemption backup of the private fit, asked for at every micro-batch.
+        backup = keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=1,
+                                                  delete_checkpoint=False)
         with pytest.warns(UserWarning, match="Discarded"):
-            model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[checkpoint])
+            model.fit(x, y, batch_size=2, shuffle=False, verbose=0,
+                      callbacks=[checkpoint, backup])
+        files["backup"] = tmp_path / "backup" / "latest.weights.h5"
         update = [a - b for a, b in zip(reference.weights(model), before)]
         key = optimizer._in_memory.noise_key.numpy()
 
@@ -336,8 +350,8 @@ class TestSecrets:
         model.save(files["model"])
         model.save_weights(files["weights"])
         tf_megadp.save_training_state(model, str(tmp_path / "state"))
-        files["state"] = tmp_path / "state" / "optimizer_variables.npz"
-        files["state_weights"] = tmp_path / "state" / "model.weights.h5"
+        [files["state"]] = (tmp_path / "state").glob("optimizer-*.npz")
+        [files["state_weights"]] = (tmp_path / "state").glob("model-*.weights.h5")
         tf_megadp.export_model(model, tmp_path / "release.keras")
         files["release"] = tmp_path / "release.keras"
         noise_error = np.sqrt(sum(np.sum((-DIVISOR * u - c) ** 2)

@@ -13,7 +13,14 @@ for a vocabulary learned on that corpus.
 
 import io
 import json
+import pathlib
 import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
 import warnings
 import zipfile
 
@@ -271,6 +278,100 @@ class TestEndToEnd:
             run_pretraining(tiny_config(corpus, cache, output, resume=True, noise_multiplier=2.0,
                                         **RECIPE),
                             log=lambda *_: None)
+
+    def test_resuming_a_finished_run_reports_its_epsilon_and_trains_nothing(
+            self, resumed_run, workspace, tmp_path):
+        # Issue #27: with no step left the job reported PrivacyCallback.epsilon
+        # of a callback that saw no fit: 0.0. (A kill after the last
+        # checkpoint, before the report, leads here.)
+        root, corpus, cache = workspace
+        _, finished, output = resumed_run
+        copy = tmp_path / "run"
+        shutil.copytree(output / "checkpoint", copy / "checkpoint")
+        report = run_pretraining(tiny_config(corpus, cache, copy, resume=True, **RECIPE),
+                                 log=lambda *_: None)
+        assert report["epsilon"] == pytest.approx(finished["epsilon"], rel=1e-12)
+        assert report["logical_steps"] == 4 and report["resumes"] == [2, 4]
+        assert json.loads((copy / "privacy.json").read_text())["steps"] == 4
+
+
+def _job_argv(workspace, output, steps):
+    """The pico job's command line, checkpointing every logical step."""
+    _, corpus, cache = workspace
+    return ["pretrain", "--corpus", corpus, "--cache-dir", str(cache), "--output-dir", str(output),
+            "--model", "pico", "--sequence-length", "16", "--vocabulary-size", "200",
+            "--max-characters", "300000", "--micro-batch-size", "8", "--batch-size", "16",
+            "--steps", str(steps), "--eval-every", str(steps), "--checkpoint-every", "1",
+            "--noise-multiplier", "1.0", "--accountant", "rdp", "--warmup-steps", "1"]
+
+
+def _committed_steps(output):
+    """The logical step of the job's committed checkpoint (0 without one)."""
+    index = output / "checkpoint" / "training_state.json"
+    return json.loads(index.read_text())["extra"]["logical_steps"] if index.exists() else 0
+
+
+def _killed_job(argv, output, after_step, rng, timeout_s=120):
+    """Starts `tf-megadp` ARGV and SIGKILLs it at a random moment once step `after_step` is saved."""
+    folder = pathlib.Path(__file__).resolve().parent.parent
+    with open(output.parent / f"{output.name}-stderr.txt", "a") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from tf_megadp.cli import main; sys.exit(main())",
+             *argv], cwd=folder, stdout=subprocess.DEVNULL, stderr=stderr)
+    watchdog = threading.Timer(timeout_s, child.kill)
+    watchdog.start()
+    try:
+        while child.poll() is None and _committed_steps(output) < after_step:
+            time.sleep(0.05)
+        assert child.poll() is None, f"the job ended before step {after_step} ({child.returncode})"
+        # Anywhere in the next step or so, its checkpoint included.
+        time.sleep(float(rng.uniform(0.0, 0.3)))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        watchdog.cancel()
+    assert child.returncode == -signal.SIGKILL
+    return _committed_steps(output)
+
+
+def _run_job_with_kills(workspace, output, steps, kills, seed):
+    """The job killed `kills` times at random steps, resumed each time; its report."""
+    rng = np.random.default_rng(seed)
+    argv = _job_argv(workspace, output, steps)
+    resumed = []
+    for number in range(kills):
+        # Each start is killed after it saved a step of its own (a start
+        # killed before that leaves no trace in the run), with room left for
+        # the kills to come.
+        committed = resumed[-1] if resumed else 0
+        step = int(rng.integers(committed + 1, max(committed + 2, steps - kills + number)))
+        resumed.append(_killed_job(argv + (["--resume"] if number else []), output, step, rng))
+    assert cli.main(argv + ["--resume"]) == 0  # The last start runs to the end, here.
+    return json.loads((output / "report.json").read_text()), resumed
+
+
+def _assert_same_epsilon_as_uninterrupted(report):
+    # The uninterrupted run of the same steps, from dp_accounting (via the
+    # accountant that test_accounting checks against it).
+    schedule = BatchSizeSchedule.from_dict(report["schedule"])
+    expected = accounting.compute_epsilon(
+        delta=report["delta"], schedule=schedule, noise_multiplier=1.0, accountant="rdp")
+    assert report["completed"] and report["logical_steps"] == schedule.total_steps
+    assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+class TestPreemption:
+    """Issue #27: `tf-megadp pretrain --resume` after SIGKILLs at random points."""
+
+    # Three kills take about four starts of TensorFlow and keras-hub: slow.
+    @pytest.mark.parametrize("kills, steps, seed", [
+        (1, 3, 0), pytest.param(3, 8, 1, marks=pytest.mark.slow)])
+    def test_a_killed_job_resumes_and_reports_the_uninterrupted_epsilon(
+            self, workspace, tmp_path, kills, steps, seed):
+        report, resumed = _run_job_with_kills(workspace, tmp_path / "run", steps=steps,
+                                              kills=kills, seed=seed)
+        _assert_same_epsilon_as_uninterrupted(report)
+        assert report["resumes"] == resumed and len(resumed) == kills
 
 
 class TestTheDrawsStaySecret:

@@ -30,7 +30,7 @@ from tf_megadp.sampling import (
     write_token_shards,
 )
 from tf_megadp.schedules import BatchSizeSchedule, Phase
-from tf_megadp.sources import DataSource, source_of
+from tf_megadp.sources import DataSource, resumed_at, source_of
 
 ALPHA = 1e-3
 SEED_WARNING = "An explicit sampling seed"
@@ -540,12 +540,33 @@ class TestDataSource:
         dataset = PoissonSampler(shards, schedule, start_step=2).as_dataset(lambda rows, weights: (rows, rows, weights))
         assert source_of(dataset) == DataSource(
             sampling="poisson", num_examples=200, num_examples_measured=True,
-            description="PoissonSampler over 200 token rows", schedule=schedule, start_step=2, seeded=False)
+            description="PoissonSampler over 200 token rows", schedule=schedule, start_step=2, seeded=False,
+            end_step=6)
         with pytest.warns(UserWarning, match="Chua"):
             shuffled = ShuffleSampler(shards, schedule).as_dataset()
         source = source_of(shuffled)
         assert source.sampling == "shuffle" and source.schedule == schedule and not source.seeded
         assert source.description == "ShuffleSampler over 200 token rows"
+
+    def test_a_restored_run_continues_the_samplers_dataset_at_its_step(self):
+        # What the private fit does with the dataset of a script started again
+        # after a preemption (keras.callbacks.BackupAndRestore).
+        x, y = np.arange(64, dtype="float32").reshape(32, 2), np.arange(32, dtype="float32")
+        sampler = PoissonSampler.from_arrays(x, y, batch_size=8, epochs=1, micro_batch_size=4,
+                                             seed=5)
+        continued = resumed_at(sampler.as_dataset(), 2)
+        assert source_of(continued).start_step == 2 and source_of(continued).end_step == 4
+        expected = PoissonSampler.from_arrays(x, y, batch_size=8, epochs=1, micro_batch_size=4,
+                                              seed=5, start_step=2)
+        for got, want in zip(continued, expected.micro_batches(), strict=True):
+            for a, b in zip(got, want):
+                np.testing.assert_array_equal(a.numpy(), b)
+        with pytest.raises(PrivacyConfigurationError, match="before the sampler's first step"):
+            resumed_at(expected.as_dataset(), 1)
+        import tensorflow as tf
+
+        with pytest.raises(PrivacyConfigurationError, match="only a tf_megadp sampler"):
+            resumed_at(tf.data.Dataset.range(3), 1)
 
     def test_array_and_record_samplers_attach_their_source(self):
         x, y = np.zeros((1280, 2)), np.zeros(1280)

@@ -87,6 +87,24 @@ class TestForPoisson:
             BatchSizeSchedule.constant(1, 10, num_examples=100, micro_batch_size=4, truncation_probability=0)
 
 
+class TestExtended:
+    def test_the_old_phases_stay_and_the_new_ones_are_sized_as_for_poisson(self):
+        schedule = BatchSizeSchedule.for_poisson([(5, 50)], num_examples=500, micro_batch_size=4,
+                                                 num_replicas=2)
+        longer = schedule.extended([(3, 100), Phase(2, 20, 5, noise_multiplier=2.0)],
+                                   truncation_probability=1e-6)
+        fresh = BatchSizeSchedule.for_poisson([(3, 100)], num_examples=500, micro_batch_size=4,
+                                              num_replicas=2, truncation_probability=1e-6)
+        assert longer.phases == (schedule.phases[0], fresh.phases[0], Phase(2, 20, 5, 2.0))
+        assert (longer.num_examples, longer.micro_batch_size, longer.num_replicas) == (500, 4, 2)
+        assert longer.phase_ends == [5, 8, 10]
+
+    def test_nothing_to_add_is_refused(self):
+        schedule = BatchSizeSchedule.constant(5, 50, num_examples=500, micro_batch_size=4)
+        with pytest.raises(ValueError, match="at least one phase"):
+            schedule.extended([])
+
+
 class TestLookups:
     SCHEDULE = BatchSizeSchedule([Phase(3, 10, 2, 1.0), Phase(2, 40, 6), Phase(4, 80, 11, 3.0)], num_examples=100, micro_batch_size=8)
 

@@ -321,3 +321,67 @@ def test_make_private_with_epsilon_refuses_data_no_poisson_sampler_drew():
         tf_megadp.make_private_with_epsilon(
             dense_model(), keras.optimizers.SGD(0.1), np.zeros((8, 6)), target_epsilon=1.0,
             delta=1e-3, l2_norm_clip=1.0, loss=LOSS)
+
+
+class TestTrainingFurther:
+    """Issue #27: after a schedule ended, the errors led in a circle and no call trained further."""
+
+    @pytest.fixture(scope="class")
+    def finished_run(self):
+        """A private run whose 2-step Poisson schedule is complete."""
+        x, y = dense_data(n=64)
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=16, epochs=0.5, micro_batch_size=8, seed=0)
+        model = tf_megadp.make_private(dense_model())
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.Adam(0.01), 1.0, 1.0, schedule=sampler.schedule, seed=1), loss=LOSS)
+        model.fit(sampler.as_dataset(), verbose=0,
+                  callbacks=[tf_megadp.PrivacyCallback(1e-3, accountant="rdp")])
+        assert int(model.optimizer.iterations.numpy()) == sampler.schedule.total_steps == 2
+        return model, sampler.schedule, (x, y)
+
+    def test_an_exhausted_schedule_says_so_and_names_the_call(self, finished_run):
+        # Before: "Create the sampler with start_step=...", then "fit consumed
+        # no micro-batch ... Under a tf.distribute strategy", then "Build the
+        # DPOptimizer with schedule=sampler.schedule".
+        model, schedule, (x, y) = finished_run
+        attempts = [
+            dict(batch_size=16, epochs=0.5, micro_batch_size=8),
+            dict(schedule=schedule, start_step=2),
+            dict(batch_size=16, epochs=1, micro_batch_size=8, start_step=2),
+        ]
+        for attempt in attempts:
+            sampler = tf_megadp.PoissonSampler.from_arrays(x, y, seed=1, **attempt)
+            with pytest.raises(PrivacyConfigurationError,
+                               match=r"schedule is exhausted.*tf_megadp.extend_schedule"):
+                model.fit(sampler.as_dataset(), verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 2
+
+    def test_extend_schedule_continues_the_ledger_and_the_inner_optimizer(self, finished_run):
+        import dp_accounting
+        from dp_accounting import rdp
+
+        model, schedule, (x, y) = finished_run
+        inner = model.optimizer.inner_optimizer
+        longer = tf_megadp.extend_schedule(model, [(3, 32)])
+        assert longer.phases[0] == schedule.phases[0] and longer.total_steps == 5
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, schedule=longer, start_step=int(model.optimizer.iterations.numpy()), seed=2)
+        callback = tf_megadp.PrivacyCallback(1e-3, accountant="rdp")
+        model.fit(sampler.as_dataset(), verbose=0, callbacks=[callback])
+        assert model.optimizer.inner_optimizer is inner
+        assert int(inner.iterations.numpy()) == 5
+        assert [(e.steps, e.sampling_rate) for e in callback.ledger] == [(2, 16 / 64), (3, 32 / 64)]
+        composed = dp_accounting.ComposedDpEvent([
+            dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                q, dp_accounting.GaussianDpEvent(1.0)), steps)
+            for steps, q in ((2, 16 / 64), (3, 32 / 64))])
+        assert callback.epsilon == pytest.approx(
+            rdp.RdpAccountant().compose(composed).get_epsilon(1e-3), rel=1e-2)
+
+    def test_a_run_without_schedule_is_told_how_to_train_further(self):
+        model = tf_megadp.make_private(dense_model())
+        model.compile(optimizer=tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0),
+                      loss=LOSS)
+        with pytest.raises(PrivacyConfigurationError, match="call fit again.*inner_optimizer"):
+            tf_megadp.extend_schedule(model, [(3, 32)])

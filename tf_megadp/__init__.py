@@ -22,8 +22,13 @@ from tf_megadp.accounting import (
     compute_epsilon,
     ledger_from_schedule,
 )
-from tf_megadp.callbacks import PrivacyCallback, read_ledger
-from tf_megadp.checkpointing import export_model, restore_training_state, save_training_state
+from tf_megadp.callbacks import PrivacyCallback, model_ledger, read_ledger
+from tf_megadp.checkpointing import (
+    export_model,
+    has_training_state,
+    restore_training_state,
+    save_training_state,
+)
 from tf_megadp.clipping import AutoClipping, ClippingStrategy, GhostClipping, VectorizedClipping
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
@@ -31,7 +36,7 @@ from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
 from tf_megadp.schedules import BatchSizeSchedule, Phase
 from tf_megadp.sources import DataSource
-from tf_megadp.train_step import is_private, make_private, make_private_with_epsilon
+from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
 
 __version__ = "0.1.0"
 
@@ -77,12 +82,15 @@ __all__ = [
     "default_corpus_documents",
     "distribute",
     "export_model",
+    "extend_schedule",
+    "has_training_state",
     "is_private",
     "jobs",
     "ledger_from_schedule",
     "load_vocabulary",
     "make_private",
     "make_private_with_epsilon",
+    "model_ledger",
     "prepare_corpus",
     "read_documents",
     "read_ledger",

@@ -8,10 +8,10 @@ Two callbacks share the work:
   values that step used) into privacy-ledger entries, adding what only the
   data can tell, N and how each step chose its examples
   (`tf_megadp.sources.DataSource`). The ledger lives in the optimizer's
-  `privacy_ledger` variable, so `model.save`, `ModelCheckpoint` and
-  `tf_megadp.save_training_state` carry the spend and a resumed run
-  continues it. It also ends partial logical steps where an example could
-  otherwise enter one noisy sum twice.
+  `privacy_ledger` variable, so `model.save`, `ModelCheckpoint`,
+  `keras.callbacks.BackupAndRestore` and `tf_megadp.save_training_state`
+  carry the spend and a resumed run continues it. It also ends partial
+  logical steps where an example could otherwise enter one noisy sum twice.
 * `PrivacyCallback` (the user's): writes `epsilon` and `delta` into the
   Keras `logs`, enforces a `target_epsilon` budget and writes the
   publishable report.
@@ -36,10 +36,19 @@ from tf_megadp.accounting import (
     _check_delta,
 )
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer
+from tf_megadp.optimizer import (
+    APPLIED_STEP_COLUMNS,
+    DPOptimizer,
+    _number,
+    _weights_owner,
+    read_ledger,
+    write_ledger,
+)
 from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
 
-__all__ = ["LedgerKeeper", "PrivacyCallback", "read_ledger", "RELEASED_OUTSIDE_EPSILON"]
+__all__ = [
+    "LedgerKeeper", "PrivacyCallback", "model_ledger", "read_ledger", "RELEASED_OUTSIDE_EPSILON",
+]
 
 # What a private Keras run publishes that epsilon does not cover.
 RELEASED_OUTSIDE_EPSILON = (
@@ -59,38 +68,57 @@ _FIXED_SIZE_WARNING = (
 )
 
 
-def read_ledger(optimizer: DPOptimizer) -> PrivacyLedger:
-    """The `PrivacyLedger` stored in a built `DPOptimizer`.
+def model_ledger(model: keras.Model) -> PrivacyLedger:
+    """The privacy ledger of every noisy update `model`'s weights received, or a refusal.
+
+    The ledger is the one of the `DPOptimizer` that last trained (or
+    loaded) the weights, which is `model.optimizer` unless the model was
+    compiled again since. It must hold every logical step that optimizer
+    applied: a reported epsilon is never stale.
 
     Args:
-        optimizer: the `DPOptimizer` (e.g. `model.optimizer` after
-            `keras.models.load_model`).
+        model: a model trained with `tf_megadp.make_private` and a `DPOptimizer`.
 
     Returns:
-        The ledger of the logical steps recorded so far.
+        The complete ledger (steps without noise are not in it: see
+        `DPOptimizer.noiseless_steps`, which make epsilon infinite).
+
+    Raises:
+        PrivacyConfigurationError: steps were applied outside `fit` (with
+            `train_on_batch` or a loop calling `train_step`) and are in no
+            ledger, or were taken on data of unknown size without a stated N.
+
+    Example:
+    ```python
+    model = keras.models.load_model("run.keras")
+    tf_megadp.PrivacyAccountant(N, 1e-5, ledger=tf_megadp.model_ledger(model)).epsilon()
+    ```
     """
-    rows = int(keras.ops.convert_to_numpy(optimizer.privacy_ledger_rows))
-    table = keras.ops.convert_to_numpy(optimizer.privacy_ledger)
-    return PrivacyLedger.from_rows(table[:rows])
-
-
-def _write_ledger(optimizer: DPOptimizer, ledger: PrivacyLedger) -> None:
-    rows = ledger.to_rows()
-    capacity = optimizer.privacy_ledger.shape[0]
-    if len(rows) > capacity:
-        raise RuntimeError(
-            f"The privacy ledger needs {len(rows)} rows but the optimizer stores "
-            f"{capacity}: the sampling rate or noise multiplier changed too often. "
-            "Change them per phase of a BatchSizeSchedule instead of per step."
+    optimizer = _ledger_optimizer(model)
+    missing = optimizer.unrecorded_steps
+    if missing:
+        raise PrivacyConfigurationError(
+            f"{missing} of the {optimizer.logical_steps_applied} logical steps applied to "
+            "this model's weights are in no privacy ledger: they were taken outside "
+            "fit (train_on_batch, or a loop calling train_step), where the data and "
+            "its sampling are unknown, so any epsilon would leave them out. Train "
+            "only with fit; to report an honest epsilon, restore a checkpoint taken "
+            "before those steps."
         )
-    table = np.zeros(optimizer.privacy_ledger.shape, np.float64)
-    table[: len(rows)] = rows
-    optimizer.privacy_ledger.assign(table)
-    optimizer.privacy_ledger_rows.assign(len(rows))
+    unaccounted = _number(optimizer.unaccounted_steps)
+    if unaccounted:
+        raise PrivacyConfigurationError(
+            f"{unaccounted} logical steps of this model were taken on data whose "
+            "size was unknown (or outside fit, e.g. train_on_batch), so their "
+            "privacy cannot be accounted. Train with a PrivacyCallback from the "
+            "first step (with num_examples=N for data of unknown size)."
+        )
+    return read_ledger(optimizer)
 
 
-def _number(variable) -> int:
-    return int(variable.numpy())
+def _ledger_optimizer(model) -> DPOptimizer:
+    """The DPOptimizer whose ledger covers `model`'s weights (`model.optimizer` but after a recompile)."""
+    return _weights_owner(model.trainable_variables) or _dp_optimizer(model)
 
 
 def _dp_optimizer(model) -> DPOptimizer:
@@ -101,18 +129,6 @@ def _dp_optimizer(model) -> DPOptimizer:
             f"(and made private with tf_megadp.make_private); got {optimizer!r}."
         )
     return optimizer
-
-
-class _LedgerOwner:
-    """The optimizer whose ledger a model last spent, held where Keras saving does not look.
-
-    An attribute holding the optimizer itself would make `model.save` save
-    it a second time; a weak reference would die with a recompile, which is
-    exactly when the ledger must be carried over.
-    """
-
-    def __init__(self, optimizer: DPOptimizer):
-        self.optimizer = optimizer
 
 
 class LedgerKeeper(keras.callbacks.Callback):
@@ -134,6 +150,10 @@ class LedgerKeeper(keras.callbacks.Callback):
         stated_num_examples: N as the user stated it, if they did.
         require_poisson_sampling: refuse fixed-size batches.
         micro_batch_size: the micro-batch size of array inputs.
+        nothing_to_train: the fit was asked for no epoch (`initial_epoch >=
+            epochs`, as for a run that `keras.callbacks.BackupAndRestore`
+            restored at its end): an exhausted or empty sampler is then no
+            error.
     """
 
     def __init__(
@@ -143,9 +163,11 @@ class LedgerKeeper(keras.callbacks.Callback):
         *,
         require_poisson_sampling: bool = False,
         micro_batch_size: int | None = None,
+        nothing_to_train: bool = False,
     ):
         super().__init__()
         self.source = source
+        self.nothing_to_train = nothing_to_train
         self.stated_num_examples = stated_num_examples
         self.require_poisson_sampling = require_poisson_sampling
         self.micro_batch_size = micro_batch_size
@@ -194,10 +216,29 @@ class LedgerKeeper(keras.callbacks.Callback):
     # -- Keras hooks -------------------------------------------------------------
 
     def on_train_begin(self, logs=None):
+        self.begin()
+
+    def begin(self) -> None:
+        """Everything checked and prepared before the first private step of a run.
+
+        Builds the optimizer (which takes over the ledger of the weights it
+        trains, see `DPOptimizer.build`), checks that its ledger covers the
+        model's weights and is complete, discards a partial step left by an
+        earlier call, and checks the data against the optimizer. Each
+        failure raises before any step runs.
+        """
         optimizer = _dp_optimizer(self.model)
         if not optimizer.built:
             optimizer.build(self.model.trainable_variables)
-        self._carry_ledger_of_a_previous_optimizer(optimizer)
+        optimizer.check_ledger_covers(self.model.trainable_variables)
+        if optimizer._carried_from:
+            warnings.warn(
+                f"Compiled with a new DPOptimizer: the {optimizer._carried_from} logical "
+                "steps of the previous one stay in the privacy ledger.",
+                UserWarning,
+                stacklevel=3,
+            )
+        optimizer._carried_from = None
         discarded = optimizer.discard_partial_step()
         if discarded:
             warnings.warn(
@@ -206,7 +247,7 @@ class LedgerKeeper(keras.callbacks.Callback):
                 "fit calls (an example could enter its noisy sum twice). They were "
                 "never released and cost no privacy.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         if _number(optimizer.applied_rows):
             # Steps applied outside fit (train_on_batch, custom loops): their
@@ -235,7 +276,8 @@ class LedgerKeeper(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.drain()
         self._end_partial_step("a fit call")
-        if self.sampling == "poisson" and not self._batches and not self.model.stop_training:
+        if (self.sampling == "poisson" and not self._batches and not self.model.stop_training
+                and not self.nothing_to_train):
             raise PrivacyConfigurationError(
                 "fit consumed no micro-batch of the sampler's dataset. Under a "
                 "tf.distribute strategy Keras reads one batch to build an unbuilt model "
@@ -243,37 +285,8 @@ class LedgerKeeper(keras.callbacks.Callback):
                 "once). Build the model before fit (e.g. call it once on a batch of the "
                 "right shapes, or model.build(...)), then pass a fresh sampler's dataset."
             )
-        self.model._tf_megadp_ledger_owner = _LedgerOwner(_dp_optimizer(self.model))
 
     # -- Checks --------------------------------------------------------------------
-
-    def _carry_ledger_of_a_previous_optimizer(self, optimizer: DPOptimizer) -> None:
-        owner = getattr(self.model, "_tf_megadp_ledger_owner", None)
-        previous = owner.optimizer if owner is not None else None
-        if previous is None or previous is optimizer or not previous.built:
-            return
-        spent = read_ledger(previous)
-        carried = spent.total_steps + _number(previous.unaccounted_steps)
-        if not carried and not _number(previous.noiseless_steps):
-            return
-        if _number(optimizer.iterations) or read_ledger(optimizer).total_steps:
-            raise PrivacyConfigurationError(
-                "The model was trained privately with another DPOptimizer and is "
-                "now compiled with one that has its own history: their privacy "
-                "ledgers cannot both be right. Compile with a fresh DPOptimizer "
-                "(the spent privacy carries over) or restore the run with "
-                "tf_megadp.restore_training_state."
-            )
-        _write_ledger(optimizer, spent)
-        optimizer.carried_steps.assign(_number(previous.carried_steps) + _number(previous.iterations))
-        optimizer.unaccounted_steps.assign(_number(previous.unaccounted_steps))
-        optimizer.noiseless_steps.assign(_number(previous.noiseless_steps))
-        warnings.warn(
-            f"Compiled with a new DPOptimizer: the {carried} logical steps of the "
-            "previous one stay in the privacy ledger.",
-            UserWarning,
-            stacklevel=3,
-        )
 
     def _check_source(self, optimizer: DPOptimizer) -> None:
         source = self.source
@@ -287,6 +300,17 @@ class LedgerKeeper(keras.callbacks.Callback):
             )
         schedule = optimizer.schedule
         if source is not None and source.schedule is not None:
+            iterations = _number(optimizer.iterations)
+            if (schedule is not None and iterations >= schedule.total_steps
+                    and not self.nothing_to_train):
+                raise PrivacyConfigurationError(
+                    f"The optimizer's schedule is exhausted: all {schedule.total_steps} "
+                    "logical steps of it were applied, so no sampler of it has steps "
+                    "left to draw. To train further, extend the run: schedule = "
+                    "tf_megadp.extend_schedule(model, [(steps, batch_size)]), then fit "
+                    "a sampler built with schedule=schedule, "
+                    f"start_step={iterations}. The ledger continues."
+                )
             if schedule != source.schedule:
                 raise PrivacyConfigurationError(
                     f"The sampler draws steps of {source.schedule} but the optimizer "
@@ -294,12 +318,17 @@ class LedgerKeeper(keras.callbacks.Callback):
                     "accountant composes. Build the DPOptimizer with "
                     "schedule=sampler.schedule."
                 )
-            iterations = _number(optimizer.iterations)
             if source.start_step != iterations:
                 raise PrivacyConfigurationError(
                     f"The sampler starts at logical step {source.start_step} but the "
                     f"optimizer is at step {iterations}. Create the sampler with "
                     "start_step=int(optimizer.iterations)."
+                )
+            if source.end_step == source.start_step and not self.nothing_to_train:
+                raise PrivacyConfigurationError(
+                    f"The sampler's dataset is empty: it draws the logical steps "
+                    f"[{source.start_step}, {source.end_step}). Build the sampler with an "
+                    "end_step after its start_step (by default, the end of its schedule)."
                 )
         elif schedule is not None and self.num_examples is not None and (
                 schedule.num_examples != self.num_examples):
@@ -314,9 +343,7 @@ class LedgerKeeper(keras.callbacks.Callback):
                           UserWarning, stacklevel=3)
 
     def _check_consistent(self, optimizer: DPOptimizer) -> None:
-        recorded = (self.ledger.total_steps + _number(optimizer.unaccounted_steps)
-                    + _number(optimizer.noiseless_steps))
-        applied = _number(optimizer.carried_steps) + _number(optimizer.iterations)
+        recorded, applied = optimizer.logical_steps_recorded, optimizer.logical_steps_applied
         if recorded != applied:
             raise PrivacyConfigurationError(
                 f"The optimizer's privacy ledger records {recorded} logical steps but "
@@ -361,7 +388,7 @@ class LedgerKeeper(keras.callbacks.Callback):
             steps = int(row["steps"])
             self._record(optimizer, step, steps, row)
             step += steps
-        _write_ledger(optimizer, self.ledger)
+        write_ledger(optimizer, self.ledger)
         self._check_consistent(optimizer)
 
     def _record(self, optimizer: DPOptimizer, first_step: int, steps: int, row: dict) -> None:
@@ -528,12 +555,27 @@ class PrivacyCallback(keras.callbacks.Callback):
 
     @property
     def epsilon(self) -> float:
-        """Epsilon spent by the logical steps recorded so far (inf without noise)."""
+        """Epsilon spent by every noisy update of the model's weights (inf without noise).
+
+        Derived from the optimizer's own count of the steps it applied (see
+        `model_ledger`), so it includes the steps of earlier runs the
+        ledger carried over, and refuses (PrivacyConfigurationError, naming
+        the steps) when steps were taken outside `fit`.
+
+        Raises:
+            RuntimeError: the callback was not passed to a `fit` yet, so it
+                does not know N or the model.
+        """
         if self._keeper is None:
-            return 0.0
-        if _number(self._optimizer.noiseless_steps):
+            raise RuntimeError(
+                "PrivacyCallback.epsilon is known once the callback was passed to a "
+                "private fit (it measures N there). For a loaded model, use "
+                "tf_megadp.PrivacyAccountant(N, delta, ledger=tf_megadp.model_ledger(model))."
+            )
+        ledger = model_ledger(self.model)
+        if _number(_ledger_optimizer(self.model).noiseless_steps):
             return math.inf
-        return self._accountant.epsilon(self._keeper.ledger)
+        return self._accountant.epsilon(ledger)
 
     @property
     def ledger(self) -> PrivacyLedger:
@@ -567,10 +609,10 @@ class PrivacyCallback(keras.callbacks.Callback):
         whether the steps were Poisson draws, whether noise or sampling came
         from an explicit seed, and what the run releases outside epsilon.
         """
-        keeper, optimizer = self._keeper, self._optimizer
+        keeper, optimizer = self._keeper, _ledger_optimizer(self.model)
         accountant = PrivacyAccountant(
             self._accountant.num_examples, self.delta, accountant=self.accountant_name,
-            ledger=keeper.ledger)
+            ledger=model_ledger(self.model))
         report = accountant.report(self._settings())
         data = keeper.data_report()
         report["data"] = data
@@ -613,14 +655,7 @@ class PrivacyCallback(keras.callbacks.Callback):
                 "...) and the report will say N was stated, or feed arrays or a "
                 "tf_megadp sampler's dataset."
             )
-        unaccounted = _number(optimizer.unaccounted_steps)
-        if unaccounted:
-            raise PrivacyConfigurationError(
-                f"{unaccounted} logical steps of this model were taken on data whose "
-                "size was unknown (or outside fit, e.g. train_on_batch), so their "
-                "privacy cannot be accounted. Train with a PrivacyCallback from the "
-                "first step (with num_examples=N for data of unknown size)."
-            )
+        model_ledger(self.model)  # Refuses steps that no ledger can account for.
         if self.target_epsilon is not None and getattr(self.model, "steps_per_execution", 1) != 1:
             raise ValueError(
                 "PrivacyCallback(target_epsilon=...) must see every micro-batch to "
@@ -637,7 +672,8 @@ class PrivacyCallback(keras.callbacks.Callback):
         iterations = _number(optimizer.iterations)
         self._seen_iterations = iterations
         self._check_batch_size(keeper.next_entry(iterations))
-        if self.target_epsilon is not None and not self._next_step_fits(iterations):
+        if (self.target_epsilon is not None and not keeper.nothing_to_train
+                and not self._next_step_fits(iterations)):
             raise RuntimeError(
                 f"The privacy budget is spent: epsilon is {self.epsilon:.4g} after "
                 f"{keeper.ledger.total_steps} logical steps and one more step would "

@@ -17,16 +17,20 @@ inner optimizer, logical-step counter and privacy ledger) for models whose
 `compile` Keras can replay. keras-hub tasks such as `BertMaskedLM` override
 `compile`, so Keras skips it on load and the optimizer state is lost.
 `save_training_state` / `restore_training_state` keep that state in files of
-their own: the model weights, the optimizer's saved variables, and the
-optimizer's config, each written to a temporary file and renamed into place,
-with a small JSON index written last, so a crash never leaves a half-written
-checkpoint.
+their own: the model weights and the optimizer's saved variables, under names
+no earlier checkpoint used, each written to a temporary file and renamed into
+place, then a small JSON index that names them, with the optimizer's config,
+written last in the same way. Renaming the index is the one step that
+commits a checkpoint: a run killed at any moment (SIGKILL) leaves the
+previous checkpoint whole, never weights of one step with the ledger of
+another.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 from typing import Any
 
 import keras
@@ -34,24 +38,35 @@ import numpy as np
 
 from tf_megadp.files import atomic_write, write_json_atomically
 
-__all__ = ["save_training_state", "restore_training_state", "export_model"]
+__all__ = ["save_training_state", "restore_training_state", "has_training_state", "export_model"]
 
 _INDEX = "training_state.json"
-_WEIGHTS = "model.weights.h5"
-_OPTIMIZER = "optimizer_variables.npz"
+_WEIGHTS = "model-{tag}.weights.h5"
+_OPTIMIZER = "optimizer-{tag}.npz"
 
 
 def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any] | None = None) -> None:
-    """Writes model weights, optimizer variables and optimizer config atomically.
+    """Writes model weights, optimizer variables and optimizer config, committed atomically.
 
     Args:
         model: a compiled, built model.
-        directory: the checkpoint folder (created if missing).
+        directory: the checkpoint folder (created if missing). The files of
+            the checkpoint it held before are removed once this one is
+            committed.
         extra: JSON-serializable data stored in the index (e.g. run state).
+
+    Example:
+    ```python
+    tf_megadp.save_training_state(model, "run/checkpoint", extra={"epoch": 3})
+    ```
     """
     os.makedirs(directory, exist_ok=True)
     optimizer = model.optimizer
-    atomic_write(os.path.join(directory, _WEIGHTS), model.save_weights)
+    # A name no earlier checkpoint used: the committed files are never
+    # overwritten, so a kill mid-save leaves them whole.
+    tag = f"{int(keras.ops.convert_to_numpy(optimizer.iterations)):08d}-{secrets.token_hex(4)}"
+    files = {"weights": _WEIGHTS.format(tag=tag), "optimizer_variables": _OPTIMIZER.format(tag=tag)}
+    atomic_write(os.path.join(directory, files["weights"]), type(model).save_weights.__get__(model))
     # The optimizer's own choice of what is saved: a DPOptimizer leaves out
     # its noise key and mid-step accumulators.
     store: dict[str, Any] = {}
@@ -62,13 +77,21 @@ def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any
         with open(path, "wb") as handle:
             np.savez(handle, **values)
 
-    atomic_write(os.path.join(directory, _OPTIMIZER), write_variables)
+    atomic_write(os.path.join(directory, files["optimizer_variables"]), write_variables)
     index = {
         "optimizer": keras.saving.serialize_keras_object(optimizer),
         "variable_paths": [v.path for v in optimizer.variables],
+        "files": files,
         "extra": extra or {},
     }
     write_json_atomically(os.path.join(directory, _INDEX), index, default=str)
+    # Files of earlier checkpoints, and temporary files a killed save left.
+    for name in os.listdir(directory):
+        base = name.split("-", 2)[-1] if name.startswith(".tmp-") else name
+        ours = ((base.startswith("model-") and base.endswith(".weights.h5"))
+                or (base.startswith("optimizer-") and base.endswith(".npz")))
+        if ours and name not in files.values():
+            os.remove(os.path.join(directory, name))
 
 
 def restore_training_state(model: keras.Model, directory: str, compile_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -94,13 +117,14 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
         raise FileNotFoundError(f"No checkpoint ({_INDEX}) in {directory}.")
     with open(index_path, encoding="utf-8") as handle:
         index = json.load(handle)
+    files = index["files"]
     optimizer = keras.saving.deserialize_keras_object(index["optimizer"])
     model.compile(optimizer=optimizer, **compile_kwargs)
     # Built before the weights are loaded, so that a private model's guard
     # (and Keras) see an optimizer that can take the saved state.
     optimizer.build(model.trainable_variables)
-    model.load_weights(os.path.join(directory, _WEIGHTS))
-    with np.load(os.path.join(directory, _OPTIMIZER)) as saved:
+    model.load_weights(os.path.join(directory, files["weights"]))
+    with np.load(os.path.join(directory, files["optimizer_variables"])) as saved:
         values = [saved[f"v{i:05d}"] for i in range(len(saved.files))]
     expected: dict[str, Any] = {}
     optimizer.save_own_variables(expected)
@@ -117,6 +141,11 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
             )
     optimizer.load_own_variables({str(i): value for i, value in enumerate(values)})
     return index["extra"]
+
+
+def has_training_state(directory: str) -> bool:
+    """Whether `directory` holds a committed `save_training_state` checkpoint."""
+    return os.path.exists(os.path.join(directory, _INDEX))
 
 
 def export_model(model: keras.Model, path: str | os.PathLike) -> None:

@@ -9,6 +9,7 @@ the privacy ledger that travels with every checkpoint.
 What is saved and what is not is a privacy decision, not a convenience:
 
 * saved (`model.save`, `save_weights`, `ModelCheckpoint`,
+  `keras.callbacks.BackupAndRestore` in a private `fit`,
   `tf_megadp.save_training_state`): the inner optimizer's state, the
   logical-step counter, the privacy ledger and the record of the steps the
   compiled step applied;
@@ -18,6 +19,13 @@ What is saved and what is not is a privacy decision, not a convenience:
   A restored optimizer therefore resumes at a logical-step boundary with a
   fresh key; the discarded partial step was never released, so it cost no
   privacy, and fresh noise is as private as the old.
+
+Privacy spent is a property of the trained weights, not of one optimizer
+object: a `DPOptimizer` marks the model variables it trains (or whose
+saved state it loads) as covered by its ledger, and a new `DPOptimizer`
+built for variables that carry another one's ledger continues that ledger
+(see `DPOptimizer.build`), whatever the order of `load_model`, `compile`,
+`make_private` and `load_weights` that led there.
 """
 
 from __future__ import annotations
@@ -31,16 +39,17 @@ import dataclasses
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
-from tf_megadp.accounting import LEDGER_COLUMNS
+from tf_megadp.accounting import LEDGER_COLUMNS, PrivacyLedger
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
-__all__ = ["DPOptimizer", "LEDGER_CAPACITY", "APPLIED_STEP_COLUMNS"]
+__all__ = ["DPOptimizer", "LEDGER_CAPACITY", "APPLIED_STEP_COLUMNS", "read_ledger"]
 
 # Rows of phases the ledger variable can hold; consecutive identical steps share a row.
 LEDGER_CAPACITY = 256
@@ -63,6 +72,10 @@ _FROZEN_SETTINGS = frozenset({
 _PER_EXAMPLE_SCALINGS = frozenset({"clip", "automatic"})
 # Only the private train step may hand clipped sums to the optimizer.
 _PRIVATE_STEP = object()
+# The attribute of a model variable that names the DPOptimizer whose ledger
+# covers its current value (a plain holder, which neither Keras saving nor
+# tf.train.Checkpoint follows).
+_LEDGER_OWNER = "_tf_megadp_ledger_owner"
 
 
 def accumulation_dtype(variable_dtype) -> str:
@@ -150,6 +163,94 @@ def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
             "clip_and_sum does not. Add the argument (pass it to "
             "tf_megadp.clipping.base.clip_factors), or use per_example_scaling='clip'."
         )
+
+
+class _LedgerOwner:
+    """The optimizer whose ledger covers a variable's value (see `_LEDGER_OWNER`)."""
+
+    def __init__(self, optimizer: "DPOptimizer"):
+        self.optimizer = optimizer
+
+
+def _weights_owner(variables) -> "DPOptimizer | None":
+    """The DPOptimizer whose ledger covers `variables` (None if none does).
+
+    Raises:
+        PrivacyConfigurationError: two optimizers with their own histories
+            each cover part of the variables, so no single ledger covers
+            the model.
+    """
+    owners = []
+    for variable in variables:
+        holder = getattr(variable, _LEDGER_OWNER, None)
+        if holder is not None and all(holder.optimizer is not o for o in owners):
+            owners.append(holder.optimizer)
+    if len(owners) > 1:
+        raise PrivacyConfigurationError(
+            f"The model's variables were trained by {len(owners)} DPOptimizers, each with "
+            "its own privacy ledger, so no one ledger covers the model. Train the whole "
+            "model with one DPOptimizer (restore it from one training checkpoint)."
+        )
+    return owners[0] if owners else None
+
+
+def read_ledger(optimizer: "DPOptimizer") -> PrivacyLedger:
+    """The `PrivacyLedger` stored in a `DPOptimizer`.
+
+    An optimizer that is not built yet has recorded nothing and returns an
+    empty ledger; when it is built for weights that another `DPOptimizer`
+    trained (a loaded model compiled again), it takes that ledger over.
+
+    Args:
+        optimizer: the `DPOptimizer` (e.g. `model.optimizer` after
+            `keras.models.load_model`).
+
+    Returns:
+        The ledger of the logical steps recorded so far.
+
+    Raises:
+        TypeError: `optimizer` is not a `DPOptimizer`.
+
+    Example:
+    ```python
+    model = keras.models.load_model("run.keras")
+    tf_megadp.read_ledger(model.optimizer).total_steps
+    ```
+    """
+    if not isinstance(optimizer, DPOptimizer):
+        raise TypeError(
+            f"read_ledger reads a tf_megadp.DPOptimizer's ledger; got {optimizer!r}, "
+            "which keeps none."
+        )
+    if not optimizer.built:
+        return PrivacyLedger()
+    rows = int(keras.ops.convert_to_numpy(optimizer.privacy_ledger_rows))
+    table = keras.ops.convert_to_numpy(optimizer.privacy_ledger)
+    return PrivacyLedger.from_rows(table[:rows])
+
+
+def write_ledger(optimizer: "DPOptimizer", ledger: PrivacyLedger) -> None:
+    """Stores `ledger` in a built `DPOptimizer`'s `privacy_ledger` variable.
+
+    Raises:
+        RuntimeError: the ledger has more rows than the variable holds.
+    """
+    rows = ledger.to_rows()
+    capacity = optimizer.privacy_ledger.shape[0]
+    if len(rows) > capacity:
+        raise RuntimeError(
+            f"The privacy ledger needs {len(rows)} rows but the optimizer stores "
+            f"{capacity}: the sampling rate or noise multiplier changed too often. "
+            "Change them per phase of a BatchSizeSchedule instead of per step."
+        )
+    table = np.zeros(optimizer.privacy_ledger.shape, np.float64)
+    table[: len(rows)] = rows
+    optimizer.privacy_ledger.assign(table)
+    optimizer.privacy_ledger_rows.assign(len(rows))
+
+
+def _number(variable) -> int:
+    return int(keras.ops.convert_to_numpy(variable))
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
@@ -305,6 +406,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         else:
             self.clipping_strategy = get_clipping_strategy(clipping)
             self.clipping = clipping
+        # The number of steps taken over from another optimizer when built,
+        # until the private fit has warned about it (see `_continue_ledger_of`).
+        self._carried_from: int | None = None
         self._settings_frozen = True
         if self.noise_multiplier == 0 or any(
             p.noise_multiplier == 0 for p in (schedule.phases if schedule else ())
@@ -325,6 +429,26 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "compile the model again (the privacy ledger carries over)."
             )
         super().__setattr__(name, value)
+
+    def _extend_schedule(self, phases, truncation_probability: float) -> BatchSizeSchedule:
+        """Continues the schedule with more phases (see `tf_megadp.extend_schedule`).
+
+        The steps already taken keep their phases; the model's compiled step
+        must be traced again afterwards, since it holds the phases as
+        constants.
+        """
+        if self.schedule is None:
+            raise PrivacyConfigurationError(
+                "This DPOptimizer has no schedule, so its run has no end to extend: "
+                "call fit again for more steps. For another batch size, compile with "
+                "a new DPOptimizer that wraps the same inner optimizer "
+                "(model.optimizer.inner_optimizer): the ledger and the inner "
+                "optimizer's state carry over."
+            )
+        schedule = self.schedule.extended(phases, truncation_probability=truncation_probability)
+        # Bypasses the freeze: the caller retraces the step that uses it.
+        super().__setattr__("schedule", schedule)
+        return schedule
 
     @property
     def automatic_stability(self) -> float | None:
@@ -383,8 +507,116 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.applied_rows = self.add_variable(
             shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows"
         )
-        self.inner_optimizer.build(var_list)
+        if not self.inner_optimizer.built:
+            self.inner_optimizer.build(var_list)
+        elif [id(v) for v in self.inner_optimizer._trainable_variables] != [id(v) for v in var_list]:
+            raise ValueError(
+                "The inner optimizer was built for other variables than this model's "
+                "trainable variables. Wrap a fresh inner optimizer, or the inner "
+                "optimizer of the DPOptimizer that trained this model."
+            )
         super().build(var_list)
+        # Built eagerly also when the first private step builds it in its trace.
+        with tf.init_scope():
+            self._continue_ledger_of(var_list)
+
+    # -- The ledger of the weights ---------------------------------------------
+
+    @property
+    def logical_steps_applied(self) -> int:
+        """Noisy updates these weights received: this optimizer's and those it took over."""
+        if not self.built:
+            return 0
+        return _number(self.carried_steps) + _number(self.iterations)
+
+    @property
+    def logical_steps_recorded(self) -> int:
+        """Logical steps in the ledger, plus those recorded as unaccounted or noiseless."""
+        if not self.built:
+            return 0
+        return (read_ledger(self).total_steps + _number(self.unaccounted_steps)
+                + _number(self.noiseless_steps))
+
+    @property
+    def unrecorded_steps(self) -> int:
+        """Applied logical steps that no ledger entry records (taken outside `fit`).
+
+        The private `fit` records every step it applies after each batch;
+        steps applied by `train_on_batch` or a custom loop that calls
+        `train_step` stay unrecorded, and epsilon cannot be reported while
+        there are any.
+        """
+        return self.logical_steps_applied - self.logical_steps_recorded
+
+    def _has_history(self) -> bool:
+        return self.built and (self.logical_steps_applied > 0 or self.logical_steps_recorded > 0)
+
+    def _claim(self, variables) -> None:
+        """Marks `variables` as covered by this optimizer's ledger."""
+        holder = _LedgerOwner(self)
+        for variable in variables:
+            setattr(variable, _LEDGER_OWNER, holder)
+
+    def _continue_ledger_of(self, variables) -> None:
+        """Takes over the ledger of the DPOptimizer whose ledger covers `variables`.
+
+        The new optimizer continues exactly where the previous one stopped:
+        its ledger, the steps it could not account and those without noise,
+        and the count of steps applied (`carried_steps` plus this
+        optimizer's `iterations`). Wrapping the previous optimizer's inner
+        optimizer continues its state (moments, iterations) as well.
+        """
+        previous = _weights_owner(variables)
+        self._carried_from = None
+        if previous is not None and previous is not self and previous._has_history():
+            if previous.inner_optimizer is self.inner_optimizer:
+                carried = _number(previous.carried_steps)  # Its iterations continue.
+            elif _number(self.iterations) == 0:
+                carried = previous.logical_steps_applied
+            else:
+                raise PrivacyConfigurationError(
+                    f"The inner optimizer has already taken {_number(self.iterations)} "
+                    "steps that no privacy ledger recorded, and this model's weights "
+                    "carry the ledger of another DPOptimizer. Wrap a fresh inner "
+                    "optimizer, or the inner optimizer of the DPOptimizer that trained "
+                    "the model (model.optimizer.inner_optimizer) to continue its state."
+                )
+            write_ledger(self, read_ledger(previous))
+            self.carried_steps.assign(carried)
+            # Steps the previous optimizer applied outside fit were never
+            # recorded: they stay in the count of unaccounted steps.
+            self.unaccounted_steps.assign(
+                _number(previous.unaccounted_steps) + max(0, previous.unrecorded_steps))
+            self.noiseless_steps.assign(_number(previous.noiseless_steps))
+            self._carried_from = previous.logical_steps_applied
+        self._claim(variables)
+
+    def check_ledger_covers(self, variables) -> None:
+        """Checks, before a private step, that this optimizer's ledger covers `variables`.
+
+        Args:
+            variables: the model's trainable variables.
+
+        Raises:
+            PrivacyConfigurationError: another DPOptimizer trained them
+                after this one (for example the model was compiled with a
+                new DPOptimizer, trained, and compiled again with this one),
+                so this ledger misses its steps.
+        """
+        owner = _weights_owner(variables)
+        if owner is not None and owner is not self and owner._has_history() and (
+            owner.logical_steps_applied != self.logical_steps_applied
+            or read_ledger(owner) != read_ledger(self)
+        ):
+            raise PrivacyConfigurationError(
+                f"This model's weights were trained further by another DPOptimizer "
+                f"({owner.logical_steps_applied} logical steps in all, this optimizer "
+                f"records {self.logical_steps_applied}): its ledger misses those steps. "
+                "Compile with a fresh DPOptimizer (it takes the ledger of the weights "
+                "over), or restore the run with keras.models.load_model or "
+                "tf_megadp.restore_training_state."
+            )
+        self._claim(variables)
 
     def _in_memory_variable(self, name, shape, dtype, initializer="zeros"):
         """An optimizer variable that `variables`, saving and checkpoints never see."""
@@ -449,21 +681,27 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return discarded
 
     def load_own_variables(self, store):
-        if len(store.keys()) and len(store.keys()) != len(self.variables):
+        saved = len(store.keys())
+        if saved and saved != len(self.variables):
             # Keras would skip them with a warning: the ledger of the steps
             # already taken would be lost and epsilon under-reported.
             raise PrivacyConfigurationError(
-                f"The saved DPOptimizer has {len(store.keys())} variables, with the "
-                "privacy ledger of the steps already taken, but this one has "
+                f"The saved DPOptimizer has {saved} variables, with the privacy "
+                "ledger of the steps already taken, but this one has "
                 f"{len(self.variables)}{' (it is not built)' if not self.built else ''}. "
-                "Loading would drop that ledger. Compile with the same DPOptimizer "
-                "settings, call model.optimizer.build(model.trainable_variables), then "
-                "load the weights; or resume with tf_megadp.restore_training_state."
+                "Loading would drop that ledger. Call tf_megadp.make_private(model) "
+                "before load_weights (it builds the optimizer first), or "
+                "model.optimizer.build(model.trainable_variables); compile with the "
+                "same DPOptimizer settings; or resume with "
+                "tf_megadp.restore_training_state."
             )
         super().load_own_variables(store)
-        if self.built:
-            # A restored optimizer resumes at a logical-step boundary.
+        if self.built and saved:
+            # A restored optimizer resumes at a logical-step boundary, and its
+            # ledger is the one of the weights loaded with it.
             self.discard_partial_step()
+            self._carried_from = None
+            self._claim(self._trainable_variables)
 
     @property
     def iterations(self):

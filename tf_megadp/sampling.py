@@ -920,6 +920,7 @@ class _Sampler(abc.ABC):
             schedule=self.schedule,
             start_step=self.start_step,
             seeded=self.seeded,
+            end_step=self.end_step,
         )
 
     # -- Micro-batches -----------------------------------------------------------
@@ -1054,7 +1055,32 @@ class _Sampler(abc.ABC):
             else:
                 dataset = dataset.map(function)
         dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
-        return attach_source(dataset, self.source)
+
+        def resume(step: int):
+            return self._continued_at(step).as_dataset(
+                map_fn, parallel_map=parallel_map, prefetch=prefetch)
+
+        return attach_source(dataset, self.source, resume=resume)
+
+    def _continued_at(self, step: int) -> Self:
+        """This sampler from logical step `step` on: same data, schedule, end and randomness.
+
+        Used when a preemption backup restores the run at `step`
+        (`tf_megadp.sources.resumed_at`). The steps from `step` on were
+        never applied to the restored weights, so drawing them (again) is
+        what an uninterrupted run would have done.
+        """
+        if not self.start_step <= step <= self.end_step:
+            raise PrivacyConfigurationError(
+                f"The run is at logical step {step}, outside this sampler's steps "
+                f"[{self.start_step}, {self.end_step}]: it cannot continue it. Build the "
+                "sampler the run was started with."
+            )
+        continued = object.__new__(type(self))
+        continued.__dict__.update(self.__dict__)
+        continued.start_step = step
+        continued._consumed = False
+        return continued
 
 
 class PoissonSampler(_Sampler):

@@ -185,6 +185,44 @@ class BatchSizeSchedule:
             truncation_probability=truncation_probability,
         )
 
+    def extended(
+        self,
+        phases: Iterable[Phase | tuple[int, int]],
+        *,
+        truncation_probability: float = 1e-9,
+    ) -> "BatchSizeSchedule":
+        """This schedule followed by more phases, for the same N, micro-batch size and replicas.
+
+        Args:
+            phases: `Phase` objects, or (steps, expected batch size) pairs,
+                whose accumulation steps are sized as `for_poisson` sizes them.
+            truncation_probability: as in `for_poisson`, for the pairs.
+
+        Returns:
+            A `BatchSizeSchedule` whose first phases are this one's.
+
+        Example:
+        ```python
+        longer = schedule.extended([(200, 4096)])
+        longer.total_steps == schedule.total_steps + 200     # True
+        ```
+        """
+        added = []
+        for phase in phases:
+            if not isinstance(phase, Phase):
+                phase = BatchSizeSchedule.for_poisson(
+                    [phase], num_examples=self.num_examples,
+                    micro_batch_size=self.micro_batch_size, num_replicas=self.num_replicas,
+                    truncation_probability=truncation_probability,
+                ).phases[0]
+            added.append(phase)
+        if not added:
+            raise ValueError("extended needs at least one phase to add.")
+        return BatchSizeSchedule(
+            self._phases + tuple(added), num_examples=self.num_examples,
+            micro_batch_size=self.micro_batch_size, num_replicas=self.num_replicas,
+        )
+
     @property
     def phases(self) -> tuple[Phase, ...]:
         return self._phases

@@ -32,11 +32,15 @@ from typing import Any
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
-__all__ = ["DataSource", "attach_source", "mark_distributed", "source_of", "FIXED_SIZE_SAMPLING"]
+__all__ = [
+    "DataSource", "attach_source", "mark_distributed", "resumed_at", "source_of",
+    "FIXED_SIZE_SAMPLING",
+]
 
 # The accountant's code for batches that no tf_megadp sampler drew.
 FIXED_SIZE_SAMPLING = "shuffle"
 _ATTRIBUTE = "_tf_megadp_source"
+_RESUME_ATTRIBUTE = "_tf_megadp_resume"
 _MARKER_PREFIX = "tf_megadp_sampler_"
 
 
@@ -56,6 +60,7 @@ class DataSource:
         start_step: the first logical step the sampler draws.
         seeded: the sampling randomness came from an explicit seed, so
             anyone who can guess it can recompute every batch.
+        end_step: the logical step the sampler stops before (None: unknown).
     """
 
     sampling: str
@@ -65,6 +70,7 @@ class DataSource:
     schedule: BatchSizeSchedule | None = None
     start_step: int = 0
     seeded: bool = False
+    end_step: int | None = None
 
     def __post_init__(self):
         if self.sampling not in ("poisson", FIXED_SIZE_SAMPLING):
@@ -90,7 +96,7 @@ class DataSource:
         }
 
 
-def attach_source(dataset, source: DataSource):
+def attach_source(dataset, source: DataSource, resume=None):
     """Marks `dataset` as drawn by a tf_megadp sampler described by `source`.
 
     Returns a dataset that yields the same elements, carries `source`, and
@@ -100,6 +106,8 @@ def attach_source(dataset, source: DataSource):
     Args:
         dataset: the sampler's `tf.data.Dataset`.
         source: its `DataSource`.
+        resume: optional `step -> dataset`: the same sampler's dataset from
+            logical step `step` on (see `resumed_at`).
 
     Returns:
         The marked `tf.data.Dataset`; pass it to `fit` as it is.
@@ -108,7 +116,46 @@ def attach_source(dataset, source: DataSource):
         raise TypeError(f"source must be a DataSource, got {source!r}.")
     marked = dataset.take(-1, name=_MARKER_PREFIX + secrets.token_hex(4))
     setattr(marked, _ATTRIBUTE, source)
+    if resume is not None:
+        setattr(marked, _RESUME_ATTRIBUTE, resume)
     return marked
+
+
+def resumed_at(data, step: int):
+    """The sampler's dataset `data` continued from logical step `step`.
+
+    A run restored from a preemption backup (`keras.callbacks.BackupAndRestore`
+    in a private `fit`) passes the dataset the restarted script built, which
+    starts where the run first started; its sampler must draw from the
+    restored step on, each logical step whole.
+
+    Args:
+        data: a dataset a tf_megadp sampler returned.
+        step: the restored logical step, at least the dataset's start step.
+
+    Returns:
+        A dataset of the same sampler, with the same randomness and
+        `map_fn`, that draws logical steps `step`, `step + 1`, ... up to its
+        end step.
+
+    Raises:
+        PrivacyConfigurationError: `data` cannot be resumed (it was not
+            returned by a tf_megadp sampler, or `step` is before its start).
+    """
+    source = getattr(data, _ATTRIBUTE, None)
+    resume = getattr(data, _RESUME_ATTRIBUTE, None)
+    if source is None or resume is None:
+        raise PrivacyConfigurationError(
+            "A backup restored this run at logical step "
+            f"{step}, but its data cannot continue from there: only a tf_megadp "
+            "sampler's dataset knows its steps. Feed sampler.as_dataset()."
+        )
+    if step < source.start_step:
+        raise PrivacyConfigurationError(
+            f"The restored run is at logical step {step}, before the sampler's first "
+            f"step {source.start_step}. Build the sampler with start_step <= {step}."
+        )
+    return resume(step)
 
 
 def mark_distributed(distributed, source: DataSource):

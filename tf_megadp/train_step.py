@@ -10,18 +10,22 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
+import warnings
 
 import keras
 import tensorflow as tf
 
-from tf_megadp import distribute, sources
+from tf_megadp import distribute, preemption, sources
 from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.files import atomic_write
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
+from tf_megadp.schedules import BatchSizeSchedule
 
-__all__ = ["make_private", "make_private_with_epsilon", "is_private"]
+__all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]
 
 # Layers whose training-mode output for one example depends on the others.
 _EXAMPLE_MIXING_LAYERS = (keras.layers.BatchNormalization,)
@@ -54,7 +58,16 @@ def make_private(
     step used. A logical step never spans two `fit` calls nor, for data that
     no sampler drew, two epochs: a partial logical step there is discarded
     (it was never released, so it costs no privacy). Compiling again with a
-    new `DPOptimizer` carries the spent privacy over to it.
+    new `DPOptimizer` carries the spent privacy over to it, also after
+    `keras.models.load_model` (see docs/lifecycle.md).
+
+    A `keras.callbacks.BackupAndRestore` passed to the private `fit` is
+    restored before the run starts and written atomically at logical-step
+    boundaries (`tf_megadp.preemption`): a run killed at any moment and
+    started again with the same script continues its ledger and its
+    sampler's steps. The model's `save` and `save_weights` write
+    atomically, and its `load_weights` builds the `DPOptimizer` first, so
+    that the ledger in the file is loaded with the weights.
 
     The same object is returned, so `model = make_private(model)` and
     `make_private(model)` are equivalent. Saved models do not remember the
@@ -102,6 +115,7 @@ def make_private(
         model.fit = _private_fit(model, type(model).fit.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
+        model.save_weights = _atomic_save(type(model).save_weights.__get__(model))
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     setattr(model, _PRIVATE_FLAG, True)
     return model
@@ -199,11 +213,16 @@ def _private_fit(model: keras.Model, original_fit):
         source = _fit_source(arguments)
         if source is not None and isinstance(arguments.get("x"), tf.data.Dataset):
             distribute.build_without_reading(model, arguments["x"].element_spec)
+        data = arguments.get("x")
+        callbacks, ran_out = _restore_backup(model, arguments, callbacks, source)
+        if arguments.get("x") is not data:  # A sampler's dataset, continued.
+            source = _fit_source(arguments)
         keeper = LedgerKeeper(
             source=source,
             stated_num_examples=privacy[0].num_examples if privacy else None,
             require_poisson_sampling=model._tf_megadp_require_poisson,
             micro_batch_size=_array_micro_batch_size(arguments),
+            nothing_to_train=arguments.get("initial_epoch", 0) >= arguments.get("epochs", 1),
         )
         # First, so that every other callback sees the ledger it kept. The
         # mixing guard raises when a step compiled whole with XLA (whose
@@ -211,7 +230,11 @@ def _private_fit(model: keras.Model, original_fit):
         # examples.
         arguments["callbacks"] = [keeper, independence.RefuseMixingCallback()] + callbacks
         try:
-            return original_fit(**arguments)
+            with warnings.catch_warnings():
+                if ran_out:
+                    # Expected: see _restore_backup.
+                    warnings.filterwarnings("ignore", message="Your input ran out of data")
+                return original_fit(**arguments)
         except tf.errors.InvalidArgumentError as error:
             # The clipping strategy's in-graph independence assertion.
             strategy = getattr(model.optimizer, "clipping_strategy", None)
@@ -222,6 +245,47 @@ def _private_fit(model: keras.Model, original_fit):
             raise converted from None
 
     return fit
+
+
+def _restore_backup(model, arguments, callbacks, source):
+    """Restores a `keras.callbacks.BackupAndRestore` backup before `fit` starts.
+
+    The user's `BackupAndRestore` is replaced by a `preemption.PrivateBackup`
+    with its settings. When a backup exists it is loaded now, and `fit`'s
+    arguments continue the run from it: a sampler's dataset from the
+    restored logical step (and the epoch holding it), other data from the
+    epoch the backup was taken in.
+
+    Returns:
+        (callbacks, ran_out): the callbacks to use, and whether Keras will find
+        the sampler's dataset shorter than its last epoch (a restored step
+        inside an epoch shifts the epochs by the micro-batches before it).
+        A backup that holds every step of the sampler sets `initial_epoch`
+        to `epochs`: the fit trains nothing.
+    """
+    backups = [c for c in callbacks if isinstance(c, keras.callbacks.BackupAndRestore)]
+    if not backups:
+        return callbacks, False
+    if len(backups) > 1:
+        raise ValueError("Pass at most one keras.callbacks.BackupAndRestore to fit.")
+    backup = preemption.PrivateBackup(backups[0])
+    callbacks = [backup if c is backups[0] else c for c in callbacks]
+    position = backup.restore(model)
+    if position is None:
+        return callbacks, False
+    if source is None or source.schedule is None:
+        arguments["initial_epoch"] = position["epoch"]
+        return callbacks, False
+    step = position["logical_step"]
+    arguments["x"] = sources.resumed_at(arguments["x"], step)
+    consumed = sum(source.schedule.phase_at(t).accumulation_steps
+                   for t in range(source.start_step, step))
+    steps_per_epoch = arguments.get("steps_per_epoch")
+    if source.end_step is not None and step >= source.end_step:
+        arguments["initial_epoch"] = arguments.get("epochs", 1)
+    elif steps_per_epoch:
+        arguments["initial_epoch"] = consumed // steps_per_epoch
+    return callbacks, bool(steps_per_epoch and consumed % steps_per_epoch)
 
 
 def _saved_dp_optimizer_variables(path) -> int:
@@ -255,22 +319,47 @@ def _ledger_preserving_load(model: keras.Model, original_load):
     def load_weights(filepath, *args, **kwargs):
         saved = _saved_dp_optimizer_variables(filepath)
         optimizer = getattr(model, "optimizer", None)
+        if saved and isinstance(optimizer, DPOptimizer) and not optimizer.built and model.built:
+            # Keras skips the state of an unbuilt optimizer: build it, so
+            # that the ledger in the file is loaded with the weights.
+            optimizer.build(model.trainable_variables)
         if saved and not (isinstance(optimizer, DPOptimizer) and optimizer.built
                           and len(optimizer.variables) == saved):
             raise PrivacyConfigurationError(
                 f"{filepath} holds a DPOptimizer's state, with the privacy ledger of "
-                "the steps already taken. Loading it into a model whose DPOptimizer is "
-                "not built would drop that ledger and under-report epsilon. Compile "
-                "with the DPOptimizer, call model.optimizer.build("
-                "model.trainable_variables), then load_weights; or resume with "
-                "tf_megadp.restore_training_state."
+                "the steps already taken, but this model is not compiled with a "
+                "DPOptimizer of the same settings: Keras would load the weights and "
+                "drop that ledger, and epsilon would be under-reported. Compile with "
+                "the DPOptimizer first, then load_weights; or load the run with "
+                "keras.models.load_model or tf_megadp.restore_training_state."
             )
         return original_load(filepath, *args, **kwargs)
 
     return load_weights
 
 
+def _atomic_save(original_save):
+    """`save` / `save_weights` through a temporary file renamed into place.
+
+    A run killed while `ModelCheckpoint` (or the user) writes a checkpoint
+    keeps the previous file whole instead of a truncated one.
+    """
+
+    @functools.wraps(original_save)
+    def save(filepath, *args, **kwargs):
+        path = os.fspath(filepath)
+        if "://" in path or kwargs.get("overwrite", True) is False:
+            # Remote files have no atomic rename; overwrite=False asks first.
+            return original_save(filepath, *args, **kwargs)
+        kwargs["overwrite"] = True
+        atomic_write(path, lambda temporary: original_save(temporary, *args, **kwargs))
+
+    return save
+
+
 def _ledger_preserving_save(model: keras.Model, original_save):
+    atomic_save = _atomic_save(original_save)
+
     @functools.wraps(original_save)
     def save(filepath, *args, **kwargs):
         # Keras replays only its own compile on load (keras-hub tasks override it).
@@ -282,7 +371,7 @@ def _ledger_preserving_save(model: keras.Model, original_save):
                 "load. Use tf_megadp.save_training_state(model, directory) to resume a "
                 "run and tf_megadp.export_model(model, path) to publish the model."
             )
-        return original_save(filepath, *args, **kwargs)
+        return atomic_save(filepath, *args, **kwargs)
 
     return save
 
@@ -296,6 +385,56 @@ def _is_array_input(x) -> bool:
         and not isinstance(leaf, tf.data.Dataset)
         for leaf in leaves
     )
+
+
+def extend_schedule(
+    model: keras.Model,
+    phases,
+    *,
+    truncation_probability: float = 1e-9,
+) -> BatchSizeSchedule:
+    """Extends a private run with more phases: the one call to train further after its schedule.
+
+    The model's `DPOptimizer` continues as it is (ledger, inner optimizer's
+    moments and step count, settings); only its schedule gains phases
+    after the ones already trained, and the compiled step is traced again.
+    Train the new steps with a sampler of the returned schedule that starts
+    where the run stopped; the privacy report then composes every step.
+
+    Args:
+        model: the private model, compiled with a `DPOptimizer` that follows
+            a schedule (a run with a fixed `accumulation_steps` has no end:
+            call `fit` again).
+        phases: the phases to add, each a `tf_megadp.Phase` or a
+            (steps, expected batch size) pair sized like
+            `BatchSizeSchedule.for_poisson`.
+        truncation_probability: as in `BatchSizeSchedule.for_poisson`.
+
+    Returns:
+        The extended schedule (the old phases, then the new ones).
+
+    Raises:
+        PrivacyConfigurationError: the model is not compiled with a
+            `DPOptimizer` that follows a schedule.
+
+    Example:
+    ```python
+    schedule = tf_megadp.extend_schedule(model, [(50, 512)])
+    sampler = tf_megadp.PoissonSampler.from_arrays(
+        x, y, schedule=schedule, start_step=int(model.optimizer.iterations))
+    model.fit(sampler.as_dataset(), callbacks=[tf_megadp.PrivacyCallback(1e-5)])
+    ```
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, DPOptimizer):
+        raise PrivacyConfigurationError(
+            f"extend_schedule extends a private run; the model is compiled with "
+            f"{optimizer!r}, not a tf_megadp.DPOptimizer."
+        )
+    schedule = optimizer._extend_schedule(list(phases), truncation_probability)
+    # The compiled step holds the phases as constants: trace it again.
+    model.train_function = None
+    return schedule
 
 
 def _fit_source(arguments) -> sources.DataSource | None:

@@ -576,7 +576,11 @@ def run_pretraining(config: PretrainConfig, *, log=print,
 
     output_dir = config.output_dir or os.path.join(
         "runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
-    has_checkpoint = os.path.exists(os.path.join(output_dir, CHECKPOINT_NAME))
+    from tf_megadp.checkpointing import has_training_state
+
+    # A checkpoint counts once committed: a run killed before its first one
+    # (or while writing it) starts again.
+    has_checkpoint = has_training_state(os.path.join(output_dir, CHECKPOINT_NAME))
     if config.resume and not has_checkpoint:
         raise PretrainError(f"--resume: no {CHECKPOINT_NAME} in {output_dir}.")
     if not config.resume and has_checkpoint:
@@ -636,7 +640,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
         return _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
                       strategy, output_dir, started, log, testing)
     except BaseException:
-        if created and not os.path.exists(os.path.join(output_dir, CHECKPOINT_NAME)):
+        if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
             shutil.rmtree(output_dir, ignore_errors=True)
         raise
 
@@ -644,10 +648,11 @@ def run_pretraining(config: PretrainConfig, *, log=print,
 class _Checkpointer:
     """Saves model and optimizer (so the privacy ledger) atomically at logical-step ends."""
 
-    def __init__(self, output_dir: str, history: list, config: PretrainConfig):
+    def __init__(self, output_dir: str, history: list, config: PretrainConfig, resumes: list):
         self.directory = os.path.join(output_dir, CHECKPOINT_NAME)
         self.history = history
         self.config = config
+        self.resumes = resumes
 
     def save(self, model) -> None:
         from tf_megadp.checkpointing import save_training_state
@@ -655,6 +660,7 @@ class _Checkpointer:
         save_training_state(model, self.directory, extra={
             "logical_steps": int(model.optimizer.iterations.numpy()),
             "history": self.history,
+            "resumes": self.resumes,
             "config": _config_dict(self.config),
         })
 
@@ -714,6 +720,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
 
     history: list[dict[str, Any]] = []
     resumed_from = 0
+    # The logical step each --resume of this run started from.
+    resumes: list[int] = []
     with strategy.scope():
         model = build_model(config, train.vocabulary_size)
         if config.resume:
@@ -724,6 +732,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             _check_same_run(state.get("config", {}), config)
             history = state.get("history", [])
             resumed_from = int(model.optimizer.iterations.numpy())
+            resumes = state.get("resumes", []) + [resumed_from]
         else:
             if private:
                 optimizer = tf_megadp.DPOptimizer(
@@ -793,7 +802,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME),
             target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
         callbacks.append(privacy)
-    checkpointer = _Checkpointer(output_dir, history, config)
+    checkpointer = _Checkpointer(output_dir, history, config, resumes)
 
     class _Evaluate(keras.callbacks.Callback):
         """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints."""
@@ -848,13 +857,14 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
            f"epsilon={planned_epsilon:.3f}." if private else "NON-PRIVATE baseline (no clipping, no noise).")
     )
     train_started = time.time()
-    if epochs:
-        with warnings.catch_warnings():
-            # BertMaskedLM never uses the backbone's pooler; Keras's optimizer
-            # warns about it on every non-private run.
-            warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
-            model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch, shuffle=False,
-                      callbacks=callbacks, verbose=config.verbose)
+    # Also with no epoch left (a run resumed after its last step): the
+    # privacy callback then reports the ledger without training.
+    with warnings.catch_warnings():
+        # BertMaskedLM never uses the backbone's pooler; Keras's optimizer
+        # warns about it on every non-private run.
+        warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
+        model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch or None,
+                  shuffle=False, callbacks=callbacks, verbose=config.verbose)
     train_seconds = time.time() - train_started
 
     final_steps = history[-1]["step"] if history else logical_done
@@ -888,6 +898,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         / max(train_seconds, 1e-9),
         "truncated_steps": sampler.truncated_steps,
         "resumed_from_step": resumed_from,
+        "resumes": resumes,
         "model": {"preset": config.model, "layers": layers, "hidden": hidden, "heads": heads,
                   "vocabulary_size": train.vocabulary_size,
                   "sequence_length": train.sequence_length},

@@ -28,7 +28,7 @@ setup(
         "tensorflow>=2.21,<2.22",
         "keras>=3.15,<3.16",
         "keras-hub>=0.32,<0.33",
-        "tensorflow-text>=2.21,<2.22",
+        "tensorflow-text>=2.21.1,<2.22",  # 2.21.0 fails to import (undefined ICU symbol)
         "tensorboard>=2.21,<2.22",
         "dp-accounting>=0.6,<0.7",
         "numpy>=2.0,<3",

@@ -188,8 +188,9 @@ def test_guesses_break_ties_by_index_and_validate():
 def test_coins_stay_secret_until_scored_and_are_scored_once():
     coins = audit.CanaryCoins(64)
     assert "64 canaries, secret, not scored" in repr(coins)
-    assert not any(name for name, value in vars(coins).items()
-                   if isinstance(value, np.ndarray) and not name.startswith("_CanaryCoins"))
+    # No attribute holds the coins where vars() shows them (before: the
+    # name-mangled _CanaryCoins__included array did).
+    assert not any(isinstance(value, np.ndarray) for value in vars(coins).values())
     with pytest.raises(RuntimeError, match="secret until the audit is scored"):
         coins.reveal()
     with pytest.raises(TypeError, match="cannot be pickled"):

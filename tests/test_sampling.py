@@ -475,8 +475,14 @@ class TestSecretRandomness:
             assert spelling not in surface
             assert spelling not in repr(public_vars)
         assert not hasattr(sampler, "seed")
-        # Control: the same search finds it where it is kept (privately).
-        assert str(secret) in repr(vars(sampler))
+        # Nor do vars() and __dict__, which debuggers and experiment trackers
+        # print (before: repr(vars(sampler)) showed it in decimal).
+        for spelling in secret_spellings(secret):
+            assert spelling not in repr(vars(sampler)) + repr(sampler.__dict__)
+        with pytest.raises(TypeError):
+            vars(sampler._entropy)
+        # Control: the holder the search looked through does hold it.
+        assert sampler._entropy.value == secret
         # Pickling or copying would write the secret out (and clone the stream).
         for leak in (pickle.dumps, copy.copy, copy.deepcopy):
             with pytest.raises(TypeError, match="secret sampling randomness"):

@@ -19,8 +19,8 @@ The schedule sizes capacity so that this almost never happens; when it does,
 the sampler counts it and warns.
 
 The DP guarantee holds only while the draws stay secret, so every sampler
-takes its randomness from OS entropy by default and keeps it in a private
-attribute only; an explicit `seed=` warns and marks the run as seeded, and
+takes its randomness from OS entropy by default and keeps it in memory only
+(a `tf_megadp.secret.Secret`, which no `vars()`, repr or pickle shows); an explicit `seed=` warns and marks the run as seeded, and
 `shared_secret=` lets several hosts draw the same steps. Every dataset a
 sampler returns carries its `tf_megadp.sources.DataSource`.
 
@@ -53,6 +53,7 @@ import numpy as np
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
 from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.secret import Secret
 from tf_megadp.sources import DataSource, attach_source
 
 __all__ = [
@@ -713,10 +714,10 @@ class _Sampler(abc.ABC):
         self.micro_batch_rows = schedule.micro_batch_size * schedule.num_replicas
         self._consumed = False
         entropy, self.seeded = _sampling_entropy(seed, shared_secret)
-        # The only copy of the sampling randomness: private (name-mangled),
-        # never in repr, pickles or the DataSource. Set last, so that no
+        # The only copy of the sampling randomness, in a holder that neither
+        # vars(), repr, pickles nor the DataSource show. Set last, so that no
         # traceback of a failed constructor has it in a frame's locals.
-        self.__entropy = entropy
+        self._entropy = Secret(entropy)
 
     @classmethod
     def from_arrays(
@@ -883,7 +884,7 @@ class _Sampler(abc.ABC):
         # One independent stream per (kind of draw, step): the draws of a step
         # depend only on (entropy, step), so hosts sharing a secret draw the
         # same steps, and drawing a step twice gives the same examples.
-        sequence = np.random.SeedSequence(self.__entropy, spawn_key=key)
+        sequence = np.random.SeedSequence(self._entropy.value, spawn_key=key)
         return np.random.Generator(np.random.PCG64(sequence))
 
     def __reduce_ex__(self, protocol):
@@ -1073,8 +1074,8 @@ class PoissonSampler(_Sampler):
     (`from_arrays`) and indexable collections of examples (`from_records`).
 
     Randomness is secret by default: 128 bits of OS entropy, held only in a
-    private attribute (never in a public attribute, the repr, a pickle or the
-    `DataSource`). The DP guarantee holds only while the draws stay secret.
+    `tf_megadp.secret.Secret` (never in an attribute `vars()` shows, the repr,
+    a pickle or the `DataSource`). The DP guarantee holds only while the draws stay secret.
     `seed=` makes the draws reproducible, for tests and debugging: it warns,
     and the privacy report marks the run as seeded. Several hosts that must
     draw the same steps pass the same `shared_secret` (drawn from OS entropy

@@ -120,6 +120,30 @@ def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     assert any("training loss" in item for item in report["released_outside_epsilon"])
 
 
+class TestWhatIsReleasedOutsideEpsilon:
+    """Issue 28, case 8: every statistic the run publishes outside epsilon is listed."""
+
+    def test_validation_metrics_are_listed_when_validation_data_is_passed(self, data):
+        # Before: val_loss (exact statistics of the validation rows) reached
+        # the logs and History, and released_outside_epsilon did not list it.
+        x, y = data
+        model = private_model()
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        history = model.fit(x[:48], y[:48], batch_size=MICRO_BATCH, shuffle=False, verbose=0,
+                            validation_data=(x[48:], y[48:]), callbacks=[callback])
+        assert "val_loss" in history.history
+        released = callback.report()["released_outside_epsilon"]
+        assert tf_megadp.callbacks.EVALUATION_METRICS in released
+        # Control: a run without validation data does not list it.
+        plain = private_model()
+        other = PrivacyCallback(DELTA, accountant="rdp")
+        fit(plain, data, 1, [other])
+        assert tf_megadp.callbacks.EVALUATION_METRICS not in other.report()["released_outside_epsilon"]
+        # Evaluating the private model releases them too.
+        plain.evaluate(x[:8], y[:8], verbose=0)
+        assert tf_megadp.callbacks.EVALUATION_METRICS in other.report()["released_outside_epsilon"]
+
+
 class TestValuesAreMeasuredNotTrusted:
     """Issue #14: callback inputs were never checked against the data."""
 

@@ -39,7 +39,8 @@ from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer
 from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
 
-__all__ = ["LedgerKeeper", "PrivacyCallback", "read_ledger", "RELEASED_OUTSIDE_EPSILON"]
+__all__ = ["EVALUATION_METRICS", "LedgerKeeper", "PrivacyCallback", "read_ledger",
+           "RELEASED_OUTSIDE_EPSILON", "run_notes"]
 
 # What a private Keras run publishes that epsilon does not cover.
 RELEASED_OUTSIDE_EPSILON = (
@@ -48,6 +49,14 @@ RELEASED_OUTSIDE_EPSILON = (
     "nonfinite_examples, when make_private(log_nonfinite_examples=True)",
     "step timings and the number of steps taken",
     "truncated-step counts of the Poisson sampler",
+)
+
+# Released by a run that evaluates: validation during fit, model.evaluate.
+EVALUATION_METRICS = (
+    "validation and evaluation metrics (val_loss and val_<metric> in logs, History, "
+    "CSV and TensorBoard; what model.evaluate returns): exact statistics of the "
+    "evaluated data, computed outside the DP step, so not covered by epsilon unless "
+    "that data is public"
 )
 
 _FIXED_SIZE_WARNING = (
@@ -115,6 +124,34 @@ class _LedgerOwner:
         self.optimizer = optimizer
 
 
+class _RunNotes:
+    """What a private model's runs did outside the noisy steps, kept on the model in memory.
+
+    A plain object (not trackable), so Keras saving never writes it.
+
+    Attributes:
+        released: items added to the report's `released_outside_epsilon`
+            (e.g. `EVALUATION_METRICS` once the model was evaluated).
+    """
+
+    def __init__(self):
+        self.released: list[str] = []
+
+    def release(self, item: str) -> None:
+        """Records that the run published `item`, outside epsilon."""
+        if item not in self.released:
+            self.released.append(item)
+
+
+def run_notes(model) -> _RunNotes:
+    """The `_RunNotes` of a private model (created on first use)."""
+    notes = getattr(model, "_tf_megadp_run_notes", None)
+    if notes is None:
+        notes = _RunNotes()
+        model._tf_megadp_run_notes = notes
+    return notes
+
+
 class LedgerKeeper(keras.callbacks.Callback):
     """Records every applied logical step in the privacy ledger; added by `fit`.
 
@@ -134,6 +171,8 @@ class LedgerKeeper(keras.callbacks.Callback):
         stated_num_examples: N as the user stated it, if they did.
         require_poisson_sampling: refuse fixed-size batches.
         micro_batch_size: the micro-batch size of array inputs.
+        validation: `fit` was given validation data (its metrics are
+            released outside epsilon).
     """
 
     def __init__(
@@ -143,9 +182,11 @@ class LedgerKeeper(keras.callbacks.Callback):
         *,
         require_poisson_sampling: bool = False,
         micro_batch_size: int | None = None,
+        validation: bool = False,
     ):
         super().__init__()
         self.source = source
+        self.validation = validation
         self.stated_num_examples = stated_num_examples
         self.require_poisson_sampling = require_poisson_sampling
         self.micro_batch_size = micro_batch_size
@@ -220,6 +261,8 @@ class LedgerKeeper(keras.callbacks.Callback):
         self._check_consistent(optimizer)
         self._batches = 0
         self.model._tf_megadp_keeper = self
+        if self.validation:
+            run_notes(self.model).release(EVALUATION_METRICS)
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
@@ -576,7 +619,8 @@ class PrivacyCallback(keras.callbacks.Callback):
         report["data"] = data
         report["num_examples_measured"] = data["num_examples_measured"]
         report["seeded_noise"] = optimizer.seeded_noise
-        report["released_outside_epsilon"] = list(RELEASED_OUTSIDE_EPSILON)
+        report["released_outside_epsilon"] = (list(RELEASED_OUTSIDE_EPSILON)
+                                              + run_notes(self.model).released)
         notes = report["warnings"]
         if _number(optimizer.noiseless_steps):
             report["epsilon"] = math.inf

@@ -2,7 +2,9 @@
 
 It replaces the model's `train_step` with the DP step: per-example losses,
 clipped per-example gradients, accumulation into the `DPOptimizer`. The
-model's class, weights, `evaluate`, `predict` and saving are untouched.
+model's class, weights, `predict` and saving are untouched; `fit` keeps the
+privacy ledger, and `evaluate` (which `fit` also runs on validation data)
+notes for the privacy report that its metrics were released outside epsilon.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import keras
 import tensorflow as tf
 
 from tf_megadp import distribute, sources
-from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
+from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
@@ -100,6 +102,7 @@ def make_private(
         _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
     if not is_private(model):
         model.fit = _private_fit(model, type(model).fit.__get__(model))
+        model.evaluate = _noted_evaluate(model, type(model).evaluate.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
@@ -204,6 +207,8 @@ def _private_fit(model: keras.Model, original_fit):
             stated_num_examples=privacy[0].num_examples if privacy else None,
             require_poisson_sampling=model._tf_megadp_require_poisson,
             micro_batch_size=_array_micro_batch_size(arguments),
+            validation=(arguments.get("validation_data") is not None
+                        or bool(arguments.get("validation_split"))),
         )
         # First, so that every other callback sees the ledger it kept. The
         # mixing guard raises when a step compiled whole with XLA (whose
@@ -222,6 +227,22 @@ def _private_fit(model: keras.Model, original_fit):
             raise converted from None
 
     return fit
+
+
+def _noted_evaluate(model: keras.Model, original_evaluate):
+    """`evaluate` that notes, for the privacy report, that its metrics were released.
+
+    Keras's `fit` evaluates its validation data through `model.evaluate`
+    too. Whatever data is evaluated, its metrics are exact statistics
+    computed outside the DP step.
+    """
+
+    @functools.wraps(original_evaluate)
+    def evaluate(*args, **kwargs):
+        run_notes(model).release(EVALUATION_METRICS)
+        return original_evaluate(*args, **kwargs)
+
+    return evaluate
 
 
 def _saved_dp_optimizer_variables(path) -> int:

@@ -147,6 +147,30 @@ class TestWhatIsReleasedOutsideEpsilon:
 class TestValuesAreMeasuredNotTrusted:
     """Issue #14: callback inputs were never checked against the data."""
 
+    def test_padding_and_repeated_rows_are_not_counted_as_examples(self, data):
+        # Issue 28, case 6: a sampler's padded steps collected into arrays
+        # and fitted. Before, N was measured as every row, padding (weight
+        # 0) and the repeats of examples drawn in several steps included:
+        # 512 rows for 64 examples (epsilon 1.18 reported against 2.41).
+        x, y = data
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=BATCH, epochs=2, micro_batch_size=MICRO_BATCH, seed=3)
+        elements = [[np.asarray(part) for part in element] for element in sampler.as_dataset()]
+        xs, ys, ws = (np.concatenate(parts) for parts in zip(*elements))
+        real = ws > 0
+        distinct = len({row.tobytes() for row in xs[real]})
+        assert len(xs) > real.sum() > distinct
+        model = private_model(accumulation_steps=1, normalize_by=MICRO_BATCH)
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        with pytest.warns(UserWarning, match="padding and repeated rows|not counted in N"):
+            model.fit(xs, ys, sample_weight=ws, batch_size=MICRO_BATCH, shuffle=False,
+                      verbose=0, callbacks=[callback])
+        report = callback.report()
+        assert report["num_examples"] == distinct and report["num_examples_measured"]
+        steps = len(xs) // MICRO_BATCH
+        assert callback.epsilon == pytest.approx(
+            reference_epsilon(steps, q=MICRO_BATCH / distinct), rel=1e-12)
+
     def test_a_stated_num_examples_that_differs_from_the_data_raises(self, data):
         # Before: PrivacyCallback(num_examples=100000) on 1,280 examples
         # reported 0.033 instead of 3.17.

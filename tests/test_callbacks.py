@@ -323,6 +323,32 @@ class TestNoExampleTwiceInOneNoisySum:
         assert int(model.optimizer.iterations.numpy()) == 3
         assert callback.epsilon == pytest.approx(reference_epsilon(3, q=8 / 12), rel=1e-12)
 
+    def test_a_repeated_dataset_is_refused_naming_the_fix(self, data):
+        # Issue 28, case 2: .repeat() hid the pass boundaries from the epoch
+        # ends, so logical steps straddled passes again.
+        def pipeline(rows):
+            return (tf.data.Dataset.from_tensor_slices(rows)
+                    .shuffle(24, seed=0, reshuffle_each_iteration=True).batch(8).repeat())
+
+        # What fit(steps_per_epoch=6) with k = 2 sums: before, 2 copies of
+        # some example in every second noisy sum.
+        ids = [batch.numpy() for batch in pipeline(np.arange(24)).take(12)]
+        copies = [np.bincount(np.concatenate(ids[2 * i: 2 * i + 2])).max() for i in range(6)]
+        assert copies == [1, 2, 1, 1, 2, 1]
+        x, y = data[0][:24], data[1][:24]
+        model = private_model(normalize_by=16)
+        with pytest.raises(PrivacyConfigurationError, match=r"repeat.*twice.*Remove \.repeat\(\)"):
+            model.fit(pipeline((x, y)), steps_per_epoch=6, verbose=0,
+                      callbacks=[PrivacyCallback(DELTA, num_examples=24)])
+        assert int(model.optimizer.iterations.numpy()) == 0
+        # Control: the same pipeline without .repeat() trains, one pass an epoch.
+        single = (tf.data.Dataset.from_tensor_slices((x, y))
+                  .shuffle(24, seed=0, reshuffle_each_iteration=True).batch(8))
+        with pytest.warns(UserWarning, match="before the end of an epoch"):
+            model.fit(single, epochs=2, verbose=0,
+                      callbacks=[PrivacyCallback(DELTA, num_examples=24)])
+        assert int(model.optimizer.iterations.numpy()) == 2
+
     def test_a_logical_step_never_spans_two_fit_calls(self, data):
         model = private_model()
         x, y = data

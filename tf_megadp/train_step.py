@@ -325,6 +325,8 @@ def _fit_source(arguments) -> sources.DataSource | None:
     """What `fit` is fed, measured where it can be (see `tf_megadp.sources`)."""
     x = arguments.get("x")
     source = sources.source_of(x)
+    if source is None:
+        sources.refuse_repeated(x)
     if source is not None or not _is_array_input(x):
         return source
     rows = int(tf.nest.flatten(x)[0].shape[0])

@@ -144,6 +144,31 @@ class TestWhatIsReleasedOutsideEpsilon:
         assert tf_megadp.callbacks.EVALUATION_METRICS in other.report()["released_outside_epsilon"]
 
 
+    def test_weights_changed_outside_the_private_steps_mark_the_run(self, data, tmp_path):
+        # Issue 28, case 7: a second, non-private model sharing a layer
+        # moved the private model's weights; before, the report was unchanged.
+        x, y = data
+        model = private_model()
+        shared = model.layers[0]
+        other = keras.Sequential([keras.Input((4,)), shared])
+        other.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        fit(model, data, 1, [callback])
+        clean = callback.report()
+        assert clean["weights_changed_outside_private_steps"] is False
+        before = shared.kernel.numpy()
+        other.fit(x, y, batch_size=16, epochs=1, verbose=0)  # on the private data
+        assert np.abs(shared.kernel.numpy() - before).max() > 1e-3
+        report = callback.report()
+        assert report["weights_changed_outside_private_steps"] is True
+        assert any("changed outside the private steps" in w for w in report["warnings"])
+        # The release and the next private fit say so too.
+        with pytest.warns(UserWarning, match="NOT cover that change"):
+            tf_megadp.export_model(model, tmp_path / "model.keras")
+        with pytest.warns(UserWarning, match="NOT cover that change"):
+            fit(model, data, 1, [PrivacyCallback(DELTA, accountant="rdp")])
+
+
 class TestValuesAreMeasuredNotTrusted:
     """Issue #14: callback inputs were never checked against the data."""
 

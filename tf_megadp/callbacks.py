@@ -19,6 +19,7 @@ Two callbacks share the work:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -40,7 +41,7 @@ from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer
 from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
 
 __all__ = ["EVALUATION_METRICS", "LedgerKeeper", "PrivacyCallback", "read_ledger",
-           "RELEASED_OUTSIDE_EPSILON", "run_notes"]
+           "RELEASED_OUTSIDE_EPSILON", "run_notes", "weights_digest"]
 
 # What a private Keras run publishes that epsilon does not cover.
 RELEASED_OUTSIDE_EPSILON = (
@@ -132,15 +133,65 @@ class _RunNotes:
     Attributes:
         released: items added to the report's `released_outside_epsilon`
             (e.g. `EVALUATION_METRICS` once the model was evaluated).
+        weights_digest: digest of the trainable weights at the end of the
+            last private `fit` (None before the first one).
+        in_fit: a private `fit` is running (its steps change the weights).
+        weights_changed: the trainable weights changed between private
+            `fit` calls, outside any private step (a non-private model
+            sharing a layer, `set_weights`, ...): sticky, the run is marked.
     """
 
     def __init__(self):
         self.released: list[str] = []
+        self.weights_digest: bytes | None = None
+        self.in_fit = False
+        self.weights_changed = False
+
+    def begin_fit(self, model) -> None:
+        """A private fit starts: compares the weights with the last one's end."""
+        self.check_weights(model)
+        self.in_fit = True
+
+    def end_fit(self, model) -> None:
+        """A private fit ended (also by an error): its steps changed the weights."""
+        self.in_fit = False
+        self.weights_digest = weights_digest(model)
+
+    def check_weights(self, model, warn: bool = True) -> bool:
+        """Whether the weights changed outside the private steps (now or before).
+
+        Args:
+            model: the private model.
+            warn: warn (loudly) when they did.
+        """
+        if not (self.in_fit or self.weights_digest is None or self.weights_changed):
+            self.weights_changed = weights_digest(model) != self.weights_digest
+        if self.weights_changed and warn:
+            warnings.warn(_WEIGHTS_CHANGED_WARNING, UserWarning, stacklevel=3)
+        return self.weights_changed
 
     def release(self, item: str) -> None:
         """Records that the run published `item`, outside epsilon."""
         if item not in self.released:
             self.released.append(item)
+
+
+_WEIGHTS_CHANGED_WARNING = (
+    "The trainable weights of this private model changed since its last private fit, "
+    "outside any private step (e.g. a non-private model sharing a layer was trained, "
+    "or set_weights/load_weights). Epsilon does NOT cover that change: if it was "
+    "computed from the private data, the model is not differentially private. The "
+    "privacy report marks the run (weights_changed_outside_private_steps)."
+)
+
+
+def weights_digest(model) -> bytes:
+    """A digest of every trainable weight's value (exact: any changed bit changes it)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for variable in model.trainable_variables:
+        digest.update(variable.path.encode())
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable)).tobytes())
+    return digest.digest()
 
 
 def run_notes(model) -> _RunNotes:
@@ -261,8 +312,10 @@ class LedgerKeeper(keras.callbacks.Callback):
         self._check_consistent(optimizer)
         self._batches = 0
         self.model._tf_megadp_keeper = self
+        notes = run_notes(self.model)
+        notes.begin_fit(self.model)
         if self.validation:
-            run_notes(self.model).release(EVALUATION_METRICS)
+            notes.release(EVALUATION_METRICS)
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
@@ -278,6 +331,8 @@ class LedgerKeeper(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.drain()
         self._end_partial_step("a fit call")
+        # After Keras's finalize (an EMA average is in the weights by now).
+        run_notes(self.model).end_fit(self.model)
         if self.sampling == "poisson" and not self._batches and not self.model.stop_training:
             raise PrivacyConfigurationError(
                 "fit consumed no micro-batch of the sampler's dataset. Under a "
@@ -619,9 +674,14 @@ class PrivacyCallback(keras.callbacks.Callback):
         report["data"] = data
         report["num_examples_measured"] = data["num_examples_measured"]
         report["seeded_noise"] = optimizer.seeded_noise
-        report["released_outside_epsilon"] = (list(RELEASED_OUTSIDE_EPSILON)
-                                              + run_notes(self.model).released)
+        run = run_notes(self.model)
+        report["released_outside_epsilon"] = list(RELEASED_OUTSIDE_EPSILON) + run.released
+        report["weights_changed_outside_private_steps"] = run.check_weights(self.model, warn=False)
         notes = report["warnings"]
+        if report["weights_changed_outside_private_steps"]:
+            notes.append("trainable weights changed outside the private steps (between "
+                         "private fits): that change is NOT covered by epsilon; not for "
+                         "release unless it came from public data only.")
         if _number(optimizer.noiseless_steps):
             report["epsilon"] = math.inf
             notes.append(f"{_number(optimizer.noiseless_steps)} logical steps had no "

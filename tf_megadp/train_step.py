@@ -217,6 +217,7 @@ def _private_fit(model: keras.Model, original_fit):
         # assertions are dropped) reports that its batched forward pass mixed
         # examples.
         arguments["callbacks"] = [keeper, independence.RefuseMixingCallback()] + callbacks
+        notes = run_notes(model)
         try:
             return original_fit(**arguments)
         except tf.errors.InvalidArgumentError as error:
@@ -227,6 +228,9 @@ def _private_fit(model: keras.Model, original_fit):
             if converted is None:
                 raise
             raise converted from None
+        finally:
+            if notes.in_fit:  # fit raised: Keras skipped on_train_end
+                notes.end_fit(model)
 
     return fit
 

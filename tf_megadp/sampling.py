@@ -593,6 +593,15 @@ def _refuse_batched(records: Any) -> None:
         )
 
 
+def _takes_keyword_only(function: Callable[..., Any], name: str) -> bool:
+    """Whether `function` has a keyword-only parameter `name`."""
+    try:
+        parameter = inspect.signature(function).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
 def _tensor_spec(shape: tuple[int, ...], dtype: np.dtype):
     import tensorflow as tf
 
@@ -968,6 +977,11 @@ class _Sampler(abc.ABC):
         A sampler can be consumed once: replaying its draws would reuse the
         same random batches, which the accountant does not cover.
         """
+        for _, element in self._micro_batches_by_step():
+            yield element
+
+    def _micro_batches_by_step(self) -> Iterator[tuple[int, Any]]:
+        """(logical step, micro-batch) for every micro-batch, consuming the sampler."""
         if self._consumed:
             raise RuntimeError(
                 "This sampler's batches were already consumed. Create a new sampler "
@@ -977,7 +991,25 @@ class _Sampler(abc.ABC):
             )
         self._consumed = True
         for step in range(self.start_step, self.end_step):
-            yield from self.step_micro_batches(self.draw(step))
+            for element in self.step_micro_batches(self.draw(step)):
+                yield step, element
+
+    def _keyed_micro_batches(self) -> Iterator[tuple[Any, np.ndarray]]:
+        """`micro_batches`, each with the secret key of its logical step (`_step_key`)."""
+        step, key = None, None
+        for current, element in self._micro_batches_by_step():
+            if current != step:
+                step, key = current, self._step_key(current)
+            yield element, key
+
+    def _step_key(self, step: int) -> np.ndarray:
+        """The key of logical step `step` for a `map_fn`'s stateless draws: int64 [2].
+
+        Drawn from the sampler's secret (its own stream, independent of the
+        draws), so a `map_fn`'s randomness is as secret as the sampling and,
+        like the draws, the same on every host sharing the secret.
+        """
+        return self._rng(2, step).integers(0, 2**63, size=2, dtype=np.int64)
 
     def as_dataset(
         self,
@@ -999,11 +1031,18 @@ class _Sampler(abc.ABC):
                 rows, which returns `(x, y, sample_weight)`. Without it,
                 token shards give `(rows int32 [M, L], weights float32 [M])`
                 and arrays/records give `(x, y, sample_weight)`.
-                A `map_fn` with a keyword-only parameter `micro_batch` (as
-                `MaskedLMBatcher`) is also passed each micro-batch's index in
-                the run (0 at logical step 0, counted across `start_step`),
-                to key stateless random draws by: its results then depend
-                on neither thread timing nor the order the calls run in.
+                A `map_fn` that draws random numbers (masking, augmentation)
+                takes a keyword-only parameter `key` (as `MaskedLMBatcher`):
+                it is passed the secret key of each micro-batch's logical
+                step, int64 [2], drawn from the sampler's own secret (OS
+                entropy; reproducible only for a seeded sampler, which the
+                report marks), the same for every micro-batch of the step.
+                Draw with stateless ops keyed by it and by the example's own
+                content (e.g. `tf.fingerprint` of its row), never by its
+                position: then an example's randomness does not depend on
+                the others, the results depend on neither thread timing nor
+                the order the calls run in, and nothing public (a
+                `keras.utils.set_random_seed` seed) predicts them.
             parallel_map: run `map_fn` on several micro-batches at once.
                 Only for a `map_fn` without stateful random ops: those hand
                 out their numbers in the order the calls happen to run, so
@@ -1029,26 +1068,24 @@ class _Sampler(abc.ABC):
             [_tensor_spec((rows, *shape), dtype) for shape, dtype in self._store.leaves],
             tf.TensorSpec([rows], tf.float32),
         )
-        dataset = tf.data.Dataset.from_generator(self.micro_batches, output_signature=signature)
+        keyed = map_fn is not None and _takes_keyword_only(map_fn, "key")
+        if keyed:
+            # The key rides along each element as data, never as a constant
+            # of the dataset graph, so a keyed map_fn sees its step's key
+            # however the map is scheduled.
+            dataset = tf.data.Dataset.from_generator(
+                self._keyed_micro_batches,
+                output_signature=(signature, tf.TensorSpec([2], tf.int64)))
+        else:
+            dataset = tf.data.Dataset.from_generator(self.micro_batches,
+                                                     output_signature=signature)
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
         if map_fn is not None:
-            try:
-                parameter = inspect.signature(map_fn).parameters.get("micro_batch")
-            except (TypeError, ValueError):  # no signature to read: it takes no index
-                parameter = None
-            keyed = parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
-            if keyed:
-                # The index rides along each element (zip keeps the order), so a
-                # keyed map_fn sees the same index for a micro-batch however
-                # the map is scheduled.
-                first = self._micro_steps(0, self.start_step)
-                indices = tf.data.Dataset.range(first, first + self.total_micro_steps)
-                dataset = tf.data.Dataset.zip((dataset, indices))
 
-            def with_index(element, index):
-                return map_fn(*element, micro_batch=index)
+            def with_key(element, key):
+                return map_fn(*element, key=key)
 
-            function = with_index if keyed else map_fn
+            function = with_key if keyed else map_fn
             if parallel_map:
                 dataset = dataset.map(function, num_parallel_calls=tf.data.AUTOTUNE,
                                       deterministic=True)

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tf_megadp import distribute, sources
 from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
-from tf_megadp.clipping import independence
+from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
@@ -435,6 +435,8 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
     _check_no_example_mixing(model)
     if not model.trainable_weights:
         raise ValueError("The model has no trainable weights to train privately.")
+    # Traced once per compiled step: a seeded (test) optimizer seeds dropout too.
+    base.set_randomness_seed(model, optimizer.seed)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     micro_batch_size = tf.nest.flatten(x)[0].shape[0]
     if micro_batch_size is None:

@@ -343,7 +343,7 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
     mapping = list(zip(model.trainable_variables, trainable))
     mapping += list(zip(model.non_trainable_variables, states))
     taps = independence.LayerTaps(model, None, leading.shape[0])
-    with base.example_axis_guards(model):
+    with base.example_axis_guards(model), base.secret_seed_draws(model):
         with taps.installed(), keras_backend.StatelessScope(state_mapping=mapping):
             if model._call_has_training_arg:
                 model(x, training=True)
@@ -428,7 +428,7 @@ def _clipped_sum(terms, factors, keep, variable):
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
                   automatic_stability=None, *, mixing):
-    with base.example_axis_guards(model):
+    with base.example_axis_guards(model), base.secret_seed_draws(model):
         records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight)
     variables = model.trainable_variables
     groups = _grouped(records, variables)

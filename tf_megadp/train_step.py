@@ -218,6 +218,11 @@ def _private_fit(model: keras.Model, original_fit):
         # examples.
         arguments["callbacks"] = [keeper, independence.RefuseMixingCallback()] + callbacks
         notes = run_notes(model)
+        # The first step of every fit checks independence again, forward and
+        # backward: mixing that depends on the data shows on new data.
+        reset = getattr(getattr(model.optimizer, "clipping_strategy", None), "reset_checks", None)
+        if reset is not None:
+            reset(model)
         try:
             return original_fit(**arguments)
         except tf.errors.InvalidArgumentError as error:

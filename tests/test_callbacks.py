@@ -408,6 +408,41 @@ def _poisson_dataset(schedule, data, steps):
 
 
 class TestSamplerSources:
+    def test_a_map_fn_that_mixes_examples_is_refused(self, data):
+        # Issue 28, case 3: the independence checks looked at the model only.
+        # A map_fn blending each row with its micro-batch's mean trained, and
+        # an added example (10x an ordinary one) moved the clipped sum by
+        # 3.78 C here (5.47 C in the issue, under auto).
+        x, y = data
+
+        def blend(x, y, weights):
+            mean = tf.reduce_sum(x * weights[:, None], 0) / tf.maximum(tf.reduce_sum(weights), 1.0)
+            return x + 4.0 * mean, y, weights
+
+        strategy = tf_megadp.AutoClipping(jit_compile=False)
+        model = private_model()
+        rows = x[:MICRO_BATCH].copy()
+        rows[0] *= 10.0  # the adversary's example
+        with_it = np.ones(MICRO_BATCH, "float32")
+        without = with_it.copy()
+        without[0] = 0.0
+
+        def clipped_sum(weights, clip):
+            inputs, labels, weights = blend(rows * weights[:, None], y[:MICRO_BATCH], weights)
+            result = strategy.clip_and_sum(model, inputs, labels, weights, clip)
+            return np.concatenate([np.ravel(g) for g in result.gradient_sum]), result.norms
+
+        clip = 0.5 * min(float(np.min(clipped_sum(with_it, 1e9)[1])),
+                         float(np.min(clipped_sum(without, 1e9)[1][1:])))
+        moved = np.linalg.norm(clipped_sum(with_it, clip)[0] - clipped_sum(without, clip)[0])
+        assert moved / clip > 3.0
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=BATCH, epochs=1, micro_batch_size=MICRO_BATCH, seed=0)
+        model = private_model(schedule=sampler.schedule)
+        with pytest.raises(PrivacyConfigurationError, match="map_fn of a sampler mixes examples"):
+            model.fit(sampler.as_dataset(blend), callbacks=[PrivacyCallback(DELTA)], verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 0
+
     def test_schedule_phases_are_recorded_with_their_rate_and_truncation(self, data):
         schedule = BatchSizeSchedule([Phase(1, 4, 4), Phase(1, 8, 4, noise_multiplier=2.0)],
                                      num_examples=N, micro_batch_size=MICRO_BATCH)

@@ -52,6 +52,7 @@ import numpy as np
 
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
+from tf_megadp.map_independence import checked_map
 from tf_megadp.schedules import BatchSizeSchedule, Phase
 from tf_megadp.secret import Secret
 from tf_megadp.sources import DataSource, attach_source
@@ -994,13 +995,21 @@ class _Sampler(abc.ABC):
             for element in self.step_micro_batches(self.draw(step)):
                 yield step, element
 
-    def _keyed_micro_batches(self) -> Iterator[tuple[Any, np.ndarray]]:
-        """`micro_batches`, each with the secret key of its logical step (`_step_key`)."""
-        step, key = None, None
-        for current, element in self._micro_batches_by_step():
+    def _pipeline_elements(self) -> Iterator[tuple[Any, np.ndarray, bool]]:
+        """Every micro-batch, with its step's key and whether the `map_fn` check runs on it.
+
+        The check runs on the first micro-batch of the dataset and on each
+        later one with the model check's `RECHECK_PROBABILITY`, decided by
+        the sampler's secret: no example can time its mixing to unchecked
+        ones.
+        """
+        from tf_megadp.clipping.independence import RECHECK_PROBABILITY
+
+        step = key = choices = None
+        for position, (current, element) in enumerate(self._micro_batches_by_step()):
             if current != step:
-                step, key = current, self._step_key(current)
-            yield element, key
+                step, key, choices = current, self._step_key(current), self._rng(3, current)
+            yield element, key, position == 0 or choices.random() < RECHECK_PROBABILITY
 
     def _step_key(self, step: int) -> np.ndarray:
         """The key of logical step `step` for a `map_fn`'s stateless draws: int64 [2].
@@ -1068,24 +1077,25 @@ class _Sampler(abc.ABC):
             [_tensor_spec((rows, *shape), dtype) for shape, dtype in self._store.leaves],
             tf.TensorSpec([rows], tf.float32),
         )
-        keyed = map_fn is not None and _takes_keyword_only(map_fn, "key")
-        if keyed:
-            # The key rides along each element as data, never as a constant
-            # of the dataset graph, so a keyed map_fn sees its step's key
-            # however the map is scheduled.
-            dataset = tf.data.Dataset.from_generator(
-                self._keyed_micro_batches,
-                output_signature=(signature, tf.TensorSpec([2], tf.int64)))
-        else:
+        if map_fn is None:
             dataset = tf.data.Dataset.from_generator(self.micro_batches,
                                                      output_signature=signature)
+        else:
+            # The key and the check flag ride along each element as data,
+            # never as constants of the dataset graph, so each micro-batch
+            # gets its own however the map is scheduled.
+            dataset = tf.data.Dataset.from_generator(
+                self._pipeline_elements,
+                output_signature=(signature, tf.TensorSpec([2], tf.int64),
+                                  tf.TensorSpec([], tf.bool)))
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
         if map_fn is not None:
+            keyed = _takes_keyword_only(map_fn, "key")
 
-            def with_key(element, key):
-                return map_fn(*element, key=key)
+            def call(element, key):
+                return map_fn(*element, key=key) if keyed else map_fn(*element)
 
-            function = with_key if keyed else map_fn
+            function = checked_map(call, rows)
             if parallel_map:
                 dataset = dataset.map(function, num_parallel_calls=tf.data.AUTOTUNE,
                                       deterministic=True)

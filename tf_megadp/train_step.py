@@ -18,7 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp import distribute, sources
+from tf_megadp import distribute, map_independence, sources
 from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
 from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
@@ -226,10 +226,12 @@ def _private_fit(model: keras.Model, original_fit):
         try:
             return original_fit(**arguments)
         except tf.errors.InvalidArgumentError as error:
-            # The clipping strategy's in-graph independence assertion.
+            # The independence assertions: the clipping strategy's in the
+            # step, the sampler's on its map_fn in the input pipeline.
             strategy = getattr(model.optimizer, "clipping_strategy", None)
-            converted = independence.error_from_assertion(
+            converted = (independence.error_from_assertion(
                 model, error, getattr(strategy, "name", "ghost"))
+                or map_independence.error_from_assertion(error))
             if converted is None:
                 raise
             raise converted from None

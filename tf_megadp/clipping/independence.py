@@ -76,7 +76,7 @@ RTOL = 1e-3
 HALF_RTOL = 5e-2
 # The chance that a call after a signature's first check runs the forward
 # check again (see `ghost._CheckedSignatures`); measured in docs/benchmarks.md.
-RECHECK_PROBABILITY = 1 / 16
+RECHECK_PROBABILITY = 1 / 32
 
 # Library layers whose randomness acts element by element: the per-example
 # pass may reuse their batched outputs row by row.

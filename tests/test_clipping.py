@@ -606,7 +606,8 @@ class TestUnknownMicroBatchAxis:
         check = check.get_concrete_function(tf.TensorSpec([None, 5, 4]))
         assert values_xla_must_fold(check.graph) == []
         check_gradients = check_gradients.get_concrete_function(
-            tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None)
+            tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None,
+            tf.TensorSpec([2], tf.int64))
         assert values_xla_must_fold(check_gradients.graph) == []
 
     def test_unknown_batch_axis_gives_the_same_clipping(self):

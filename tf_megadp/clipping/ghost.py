@@ -107,8 +107,8 @@ class GhostClipping(base.ClippingStrategy):
             def check(x):
                 return _independence_code(model, rules, x, vectorize=self.jit_compile)
 
-            def check_gradients(x, y, sample_weight):
-                return _gradient_norm_code(model, rules, x, y, sample_weight)
+            def check_gradients(x, y, sample_weight, rows_seed):
+                return _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed)
 
             # Compiled as the step is: some layers run only under XLA on a CPU
             # (a channels_first convolution).
@@ -120,13 +120,14 @@ class GhostClipping(base.ClippingStrategy):
         step, check, check_gradients = function
         checked = self._checked[model]
         slot = checked.slot((x, y, sample_weight, automatic_stability))
-        first, again = checked.due(slot)
+        first, again, rows_seed = checked.due(slot)
         ok = lambda: tf.constant(independence.MIXING_OK, tf.int32)  # noqa: E731
 
         def full_check():
             code = check(x)
             return tf.cond(tf.equal(code, independence.MIXING_OK),
-                           lambda: check_gradients(x, y, sample_weight), lambda: code)
+                           lambda: check_gradients(x, y, sample_weight, rows_seed),
+                           lambda: code)
 
         # The checks are their own compiled functions, run before the step
         # and finished when the step starts: their per-example passes never
@@ -256,13 +257,18 @@ class _CheckedSignatures:
         self._used += 1
         return slot
 
-    def due(self, slot: int) -> tuple[tf.Tensor, tf.Tensor]:
-        """(the full check is due, a forward recheck is drawn) for this call, as bool tensors."""
+    def due(self, slot: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """What this call checks.
+
+        Returns:
+            (the full check is due, a forward recheck is drawn: bool tensors;
+            the secret seed that picks the examples of the backward check).
+        """
         first = tf.constant(True) if slot < 0 else tf.equal(self.passed[slot], 0)
         count = self._calls.assign_add(1, read_value=True)
-        draw = tf.random.stateless_uniform(
-            [], seed=tf.random.experimental.stateless_fold_in(self._key, count))
-        return first, draw < self.probability
+        draw_seed, rows_seed = tf.unstack(tf.random.experimental.stateless_split(
+            tf.random.experimental.stateless_fold_in(self._key, count), 2))
+        return first, tf.random.stateless_uniform([], seed=draw_seed) < self.probability, rows_seed
 
     def record(self, slot: int, mixing) -> None:
         """Sets the slot's flag to whether this call's check passed (or was skipped)."""
@@ -424,19 +430,22 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
             rule_layers={id(rule.layer) for rule in rules}, locate=locate, vectorize=vectorize)
 
 
-def _gradient_norm_code(model, rules, x, y, sample_weight) -> tf.Tensor:
-    """Compares the batched pass's ghost norms with each example's own backward pass.
+def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed) -> tf.Tensor:
+    """Compares the batched pass's ghost norms with examples' own backward passes.
 
     The forward check (`_independence_code`) cannot see a layer that mixes
     examples in the backward pass only: `x + k * (mean - stop_gradient(mean))`
     over the batch leaves every output unchanged and sends k / m of every
-    example's gradient to the others (1.64 C at k = 16). Here each example's
-    gradient norm is computed alone, one example at a time (the memory of
-    one example's gradients, as `vectorized` would with a batch of one), and
-    compared with the norms the step's records give. Element-wise random
-    layers (Dropout, GaussianNoise, ...) are the identity in both passes,
-    so that both see the same computation; other random layers were already
-    refused by the forward check.
+    example's gradient to the others (1.64 C at k = 16). Here the gradient
+    norms of `independence.BACKWARD_CHECK_EXAMPLES` examples, picked by the
+    secret `rows_seed`, are computed alone, one example at a time (the
+    memory of one example's gradients, as `vectorized` would with a batch
+    of one), and compared with the norms the step's records give them.
+    Mixing in the backward pass changes every norm it reaches, so a few
+    examples show it, at a cost that does not grow with m. Element-wise
+    random layers (Dropout, GaussianNoise, ...) are the identity in both
+    passes, so that both see the same computation; other random layers
+    were already refused by the forward check.
 
     Returns:
         int32 scalar: `independence.MIXING_OK` or `independence.BACKWARD_MIXES`.
@@ -452,11 +461,15 @@ def _gradient_norm_code(model, rules, x, y, sample_weight) -> tf.Tensor:
         squared = [tf.cast(squared_norm_of_sum(groups[i]), tf.float64) for i in sorted(groups)]
         batched = (tf.sqrt(tf.maximum(tf.add_n(squared), 0.0)) if squared
                    else tf.zeros(tf.shape(losses), tf.float64))
+        examples = tf.argsort(tf.random.stateless_uniform(tf.shape(losses), rows_seed))
+        examples = examples[:independence.BACKWARD_CHECK_EXAMPLES]
+        batched = tf.gather(batched, examples)
         elements = {"x": x}
         if y is not None:
             elements["y"] = y
         if sample_weight is not None:
             elements["sample_weight"] = sample_weight
+        elements = tf.nest.map_structure(lambda t: tf.gather(t, examples), elements)
 
         def alone(e):
             with tf.GradientTape() as tape:

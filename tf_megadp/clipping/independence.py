@@ -62,7 +62,7 @@ from keras.src import backend as keras_backend
 from tf_megadp.clipping import base
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 
-__all__ = ["BACKWARD_MIXES", "LayerTaps", "MIXING_OK", "MODEL_MIXES", "RECHECK_PROBABILITY",
+__all__ = ["BACKWARD_CHECK_EXAMPLES", "BACKWARD_MIXES", "LayerTaps", "MIXING_OK", "MODEL_MIXES", "RECHECK_PROBABILITY",
            "check_independence", "error_from_assertion", "mixing_code", "mixing_error",
            "rows_differ", "without_elementwise_randomness"]
 
@@ -77,6 +77,8 @@ HALF_RTOL = 5e-2
 # The chance that a call after a signature's first check runs the forward
 # check again (see `ghost._CheckedSignatures`); measured in docs/benchmarks.md.
 RECHECK_PROBABILITY = 1 / 32
+# Examples whose gradient norms the backward check recomputes alone.
+BACKWARD_CHECK_EXAMPLES = 8
 
 # Library layers whose randomness acts element by element: the per-example
 # pass may reuse their batched outputs row by row.

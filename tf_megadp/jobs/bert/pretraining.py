@@ -543,10 +543,12 @@ class _TestingSeeds:
     """Test-only reproducibility: never reachable from a flag or a config file.
 
     Comparing two runs (R replicas against one device) needs the same
-    Poisson draws and noise, which the job otherwise draws from fresh OS
-    entropy. Both library seeds warn and mark the run (its privacy report
-    says the sampling and the noise are seeded: not for release); the
-    values are written nowhere.
+    Poisson draws, masks, dropout and noise, which the job otherwise draws
+    from fresh OS entropy: the sampling seed also fixes the masks' keys
+    (the sampler's), the noise seed the dropout key (the optimizer's). Both
+    library seeds warn and mark the run (its privacy report says the
+    sampling and the noise are seeded: not for release); the values are
+    written nowhere.
     """
 
     sampling_seed: int

@@ -121,6 +121,19 @@ def compile_model(model, optimizer, jit_compile):
     )
 
 
+def clipping_strategy(spec):
+    """`--clipping` entry: a strategy name, or `name:p` for ghost/auto with that recheck probability.
+
+    `auto:0` never rechecks after the first call of each fit; `auto` uses the
+    default (`tf_megadp.clipping.independence.RECHECK_PROBABILITY`).
+    """
+    name, _, probability = spec.partition(":")
+    if not probability:
+        return name
+    strategy = {"ghost": tf_megadp.GhostClipping, "auto": tf_megadp.AutoClipping}[name]
+    return strategy(recheck_probability=float(probability))
+
+
 def new_model(size, args, clipping, jit_compile, schedule=None):
     """A freshly built model: non-private when `clipping` is None."""
     keras.utils.set_random_seed(0)
@@ -132,7 +145,7 @@ def new_model(size, args, clipping, jit_compile, schedule=None):
     settings = {"schedule": schedule} if schedule is not None else {"accumulation_steps": 1}
     optimizer = tf_megadp.DPOptimizer(
         keras.optimizers.Adam(1e-4), l2_norm_clip=1.0, noise_multiplier=1.0,
-        clipping=clipping, seed=0, **settings)
+        clipping=clipping_strategy(clipping), seed=0, **settings)
     compile_model(model, optimizer, jit_compile=False)
     return model
 
@@ -157,6 +170,15 @@ class _EpochTimer(keras.callbacks.Callback):
 def median(values):
     values = sorted(values)
     return values[len(values) // 2]
+
+
+def mean(values):
+    return sum(values) / len(values)
+
+
+# What a path reports over its timed rounds (--statistic): the median by
+# default; the mean where a cost comes on some steps only (random rechecks).
+SUMMARY = {"median": median, "mean": mean}
 
 
 def one_round(model, path, data, args):
@@ -195,7 +217,7 @@ def interleaved(models, path, data, args):
             if round_index >= args.warmup:
                 times[index].append(seconds)
                 peaks[index].append(peak)
-    return [(median(t), max(p)) for t, p in zip(times, peaks)]
+    return [(SUMMARY[args.statistic](t), max(p)) for t, p in zip(times, peaks)]
 
 
 def poisson_fit(model, data, args):
@@ -209,7 +231,7 @@ def poisson_fit(model, data, args):
     timer = _EpochTimer()
     model.fit(sampler.as_dataset(), epochs=args.warmup + args.repeats,
               steps_per_epoch=micro_batches, verbose=0, callbacks=[timer])
-    return (median(timer.times[args.warmup:]) / micro_batches,
+    return (SUMMARY[args.statistic](timer.times[args.warmup:]) / micro_batches,
             max(timer.peaks[args.warmup:]))
 
 
@@ -237,7 +259,7 @@ def run_cell(size, m, paths, clippings, args):
     vectorized_bytes = per_example_gradient_bytes(size, args, m)
     runnable = []
     for clipping in clippings:
-        if clipping == "vectorized" and vectorized_bytes > budget:
+        if clipping.startswith("vectorized") and vectorized_bytes > budget:
             print(f"{size:5} {m:4d} {'all paths':14} {clipping:11} skipped: per-example "
                   f"gradients alone need {vectorized_bytes / 2**30:.1f} GiB > "
                   "--memory-budget-gib", flush=True)
@@ -285,7 +307,10 @@ def main(argv=None):
                         help="one micro-batch size (same as --micro-batches M)")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--clipping", default="vectorized,ghost,auto",
-                        help="comma-separated strategies: vectorized, ghost, auto")
+                        help="comma-separated strategies: vectorized, ghost, auto; ghost:P or "
+                             "auto:P for a recheck probability P of the independence check")
+    parser.add_argument("--statistic", choices=sorted(SUMMARY), default="median",
+                        help="summary of the timed rounds (mean for costs on some steps only)")
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=2,
                         help="logical steps per timed fit epoch")
@@ -308,7 +333,7 @@ def main(argv=None):
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
           f"TF {tf.__version__}, Keras {keras.__version__}; seq={args.seq} vocab={args.vocab} "
           f"masks={args.masks} dropout={args.dropout} warmup={args.warmup} "
-          f"repeats={args.repeats} steps={args.steps}")
+          f"repeats={args.repeats} steps={args.steps} statistic={args.statistic}")
     print(f"{'model':5} {'m':>4} {'path':14} {'clipping':11} {'ms/mb':>9} {'time x':>7} "
           f"{'peak MiB':>9} {'mem x':>6}  (x: to the best non-private step of the path)")
     for size, m in cells:

@@ -120,8 +120,81 @@ def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     assert any("training loss" in item for item in report["released_outside_epsilon"])
 
 
+class TestWhatIsReleasedOutsideEpsilon:
+    """Issue 28, case 8: every statistic the run publishes outside epsilon is listed."""
+
+    def test_validation_metrics_are_listed_when_validation_data_is_passed(self, data):
+        # Before: val_loss (exact statistics of the validation rows) reached
+        # the logs and History, and released_outside_epsilon did not list it.
+        x, y = data
+        model = private_model()
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        history = model.fit(x[:48], y[:48], batch_size=MICRO_BATCH, shuffle=False, verbose=0,
+                            validation_data=(x[48:], y[48:]), callbacks=[callback])
+        assert "val_loss" in history.history
+        released = callback.report()["released_outside_epsilon"]
+        assert tf_megadp.callbacks.EVALUATION_METRICS in released
+        # Control: a run without validation data does not list it.
+        plain = private_model()
+        other = PrivacyCallback(DELTA, accountant="rdp")
+        fit(plain, data, 1, [other])
+        assert tf_megadp.callbacks.EVALUATION_METRICS not in other.report()["released_outside_epsilon"]
+        # Evaluating the private model releases them too.
+        plain.evaluate(x[:8], y[:8], verbose=0)
+        assert tf_megadp.callbacks.EVALUATION_METRICS in other.report()["released_outside_epsilon"]
+
+
+    def test_weights_changed_outside_the_private_steps_mark_the_run(self, data, tmp_path):
+        # Issue 28, case 7: a second, non-private model sharing a layer
+        # moved the private model's weights; before, the report was unchanged.
+        x, y = data
+        model = private_model()
+        shared = model.layers[0]
+        other = keras.Sequential([keras.Input((4,)), shared])
+        other.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        fit(model, data, 1, [callback])
+        clean = callback.report()
+        assert clean["weights_changed_outside_private_steps"] is False
+        before = shared.kernel.numpy()
+        other.fit(x, y, batch_size=16, epochs=1, verbose=0)  # on the private data
+        assert np.abs(shared.kernel.numpy() - before).max() > 1e-3
+        report = callback.report()
+        assert report["weights_changed_outside_private_steps"] is True
+        assert any("changed outside the private steps" in w for w in report["warnings"])
+        # The release and the next private fit say so too.
+        with pytest.warns(UserWarning, match="NOT cover that change"):
+            tf_megadp.export_model(model, tmp_path / "model.keras")
+        with pytest.warns(UserWarning, match="NOT cover that change"):
+            fit(model, data, 1, [PrivacyCallback(DELTA, accountant="rdp")])
+
+
 class TestValuesAreMeasuredNotTrusted:
     """Issue #14: callback inputs were never checked against the data."""
+
+    def test_padding_and_repeated_rows_are_not_counted_as_examples(self, data):
+        # Issue 28, case 6: a sampler's padded steps collected into arrays
+        # and fitted. Before, N was measured as every row, padding (weight
+        # 0) and the repeats of examples drawn in several steps included:
+        # 512 rows for 64 examples (epsilon 1.18 reported against 2.41).
+        x, y = data
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=BATCH, epochs=2, micro_batch_size=MICRO_BATCH, seed=3)
+        elements = [[np.asarray(part) for part in element] for element in sampler.as_dataset()]
+        xs, ys, ws = (np.concatenate(parts) for parts in zip(*elements))
+        real = ws > 0
+        distinct = len({row.tobytes() for row in xs[real]})
+        assert len(xs) > real.sum() > distinct
+        model = private_model(accumulation_steps=1, normalize_by=MICRO_BATCH)
+        callback = PrivacyCallback(DELTA, accountant="rdp")
+        with pytest.warns(UserWarning, match="padding and repeated rows|not counted in N"):
+            model.fit(xs, ys, sample_weight=ws, batch_size=MICRO_BATCH, shuffle=False,
+                      verbose=0, callbacks=[callback])
+        report = callback.report()
+        assert report["num_examples"] == distinct and report["num_examples_measured"]
+        steps = len(xs) // MICRO_BATCH
+        assert callback.epsilon == pytest.approx(
+            reference_epsilon(steps, q=MICRO_BATCH / distinct), rel=1e-12)
 
     def test_a_stated_num_examples_that_differs_from_the_data_raises(self, data):
         # Before: PrivacyCallback(num_examples=100000) on 1,280 examples
@@ -361,6 +434,32 @@ class TestNoExampleTwiceInOneNoisySum:
         assert int(model.optimizer.iterations.numpy()) == 3
         assert callback.epsilon == pytest.approx(reference_epsilon(3, q=8 / 12), rel=1e-12)
 
+    def test_a_repeated_dataset_is_refused_naming_the_fix(self, data):
+        # Issue 28, case 2: .repeat() hid the pass boundaries from the epoch
+        # ends, so logical steps straddled passes again.
+        def pipeline(rows):
+            return (tf.data.Dataset.from_tensor_slices(rows)
+                    .shuffle(24, seed=0, reshuffle_each_iteration=True).batch(8).repeat())
+
+        # What fit(steps_per_epoch=6) with k = 2 sums: before, 2 copies of
+        # some example in every second noisy sum.
+        ids = [batch.numpy() for batch in pipeline(np.arange(24)).take(12)]
+        copies = [np.bincount(np.concatenate(ids[2 * i: 2 * i + 2])).max() for i in range(6)]
+        assert copies == [1, 2, 1, 1, 2, 1]
+        x, y = data[0][:24], data[1][:24]
+        model = private_model(normalize_by=16)
+        with pytest.raises(PrivacyConfigurationError, match=r"repeat.*twice.*Remove \.repeat\(\)"):
+            model.fit(pipeline((x, y)), steps_per_epoch=6, verbose=0,
+                      callbacks=[PrivacyCallback(DELTA, num_examples=24)])
+        assert int(model.optimizer.iterations.numpy()) == 0
+        # Control: the same pipeline without .repeat() trains, one pass an epoch.
+        single = (tf.data.Dataset.from_tensor_slices((x, y))
+                  .shuffle(24, seed=0, reshuffle_each_iteration=True).batch(8))
+        with pytest.warns(UserWarning, match="before the end of an epoch"):
+            model.fit(single, epochs=2, verbose=0,
+                      callbacks=[PrivacyCallback(DELTA, num_examples=24)])
+        assert int(model.optimizer.iterations.numpy()) == 2
+
     def test_a_logical_step_never_spans_two_fit_calls(self, data):
         model = private_model()
         x, y = data
@@ -395,6 +494,41 @@ def _poisson_dataset(schedule, data, steps):
 
 
 class TestSamplerSources:
+    def test_a_map_fn_that_mixes_examples_is_refused(self, data):
+        # Issue 28, case 3: the independence checks looked at the model only.
+        # A map_fn blending each row with its micro-batch's mean trained, and
+        # an added example (10x an ordinary one) moved the clipped sum by
+        # 3.78 C here (5.47 C in the issue, under auto).
+        x, y = data
+
+        def blend(x, y, weights):
+            mean = tf.reduce_sum(x * weights[:, None], 0) / tf.maximum(tf.reduce_sum(weights), 1.0)
+            return x + 4.0 * mean, y, weights
+
+        strategy = tf_megadp.AutoClipping(jit_compile=False)
+        model = private_model()
+        rows = x[:MICRO_BATCH].copy()
+        rows[0] *= 10.0  # the adversary's example
+        with_it = np.ones(MICRO_BATCH, "float32")
+        without = with_it.copy()
+        without[0] = 0.0
+
+        def clipped_sum(weights, clip):
+            inputs, labels, weights = blend(rows * weights[:, None], y[:MICRO_BATCH], weights)
+            result = strategy.clip_and_sum(model, inputs, labels, weights, clip)
+            return np.concatenate([np.ravel(g) for g in result.gradient_sum]), result.norms
+
+        clip = 0.5 * min(float(np.min(clipped_sum(with_it, 1e9)[1])),
+                         float(np.min(clipped_sum(without, 1e9)[1][1:])))
+        moved = np.linalg.norm(clipped_sum(with_it, clip)[0] - clipped_sum(without, clip)[0])
+        assert moved / clip > 3.0
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=BATCH, epochs=1, micro_batch_size=MICRO_BATCH, seed=0)
+        model = private_model(schedule=sampler.schedule)
+        with pytest.raises(PrivacyConfigurationError, match="map_fn of a sampler mixes examples"):
+            model.fit(sampler.as_dataset(blend), callbacks=[PrivacyCallback(DELTA)], verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 0
+
     def test_schedule_phases_are_recorded_with_their_rate_and_truncation(self, data):
         schedule = BatchSizeSchedule([Phase(1, 4, 4), Phase(1, 8, 4, noise_multiplier=2.0)],
                                      num_examples=N, micro_batch_size=MICRO_BATCH)

@@ -598,13 +598,17 @@ class TestUnknownMicroBatchAxis:
         strategy = GhostClipping()
         x, y = sequences(), labels((6, 5))
         strategy.clip_and_sum(model, x, y, None, 1.0)  # creates the traced function
-        step, check = strategy._functions[model]
+        step, check, check_gradients = strategy._functions[model]
         step = step.get_concrete_function(
             tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None,
             tf.TensorSpec([], tf.float64), None, tf.TensorSpec([], tf.int32))
         assert values_xla_must_fold(step.graph) == []
         check = check.get_concrete_function(tf.TensorSpec([None, 5, 4]))
         assert values_xla_must_fold(check.graph) == []
+        check_gradients = check_gradients.get_concrete_function(
+            tf.TensorSpec([None, 5, 4]), tf.TensorSpec([None, 5], tf.int32), None,
+            tf.TensorSpec([2], tf.int64))
+        assert values_xla_must_fold(check_gradients.graph) == []
 
     def test_unknown_batch_axis_gives_the_same_clipping(self):
         model = sequence_model(keras.layers.Dense(4, activation="tanh"),

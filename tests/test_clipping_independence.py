@@ -357,14 +357,14 @@ def test_fit_on_a_mixing_model_raises_the_named_error(clipping, jit_compile):
 
 # -- Once per traced input signature ---------------------------------------------
 
-def _mixes_on_large_inputs_model():
-    """Mixes examples only on a batch whose entries exceed 50: data-dependent."""
+def _mixes_on_large_inputs_model(strength=1.0):
+    """Mixes examples only on a batch with an entry above 50: data-dependent."""
     keras.utils.set_random_seed(0)
     inputs = keras.Input((T, FEATURES))
     hidden = keras.layers.Dense(4, activation="tanh")(inputs)
     large = keras.ops.cast(keras.ops.max(keras.ops.abs(inputs)) > 50.0, "float32")
     hidden = keras.layers.Lambda(
-        lambda h: h[0] - h[1] * keras.ops.mean(h[0], axis=0, keepdims=True),
+        lambda h: h[0] - h[1] * strength * keras.ops.mean(h[0], axis=0, keepdims=True),
         name="mixes_when_large")([hidden, large])
     return keras.Model(inputs, keras.layers.Dense(3)(hidden))
 
@@ -372,13 +372,13 @@ def _mixes_on_large_inputs_model():
 def test_the_check_runs_on_the_first_call_of_each_input_signature():
     model = _mixes_on_large_inputs_model()
     model.compile(loss=LOSS)
-    strategy = GhostClipping()
+    strategy = GhostClipping(recheck_probability=0.0)  # the first-call slots alone
     x, y = sequences(), labels((6, 5))
     strategy.clip_and_sum(model, x, y, None, 1.0)  # checked: passes
     flags = strategy._checked[model].passed
     assert int(tf.reduce_sum(flags)) == 1
-    # Same signature: the check is skipped, so mixing that depends on the
-    # data (not on the traced computation) is not seen again (documented).
+    # Same signature, no random recheck: the check is skipped, so mixing
+    # that depends on the data is not seen (what the rechecks below are for).
     strategy.clip_and_sum(model, 100.0 * x, y, None, 1.0)
     # A new signature (m = 3) is checked on its first call, and refused.
     with pytest.raises(PrivacyConfigurationError, match="mixes examples"):
@@ -412,3 +412,91 @@ def test_each_call_site_of_a_traced_step_has_its_own_flag():
     for _ in range(2):
         assert [int(code) for code in step(x, y)] == [independence.MIXING_OK] * 2
         np.testing.assert_array_equal(strategy._checked[model].passed.numpy()[:3], [1, 1, 0])
+
+
+# -- Issue 28: data-dependent and backward-only mixing ----------------------------
+
+@pytest.mark.parametrize("clipping", ["ghost", "auto"])
+def test_data_dependent_mixing_is_checked_at_the_first_step_of_every_fit(clipping):
+    """Case 4. Before, the check ran once per signature, ever: a model that mixes
+    only on large inputs passed on an ordinary first batch, then trained on
+    large ones unchecked (6.30 C in the issue; 3.23 C below, vectorized 1.00 C)."""
+    import tf_megadp
+
+    model = tf_megadp.make_private(_mixes_on_large_inputs_model())
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
+        clipping=clipping), loss=LOSS)
+    x, y = sequences(), labels((6, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fixed-size batches, not Poisson
+        model.fit(x, y, batch_size=6, verbose=0)
+        with pytest.raises(PrivacyConfigurationError, match="mix"):
+            model.fit(100.0 * x, y, batch_size=6, verbose=0)
+
+
+def test_data_dependent_mixing_is_checked_on_secret_random_calls():
+    model = _mixes_on_large_inputs_model(strength=8.0)
+    model.compile(loss=LOSS)
+    x, y = sequences(), labels((6, 5))
+    # The attack: an ordinary first call; then the adversary's example, with
+    # one input above the threshold, makes the model mix the whole batch.
+    crafted = x.copy()
+    crafted[0, 0, 0] = 60.0
+    without = x.copy()
+    weights = np.ones(y.shape, "float32")
+    without[0], padding = 0.0, weights.copy()
+    padding[0] = 0.0
+    clip = small_clip(model, x, y)
+    unchecked = GhostClipping(recheck_probability=0.0)
+    unchecked.clip_and_sum(model, x, y, weights, clip)
+    moved = np.linalg.norm(
+        _flat(unchecked.clip_and_sum(model, crafted, y, weights, clip).gradient_sum)
+        - _flat(unchecked.clip_and_sum(model, without, y, padding, clip).gradient_sum)) / clip
+    assert moved > 3.0  # what a call no check looks at releases (vectorized: 1.0)
+    always = GhostClipping(recheck_probability=1.0)
+    always.clip_and_sum(model, x, y, weights, clip)
+    with pytest.raises(PrivacyConfigurationError, match="mixes examples"):
+        always.clip_and_sum(model, crafted, y, weights, clip)
+
+
+def test_the_random_recheck_schedule_is_secret_and_has_its_rate():
+    from scipy import stats
+
+    from tf_megadp.clipping.ghost import _CheckedSignatures
+
+    draws = []
+    for _ in range(2):
+        checked = _CheckedSignatures(0.25)
+        checked.passed.assign(tf.ones_like(checked.passed))  # every first check done
+        draws.append([bool(checked.due(0)[1]) for _ in range(400)])
+    assert draws[0] != draws[1]  # each strategy draws its own secret schedule
+    assert stats.binomtest(sum(draws[0]), 400, 0.25).pvalue > 1e-3
+    assert "key" not in repr(checked) and not any(
+        isinstance(v, int) and v > 2**32 for v in vars(checked).values())
+
+
+def backward_mixing_model(k=16.0):
+    """Forward unchanged; backward, k / m of every example's gradient reaches the others."""
+    def mix(h):
+        mean = keras.ops.mean(h, axis=0, keepdims=True)
+        return h + k * (mean - keras.ops.stop_gradient(mean))
+
+    return _mixing_model(keras.layers.Lambda(mix, name="backward_only_mix"))
+
+
+@pytest.mark.parametrize("fallback", ["small", "any"], ids=["ghost", "auto"])
+def test_backward_only_mixing_is_refused_on_the_first_call(fallback):
+    """Case 5. Before, the forward check passed (the outputs are unchanged) and
+    the clipped sum moved by 2.02 C here at k = 16 (1.64 C in the issue). The
+    first call now compares the batched pass's per-example gradient norms
+    with each example's own."""
+    model = backward_mixing_model()
+    model.compile(loss=LOSS)
+    x, y = mixing_batch("batch_mean")
+    with pytest.raises(PrivacyConfigurationError, match="backward pass only"):
+        GhostClipping(fallback=fallback, jit_compile=False).clip_and_sum(model, x, y, None, 1.0)
+    # Control: run alone, every example keeps the bound.
+    clip = small_clip(model, x, y)
+    assert clipped_sum_sensitivity(VectorizedClipping(jit_compile=False), model, x, y,
+                                   clip) <= 1.0 + 1e-4

@@ -311,6 +311,22 @@ def _recovered_sum(update, key, divisor):
 class TestSecrets:
     """Attacks on what a run writes: nothing in a file may remove the noise."""
 
+    def test_vars_of_the_optimizer_show_neither_the_key_nor_the_sums(self):
+        # Before: repr(vars(optimizer)) printed the noise key and the
+        # accumulators (the un-noised sum) with their values.
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), l2_norm_clip=CLIP,
+                                          noise_multiplier=SIGMA)
+        optimizer.build(model.trainable_variables)
+        state = optimizer._in_memory
+        state.accumulators[0].assign(np.full((3, 2), 0.123456, "float32"))
+        shown = repr(vars(optimizer)) + repr(optimizer.__dict__)
+        for word in state.noise_key.numpy():
+            assert str(int(word)) not in shown
+        assert "0.123456" not in shown
+        # Control: the value is really there, in memory.
+        assert np.allclose(state.accumulators[0].numpy(), 0.123456)
+
     def test_no_file_holds_the_noise_key_or_the_clipped_sum(self, tmp_path):
         rng = np.random.default_rng(2)
         x = rng.normal(size=(6, 3)).astype("float32")

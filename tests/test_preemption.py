@@ -16,7 +16,6 @@ again with the same command, under a hard timeout per child.
 """
 
 import json
-import os
 import pathlib
 import signal
 import subprocess

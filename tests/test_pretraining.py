@@ -625,79 +625,134 @@ def as_arrays(element):
     return [np.asarray(x[key]) for key in sorted(x)] + [np.asarray(y), np.asarray(sample_weight)]
 
 
-class TestTheMasksAreAFunctionOfTheSeedAndTheMicroBatch:
-    """The job's masking draws nothing from stateful RNG state.
+def step_keys(sampler):
+    """(logical step, its key) of every micro-batch, as the sampler's pipeline pairs them."""
+    return [(step, sampler._step_key(step)) for step, _ in sampler._micro_batches_by_step()]
 
-    On CI's loaded cores the seeded job's masks changed from run to run
-    (keras-hub's mask generator shuffles each row in parallel loop
-    iterations of one stateful op), so R replicas and one device trained on
-    different masks. The masks of micro-batch k must be a function of the
-    rows, the seed and k alone, however and in whatever order they are
-    computed.
+
+class TestTheMasksAreSecretAndPerExample:
+    """The job's masking: secret, and a function of the example, never of its row.
+
+    Before (issue 28, case 1), the masks were keyed by (--seed, micro-batch
+    index), --seed printed in report.json, and applied by row: adding one
+    example moved every later example of the sorted draw to another row,
+    with other masks, and the un-noised clipped sum by 3.7 C on the tiny
+    BERT below (5.6 C in the issue), accounted as C. Now each row's masks
+    are keyed by the secret key of its logical step (from the sampler's OS
+    entropy) and the row's own content; nothing public reaches them.
     """
 
-    def test_the_pipeline_masks_each_micro_batch_as_a_lone_call_with_its_index(
+    def test_adding_one_example_anywhere_moves_the_clipped_sum_by_at_most_c(
+            self, masking_shards):
+        import keras
+        import tensorflow as tf
+
+        from tests import reference
+        from tf_megadp.clipping import AutoClipping
+        from tf_megadp.jobs.bert.text import MaskedLMBatcher
+
+        rows = masking_shards.read(np.arange(9)).astype(np.int32)
+        added, rows = rows[0], rows[1:]  # the adversary's example, the others' draw
+        batcher = MaskedLMBatcher.from_shards(masking_shards)
+        key = tf.constant([11, 12], tf.int64)  # the step's key: the same for D and D'
+        model = reference.tiny_bert(MASKING_VOCABULARY, MASKING_LENGTH)
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        strategy = AutoClipping(jit_compile=False)  # no XLA compilation: a tiny model
+        mask = tf.function(lambda batch, weights: batcher(batch, weights, key=key))
+        slots = len(rows) + 1
+
+        def clipped_sum(batch, weights, clip):
+            result = strategy.clip_and_sum(model, *mask(batch, weights), clip)
+            flat = np.concatenate([np.ravel(g) for g in result.gradient_sum if g is not None])
+            return flat, result.norms.numpy()
+
+        without = np.zeros((slots, MASKING_LENGTH), np.int32)
+        without[:len(rows)] = rows
+        padded = np.r_[np.ones(len(rows)), 0.0].astype(np.float32)
+        # C below every example's norm: every example adds a vector of norm C.
+        clip = 0.5 * float(clipped_sum(without, padded, 1e9)[1][:len(rows)].min())
+        base, _ = clipped_sum(without, padded, clip)
+        moved = []
+        for position in range(len(rows) + 1):
+            with_added = np.insert(rows, position, added, axis=0)
+            total, _ = clipped_sum(with_added, np.ones(slots, np.float32), clip)
+            moved.append(np.linalg.norm(total - base) / clip)
+        np.testing.assert_allclose(moved, 1.0, atol=1e-3)
+
+    def test_the_pipeline_masks_each_micro_batch_as_a_lone_call_with_its_steps_key(
             self, masking_shards):
         from tf_megadp.jobs.bert.text import MaskedLMBatcher
 
         schedule = masking_schedule(masking_shards)
-        batcher = MaskedLMBatcher.from_shards(masking_shards, seed=5)
+        batcher = MaskedLMBatcher.from_shards(masking_shards)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # seeded sampling: a test
             pipeline = [as_arrays(e) for e in sampling.PoissonSampler(
                 masking_shards, schedule, seed=9).as_dataset(batcher, parallel_map=True)]
             raw = list(sampling.PoissonSampler(masking_shards, schedule, seed=9).micro_batches())
-        assert len(pipeline) == len(raw) == sum(
+            keys = step_keys(sampling.PoissonSampler(masking_shards, schedule, seed=9))
+        assert len(pipeline) == len(raw) == len(keys) == sum(
             phase.steps * phase.accumulation_steps for phase in schedule.phases)
+        # Every micro-batch of a step has the step's key; steps have their own.
+        assert len({tuple(key) for _, key in keys}) == schedule.total_steps
         # Eagerly, one call per micro-batch, last first: no shared state, no order.
         for index in reversed(range(len(raw))):
             rows, weights = raw[index]
-            alone = as_arrays(batcher(rows, weights, micro_batch=index))
+            alone = as_arrays(batcher(rows, weights, key=keys[index][1]))
             for got, expected in zip(pipeline[index], alone):
                 np.testing.assert_array_equal(got, expected)
 
-    def test_the_seed_and_the_index_both_change_the_masks(self, masking_shards):
+    def test_the_key_and_the_content_change_the_masks_the_position_does_not(
+            self, masking_shards):
         from tf_megadp.jobs.bert.text import MaskedLMBatcher
 
         rows = masking_shards.read(np.arange(64)).astype(np.int32)
         weights = np.ones(len(rows), np.float32)
+        batcher = MaskedLMBatcher.from_shards(masking_shards)
 
-        def positions(seed, index):
-            x, _, _ = MaskedLMBatcher.from_shards(masking_shards, seed=seed)(
-                rows, weights, micro_batch=index)
-            return x["mask_positions"].numpy()
+        def masked(key, rows=rows):
+            x, _, _ = batcher(rows, weights, key=np.array(key, np.int64))
+            return x["token_ids"].numpy(), x["mask_positions"].numpy()
 
-        np.testing.assert_array_equal(positions(5, 3), positions(5, 3))
-        assert not np.array_equal(positions(5, 3), positions(5, 4))
-        assert not np.array_equal(positions(5, 3), positions(6, 3))
+        tokens, positions = masked([5, 3])
+        np.testing.assert_array_equal(masked([5, 3])[1], positions)
+        assert not np.array_equal(masked([5, 4])[1], positions)
+        assert not np.array_equal(masked([6, 3])[1], positions)
+        # Rows rolled by 7: every example keeps its own masks at its new row.
+        rolled_tokens, rolled_positions = masked([5, 3], np.roll(rows, 7, axis=0))
+        np.testing.assert_array_equal(rolled_positions, np.roll(positions, 7, axis=0))
+        np.testing.assert_array_equal(rolled_tokens, np.roll(tokens, 7, axis=0))
 
-    def test_a_resumed_sampler_continues_the_micro_batch_index(self, masking_shards):
+    def test_step_keys_are_secret_and_a_function_of_the_secret_and_the_step(
+            self, masking_shards):
         schedule = masking_schedule(masking_shards)
-
-        def index_of(rows, weights, *, micro_batch):
-            return micro_batch
-
+        fresh = [step_keys(sampling.PoissonSampler(masking_shards, schedule)) for _ in range(2)]
+        assert all(not np.array_equal(a[1], b[1]) for a, b in zip(*fresh))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            done = sampling.PoissonSampler(masking_shards, schedule, seed=1, end_step=3)
-            resumed = sampling.PoissonSampler(masking_shards, schedule, seed=1, start_step=3)
-        indices = [int(i) for i in resumed.as_dataset(index_of)]
-        first = done.total_micro_steps  # micro-batches of steps 0, 1, 2
-        assert indices == list(range(first, first + resumed.total_micro_steps))
+            whole = dict((step, tuple(key)) for step, key in step_keys(
+                sampling.PoissonSampler(masking_shards, schedule, seed=1)))
+            resumed = dict((step, tuple(key)) for step, key in step_keys(
+                sampling.PoissonSampler(masking_shards, schedule, seed=1, start_step=3)))
+        assert resumed == {step: key for step, key in whole.items() if step >= 3}
 
     def test_selection_is_a_uniform_subset_and_other_tokens_are_untouched(self, masking_shards):
+        import tensorflow as tf
         from scipy import stats
 
         from tf_megadp.jobs.bert.text import MaskedLMBatcher
 
         # [CLS] ten real tokens [SEP] [PAD]...: ceil(0.15 * 10) = 2 of the ten.
-        row = np.zeros(MASKING_LENGTH, np.int32)
-        row[0], row[1:11], row[11] = 1, np.arange(10, 20), 2
-        rows, weights = np.tile(row, (64, 1)), np.ones(64, np.float32)
-        batcher = MaskedLMBatcher.from_shards(masking_shards, seed=0)
+        # Each row's tokens differ (equal rows get equal masks by design).
+        rows = np.zeros((64, MASKING_LENGTH), np.int32)
+        rows[:, 0], rows[:, 11] = 1, 2
+        rows[:, 1:11] = 10 + (np.arange(10)[None, :] + np.arange(64)[:, None]) % 150
+        weights = np.ones(64, np.float32)
+        batcher = MaskedLMBatcher.from_shards(masking_shards)
+        mask = tf.function(lambda key: batcher(rows, weights, key=key))
         counts = np.zeros(MASKING_LENGTH)
         for index in range(40):
-            x, y, sample_weight = batcher(rows, weights, micro_batch=index)
+            x, y, sample_weight = mask(tf.constant([0, index], tf.int64))
             x, y = {key: np.asarray(value) for key, value in x.items()}, np.asarray(y)
             positions, selected = x["mask_positions"], np.asarray(sample_weight) == 1
             assert np.all(selected.sum(axis=1) == 2) and np.all(selected[:, :2])

@@ -223,6 +223,54 @@ class TestAccumulation:
         assert len(distinct) > 1, "identical examples got identical dropout masks"
 
 
+def dropout_clipped_sum(x, y, sample_weight, clipping, seed=None, clip=0.05):
+    """The un-noised clipped sum of one private step of a fresh Dropout model.
+
+    Built after `keras.utils.set_random_seed(0)`, as an adversary who knows
+    the code and its public seed would rebuild it.
+    """
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input(x.shape[1:])
+    hidden = keras.layers.Dropout(0.5)(keras.layers.Dense(8, activation="tanh")(inputs))
+    model = tf_megadp.make_private(keras.Model(inputs, keras.layers.Dense(3)(hidden)))
+    strategy = {"auto": tf_megadp.AutoClipping, "vectorized": tf_megadp.VectorizedClipping}[
+        clipping](jit_compile=False)  # a tiny dense model: no XLA compilation to wait for
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=clip, noise_multiplier=0.0, normalize_by=1.0,
+        clipping=strategy, seed=seed), loss=LOSS)
+    before = reference.weights(model)
+    model.fit(x, y, sample_weight=sample_weight, batch_size=len(x), shuffle=False, verbose=0)
+    return np.concatenate([np.ravel(b - a) for b, a in zip(before, reference.weights(model))])
+
+
+@pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
+@pytest.mark.filterwarnings("ignore:arrays passed to fit")
+@pytest.mark.parametrize("clipping", ["auto", "vectorized"])
+def test_dropout_masks_are_secret_not_a_function_of_the_public_seed(clipping):
+    """Issue 28, case 1 for library models.
+
+    Before, Dropout drew its masks from seed-generator states that
+    `keras.utils.set_random_seed` fixes (and model files hold): the
+    adversary replayed the private step exactly (error 0.0 C) and so knew
+    that adding one example at row 0 of 8 moved the clipped sum by 2.8 C
+    (every later example got another row's mask). Now every draw of the
+    private step is keyed by a secret in-memory key: the replay misses the
+    run by about 3 C, and since the secret masks are i.i.d. across rows,
+    coupling each example with its own mask bounds the sensitivity by C.
+    """
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 5, 4)).astype("float32")
+    y = rng.integers(0, 3, (8, 5)).astype("int32")
+    weights = np.ones((8, 5), "float32")
+    run = dropout_clipped_sum(x, y, weights, clipping)
+    replay = dropout_clipped_sum(x, y, weights, clipping)
+    assert np.linalg.norm(run - replay) / 0.05 > 1.0
+    # Control: a test-only seed (marked "seeded noise: not for release")
+    # makes the masks reproducible, so the comparison can see equal runs.
+    seeded = [dropout_clipped_sum(x, y, weights, clipping, seed=5) for _ in range(2)]
+    np.testing.assert_array_equal(*seeded)
+
+
 class TestFailClosed:
     def test_batch_normalization_is_rejected(self):
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
@@ -298,7 +346,6 @@ def test_make_private_with_epsilon_spends_the_target_over_the_samplers_run():
     import dp_accounting
     from dp_accounting import rdp
 
-    rng = np.random.default_rng(0)
     x, y = dense_data(n=64)
     sampler = tf_megadp.PoissonSampler.from_arrays(
         x, y, batch_size=16, epochs=2, micro_batch_size=8)

@@ -19,6 +19,7 @@ Two callbacks share the work:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -47,7 +48,8 @@ from tf_megadp.optimizer import (
 from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
 
 __all__ = [
-    "LedgerKeeper", "PrivacyCallback", "model_ledger", "read_ledger", "RELEASED_OUTSIDE_EPSILON",
+    "EVALUATION_METRICS", "LedgerKeeper", "PrivacyCallback", "model_ledger", "read_ledger",
+    "RELEASED_OUTSIDE_EPSILON", "run_notes", "weights_digest",
 ]
 
 # What a private Keras run publishes that epsilon does not cover.
@@ -57,6 +59,14 @@ RELEASED_OUTSIDE_EPSILON = (
     "nonfinite_examples, when make_private(log_nonfinite_examples=True)",
     "step timings and the number of steps taken",
     "truncated-step counts of the Poisson sampler",
+)
+
+# Released by a run that evaluates: validation during fit, model.evaluate.
+EVALUATION_METRICS = (
+    "validation and evaluation metrics (val_loss and val_<metric> in logs, History, "
+    "CSV and TensorBoard; what model.evaluate returns): exact statistics of the "
+    "evaluated data, computed outside the DP step, so not covered by epsilon unless "
+    "that data is public"
 )
 
 _FIXED_SIZE_WARNING = (
@@ -131,6 +141,84 @@ def _dp_optimizer(model) -> DPOptimizer:
     return optimizer
 
 
+class _RunNotes:
+    """What a private model's runs did outside the noisy steps, kept on the model in memory.
+
+    A plain object (not trackable), so Keras saving never writes it.
+
+    Attributes:
+        released: items added to the report's `released_outside_epsilon`
+            (e.g. `EVALUATION_METRICS` once the model was evaluated).
+        weights_digest: digest of the trainable weights at the end of the
+            last private `fit` (None before the first one).
+        in_fit: a private `fit` is running (its steps change the weights).
+        weights_changed: the trainable weights changed between private
+            `fit` calls, outside any private step (a non-private model
+            sharing a layer, `set_weights`, ...): sticky, the run is marked.
+    """
+
+    def __init__(self):
+        self.released: list[str] = []
+        self.weights_digest: bytes | None = None
+        self.in_fit = False
+        self.weights_changed = False
+
+    def begin_fit(self, model) -> None:
+        """A private fit starts: compares the weights with the last one's end."""
+        self.check_weights(model)
+        self.in_fit = True
+
+    def end_fit(self, model) -> None:
+        """A private fit ended (also by an error): its steps changed the weights."""
+        self.in_fit = False
+        self.weights_digest = weights_digest(model)
+
+    def check_weights(self, model, warn: bool = True) -> bool:
+        """Whether the weights changed outside the private steps (now or before).
+
+        Args:
+            model: the private model.
+            warn: warn (loudly) when they did.
+        """
+        if not (self.in_fit or self.weights_digest is None or self.weights_changed):
+            self.weights_changed = weights_digest(model) != self.weights_digest
+        if self.weights_changed and warn:
+            warnings.warn(_WEIGHTS_CHANGED_WARNING, UserWarning, stacklevel=3)
+        return self.weights_changed
+
+    def release(self, item: str) -> None:
+        """Records that the run published `item`, outside epsilon."""
+        if item not in self.released:
+            self.released.append(item)
+
+
+_WEIGHTS_CHANGED_WARNING = (
+    "The trainable weights of this private model changed since its last private fit, "
+    "outside any private step (e.g. a non-private model sharing a layer was trained, "
+    "or set_weights/load_weights). Epsilon does NOT cover that change: if it was "
+    "computed from the private data, the model is not differentially private. The "
+    "privacy report marks the run (weights_changed_outside_private_steps)."
+)
+
+
+def weights_digest(model) -> bytes:
+    """A digest of every trainable weight's value (exact: any changed bit changes it)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for variable in model.trainable_variables:
+        digest.update(variable.path.encode())
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable)).tobytes())
+    return digest.digest()
+
+
+def run_notes(model) -> _RunNotes:
+    """The `_RunNotes` of a private model (created on first use)."""
+    notes = getattr(model, "_tf_megadp_run_notes", None)
+    if notes is None:
+        notes = _RunNotes()
+        model._tf_megadp_run_notes = notes
+    return notes
+
+
 class LedgerKeeper(keras.callbacks.Callback):
     """Records every applied logical step in the privacy ledger; added by `fit`.
 
@@ -154,6 +242,8 @@ class LedgerKeeper(keras.callbacks.Callback):
             epochs`, as for a run that `keras.callbacks.BackupAndRestore`
             restored at its end): an exhausted or empty sampler is then no
             error.
+        validation: `fit` was given validation data (its metrics are
+            released outside epsilon).
     """
 
     def __init__(
@@ -164,10 +254,12 @@ class LedgerKeeper(keras.callbacks.Callback):
         require_poisson_sampling: bool = False,
         micro_batch_size: int | None = None,
         nothing_to_train: bool = False,
+        validation: bool = False,
     ):
         super().__init__()
         self.source = source
         self.nothing_to_train = nothing_to_train
+        self.validation = validation
         self.stated_num_examples = stated_num_examples
         self.require_poisson_sampling = require_poisson_sampling
         self.micro_batch_size = micro_batch_size
@@ -261,6 +353,10 @@ class LedgerKeeper(keras.callbacks.Callback):
         self._check_consistent(optimizer)
         self._batches = 0
         self.model._tf_megadp_keeper = self
+        notes = run_notes(self.model)
+        notes.begin_fit(self.model)
+        if self.validation:
+            notes.release(EVALUATION_METRICS)
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
@@ -276,6 +372,8 @@ class LedgerKeeper(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self.drain()
         self._end_partial_step("a fit call")
+        # After Keras's finalize (an EMA average is in the weights by now).
+        run_notes(self.model).end_fit(self.model)
         if (self.sampling == "poisson" and not self._batches and not self.model.stop_training
                 and not self.nothing_to_train):
             raise PrivacyConfigurationError(
@@ -618,8 +716,14 @@ class PrivacyCallback(keras.callbacks.Callback):
         report["data"] = data
         report["num_examples_measured"] = data["num_examples_measured"]
         report["seeded_noise"] = optimizer.seeded_noise
-        report["released_outside_epsilon"] = list(RELEASED_OUTSIDE_EPSILON)
+        run = run_notes(self.model)
+        report["released_outside_epsilon"] = list(RELEASED_OUTSIDE_EPSILON) + run.released
+        report["weights_changed_outside_private_steps"] = run.check_weights(self.model, warn=False)
         notes = report["warnings"]
+        if report["weights_changed_outside_private_steps"]:
+            notes.append("trainable weights changed outside the private steps (between "
+                         "private fits): that change is NOT covered by epsilon; not for "
+                         "release unless it came from public data only.")
         if _number(optimizer.noiseless_steps):
             report["epsilon"] = math.inf
             notes.append(f"{_number(optimizer.noiseless_steps)} logical steps had no "

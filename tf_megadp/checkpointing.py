@@ -153,7 +153,9 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
 
     The file holds no optimizer variables, no compile configuration (so no
     clipping, noise or seed settings) and no training state; it is what a
-    DP run may publish. Written atomically.
+    DP run may publish. Written atomically. A private model whose trainable
+    weights changed outside its private steps (between private fits) is
+    written with a loud warning: epsilon does not cover that change.
 
     Args:
         model: the trained model.
@@ -169,6 +171,11 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     if not path.endswith(".keras"):
         raise ValueError(f"export_model writes a .keras file, got {path!r}.")
+    from tf_megadp.callbacks import run_notes
+    from tf_megadp.train_step import is_private
+
+    if is_private(model):
+        run_notes(model).check_weights(model)  # warns when they changed
     optimizer = getattr(model, "optimizer", None)
     compiled = getattr(model, "compiled", False)
     try:

@@ -358,9 +358,10 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--cpu-replicas", type=int, metavar="R", default=hidden,
                      help="with --strategy mirrored: split the CPU into R logical devices")
     run.add_argument("--seed", type=int, default=hidden,
-                     help="seeds model initialisation, masking, the held-out split and "
-                          "canaries (all public); never the Poisson sampling or the DP "
-                          "noise, which come from secret OS entropy")
+                     help="seeds model initialisation, the held-out split and its masks, "
+                          "and canaries (all public); never the Poisson sampling, the "
+                          "training masks, dropout or the DP noise, which come from secret "
+                          "OS entropy")
     run.add_argument("--cache-dir", default=hidden, help="where prepared corpora are kept")
 
 

@@ -89,14 +89,19 @@ def accumulation_dtype(variable_dtype) -> str:
     return "float64" if keras.backend.standardize_dtype(variable_dtype) == "float64" else "float32"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class _InMemoryState:
     """Optimizer state that must never reach a file.
 
     A plain object, not a Keras or TensorFlow trackable: neither Keras saving
     (which walks `optimizer.variables`) nor `tf.train.Checkpoint` (which walks
-    trackable attributes) can see through it.
+    trackable attributes) can see through it. Its repr shows no value, so
+    that `vars(optimizer)`, which debuggers and experiment trackers print,
+    shows neither the noise key nor an un-noised sum.
     """
+
+    def __repr__(self) -> str:
+        return "<DPOptimizer in-memory state: noise key and accumulators, not shown>"
 
     noise_key: Any = None
     accumulators: list = dataclasses.field(default_factory=list)

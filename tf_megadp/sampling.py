@@ -19,8 +19,8 @@ The schedule sizes capacity so that this almost never happens; when it does,
 the sampler counts it and warns.
 
 The DP guarantee holds only while the draws stay secret, so every sampler
-takes its randomness from OS entropy by default and keeps it in a private
-attribute only; an explicit `seed=` warns and marks the run as seeded, and
+takes its randomness from OS entropy by default and keeps it in memory only
+(a `tf_megadp.secret.Secret`, which no `vars()`, repr or pickle shows); an explicit `seed=` warns and marks the run as seeded, and
 `shared_secret=` lets several hosts draw the same steps. Every dataset a
 sampler returns carries its `tf_megadp.sources.DataSource`.
 
@@ -52,7 +52,9 @@ import numpy as np
 
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
+from tf_megadp.map_independence import checked_map
 from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.secret import Secret
 from tf_megadp.sources import DataSource, attach_source
 
 __all__ = [
@@ -592,6 +594,15 @@ def _refuse_batched(records: Any) -> None:
         )
 
 
+def _takes_keyword_only(function: Callable[..., Any], name: str) -> bool:
+    """Whether `function` has a keyword-only parameter `name`."""
+    try:
+        parameter = inspect.signature(function).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
 def _tensor_spec(shape: tuple[int, ...], dtype: np.dtype):
     import tensorflow as tf
 
@@ -713,10 +724,10 @@ class _Sampler(abc.ABC):
         self.micro_batch_rows = schedule.micro_batch_size * schedule.num_replicas
         self._consumed = False
         entropy, self.seeded = _sampling_entropy(seed, shared_secret)
-        # The only copy of the sampling randomness: private (name-mangled),
-        # never in repr, pickles or the DataSource. Set last, so that no
+        # The only copy of the sampling randomness, in a holder that neither
+        # vars(), repr, pickles nor the DataSource show. Set last, so that no
         # traceback of a failed constructor has it in a frame's locals.
-        self.__entropy = entropy
+        self._entropy = Secret(entropy)
 
     @classmethod
     def from_arrays(
@@ -883,7 +894,7 @@ class _Sampler(abc.ABC):
         # One independent stream per (kind of draw, step): the draws of a step
         # depend only on (entropy, step), so hosts sharing a secret draw the
         # same steps, and drawing a step twice gives the same examples.
-        sequence = np.random.SeedSequence(self.__entropy, spawn_key=key)
+        sequence = np.random.SeedSequence(self._entropy.value, spawn_key=key)
         return np.random.Generator(np.random.PCG64(sequence))
 
     def __reduce_ex__(self, protocol):
@@ -968,6 +979,11 @@ class _Sampler(abc.ABC):
         A sampler can be consumed once: replaying its draws would reuse the
         same random batches, which the accountant does not cover.
         """
+        for _, element in self._micro_batches_by_step():
+            yield element
+
+    def _micro_batches_by_step(self) -> Iterator[tuple[int, Any]]:
+        """(logical step, micro-batch) for every micro-batch, consuming the sampler."""
         if self._consumed:
             raise RuntimeError(
                 "This sampler's batches were already consumed. Create a new sampler "
@@ -977,7 +993,33 @@ class _Sampler(abc.ABC):
             )
         self._consumed = True
         for step in range(self.start_step, self.end_step):
-            yield from self.step_micro_batches(self.draw(step))
+            for element in self.step_micro_batches(self.draw(step)):
+                yield step, element
+
+    def _pipeline_elements(self) -> Iterator[tuple[Any, np.ndarray, bool]]:
+        """Every micro-batch, with its step's key and whether the `map_fn` check runs on it.
+
+        The check runs on the first micro-batch of the dataset and on each
+        later one with the model check's `RECHECK_PROBABILITY`, decided by
+        the sampler's secret: no example can time its mixing to unchecked
+        ones.
+        """
+        from tf_megadp.clipping.independence import RECHECK_PROBABILITY
+
+        step = key = choices = None
+        for position, (current, element) in enumerate(self._micro_batches_by_step()):
+            if current != step:
+                step, key, choices = current, self._step_key(current), self._rng(3, current)
+            yield element, key, position == 0 or choices.random() < RECHECK_PROBABILITY
+
+    def _step_key(self, step: int) -> np.ndarray:
+        """The key of logical step `step` for a `map_fn`'s stateless draws: int64 [2].
+
+        Drawn from the sampler's secret (its own stream, independent of the
+        draws), so a `map_fn`'s randomness is as secret as the sampling and,
+        like the draws, the same on every host sharing the secret.
+        """
+        return self._rng(2, step).integers(0, 2**63, size=2, dtype=np.int64)
 
     def as_dataset(
         self,
@@ -999,11 +1041,18 @@ class _Sampler(abc.ABC):
                 rows, which returns `(x, y, sample_weight)`. Without it,
                 token shards give `(rows int32 [M, L], weights float32 [M])`
                 and arrays/records give `(x, y, sample_weight)`.
-                A `map_fn` with a keyword-only parameter `micro_batch` (as
-                `MaskedLMBatcher`) is also passed each micro-batch's index in
-                the run (0 at logical step 0, counted across `start_step`),
-                to key stateless random draws by: its results then depend
-                on neither thread timing nor the order the calls run in.
+                A `map_fn` that draws random numbers (masking, augmentation)
+                takes a keyword-only parameter `key` (as `MaskedLMBatcher`):
+                it is passed the secret key of each micro-batch's logical
+                step, int64 [2], drawn from the sampler's own secret (OS
+                entropy; reproducible only for a seeded sampler, which the
+                report marks), the same for every micro-batch of the step.
+                Draw with stateless ops keyed by it and by the example's own
+                content (e.g. `tf.fingerprint` of its row), never by its
+                position: then an example's randomness does not depend on
+                the others, the results depend on neither thread timing nor
+                the order the calls run in, and nothing public (a
+                `keras.utils.set_random_seed` seed) predicts them.
             parallel_map: run `map_fn` on several micro-batches at once.
                 Only for a `map_fn` without stateful random ops: those hand
                 out their numbers in the order the calls happen to run, so
@@ -1029,26 +1078,25 @@ class _Sampler(abc.ABC):
             [_tensor_spec((rows, *shape), dtype) for shape, dtype in self._store.leaves],
             tf.TensorSpec([rows], tf.float32),
         )
-        dataset = tf.data.Dataset.from_generator(self.micro_batches, output_signature=signature)
+        if map_fn is None:
+            dataset = tf.data.Dataset.from_generator(self.micro_batches,
+                                                     output_signature=signature)
+        else:
+            # The key and the check flag ride along each element as data,
+            # never as constants of the dataset graph, so each micro-batch
+            # gets its own however the map is scheduled.
+            dataset = tf.data.Dataset.from_generator(
+                self._pipeline_elements,
+                output_signature=(signature, tf.TensorSpec([2], tf.int64),
+                                  tf.TensorSpec([], tf.bool)))
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
         if map_fn is not None:
-            try:
-                parameter = inspect.signature(map_fn).parameters.get("micro_batch")
-            except (TypeError, ValueError):  # no signature to read: it takes no index
-                parameter = None
-            keyed = parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
-            if keyed:
-                # The index rides along each element (zip keeps the order), so a
-                # keyed map_fn sees the same index for a micro-batch however
-                # the map is scheduled.
-                first = self._micro_steps(0, self.start_step)
-                indices = tf.data.Dataset.range(first, first + self.total_micro_steps)
-                dataset = tf.data.Dataset.zip((dataset, indices))
+            keyed = _takes_keyword_only(map_fn, "key")
 
-            def with_index(element, index):
-                return map_fn(*element, micro_batch=index)
+            def call(element, key):
+                return map_fn(*element, key=key) if keyed else map_fn(*element)
 
-            function = with_index if keyed else map_fn
+            function = checked_map(call, rows)
             if parallel_map:
                 dataset = dataset.map(function, num_parallel_calls=tf.data.AUTOTUNE,
                                       deterministic=True)
@@ -1099,8 +1147,8 @@ class PoissonSampler(_Sampler):
     (`from_arrays`) and indexable collections of examples (`from_records`).
 
     Randomness is secret by default: 128 bits of OS entropy, held only in a
-    private attribute (never in a public attribute, the repr, a pickle or the
-    `DataSource`). The DP guarantee holds only while the draws stay secret.
+    `tf_megadp.secret.Secret` (never in an attribute `vars()` shows, the repr,
+    a pickle or the `DataSource`). The DP guarantee holds only while the draws stay secret.
     `seed=` makes the draws reproducible, for tests and debugging: it warns,
     and the privacy report marks the run as seeded. Several hosts that must
     draw the same steps pass the same `shared_secret` (drawn from OS entropy

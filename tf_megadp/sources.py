@@ -33,8 +33,8 @@ from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.schedules import BatchSizeSchedule
 
 __all__ = [
-    "DataSource", "attach_source", "mark_distributed", "resumed_at", "source_of",
-    "FIXED_SIZE_SAMPLING",
+    "DataSource", "attach_source", "mark_distributed", "refuse_repeated", "resumed_at",
+    "source_of", "FIXED_SIZE_SAMPLING",
 ]
 
 # The accountant's code for batches that no tf_megadp sampler drew.
@@ -195,16 +195,8 @@ def source_of(data) -> DataSource | None:
     source = getattr(data, _ATTRIBUTE, None)
     if source is not None:
         return source
-    serialize = getattr(data, "_as_serialized_graph", None)
-    if serialize is None:
-        return None
-    import tensorflow as tf
-
-    try:
-        graph = serialize(
-            external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN
-        ).numpy()
-    except (tf.errors.OpError, ValueError, TypeError):
+    graph = _serialized_graph(data)
+    if graph is None:
         return None
     if _MARKER_PREFIX.encode() in graph:
         raise PrivacyConfigurationError(
@@ -215,3 +207,54 @@ def source_of(data) -> DataSource | None:
             "put per-micro-batch processing into its map_fn."
         )
     return None
+
+
+def refuse_repeated(data) -> None:
+    """Refuses a dataset that no sampler drew and that repeats its data.
+
+    After `.repeat()` a pass over the data ends inside a logical step (k
+    micro-batches) or inside one batch, whatever `steps_per_epoch` says, so
+    one noisy sum can hold an example twice: `shuffle(...).batch(8).repeat()`,
+    three batches a pass, k = 2, gave copies per noisy sum [1, 2, 1, 1, 2, 1].
+    Without `repeat`, every `fit` epoch is one pass and the private `fit`
+    ends a partial logical step at each epoch's end.
+
+    Args:
+        data: what is passed to `fit` as `x`.
+
+    Raises:
+        PrivacyConfigurationError: the dataset's graph holds a `RepeatDataset`.
+    """
+    graph = _serialized_graph(data)
+    if graph is None:
+        return
+    import tensorflow as tf
+
+    definition = tf.compat.v1.GraphDef.FromString(graph)
+    nodes = list(definition.node)
+    for function in definition.library.function:
+        nodes += list(function.node_def)
+    if any(node.op == "RepeatDataset" for node in nodes):
+        raise PrivacyConfigurationError(
+            "This dataset repeats its data (.repeat()): a pass over the data then ends "
+            "inside a logical step or a batch, so one noisy sum can hold an example "
+            "twice. Remove .repeat() and set fit(epochs=...): every epoch is then one "
+            "pass, and the private fit ends a partial logical step at each epoch's end. "
+            "Or feed a tf_megadp sampler's dataset (PoissonSampler.from_arrays(...)"
+            ".as_dataset())."
+        )
+
+
+def _serialized_graph(data) -> bytes | None:
+    """The serialized graph of a `tf.data.Dataset` (None for anything else)."""
+    serialize = getattr(data, "_as_serialized_graph", None)
+    if serialize is None:
+        return None
+    import tensorflow as tf
+
+    try:
+        return serialize(
+            external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN
+        ).numpy()
+    except (tf.errors.OpError, ValueError, TypeError):
+        return None

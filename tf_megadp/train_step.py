@@ -2,7 +2,9 @@
 
 It replaces the model's `train_step` with the DP step: per-example losses,
 clipped per-example gradients, accumulation into the `DPOptimizer`. The
-model's class, weights, `evaluate`, `predict` and saving are untouched.
+model's class, weights, `predict` and saving are untouched; `fit` keeps the
+privacy ledger, and `evaluate` (which `fit` also runs on validation data)
+notes for the privacy report that its metrics were released outside epsilon.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import os
 import warnings
 
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tf_megadp import distribute, preemption, sources
-from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
-from tf_megadp.clipping import independence
+from tf_megadp import distribute, map_independence, preemption, sources
+from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
+from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write
@@ -113,6 +116,7 @@ def make_private(
         _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
     if not is_private(model):
         model.fit = _private_fit(model, type(model).fit.__get__(model))
+        model.evaluate = _noted_evaluate(model, type(model).evaluate.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
         model.save_weights = _atomic_save(type(model).save_weights.__get__(model))
@@ -223,12 +227,20 @@ def _private_fit(model: keras.Model, original_fit):
             require_poisson_sampling=model._tf_megadp_require_poisson,
             micro_batch_size=_array_micro_batch_size(arguments),
             nothing_to_train=arguments.get("initial_epoch", 0) >= arguments.get("epochs", 1),
+            validation=(arguments.get("validation_data") is not None
+                        or bool(arguments.get("validation_split"))),
         )
         # First, so that every other callback sees the ledger it kept. The
         # mixing guard raises when a step compiled whole with XLA (whose
         # assertions are dropped) reports that its batched forward pass mixed
         # examples.
         arguments["callbacks"] = [keeper, independence.RefuseMixingCallback()] + callbacks
+        notes = run_notes(model)
+        # The first step of every fit checks independence again, forward and
+        # backward: mixing that depends on the data shows on new data.
+        reset = getattr(getattr(model.optimizer, "clipping_strategy", None), "reset_checks", None)
+        if reset is not None:
+            reset(model)
         try:
             with warnings.catch_warnings():
                 if ran_out:
@@ -236,13 +248,18 @@ def _private_fit(model: keras.Model, original_fit):
                     warnings.filterwarnings("ignore", message="Your input ran out of data")
                 return original_fit(**arguments)
         except tf.errors.InvalidArgumentError as error:
-            # The clipping strategy's in-graph independence assertion.
+            # The independence assertions: the clipping strategy's in the
+            # step, the sampler's on its map_fn in the input pipeline.
             strategy = getattr(model.optimizer, "clipping_strategy", None)
-            converted = independence.error_from_assertion(
+            converted = (independence.error_from_assertion(
                 model, error, getattr(strategy, "name", "ghost"))
+                or map_independence.error_from_assertion(error))
             if converted is None:
                 raise
             raise converted from None
+        finally:
+            if notes.in_fit:  # fit raised: Keras skipped on_train_end
+                notes.end_fit(model)
 
     return fit
 
@@ -286,6 +303,22 @@ def _restore_backup(model, arguments, callbacks, source):
     elif steps_per_epoch:
         arguments["initial_epoch"] = consumed // steps_per_epoch
     return callbacks, bool(steps_per_epoch and consumed % steps_per_epoch)
+
+
+def _noted_evaluate(model: keras.Model, original_evaluate):
+    """`evaluate` that notes, for the privacy report, that its metrics were released.
+
+    Keras's `fit` evaluates its validation data through `model.evaluate`
+    too. Whatever data is evaluated, its metrics are exact statistics
+    computed outside the DP step.
+    """
+
+    @functools.wraps(original_evaluate)
+    def evaluate(*args, **kwargs):
+        run_notes(model).release(EVALUATION_METRICS)
+        return original_evaluate(*args, **kwargs)
+
+    return evaluate
 
 
 def _saved_dp_optimizer_variables(path) -> int:
@@ -441,6 +474,8 @@ def _fit_source(arguments) -> sources.DataSource | None:
     """What `fit` is fed, measured where it can be (see `tf_megadp.sources`)."""
     x = arguments.get("x")
     source = sources.source_of(x)
+    if source is None:
+        sources.refuse_repeated(x)
     if source is not None or not _is_array_input(x):
         return source
     rows = int(tf.nest.flatten(x)[0].shape[0])
@@ -448,15 +483,71 @@ def _fit_source(arguments) -> sources.DataSource | None:
     if split:
         # Keras trains on the first floor(N * (1 - split)) rows.
         rows = int(math.floor(rows * (1.0 - split)))
+    examples = _distinct_real_examples(x, arguments.get("y"), arguments.get("sample_weight"), rows)
+    counted = f"{examples} examples"
+    if examples != rows:
+        counted += (f" (the distinct rows with a non-zero sample weight, of {rows} rows: "
+                    "padding and repeated rows are not examples)")
+        warnings.warn(
+            f"The arrays passed to fit have {rows} rows but {examples} distinct examples: "
+            "rows whose sample weights are all zero (padding) and copies of a row are not "
+            "counted in N. If they are a sampler's output collected into arrays, feed "
+            "sampler.as_dataset() to fit instead: its steps are Poisson draws.",
+            UserWarning, stacklevel=3)
     batch_size = _array_micro_batch_size(arguments)
     order = "shuffled" if arguments.get("shuffle", True) else "in order"
     return sources.DataSource(
         sampling=sources.FIXED_SIZE_SAMPLING,
-        num_examples=rows,
+        num_examples=examples,
         num_examples_measured=True,
-        description=f"arrays passed to fit: {rows} examples in fixed-size batches "
+        description=f"arrays passed to fit: {counted} in fixed-size batches "
                     f"of {batch_size}, {order}",
     )
+
+
+# Rows are hashed in blocks, so that measuring N never copies the whole data.
+_HASH_BLOCK_ROWS = 4096
+
+
+def _distinct_real_examples(x, y, sample_weight, rows: int) -> int:
+    """N of array inputs: distinct rows among the first `rows` with a non-zero weight.
+
+    A row whose sample weights are all zero is padding (it contributes
+    nothing to any step), and a copy of a row is the same example again (a
+    sampler's steps collected into arrays repeat the examples they drew).
+    Counting either would overstate N and understate epsilon. Rows are
+    compared through a 64-bit hash of all their values: a collision can
+    only merge two examples, which makes N smaller and epsilon larger, never
+    the reverse.
+    """
+    leaves = [np.asarray(leaf) for leaf in tf.nest.flatten((x, y, sample_weight))
+              if leaf is not None]
+    weights = [np.asarray(w) for w in tf.nest.flatten(sample_weight) if w is not None]
+    factors = {}  # per leaf: one odd multiplier per 8-byte word of a row
+    digests = []
+    for start in range(0, rows, _HASH_BLOCK_ROWS):
+        stop = min(start + _HASH_BLOCK_ROWS, rows)
+        real = np.ones(stop - start, bool)
+        if weights:
+            real[:] = False
+            for w in weights:
+                real |= np.any(w[start:stop].reshape(stop - start, -1) != 0, axis=1)
+        digest = np.zeros(stop - start, np.uint64)
+        for index, leaf in enumerate(leaves):
+            block = leaf[start:stop]
+            if block.dtype.kind == "O":
+                block = block.astype(str)
+            raw = np.ascontiguousarray(block).reshape(stop - start, -1).view(np.uint8)
+            words = np.pad(raw, [(0, 0), (0, -raw.shape[1] % 8)]).view(np.uint64)
+            if index not in factors:
+                factors[index] = np.random.default_rng(index).integers(
+                    0, 2**63, words.shape[1], dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+            # Wraps modulo 2**64 on purpose: a random linear hash of the row's words.
+            with np.errstate(over="ignore"):
+                digest = digest * np.uint64(0x9E3779B97F4A7C15) + (
+                    words * factors[index]).sum(axis=1, dtype=np.uint64)
+        digests.append(digest[real])
+    return int(np.unique(np.concatenate(digests)).size) if digests else 0
 
 
 def _array_micro_batch_size(arguments) -> int | None:
@@ -489,6 +580,8 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
     _check_no_example_mixing(model)
     if not model.trainable_weights:
         raise ValueError("The model has no trainable weights to train privately.")
+    # Traced once per compiled step: a seeded (test) optimizer seeds dropout too.
+    base.set_randomness_seed(model, optimizer.seed)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     micro_batch_size = tf.nest.flatten(x)[0].shape[0]
     if micro_batch_size is None:

@@ -45,6 +45,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from scipy import stats
 
+from tf_megadp.secret import Secret
+
 __all__ = [
     "CanaryCoins",
     "OneRunResult",
@@ -415,12 +417,13 @@ class CanaryCoins:
         self.seeded = seed is not None
         self._scored = False
         entropy = secrets.randbits(128) if seed is None else seed
-        # Name-mangled, like the samplers' randomness: no public attribute holds it.
-        self.__included = np.random.default_rng(entropy).random(self.num_canaries) < 0.5
+        # Like the samplers' randomness: in a holder that no vars(), repr or
+        # pickle shows.
+        self._coins = Secret(np.random.default_rng(entropy).random(self.num_canaries) < 0.5)
 
     def _included(self) -> np.ndarray:
         """The coins, for the code that builds the audited run (a copy)."""
-        return self.__included.copy()
+        return self._coins.value.copy()
 
     @property
     def scored(self) -> bool:
@@ -438,7 +441,7 @@ class CanaryCoins:
                 "The coins stay secret until the audit is scored: call score(scores) "
                 "first. Guesses made after seeing the coins would not be a test."
             )
-        return self.__included.copy()
+        return self._coins.value.copy()
 
     def score(
         self,
@@ -476,7 +479,7 @@ class CanaryCoins:
             raise ValueError(
                 f"Got {scores.size} scores for {self.num_canaries} canaries.")
         result = one_run_audit(
-            scores, self.__included, delta=delta, confidence=confidence, guesses=guesses,
+            scores, self._coins.value, delta=delta, confidence=confidence, guesses=guesses,
             kind=kind, seeded=self.seeded)
         self._scored = True
         return result
@@ -523,7 +526,7 @@ class CanaryCoins:
                 raise ValueError(
                     f"Attack {name!r} gave {scores.size} scores for {self.num_canaries} canaries.")
             result = one_run_audit(
-                scores, self.__included, delta=delta, confidence=per_attack, guesses=guesses,
+                scores, self._coins.value, delta=delta, confidence=per_attack, guesses=guesses,
                 kind=f"{kind}{name}", seeded=self.seeded)
             results[name] = dataclasses.replace(result, confidence=confidence)
         self._scored = True

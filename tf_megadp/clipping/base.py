@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import secrets
 from typing import Any, Callable, NamedTuple
 
 import keras
 import tensorflow as tf
 from keras.src import backend as keras_backend
 from keras.src.losses import loss as keras_loss_module
+from tensorflow.python.ops import resource_variable_ops
 
 from tf_megadp.errors import PrivacyConfigurationError
 
@@ -29,6 +31,8 @@ __all__ = [
     "example_weights_present",
     "override_call",
     "per_example_loss",
+    "secret_seed_draws",
+    "set_randomness_seed",
 ]
 
 
@@ -196,6 +200,113 @@ def per_example_loss(model: keras.Model, x_i, y_i, y_pred_i, w_i) -> tf.Tensor:
             "instead of 'none'."
         )
     return tf.reshape(tf.cast(loss, tf.float32), [])
+
+
+# -- Secret randomness inside the private step --------------------------------
+#
+# Keras layers draw their randomness (Dropout, GaussianNoise, augmentation)
+# from `keras.random.SeedGenerator`s whose states start from Python's
+# `random` (which `keras.utils.set_random_seed` fixes) and are saved in every
+# model file: anyone could recompute each step's masks, and a mask that
+# follows its row (not its example) then moves the clipped sum of the
+# examples after an added one (issue 28). Inside the private step every
+# draw's seed is instead a keyed function of the generator's state, with a
+# key held in memory only: the states stay public counters, the draws are
+# secret and i.i.d. across rows, and the coupling that gives each example
+# its own draw bounds the sensitivity by C.
+
+
+class _RandomnessKey:
+    """The in-memory key of a model's in-step randomness (never a trackable, never saved)."""
+
+    __slots__ = ("variable", "seeded")
+
+    def __repr__(self) -> str:
+        return "<in-step randomness key: not shown>"
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("The in-step randomness key cannot be pickled or copied.")
+
+
+def _randomness_key(model) -> _RandomnessKey:
+    holder = getattr(model, "_tf_megadp_randomness_key", None)
+    if holder is None:
+        holder = _RandomnessKey()
+        with tf.init_scope():
+            # A plain resource variable, created outside any trace or
+            # distribution strategy, like the independence check's flags.
+            holder.variable = resource_variable_ops.ResourceVariable(
+                [secrets.randbits(63), secrets.randbits(63)], dtype=tf.int64,
+                trainable=False, name="in_step_randomness_key")
+        holder.seeded = False
+        object.__setattr__(model, "_tf_megadp_randomness_key", holder)
+    return holder
+
+
+def set_randomness_seed(model, seed: int | None) -> None:
+    """Keys the model's in-step randomness by `seed` (tests only), or by OS entropy.
+
+    The private step calls it with the `DPOptimizer`'s `seed`: a seeded run
+    (marked "seeded noise: not for release") is reproducible, dropout
+    included; an unseeded one draws a fresh key from OS entropy whenever
+    the previous key came from a seed.
+    """
+    holder = _randomness_key(model)
+    with tf.init_scope():
+        if seed is not None:
+            holder.variable.assign(tf.constant([seed, 0x5EED], tf.int64))
+        elif holder.seeded:
+            holder.variable.assign(tf.constant([secrets.randbits(63), secrets.randbits(63)],
+                                               tf.int64))
+    holder.seeded = seed is not None
+
+
+def _seed_generators(model) -> list:
+    generators = {}
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        for generator in getattr(layer, "_seed_generators", ()):
+            generators[id(generator)] = generator
+    return list(generators.values())
+
+
+@contextlib.contextmanager
+def secret_seed_draws(model):
+    """Every `SeedGenerator` draw of `model` inside the block is keyed by its secret key.
+
+    Active while a strategy traces the model's forward passes. Each draw's
+    seed becomes PRF(key, state) (two Philox fold-ins), so the model's
+    seed-generator states, saved in its files and derived from public
+    seeds, no longer predict any mask. Randomness not drawn through a
+    layer's `SeedGenerator` (integer seeds, `tf.random` stateful ops) is
+    not covered.
+    """
+    key = _randomness_key(model).variable
+    with contextlib.ExitStack() as stack:
+        for generator in _seed_generators(model):
+            stack.enter_context(_keyed_next(generator, key))
+        yield
+
+
+@contextlib.contextmanager
+def _keyed_next(generator, key):
+    previous = generator.__dict__.get("next", _MISSING)
+    original = generator.next
+
+    def keyed(ordered=True):
+        state = original(ordered)
+        folded = tf.random.experimental.stateless_fold_in(
+            tf.convert_to_tensor(key), tf.cast(state[0], tf.int64))
+        folded = tf.random.experimental.stateless_fold_in(folded, tf.cast(state[1], tf.int64))
+        return tf.cast(folded, state.dtype)
+
+    generator.next = keyed
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            del generator.__dict__["next"]
+        else:
+            generator.next = previous
 
 
 def _is_seed_state(variable) -> bool:

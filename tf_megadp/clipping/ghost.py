@@ -17,9 +17,11 @@ of the records and its squared norm includes every cross term.
 from __future__ import annotations
 
 import contextlib
+import secrets
 import warnings
 import weakref
 
+import keras
 import numpy as np
 import tensorflow as tf
 from keras.src import backend as keras_backend
@@ -45,6 +47,10 @@ class GhostClipping(base.ClippingStrategy):
             raises. "any" (`clipping="auto"`): every layer without a rule gets
             exact per-example gradients for its own variables only.
         jit_compile: compile the step with XLA (default True).
+        recheck_probability: after a signature's first check, each call
+            runs the forward check again with this probability, decided by a
+            secret in-memory key (so that data, crafted or not, cannot time
+            mixing to the steps that are not checked).
 
     Example:
     ```python
@@ -56,11 +62,16 @@ class GhostClipping(base.ClippingStrategy):
 
     name = "ghost"
 
-    def __init__(self, fallback: str = "small", jit_compile: bool = True):
+    def __init__(self, fallback: str = "small", jit_compile: bool = True,
+                 recheck_probability: float = independence.RECHECK_PROBABILITY):
         if fallback not in ("small", "any"):
             raise ValueError(f"fallback must be 'small' or 'any', got {fallback!r}.")
+        if not 0.0 <= recheck_probability <= 1.0:
+            raise ValueError(
+                f"recheck_probability must be in [0, 1], got {recheck_probability!r}.")
         self.fallback = fallback
         self.jit_compile = jit_compile
+        self.recheck_probability = float(recheck_probability)
         self._functions = weakref.WeakKeyDictionary()
         self._checked = weakref.WeakKeyDictionary()
 
@@ -70,10 +81,12 @@ class GhostClipping(base.ClippingStrategy):
 
         Raises:
             PrivacyConfigurationError: the model has a layer ghost clipping
-                cannot attribute to examples, or its batched forward pass
-                mixes examples (checked on the first call of every traced
-                input signature, before that call releases anything; see
-                `_CheckedSignatures`). Called eagerly, the
+                cannot attribute to examples, or its batched pass mixes
+                examples: checked on the first call of every traced input
+                signature (again after `reset_checks`, which the private
+                `fit` calls at its start), forward and backward, before that
+                call releases anything, and on secret random calls after
+                that, forward only (see `_CheckedSignatures`). Called eagerly, the
                 error is raised here. Inside a traced step (`fit`), a failed
                 check zeroes the micro-batch's contribution, returns its code
                 in `ClippedBatch.mixing`, and asserts; XLA drops assertions,
@@ -94,22 +107,35 @@ class GhostClipping(base.ClippingStrategy):
             def check(x):
                 return _independence_code(model, rules, x, vectorize=self.jit_compile)
 
-            # autograph=False: the pass builds its graph with explicit
-            # tf.cond and needs no conversion, which cost ~6 s of CPU in every
-            # new process (451 functions of a pico BERT's pass).
-            function = (tf.function(clip_and_sum, jit_compile=self.jit_compile,
-                                    autograph=False),
-                        tf.function(check, jit_compile=self.jit_compile, autograph=False))
+            def check_gradients(x, y, sample_weight, rows_seed):
+                return _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed)
+
+            # Compiled as the step is: some layers run only under XLA on a CPU
+            # (a channels_first convolution). autograph=False: the passes build
+            # their graphs with explicit tf.cond and need no conversion, which
+            # cost ~6 s of CPU in every new process (451 functions of a pico
+            # BERT's pass).
+            function = tuple(
+                tf.function(f, jit_compile=self.jit_compile, autograph=False)
+                for f in (clip_and_sum, check, check_gradients))
             self._functions[model] = function
-            self._checked[model] = _CheckedSignatures()
-        step, check = function
+            self._checked[model] = _CheckedSignatures(self.recheck_probability)
+        step, check, check_gradients = function
         checked = self._checked[model]
         slot = checked.slot((x, y, sample_weight, automatic_stability))
-        # The check is its own compiled function, run before the step and
-        # finished when the step starts: its per-example forward pass never
-        # holds memory beside the step's records (0.8 GB at BERT-mini, m = 256).
-        mixing = tf.cond(checked.needed(slot), lambda: check(x),
-                         lambda: tf.constant(independence.MIXING_OK, tf.int32))
+        first, again, rows_seed = checked.due(slot)
+        ok = lambda: tf.constant(independence.MIXING_OK, tf.int32)  # noqa: E731
+
+        def full_check():
+            code = check(x)
+            return tf.cond(tf.equal(code, independence.MIXING_OK),
+                           lambda: check_gradients(x, y, sample_weight, rows_seed),
+                           lambda: code)
+
+        # The checks are their own compiled functions, run before the step
+        # and finished when the step starts: their per-example passes never
+        # hold memory beside the step's records (0.8 GB at BERT-mini, m = 256).
+        mixing = tf.cond(first, full_check, lambda: tf.cond(again, lambda: check(x), ok))
         batch = step(x, y, sample_weight, _as_float64(l2_norm_clip), automatic_stability, mixing)
         checked.record(slot, batch.mixing)
         if tf.executing_eagerly():
@@ -126,6 +152,17 @@ class GhostClipping(base.ClippingStrategy):
                 [independence.ASSERTION_MARKER, batch.mixing])
         return batch
 
+
+    def reset_checks(self, model) -> None:
+        """Makes the next call of every signature of `model` check again, forward and backward.
+
+        The private `fit` calls it at its start: mixing that depends on the
+        data is then looked for at the first step of every fit, not only
+        on the first call the strategy ever made.
+        """
+        checked = self._checked.get(model)
+        if checked is not None:
+            checked.reset()
 
     def locate_mixing(self, model, x, y=None, sample_weight=None) -> int:
         """Runs the full independence check on one batch (eagerly, no XLA).
@@ -158,15 +195,21 @@ def _as_float64(value) -> tf.Tensor:
 
 
 class _CheckedSignatures:
-    """Which input signatures of one model's step have passed the independence check.
+    """When one model's step runs the independence checks.
 
-    Whether a model mixes examples is a property of its traced computation,
-    so the check runs on the first call of each traced signature and is
-    skipped afterwards (`tf.cond` inside the compiled step: the per-example
-    pass, +7-24 % of a step, no longer runs in every step). Fail closed:
-    the flag of a signature is set only by a call whose check passed, in
-    the same step that released its clipped sum, and a call whose check
-    failed has already zeroed its micro-batch.
+    Whether a model mixes examples is mostly a property of its traced
+    computation, so the full check (forward, then the per-example gradient
+    norms against each example's own backward pass) runs on the first call
+    of each traced signature, and again on the first call after `reset`
+    (the start of every private `fit`). A model can also mix only on some
+    data (a threshold, capacity-limited routing), which a first call with
+    ordinary data does not show; so every later call also runs the forward
+    check with probability `probability`, decided by Philox draws from a
+    secret key held in memory (drawn from OS entropy): neither the data nor
+    anyone who reads the code can tell which calls are checked. Fail
+    closed: the flag of a signature is set only by a call whose check
+    passed, in the same step that released its clipped sum, and a call
+    whose check failed has already zeroed its micro-batch.
 
     A slot is one flag. Called eagerly, a slot belongs to an input signature
     (shapes, dtypes, automatic clipping's gamma), which is what makes the
@@ -174,19 +217,32 @@ class _CheckedSignatures:
     every call site gets its own slot at trace time, so a retraced step, a
     new shape or each replica of a distributed step starts unchecked. Past
     `CAPACITY` slots, every call is checked.
+
+    Args:
+        probability: the chance of a forward check on each later call.
     """
 
     CAPACITY = 1024
 
-    def __init__(self):
-        # A plain resource variable, created outside any trace or
-        # distribution strategy: bookkeeping of this strategy, not model state.
+    def __init__(self, probability: float):
+        # Plain resource variables, created outside any trace or
+        # distribution strategy: bookkeeping of this strategy, not model
+        # state, and never saved (the key must not be).
         with tf.init_scope():
             self.passed = resource_variable_ops.ResourceVariable(
                 tf.zeros([self.CAPACITY], tf.int32), trainable=False,
                 name="independence_checked")
+            self._key = resource_variable_ops.ResourceVariable(
+                [secrets.randbits(63), secrets.randbits(63)], dtype=tf.int64,
+                trainable=False, name="independence_recheck_key")
+            self._calls = resource_variable_ops.ResourceVariable(
+                tf.constant(0, tf.int64), trainable=False, name="independence_calls")
+        self.probability = probability
         self._eager_slots = {}
         self._used = 0
+
+    def __repr__(self) -> str:
+        return f"<independence checks: {self._used} slots, recheck p={self.probability:g}>"
 
     def slot(self, inputs) -> int:
         """The flag index for this call, or -1 (always check)."""
@@ -204,17 +260,28 @@ class _CheckedSignatures:
         self._used += 1
         return slot
 
-    def needed(self, slot: int) -> tf.Tensor:
-        """Whether this call must run the check (a bool tensor)."""
-        if slot < 0:
-            return tf.constant(True)
-        return tf.equal(self.passed[slot], 0)
+    def due(self, slot: int) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+        """What this call checks.
+
+        Returns:
+            (the full check is due, a forward recheck is drawn: bool tensors;
+            the secret seed that picks the examples of the backward check).
+        """
+        first = tf.constant(True) if slot < 0 else tf.equal(self.passed[slot], 0)
+        count = self._calls.assign_add(1, read_value=True)
+        draw_seed, rows_seed = tf.unstack(tf.random.experimental.stateless_split(
+            tf.random.experimental.stateless_fold_in(self._key, count), 2))
+        return first, tf.random.stateless_uniform([], seed=draw_seed) < self.probability, rows_seed
 
     def record(self, slot: int, mixing) -> None:
         """Sets the slot's flag to whether this call's check passed (or was skipped)."""
         if slot >= 0:
             self.passed.scatter_nd_update(
                 [[slot]], [tf.cast(tf.equal(mixing, independence.MIXING_OK), tf.int32)])
+
+    def reset(self) -> None:
+        """Every slot checks again, fully, on its next call."""
+        self.passed.assign(tf.zeros_like(self.passed))
 
 
 class AutoClipping(GhostClipping):
@@ -238,8 +305,11 @@ class AutoClipping(GhostClipping):
 
     name = "auto"
 
-    def __init__(self, jit_compile: bool = True):
-        super().__init__(fallback="any", jit_compile=jit_compile)
+    # Args: as `GhostClipping`'s `jit_compile` and `recheck_probability`.
+    def __init__(self, jit_compile: bool = True,
+                 recheck_probability: float = independence.RECHECK_PROBABILITY):
+        super().__init__(fallback="any", jit_compile=jit_compile,
+                         recheck_probability=recheck_probability)
         self._vectorized = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
@@ -277,8 +347,12 @@ def _check_no_regularizers(model):
         )
 
 
-def _forward(model, rules, x, y, sample_weight):
+def _forward(model, rules, x, y, sample_weight, apply_seed_updates=True):
     """The recorded forward pass.
+
+    Args:
+        apply_seed_updates: advance the dropout seeds (the step does; a
+            check, which must leave no trace, does not).
 
     Returns:
         (records, batch axes ok, losses, y_pred).
@@ -287,7 +361,6 @@ def _forward(model, rules, x, y, sample_weight):
     batch_size = tf.shape(leading)[0]
     # The values every forward pass of this step reads, taken once, up front.
     values = [(v, tf.convert_to_tensor(v.value)) for v in model.trainable_variables]
-    states = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
     with tf.GradientTape(watch_accessed_variables=False) as tape:
         recorder = Recorder(tape, batch_size, model.trainable_variables,
                             static_batch_size=leading.shape[0])
@@ -305,7 +378,8 @@ def _forward(model, rules, x, y, sample_weight):
                 "The model adds losses with add_loss(); ghost clipping cannot "
                 "attribute them to examples. Use clipping='vectorized'."
             )
-        _keep_only_seed_updates(model, scope)
+        if apply_seed_updates:
+            _keep_only_seed_updates(model, scope)
     # Each example's loss gradient with respect to its own predictions comes
     # from a per-example pass; one backward pass of the model then carries
     # all of them. (Differentiating through `vectorized_map` instead makes
@@ -347,7 +421,7 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
     mapping = list(zip(model.trainable_variables, trainable))
     mapping += list(zip(model.non_trainable_variables, states))
     taps = independence.LayerTaps(model, None, leading.shape[0])
-    with base.example_axis_guards(model):
+    with base.example_axis_guards(model), base.secret_seed_draws(model):
         with taps.installed(), keras_backend.StatelessScope(state_mapping=mapping):
             if model._call_has_training_arg:
                 model(x, training=True)
@@ -356,6 +430,68 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
         return independence.check_independence(
             model, taps, x, trainable, states, tf.shape(leading)[0],
             rule_layers={id(rule.layer) for rule in rules}, locate=locate, vectorize=vectorize)
+
+
+def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed) -> tf.Tensor:
+    """Compares the batched pass's ghost norms with examples' own backward passes.
+
+    The forward check (`_independence_code`) cannot see a layer that mixes
+    examples in the backward pass only: `x + k * (mean - stop_gradient(mean))`
+    over the batch leaves every output unchanged and sends k / m of every
+    example's gradient to the others (1.64 C at k = 16). Here the gradient
+    norms of `independence.BACKWARD_CHECK_EXAMPLES` examples, picked by the
+    secret `rows_seed`, are computed alone, one example at a time (the
+    memory of one example's gradients, as `vectorized` would with a batch
+    of one), and compared with the norms the step's records give them.
+    Mixing in the backward pass changes every norm it reaches, so a few
+    examples show it, at a cost that does not grow with m. Element-wise
+    random layers (Dropout, GaussianNoise, ...) are the identity in both
+    passes, so that both see the same computation; other random layers
+    were already refused by the forward check.
+
+    Returns:
+        int32 scalar: `independence.MIXING_OK` or `independence.BACKWARD_MIXES`.
+    """
+    variables = model.trainable_variables
+    trainable = [tf.convert_to_tensor(v.value) for v in variables]
+    states = [tf.convert_to_tensor(v.value) for v in model.non_trainable_variables]
+    with base.example_axis_guards(model), base.secret_seed_draws(model), \
+            independence.without_elementwise_randomness(model):
+        records, _, losses, _ = _forward(model, rules, x, y, sample_weight,
+                                         apply_seed_updates=False)
+        groups = _grouped(records, variables)
+        squared = [tf.cast(squared_norm_of_sum(groups[i]), tf.float64) for i in sorted(groups)]
+        batched = (tf.sqrt(tf.maximum(tf.add_n(squared), 0.0)) if squared
+                   else tf.zeros(tf.shape(losses), tf.float64))
+        examples = tf.argsort(tf.random.stateless_uniform(tf.shape(losses), rows_seed))
+        examples = examples[:independence.BACKWARD_CHECK_EXAMPLES]
+        batched = tf.gather(batched, examples)
+        elements = {"x": x}
+        if y is not None:
+            elements["y"] = y
+        if sample_weight is not None:
+            elements["sample_weight"] = sample_weight
+        elements = tf.nest.map_structure(lambda t: tf.gather(t, examples), elements)
+
+        def alone(e):
+            with tf.GradientTape() as tape:
+                tape.watch(trainable)
+                loss, _ = base.stateless_loss(
+                    model, trainable, states, base.add_batch_axis(e["x"]),
+                    base.add_batch_axis(e.get("y")), base.add_batch_axis(e.get("sample_weight")))
+            gradients = [base.dense_gradient(g) for g in tape.gradient(loss, trainable)]
+            return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float64)))
+                                     for g in gradients if g is not None]))
+
+        reference = tf.map_fn(alone, elements, fn_output_signature=tf.float64)
+    # Compared at the model's precision: a 16-bit model's two passes round
+    # differently (rows_differ then allows HALF_RTOL).
+    compute = keras.backend.standardize_dtype(model.dtype_policy.compute_dtype)
+    if compute in ("float16", "bfloat16"):
+        batched, reference = tf.cast(batched, compute), tf.cast(reference, compute)
+    return tf.where(independence.rows_differ(batched, reference),
+                    tf.constant(independence.BACKWARD_MIXES, tf.int32),
+                    tf.constant(independence.MIXING_OK, tf.int32))
 
 
 def _keep_only_seed_updates(model, scope):
@@ -432,7 +568,7 @@ def _clipped_sum(terms, factors, keep, variable):
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
                   automatic_stability=None, *, mixing):
-    with base.example_axis_guards(model):
+    with base.example_axis_guards(model), base.secret_seed_draws(model):
         records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight)
     variables = model.trainable_variables
     groups = _grouped(records, variables)

@@ -62,13 +62,23 @@ from keras.src import backend as keras_backend
 from tf_megadp.clipping import base
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 
-__all__ = ["LayerTaps", "MIXING_OK", "MODEL_MIXES", "check_independence",
-           "error_from_assertion", "mixing_code", "mixing_error"]
+__all__ = ["BACKWARD_CHECK_EXAMPLES", "BACKWARD_MIXES", "LayerTaps", "MIXING_OK", "MODEL_MIXES", "RECHECK_PROBABILITY",
+           "check_independence", "error_from_assertion", "mixing_code", "mixing_error",
+           "rows_differ", "without_elementwise_randomness"]
 
 MIXING_OK = -1
 MODEL_MIXES = 1  # mixing_code of the outputs of the model itself (layer 0)
+# The per-example gradient norms of the batched pass differ from each
+# example's own: mixing in the backward pass only. Above every layer code,
+# so that the maximum over replicas keeps it.
+BACKWARD_MIXES = 2**30
 RTOL = 1e-3
 HALF_RTOL = 5e-2
+# The chance that a call after a signature's first check runs the forward
+# check again (see `ghost._CheckedSignatures`); measured in docs/benchmarks.md.
+RECHECK_PROBABILITY = 1 / 32
+# Examples whose gradient norms the backward check recomputes alone.
+BACKWARD_CHECK_EXAMPLES = 8
 
 # Library layers whose randomness acts element by element: the per-example
 # pass may reuse their batched outputs row by row.
@@ -180,8 +190,28 @@ def _rtol(dtype) -> float:
     return HALF_RTOL if dtype in (tf.float16, tf.bfloat16) else RTOL
 
 
-def _differs(batched_row, alone) -> tf.Tensor:
-    """Whether one example's row of the batched pass differs from its own pass."""
+@contextlib.contextmanager
+def without_elementwise_randomness(model):
+    """The library's element-wise random layers (Dropout, GaussianNoise, ...) pass inputs through.
+
+    For checks that compare two passes of one computation: what these
+    layers do to one element never depends on another example.
+    """
+    with contextlib.ExitStack() as stack:
+        for layer in model._flatten_layers(include_self=True, recursive=True):
+            if _elementwise_random(layer):
+                stack.enter_context(base.override_call(
+                    layer, lambda inputs, *args, **kwargs: inputs))
+        yield
+
+
+def rows_differ(batched_row, alone) -> tf.Tensor:
+    """Whether a tensor of the batched pass differs from its per-example counterpart.
+
+    Relative tolerance `RTOL` (`HALF_RTOL` for 16-bit tensors) of the
+    counterpart's largest finite entry; a non-finite entry must be
+    non-finite in both.
+    """
     rtol = _rtol(batched_row.dtype)
     a = tf.cast(batched_row, tf.float32)
     b = tf.cast(alone, tf.float32)
@@ -204,6 +234,18 @@ def _describe_layer(layer) -> str:
 
 def mixing_error(model, code: int, strategy: str = "ghost") -> PrivacyConfigurationError:
     """The error for a failed run-time check, from its code."""
+    if int(code) == BACKWARD_MIXES:
+        return PrivacyConfigurationError(
+            f"clipping={strategy!r} needs every example's gradient to depend on that "
+            f"example alone, but in model '{model.name}' the per-example gradient norms "
+            "of the batched backward pass differ from each example's own backward pass "
+            "(its forward pass agreed): an operation mixes examples in the backward pass "
+            "only (tf.custom_gradient, x + k * (mean - stop_gradient(mean)) over the "
+            "batch, ...), so one example's data would reach the others' clipped "
+            "gradients and the sensitivity bound C would not hold. Use "
+            "clipping='vectorized', which runs every example alone, or remove the "
+            "operation. This micro-batch contributed nothing to the update."
+        )
     layers = list(model._flatten_layers(include_self=True, recursive=True))
     layer = layers[int(code) // 2]
     if int(code) == MODEL_MIXES:
@@ -382,7 +424,7 @@ def check_independence(model, batched: LayerTaps, x, trainable_values, state_val
                                             layers[first.layer])
             # A tensor without a per-example counterpart (not batch-major) has
             # no rows to compare; the layers after it are compared instead.
-            differs = [_differs(rows[i], own[i][0]) if consistent[i] else tf.constant(False)
+            differs = [rows_differ(rows[i], own[i][0]) if consistent[i] else tf.constant(False)
                        for i in sorted(selected)]
             return tf.stack(differs)
 

@@ -126,7 +126,7 @@ def _per_example_gradients(model, x, y, sample_weight):
         elements["y"] = y
     if sample_weight is not None:
         elements["sample_weight"] = sample_weight
-    with base.example_axis_guards(model):
+    with base.example_axis_guards(model), base.secret_seed_draws(model):
         gradients, losses, y_pred = tf.vectorized_map(one_example, elements)
     base.advance_seed_states(model)
     gradients = iter(gradients)

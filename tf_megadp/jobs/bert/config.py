@@ -150,10 +150,11 @@ class PretrainConfig:
         stop_after_steps: end this invocation after this many logical steps
             (with a checkpoint), e.g. to fit a time slice; resume later.
         strategy, tpu: `tf_megadp.distribute.resolve_strategy` arguments.
-        seed: seeds what may be public: model initialisation, masking, the
-            held-out split and the canaries. Never the Poisson sampling nor
-            the DP noise: both come from secret OS entropy, fresh at every
-            start and every resume, and are never written anywhere.
+        seed: seeds what may be public: model initialisation, the held-out
+            split and its masks, and the canaries. Never the Poisson
+            sampling, the training masks, dropout nor the DP noise: they
+            come from secret OS entropy, fresh at every start and every
+            resume, and are never written anywhere.
         cache_dir: where prepared corpora are kept for reuse.
         verbose: Keras progress-bar verbosity.
         name: the run's name (a planned configuration's).

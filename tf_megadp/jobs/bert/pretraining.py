@@ -36,7 +36,6 @@ from tf_megadp.jobs.bert.config import (  # noqa: F401 (the job's names, for the
     PretrainError,
     default_delta,
     load_run_config,
-    parse_schedule,
     run_config_from_dict,
 )
 
@@ -466,27 +465,30 @@ def _inner_optimizer(config: PretrainConfig, schedule, accumulation_steps: int |
                                   gradient_accumulation_steps=accumulation_steps, **ema)
 
 
-# The micro-batch index of a fixed evaluation set's masking: outside the
-# indices (>= 0) of any run's micro-batches, so it never repeats their draws.
-_FIXED_SET_MICRO_BATCH = -1
+# The second word of a fixed evaluation set's masking key (public, from
+# --seed): evaluation sets are not trained on, so their masks may be public.
+_FIXED_SET_KEY = -1
 
 
 def masked_rows(rows: np.ndarray, batcher, seed: int):
     """(x, y, sample_weight) as NumPy arrays: `rows` masked once, a function of `seed` alone.
 
+    For fixed evaluation sets (held-out split, audit), outside the DP step:
+    the key [seed, -1] is public.
+
     Args:
         rows: int [n, L] token rows.
-        batcher: the `MaskedLMBatcher` whose masking (not seed) to apply.
-        seed: the masking seed of this set.
+        batcher: the `MaskedLMBatcher` whose masking to apply.
+        seed: the public masking seed of this set.
 
     Returns:
         `(x, y, sample_weight)` of the n rows.
     """
     import tensorflow as tf
 
-    x, y, w = batcher.with_seed(seed)(
+    x, y, w = batcher(
         tf.constant(rows.astype(np.int32)), tf.ones([len(rows)], tf.float32),
-        micro_batch=_FIXED_SET_MICRO_BATCH)
+        key=tf.constant([seed, _FIXED_SET_KEY], tf.int64))
     return {k: v.numpy() for k, v in x.items()}, y.numpy(), w.numpy()
 
 
@@ -540,10 +542,12 @@ class _TestingSeeds:
     """Test-only reproducibility: never reachable from a flag or a config file.
 
     Comparing two runs (R replicas against one device) needs the same
-    Poisson draws and noise, which the job otherwise draws from fresh OS
-    entropy. Both library seeds warn and mark the run (its privacy report
-    says the sampling and the noise are seeded: not for release); the
-    values are written nowhere.
+    Poisson draws, masks, dropout and noise, which the job otherwise draws
+    from fresh OS entropy: the sampling seed also fixes the masks' keys
+    (the sampler's), the noise seed the dropout key (the optimizer's). Both
+    library seeds warn and mark the run (its privacy report says the
+    sampling and the noise are seeded: not for release); the values are
+    written nowhere.
     """
 
     sampling_seed: int
@@ -708,11 +712,12 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     from tf_megadp.jobs.bert import text
     from tf_megadp.checkpointing import export_model
 
-    # Public randomness only (init, masking, dropout): the sampling and the
-    # noise draw their own secret OS entropy, which this seed never reaches.
+    # Public randomness only (initialisation, the held-out masks): the
+    # sampling, the training masks (keyed by the sampler's secret and each
+    # example's content), dropout (keyed by the private step's secret) and
+    # the noise draw secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
-    batcher = text.MaskedLMBatcher.from_shards(train, max_predictions=config.max_predictions,
-                                               seed=config.seed)
+    batcher = text.MaskedLMBatcher.from_shards(train, max_predictions=config.max_predictions)
     heldout_x, heldout_y, heldout_w = _heldout_batches(heldout, batcher, config.micro_batch_size, config.seed)
     unigram = _unigram_accuracy(train, heldout_y, heldout_w, train.vocabulary_size)
     total_steps = schedule.total_steps

@@ -819,15 +819,16 @@ class MaskedLMBatcher:
     10 % by a random token, and leaves 10 % unchanged: BERT's masking, as
     `keras_hub.layers.MaskedLMMaskGenerator` does it.
 
-    Every draw is stateless, keyed by `(seed, micro_batch)`: the masks of a
-    micro-batch are a function of its rows, the seed and its index alone,
-    whatever the thread timing or the order in which a pipeline runs the
-    calls. (Stateful random ops hand out their numbers in the order the
-    calls happen to run: keras-hub's mask generator, used before, shuffles
-    each row in parallel loop iterations of one stateful op, so seeded masks
-    changed from run to run.) A sampler's `as_dataset` passes each
-    micro-batch's index in the run.
-    Masking randomness is not secret: the Poisson sampling keeps its own.
+    Its randomness is the sampler's: `as_dataset` passes every micro-batch
+    the secret key of its logical step (`key`, drawn from the sampler's OS
+    entropy, the same for every micro-batch of the step). Each row's draws
+    are keyed by that key and the row's own content (its 64-bit
+    fingerprint), never by its position: an example gets the same masks
+    wherever the draw places it, so adding or removing one example changes
+    no other example's masks, and the clipped sum moves by at most C.
+    Every draw is stateless, so the masks do not depend on thread timing
+    or on the order the pipeline runs the calls. A seeded sampler (tests
+    only, marked not for release) makes the masks reproducible.
 
     Args:
         vocabulary_size: V of the model.
@@ -837,17 +838,13 @@ class MaskedLMBatcher:
             in [1, L]; default ceil(mask_rate * L).
         mask_token_rate: share of selected tokens replaced by [MASK].
         random_token_rate: share replaced by a random token.
-        seed: the masking seed, a non-negative int below 2**63. Default: one
-            drawn from Python's `random` (so `keras.utils.set_random_seed`
-            fixes it, as it fixes Keras's own default seeds).
 
     Call arguments:
         rows: int32 [M, L] token ids ([PAD] = 0).
         weights: float32 [M], 0 for padding examples.
-        micro_batch: int scalar, the micro-batch's index in the run (a
-            sampler's `as_dataset` passes it; default 0). Calls with the same index
-            draw the same masks on the same rows: give each micro-batch
-            its own.
+        key: int64 [2], the key of the logical step (a sampler's `as_dataset`
+            passes it). Equal rows masked with the same key get the same
+            masks; a fixed evaluation set uses a fixed, public key.
 
     Returns:
         `(x, y, sample_weight)`: x = {"token_ids", "segment_ids",
@@ -865,10 +862,7 @@ class MaskedLMBatcher:
         max_predictions: int | None = None,
         mask_token_rate: float = 0.8,
         random_token_rate: float = 0.1,
-        seed: int | None = None,
     ):
-        import random
-
         if not 0 < mask_rate < 1:
             raise ValueError(f"mask_rate must be in (0, 1), got {mask_rate}.")
         if vocabulary_size <= _MASK:
@@ -886,51 +880,48 @@ class MaskedLMBatcher:
             raise ValueError(
                 f"max_predictions must be in [1, sequence_length={sequence_length}], "
                 f"got {max_predictions}.")
-        if seed is None:
-            seed = random.randrange(2**63)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}.")
         self.vocabulary_size = vocabulary_size
         self.sequence_length = sequence_length
         self.mask_rate = mask_rate
         self.max_predictions = max_predictions
         self.mask_token_rate = mask_token_rate
         self.random_token_rate = random_token_rate
-        self.seed = seed
 
     @classmethod
     def from_shards(cls, shards: TokenShards, **kwargs: Any) -> "MaskedLMBatcher":
         """A batcher with V and L read from the shards' manifest."""
         return cls(shards.vocabulary_size, shards.sequence_length, **kwargs)
 
-    def with_seed(self, seed: int) -> "MaskedLMBatcher":
-        """The same masking with another seed (e.g. for a fixed evaluation set).
+    def _draws(self, rows, key):
+        """Per row: selection scores [L], replacement draws [P], random tokens [P].
 
-        Args:
-            seed: the new masking seed.
-
-        Returns:
-            A new `MaskedLMBatcher`.
+        Row i's draws come from `key` folded with the fingerprint of row i's
+        tokens: a function of the example, not of where it sits.
         """
-        return MaskedLMBatcher(
-            self.vocabulary_size, self.sequence_length, mask_rate=self.mask_rate,
-            max_predictions=self.max_predictions, mask_token_rate=self.mask_token_rate,
-            random_token_rate=self.random_token_rate, seed=seed)
-
-    def _keys(self, micro_batch):
-        """Three independent stateless keys (selection, replacement, random token)."""
         import tensorflow as tf
 
-        key = tf.random.experimental.stateless_fold_in(
-            tf.constant([self.seed, 0], tf.int64), tf.cast(micro_batch, tf.int64))
-        return tf.unstack(tf.random.experimental.stateless_split(key, 3))
+        length, predictions = self.sequence_length, self.max_predictions
+        fingerprints = tf.bitcast(tf.fingerprint(rows), tf.int64)
+        key = tf.cast(key, tf.int64)
 
-    def __call__(self, rows, weights, *, micro_batch=0):
+        def one_row(fingerprint):
+            seed = tf.random.experimental.stateless_fold_in(key, fingerprint)
+            selection, replacement, token = tf.unstack(
+                tf.random.experimental.stateless_split(seed, 3))
+            return (tf.random.stateless_uniform([length], selection),
+                    tf.random.stateless_uniform([predictions], replacement),
+                    tf.random.stateless_uniform([predictions], token, minval=0,
+                                                maxval=self.vocabulary_size, dtype=tf.int32))
+
+        return tf.map_fn(one_row, fingerprints,
+                         fn_output_signature=(tf.float32, tf.float32, tf.int32))
+
+    def __call__(self, rows, weights, *, key):
         import tensorflow as tf
 
         rows = tf.convert_to_tensor(rows, tf.int32)
         length, predictions = self.sequence_length, self.max_predictions
-        selection_key, replacement_key, token_key = self._keys(micro_batch)
+        uniform, draw, random_tokens = self._draws(rows, key)
         selectable = (tf.not_equal(rows, _PAD) & tf.not_equal(rows, _CLS)
                       & tf.not_equal(rows, _SEP))
         count = tf.reduce_sum(tf.cast(selectable, tf.int32), axis=1)
@@ -939,7 +930,7 @@ class MaskedLMBatcher:
             predictions)
         # The `chosen` selectable positions of lowest score: a uniform subset
         # (scores of unselectable positions, 2, rank after every real one).
-        scores = tf.where(selectable, tf.random.stateless_uniform(tf.shape(rows), selection_key), 2.0)
+        scores = tf.where(selectable, uniform, 2.0)
         _, ranked = tf.math.top_k(-scores, k=predictions)
         valid = tf.range(predictions)[None, :] < chosen[:, None]
         # Positions ascending, the padding slots (position 0, weight 0) last.
@@ -947,9 +938,6 @@ class MaskedLMBatcher:
         positions = tf.where(valid, positions, 0)
         mask_ids = tf.where(valid, tf.gather(rows, positions, batch_dims=1), 0)
 
-        draw = tf.random.stateless_uniform(tf.shape(positions), replacement_key)
-        random_tokens = tf.random.stateless_uniform(
-            tf.shape(positions), token_key, minval=0, maxval=self.vocabulary_size, dtype=tf.int32)
         shown = tf.where(draw < self.mask_token_rate, _MASK,
                          tf.where(draw < self.mask_token_rate + self.random_token_rate,
                                   random_tokens, mask_ids))

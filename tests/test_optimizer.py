@@ -22,11 +22,17 @@ def wide_model(seed=0, dtype="float32"):
                              keras.layers.Dense(250, dtype=dtype)])
 
 
-def noise_update(*, seed, accumulation_steps=1, micro_batch=2, dtype="float32"):
-    """The update of one logical step in which every example is padding.
+def _zero_loss(y_true, y_pred):
+    return keras.ops.sum(y_pred * 0.0, axis=-1)
 
-    All sample weights are zero, so every clipped gradient is zero and the
-    whole update is -noise / B with SGD(learning_rate=1).
+
+def noise_update(*, seed, accumulation_steps=1, micro_batch=2, dtype="float32"):
+    """The update of one logical step in which every gradient is zero.
+
+    The loss is zero whatever the prediction, so every clipped gradient is
+    exactly zero and the whole update is -noise / B with SGD(learning_rate=1).
+    (All-zero sample weights would make every row padding, and data without
+    an example is refused.)
     """
     model = wide_model(dtype=dtype)
     optimizer = tf_megadp.DPOptimizer(
@@ -38,13 +44,12 @@ def noise_update(*, seed, accumulation_steps=1, micro_batch=2, dtype="float32"):
         seed=seed,
     )
     tf_megadp.make_private(model)
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss=_zero_loss)
     n = micro_batch * accumulation_steps
-    x = np.ones((n, 400), dtype)
+    x = np.arange(n * 400).reshape(n, 400).astype(dtype)
     y = np.ones((n, 250), dtype)
     before = reference.weights(model)
-    model.fit(x, y, sample_weight=np.zeros(n, "float32"), batch_size=micro_batch,
-              shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0)
     assert int(optimizer.iterations.numpy()) == 1
     accumulator_dtypes = {v.dtype for v in optimizer._in_memory.accumulators}
     assert accumulator_dtypes == {"float64" if dtype == "float64" else "float32"}

@@ -432,3 +432,16 @@ class TestTrainingFurther:
                       loss=LOSS)
         with pytest.raises(PrivacyConfigurationError, match="call fit again.*inner_optimizer"):
             tf_megadp.extend_schedule(model, [(3, 32)])
+
+
+def test_data_whose_every_row_is_padding_is_refused_before_any_step():
+    # All sample weights zero: N = 0 examples. Before, fit failed after its
+    # first step with "some example entered one noisy sum twice".
+    x, y = dense_data(n=8)
+    model = dense_model()
+    tf_megadp.make_private(model)
+    model.compile(optimizer=tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0),
+                  loss=LOSS)
+    with pytest.raises(PrivacyConfigurationError, match="holds no example"):
+        model.fit(x, y, sample_weight=np.zeros(8, "float32"), batch_size=4, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0

@@ -348,6 +348,11 @@ class LedgerKeeper(keras.callbacks.Callback):
             optimizer.unaccounted_steps.assign_add(steps)
             optimizer.applied_rows.assign(0)
         self.num_examples = self._resolve_num_examples()
+        if self.num_examples == 0:
+            raise PrivacyConfigurationError(
+                "The data holds no example: every row has a zero sample weight (padding "
+                "is not an example). Pass the real examples, with non-zero sample weights."
+            )
         self._check_source(optimizer)
         self.ledger = read_ledger(optimizer)
         self._check_consistent(optimizer)

@@ -12,6 +12,7 @@ import inspect
 import math
 import os
 import warnings
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -111,6 +112,7 @@ def make_private(
         )
     model.train_step = functools.partial(
         _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
+    model._tf_megadp_log_nonfinite = bool(log_nonfinite_examples)
     if not is_private(model):
         model.fit = _private_fit(model, type(model).fit.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
@@ -478,6 +480,32 @@ def _check_no_example_mixing(model: keras.Model):
 
 
 def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False):
+    """The train step `make_private` installs: the logs of `_private_step`."""
+    return _private_step(model, data, log_nonfinite_examples=log_nonfinite_examples).logs
+
+
+class _StepOutcome(NamedTuple):
+    """What one micro-batch of the DP step gives its caller (in a replica context).
+
+    Attributes:
+        logs: Keras's logs of the step (`compute_metrics`), as `fit` shows them.
+        applied: bool scalar, whether this micro-batch ended a logical step
+            and the noisy update was applied.
+        loss: this replica's mean loss over the micro-batch's real examples.
+    """
+
+    logs: dict
+    applied: tf.Tensor
+    loss: tf.Tensor
+
+
+def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False) -> _StepOutcome:
+    """One micro-batch of the DP step: the one implementation `fit` and `PrivateStep` run.
+
+    Clips every example of the micro-batch, hands the clipped sum to the
+    `DPOptimizer` (which applies the noisy update at the end of a logical
+    step), and updates the loss and metrics.
+    """
     optimizer = model.optimizer
     if not isinstance(optimizer, DPOptimizer):
         raise PrivacyConfigurationError(
@@ -494,7 +522,7 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size)
-    optimizer._accumulate_clipped(
+    applied = optimizer._accumulate_clipped(
         _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables, micro_batch_size,
         batch.nonfinite,
     )
@@ -510,7 +538,7 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
             mixing = tf.reduce_max(replica_context.all_gather(tf.reshape(mixing, [1]), axis=0))
         logs[independence.LOG_KEY] = mixing
     if not log_nonfinite_examples:
-        return logs
+        return _StepOutcome(logs, applied, mean_loss)
     nonfinite = optimizer.nonfinite_examples.value
     replica_context = tf.distribute.get_replica_context()
     if replica_context is not None and replica_context.num_replicas_in_sync > 1:
@@ -519,7 +547,7 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
         nonfinite = replica_context.all_reduce(
             tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
     logs["nonfinite_examples"] = nonfinite
-    return logs
+    return _StepOutcome(logs, applied, mean_loss)
 
 
 def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size):

@@ -3,18 +3,20 @@
 Two callbacks share the work:
 
 * `LedgerKeeper` (added by the private `fit` itself, first in the list, so
-  no user can forget it): after every batch it turns the steps the compiled
-  step applied (`DPOptimizer.applied_steps`, written in the graph with the
-  values that step used) into privacy-ledger entries, adding what only the
-  data can tell, N and how each step chose its examples
-  (`tf_megadp.sources.DataSource`). The ledger lives in the optimizer's
+  no user can forget it): after every batch its `LedgerRecorder` turns the
+  steps the compiled step applied (`DPOptimizer.applied_steps`, written in
+  the graph with the values that step used) into privacy-ledger entries,
+  adding what only the data can tell, N and how each step chose its
+  examples (`tf_megadp.sources.DataSource`). A custom loop's
+  `tf_megadp.PrivateStep` records with the same `LedgerRecorder`. The ledger lives in the optimizer's
   `privacy_ledger` variable, so `model.save`, `ModelCheckpoint`,
   `keras.callbacks.BackupAndRestore` and `tf_megadp.save_training_state`
   carry the spend and a resumed run continues it. It also ends partial
   logical steps where an example could otherwise enter one noisy sum twice.
 * `PrivacyCallback` (the user's): writes `epsilon` and `delta` into the
   Keras `logs`, enforces a `target_epsilon` budget and writes the
-  publishable report.
+  publishable report, with the code (`_PrivacyReporting`) that a custom
+  loop's `tf_megadp.PrivacyReport` runs.
 """
 
 from __future__ import annotations
@@ -101,9 +103,10 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
             f"{missing} of the {optimizer.logical_steps_applied} logical steps applied to "
             "this model's weights are in no privacy ledger: they were taken outside "
             "fit (train_on_batch, or a loop calling train_step), where the data and "
-            "its sampling are unknown, so any epsilon would leave them out. Train "
-            "only with fit; to report an honest epsilon, restore a checkpoint taken "
-            "before those steps."
+            "its sampling are unknown, or by a tf_megadp.PrivateStep whose record() "
+            "has not run since, so any epsilon would leave them out. Train with fit "
+            "or a PrivateStep (and call its record()); to report an honest epsilon, "
+            "restore a checkpoint taken before those steps."
         )
     unaccounted = _number(optimizer.unaccounted_steps)
     if unaccounted:
@@ -214,9 +217,10 @@ class LedgerRecorder:
         if stated is not None and stated != measured:
             kind = "measured" if self.source.num_examples_measured else "stated"
             raise PrivacyConfigurationError(
-                f"PrivacyCallback(num_examples={stated}) but fit is given "
-                f"{measured} examples ({kind}: {self.source.description}). Remove "
-                "num_examples from PrivacyCallback: N is measured from the data."
+                f"num_examples={stated} was stated (PrivacyCallback or "
+                f"PrivateStep.begin) but the data has {measured} examples ({kind}: "
+                f"{self.source.description}). Remove num_examples: N is measured from "
+                "the data."
             )
         return measured
 
@@ -313,7 +317,7 @@ class LedgerRecorder:
                 schedule.num_examples != self.num_examples):
             raise PrivacyConfigurationError(
                 f"The optimizer's schedule was planned for num_examples="
-                f"{schedule.num_examples} but fit is given {self.num_examples} "
+                f"{schedule.num_examples} but the data has {self.num_examples} "
                 "examples. Build the schedule with the data's size."
             )
         if self.sampling != "poisson":

@@ -417,10 +417,12 @@ class PrivateStep:
         elif (self._read(self._calls) - self._synced_calls
               != int((table[:, 0] * table[:, 2]).sum()) + micro_steps - self._synced_micro):
             problem = (
-                "the model was trained by something else than this step since its last "
-                "record (fit, train_on_batch or another step), so these steps' data is "
-                "unknown. Train a model with one PrivateStep at a time, and call "
-                "step.record() before switching to fit")
+                "the micro-batches the optimizer holds are not the ones this step fed it "
+                "since its last record: the model was trained by something else (fit, "
+                "train_on_batch or another step), or its optimizer restored, so these "
+                "steps' data is unknown. Train a model with one PrivateStep at a time, "
+                "call step.record() before switching to fit, and step.begin(data) after "
+                "restoring a checkpoint")
         elif self._micro_batches_per_pass and self._spans_a_pass(table):
             problem = (
                 "a logical step spanned the end of a pass over the data (every "

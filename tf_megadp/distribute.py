@@ -26,6 +26,10 @@ with strategy.scope():
 data = tf_megadp.distribute.distribute_micro_batches(strategy, micro_steps)
 model.fit(data, steps_per_epoch=k * logical_steps)
 ```
+
+Under `MultiWorkerMirroredStrategy` with several workers Keras's `fit` cannot
+run; a custom loop with `tf_megadp.PrivateStep` runs the same private step
+there (and under every other strategy).
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ __all__ = [
     "resolve_strategy",
     "distribute_micro_batches",
     "replica_micro_batches",
-    "train_micro_steps",
     "check_schedule_matches_strategy",
     "shared_sampling_secret",
     "build_without_reading",
@@ -286,41 +289,6 @@ def distribute_micro_batches(
         # attribute sources.source_of reads first.
         sources.mark_distributed(distributed, described[0])
     return distributed
-
-
-def train_micro_steps(model, strategy: tf.distribute.Strategy, dataset, steps: int) -> dict:
-    """Runs `steps` micro-steps of the DP train step with `strategy.run`.
-
-    `model.fit` is the normal entry point. Under MultiWorkerMirroredStrategy
-    with more than one worker, Keras 3.15's TensorFlow trainer cannot run
-    `fit` at all: its symbolic build averages the first batch with
-    `strategy.reduce` (which cannot reduce a nested batch across workers)
-    and it reduces scalar logs with `strategy.reduce("MEAN", v, axis=0)`.
-    This loop runs the same private train step that `make_private`
-    installed, one micro-batch per replica per call, without those steps.
-
-    Args:
-        model: a model made private and compiled under `strategy.scope()`.
-        strategy: its strategy.
-        dataset: a distributed dataset (see `distribute_micro_batches`).
-        steps: micro-steps to run (k per logical step).
-
-    Returns:
-        The last step's logs, from the first local replica.
-    """
-    with strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def micro_step(iterator):
-        return strategy.run(model.train_step, args=(next(iterator),))
-
-    iterator = iter(dataset)
-    logs = {}
-    for _ in range(steps):
-        logs = micro_step(iterator)
-    return {name: strategy.experimental_local_results(value)[0]
-            for name, value in logs.items()}
 
 
 def check_schedule_matches_strategy(

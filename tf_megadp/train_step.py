@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from tf_megadp import distribute, preemption, sources
 from tf_megadp.callbacks import LedgerKeeper, PrivacyCallback
+from tf_megadp.checkpointing import record_custom_loop
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
@@ -117,7 +118,7 @@ def make_private(
         model.fit = _private_fit(model, type(model).fit.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
-        model.save_weights = _atomic_save(type(model).save_weights.__get__(model))
+        model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     setattr(model, _PRIVATE_FLAG, True)
     return model
@@ -340,15 +341,18 @@ def _ledger_preserving_load(model: keras.Model, original_load):
     return load_weights
 
 
-def _atomic_save(original_save):
+def _atomic_save(original_save, model=None):
     """`save` / `save_weights` through a temporary file renamed into place.
 
     A run killed while `ModelCheckpoint` (or the user) writes a checkpoint
-    keeps the previous file whole instead of a truncated one.
+    keeps the previous file whole instead of a truncated one. Given the
+    model, the steps a custom loop applied are recorded in its ledger first.
     """
 
     @functools.wraps(original_save)
     def save(filepath, *args, **kwargs):
+        if model is not None:
+            record_custom_loop(model)
         path = os.fspath(filepath)
         if "://" in path or kwargs.get("overwrite", True) is False:
             # Remote files have no atomic rename; overwrite=False asks first.
@@ -360,7 +364,7 @@ def _atomic_save(original_save):
 
 
 def _ledger_preserving_save(model: keras.Model, original_save):
-    atomic_save = _atomic_save(original_save)
+    atomic_save = _atomic_save(original_save, model)
 
     @functools.wraps(original_save)
     def save(filepath, *args, **kwargs):

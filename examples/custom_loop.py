@@ -111,6 +111,7 @@ def main(argv=None):
         if logical_step % 10 == 0:
             print(f"step {logical_step}: loss {float(logs['loss']):.3f}, "
                   f"epsilon {privacy.epsilon:.3f}")
+            model.reset_metrics()  # The loss printed is the mean since the last print.
         if not privacy.within_budget():
             print(f"stopping: one more step would exceed epsilon {args.target_epsilon}")
             break

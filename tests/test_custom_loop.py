@@ -331,13 +331,17 @@ def test_a_checkpoint_restored_under_a_running_step_needs_begin_again(data, tmp_
     assert poisson_epsilon(steps) <= epsilon <= poisson_epsilon(steps, delta=DELTA / 2)
 
 
-def test_the_custom_loop_example_runs(capsys):
-    """examples/custom_loop.py, tiny: it trains, resumes from its checkpoint and reports."""
+def test_the_custom_loop_example_trains_resumes_and_reports(capsys, tmp_path):
+    """examples/custom_loop.py, tiny: stopped after 2 logical steps, resumed to the end."""
     example = runpy.run_path("examples/custom_loop.py")
+    flags = ["--examples", "96", "--batch-size", "24", "--epochs", "1", "--micro-batch-size",
+             "8", "--hidden", "8", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = example["main"](["--examples", "96", "--batch-size", "24", "--epochs", "1",
-                                  "--micro-batch-size", "8", "--hidden", "8"])
-    assert result["logical_steps"] == 4
-    assert 0 < result["epsilon"] < math.inf
-    assert "epsilon" in capsys.readouterr().out
+        first = example["main"](flags + ["--stop-after-steps", "2"])
+        final = example["main"](flags)
+    assert (first["logical_steps"], final["logical_steps"]) == (2, 4)
+    assert "resumed at logical step 2" in capsys.readouterr().out
+    ledger = final["report"]["ledger"]
+    assert sum(entry["steps"] for entry in ledger) == 4
+    assert 0 < first["epsilon"] < final["epsilon"] < math.inf

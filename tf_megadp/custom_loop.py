@@ -116,11 +116,11 @@ class PrivateStep:
             sampler drew; None keeps `make_private`'s setting.
         **compile_kwargs: passed to `model.compile` (e.g. `weighted_metrics`).
 
-    Returns (per call, each replica): a dict with `loss` (this replica's
-    mean loss over the micro-batch's real examples), `logical_step` (int64,
-    logical steps applied so far), `applied` (bool: this micro-batch ended a
-    logical step and the noisy update was applied) and the compiled
-    metrics' running results.
+    Returns (per call, each replica): the logs `fit` shows, `loss` (the mean
+    loss of the real examples) and the compiled metrics, running since the
+    last `model.reset_metrics()`; and `logical_step` (int64, logical steps
+    applied so far) and `applied` (bool: this micro-batch ended a logical
+    step and the noisy update was applied).
 
     Raises:
         PrivacyConfigurationError: the model mixes examples, or is not
@@ -334,7 +334,6 @@ class PrivateStep:
         mixing = logs.pop(independence.LOG_KEY, None)
         if mixing is not None:
             self._mixing.assign(tf.maximum(self._mixing.read_value(), tf.cast(mixing, tf.int32)))
-        logs["loss"] = outcome.loss
         logs["logical_step"] = tf.cast(self.optimizer.iterations, tf.int64)
         logs["applied"] = outcome.applied
         return logs
@@ -547,10 +546,9 @@ def _per_replica_spec(data, strategy):
         replicas = strategy.num_replicas_in_sync
         return tf.nest.map_structure(
             lambda s: tf.TensorSpec([s.shape[0] // replicas, *s.shape[1:]], s.dtype), spec)
-    # A distributed dataset: each value is already one replica's.
-    return tf.nest.map_structure(
-        lambda s: getattr(s, "_value_specs", [s])[0], spec,
-        is_leaf=lambda s: hasattr(s, "_value_specs"))
+    # A distributed dataset: a PerReplicaSpec (several local replicas) holds
+    # one replica's spec per replica; a TensorSpec is one replica's already.
+    return tf.nest.map_structure(lambda s: getattr(s, "_value_specs", [s])[0], spec)
 
 
 class PrivacyReport(_PrivacyReporting):

@@ -495,12 +495,10 @@ class _StepOutcome(NamedTuple):
         logs: Keras's logs of the step (`compute_metrics`), as `fit` shows them.
         applied: bool scalar, whether this micro-batch ended a logical step
             and the noisy update was applied.
-        loss: this replica's mean loss over the micro-batch's real examples.
     """
 
     logs: dict
     applied: tf.Tensor
-    loss: tf.Tensor
 
 
 def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False) -> _StepOutcome:
@@ -542,7 +540,7 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
             mixing = tf.reduce_max(replica_context.all_gather(tf.reshape(mixing, [1]), axis=0))
         logs[independence.LOG_KEY] = mixing
     if not log_nonfinite_examples:
-        return _StepOutcome(logs, applied, mean_loss)
+        return _StepOutcome(logs, applied)
     nonfinite = optimizer.nonfinite_examples.value
     replica_context = tf.distribute.get_replica_context()
     if replica_context is not None and replica_context.num_replicas_in_sync > 1:
@@ -551,7 +549,7 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
         nonfinite = replica_context.all_reduce(
             tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
     logs["nonfinite_examples"] = nonfinite
-    return _StepOutcome(logs, applied, mean_loss)
+    return _StepOutcome(logs, applied)
 
 
 def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size):

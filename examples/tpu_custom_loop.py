@@ -66,17 +66,10 @@ def resolve(args):
     return distribute.resolve_strategy(args.strategy, tpu=args.tpu)
 
 
-def is_chief(strategy) -> bool:
-    resolver = getattr(strategy, "cluster_resolver", None)
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
-        return True
-    return resolver.task_type == "chief" or (resolver.task_type == "worker"
-                                             and resolver.task_id == 0)
-
-
-def main(argv=None):
+def main(argv=None, strategy=None):
+    """Trains; returns the run's numbers. `strategy`: run under this one instead of the flags'."""
     args = parse_args(argv)
-    strategy = resolve(args)
+    strategy = strategy or resolve(args)
     replicas = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)  # Public, generated data: the same on every worker.
     teacher = rng.normal(size=(args.features, args.classes))
@@ -107,7 +100,7 @@ def main(argv=None):
     if args.checkpoint_dir:
         # Every worker writes (reading distributed variables may need all of
         # them); only the chief's files are kept.
-        directory = args.checkpoint_dir if is_chief(strategy) else tempfile.mkdtemp()
+        directory = args.checkpoint_dir if distribute.is_chief(strategy) else tempfile.mkdtemp()
         manager = tf.train.CheckpointManager(step.checkpoint(), directory, max_to_keep=2)
         if manager.restore_or_initialize():
             print(f"resumed at logical step {step.logical_step}")

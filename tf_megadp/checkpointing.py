@@ -104,7 +104,8 @@ def record_custom_loop(model: keras.Model) -> None:
     can only count as unaccounted.
     """
     step = getattr(model, "_tf_megadp_step", None)
-    if step is not None:
+    # A release export detaches the optimizer: it saves no ledger.
+    if step is not None and getattr(model, "optimizer", None) is step.optimizer:
         step.record()
 
 

@@ -52,6 +52,8 @@ __all__ = [
     "replica_micro_batches",
     "check_schedule_matches_strategy",
     "shared_sampling_secret",
+    "is_chief",
+    "barrier",
     "build_without_reading",
 ]
 
@@ -329,6 +331,33 @@ def _worker_count(strategy: tf.distribute.Strategy) -> int:
         return 1
     cluster = resolver.cluster_spec().as_dict()
     return max(1, len(cluster.get("chief", [])) + len(cluster.get("worker", [])))
+
+
+def is_chief(strategy: tf.distribute.Strategy | None = None) -> bool:
+    """Whether this process is the one of several workers that writes the run's files.
+
+    Under `MultiWorkerMirroredStrategy` every worker runs the same program;
+    the chief (task "chief", or worker 0 without one) writes checkpoints,
+    reports and the model, the others write nothing to the shared output.
+    Every other strategy runs in one process, which is the chief.
+
+    Args:
+        strategy: the run's strategy; default the current one.
+    """
+    strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if _worker_count(strategy) == 1 or resolver is None:
+        return True
+    if resolver.task_type == "chief":
+        return True
+    cluster = resolver.cluster_spec().as_dict()
+    return not cluster.get("chief") and resolver.task_type == "worker" and resolver.task_id == 0
+
+
+def barrier(strategy: tf.distribute.Strategy) -> None:
+    """Returns on every worker once every worker has called it (a collective; no-op on one)."""
+    if _worker_count(strategy) > 1:
+        _broadcast_from_replica_zero(strategy, 0)
 
 
 def _broadcast_from_replica_zero(strategy: tf.distribute.Strategy, value: int) -> int:

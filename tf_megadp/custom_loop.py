@@ -156,6 +156,10 @@ class PrivateStep:
                 "PrivateStep compiles the model only together with its optimizer: pass "
                 "optimizer=tf_megadp.DPOptimizer(...) with loss=..., or compile the "
                 "model yourself and pass neither.")
+        previous = getattr(model, "_tf_megadp_step", None)
+        if previous is not None and previous.recorder is not None and (
+                model.optimizer is previous.optimizer and not previous._state_replaced()):
+            previous.record()  # Its steps are its data's: record them before a new step.
         strategy = model.distribute_strategy
         with strategy.scope():
             if not is_private(model):
@@ -402,6 +406,11 @@ class PrivateStep:
         if self.recorder is None:
             return
         optimizer = self.optimizer
+        if self.model.optimizer is not optimizer:
+            raise PrivacyConfigurationError(
+                "The model was compiled again with another optimizer since this "
+                "PrivateStep was built: its steps are in that optimizer's ledger. Build a "
+                "new PrivateStep.")
         replaced = self._state_replaced()
         table = self.recorder._take_applied_rows()
         steps = int(table[:, 0].sum())

@@ -528,7 +528,6 @@ def run_replicas(replicas, out_path):
         ghost_checks(strategy, replicas, result)
         sampling_secret_checks(strategy, result)
         result["noisy_fit_for_workers"] = noisy_fit_weights(strategy, replicas)
-        result["tpu_example"] = tpu_example(strategy)
     seconds["total"] = time.perf_counter() - start
     write_json_atomically(out_path, result)
 
@@ -560,7 +559,11 @@ def run_worker(index, ports, out_path):
             model_logs = logs
     secret = {}
     sampling_secret_checks(strategy, secret)
+    cpu_seconds = {"dense": time.process_time()}
     example = tpu_example(strategy)
+    cpu_seconds["example"] = time.process_time() - sum(cpu_seconds.values())
+    job = job_on_worker(index, os.path.dirname(out_path), strategy)
+    cpu_seconds["job"] = time.process_time() - sum(cpu_seconds.values())
     write_json_atomically(out_path, {
         **secret,
         "replicas": replicas,
@@ -569,7 +572,8 @@ def run_worker(index, ports, out_path):
         "weights": [v.numpy().tolist() for v in model.trainable_variables],
         "noisy_weights": [v.numpy().tolist() for v in noisy.trainable_variables],
         "tpu_example": example,
-        "job": job_on_worker(index, os.path.dirname(out_path)),
+        "job": job,
+        "cpu_seconds": cpu_seconds,
     })
 
 
@@ -595,27 +599,31 @@ def job_argv(folder, corpus, replicas, output, *extra, strategy="mirrored"):
     return argv
 
 
-def job_on_worker(index, shared):
+def job_on_worker(index, shared, strategy):
     """The pico job on this worker of two (`--strategy multiworker`), sigma 0, test-only seeds.
 
-    Both workers run the same command with the same output folder, where
-    only the chief writes; each prepares its corpus in a folder of its own.
-    The chief returns the exported weights, to compare with the one-device
-    job of `run_job(1)`.
+    Both workers run the same command on one shared folder, as on machines
+    with a shared file system: the chief prepares the corpus cache that the
+    other then reads, and only the chief writes the run's output. The chief
+    returns the exported weights, to compare with the one-device job of
+    `run_job(1)`.
     """
     import pathlib
 
     import keras
 
-    from tf_megadp import cli
+    from tf_megadp import cli, distribute
     from tf_megadp.jobs.bert import pretraining
     from tests.test_pretraining import write_corpus
 
-    folder = pathlib.Path(shared) / f"job_worker{index}"
-    folder.mkdir()
-    output = pathlib.Path(shared) / "job_workers"
+    folder = pathlib.Path(shared) / "job_workers"
+    output = folder / "output"
+    if index == 0:
+        folder.mkdir()
+        write_corpus(folder)
+    distribute.barrier(strategy)  # The corpus file is written.
     args = cli.build_parser().parse_args(job_argv(
-        folder, write_corpus(folder), 2, output, strategy="multiworker"))
+        folder, str(folder / "private.txt"), 2, output, strategy="multiworker"))
     seeded = pretraining._TestingSeeds(sampling_seed=11, noise_seed=12, noise_multiplier=0.0)
     report = pretraining.run_pretraining(cli.run_config_from_args(args, None),
                                          log=lambda *_: None, testing=seeded)

@@ -6,6 +6,8 @@ first initialises, so every scenario set runs in its own interpreter:
     python tests/distributed_scenarios.py replicas R OUT.json
     python tests/distributed_scenarios.py worker INDEX PORT0,PORT1 OUT.json
 
+    python tests/distributed_scenarios.py job_worker INDEX PORT0,PORT1 OUT.json   (slow test)
+
 Each writes its measurements as JSON; the assertions live in the test file.
 The data, models and single-device runs are defined here once so that the
 test process can reproduce the single-process side of every comparison.
@@ -482,8 +484,8 @@ def noisy_fit_weights(strategy, replicas):
     return [v.numpy().tolist() for v in model.trainable_variables]
 
 
-# examples/tpu_custom_loop.py at test size: N, B, m per replica, one epoch.
-TPU_EXAMPLE_SIZE = ["--examples", "120", "--batch-size", "24", "--micro-batch-size", "6",
+# examples/tpu_custom_loop.py at test size: N, B, m per replica, one epoch (2 steps).
+TPU_EXAMPLE_SIZE = ["--examples", "48", "--batch-size", "24", "--micro-batch-size", "6",
                     "--epochs", "1", "--features", "6", "--classes", "3", "--hidden", "8"]
 
 
@@ -562,8 +564,6 @@ def run_worker(index, ports, out_path):
     cpu_seconds = {"dense": time.process_time()}
     example = tpu_example(strategy)
     cpu_seconds["example"] = time.process_time() - sum(cpu_seconds.values())
-    job = job_on_worker(index, os.path.dirname(out_path), strategy)
-    cpu_seconds["job"] = time.process_time() - sum(cpu_seconds.values())
     write_json_atomically(out_path, {
         **secret,
         "replicas": replicas,
@@ -572,9 +572,19 @@ def run_worker(index, ports, out_path):
         "weights": [v.numpy().tolist() for v in model.trainable_variables],
         "noisy_weights": [v.numpy().tolist() for v in noisy.trainable_variables],
         "tpu_example": example,
-        "job": job,
         "cpu_seconds": cpu_seconds,
     })
+
+
+def run_job_worker(index, ports, out_path):
+    """The job on worker INDEX of a loopback cluster (`job_on_worker`), for the slow test."""
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+        "task": {"type": "worker", "index": index}})
+    from tf_megadp import distribute
+
+    strategy = distribute.resolve_strategy("multiworker")
+    write_json_atomically(out_path, job_on_worker(index, os.path.dirname(out_path), strategy))
 
 
 # The job's command line on R replicas: m * R = JOB_ROWS rows per micro-step
@@ -694,5 +704,7 @@ if __name__ == "__main__":
         run_job(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "worker":
         run_worker(int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")], sys.argv[4])
+    elif sys.argv[1] == "job_worker":
+        run_job_worker(int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")], sys.argv[4])
     else:
         raise SystemExit(f"unknown scenario set {sys.argv[1]!r}")

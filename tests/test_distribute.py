@@ -60,9 +60,8 @@ def scenario_results(tmp_path_factory):
     The interpreters spend most of their time tracing Python, one core each,
     so running them side by side roughly halves the wall time on two cores.
     """
-    directory = tmp_path_factory.mktemp("distributed")
     ports = ",".join(str(p) for p in _free_ports(2))
-    commands = {
+    return _run_scenarios(tmp_path_factory.mktemp("distributed"), {
         "replicas2": ["replicas", "2"],
         "replicas4": ["replicas", "4"],
         "worker0": ["worker", "0", ports],
@@ -70,7 +69,11 @@ def scenario_results(tmp_path_factory):
         "job1": ["job", "1"],
         "job2": ["job", "2"],
         "job4": ["job", "4"],
-    }
+    })
+
+
+def _run_scenarios(directory, commands):
+    """Runs the scenario sets `commands` (name -> arguments) side by side; their results."""
     outputs = {name: str(directory / f"{name}.json") for name in commands}
     processes = {
         name: subprocess.Popen(
@@ -313,10 +316,18 @@ class TestMultiWorker:
         for loop, fit in zip(two_workers[0]["noisy_weights"], fits):
             np.testing.assert_allclose(loop, fit, rtol=1e-5, atol=1e-7)
 
+    @pytest.mark.slow
     def test_the_job_runs_on_two_workers_and_equals_the_one_device_run(
-            self, two_workers, scenario_results):
-        """`tf-megadp pretrain --strategy multiworker`, sigma 0, the job's test-only seeds."""
-        chief, other = (worker["job"] for worker in two_workers)
+            self, tmp_path, scenario_results):
+        """`tf-megadp pretrain --strategy multiworker`, sigma 0, the job's test-only seeds.
+
+        Slow (two more interpreters, about 60 CPU-seconds): `pytest -m slow -k
+        job_runs_on_two_workers tests/test_distribute.py`.
+        """
+        ports = ",".join(str(p) for p in _free_ports(2))
+        results = _run_scenarios(tmp_path, {f"job_worker{index}": ["job_worker", str(index), ports]
+                                            for index in (0, 1)})
+        chief, other = (_result(results, f"job_worker{index}") for index in (0, 1))
         for job in (chief, other):
             assert job["completed"] and job["logical_steps"] == scenarios.JOB_STEPS
         assert chief["heldout_accuracy"] == other["heldout_accuracy"]

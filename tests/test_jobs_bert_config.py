@@ -147,7 +147,8 @@ def test_the_non_private_baseline_is_refused_on_several_workers(tmp_path, monkey
     """It trains with Keras's fit, which cannot run there: the job says so before any work.
 
     (The private job trains on several workers with a custom loop of
-    tf_megadp.PrivateStep: tests/test_distribute.py, two loopback workers.)
+    tf_megadp.PrivateStep: the slow test of tests/test_distribute.py on two
+    loopback workers.)
     """
     from tf_megadp import distribute
 

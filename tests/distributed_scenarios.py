@@ -6,6 +6,8 @@ first initialises, so every scenario set runs in its own interpreter:
     python tests/distributed_scenarios.py replicas R OUT.json
     python tests/distributed_scenarios.py worker INDEX PORT0,PORT1 OUT.json
 
+    python tests/distributed_scenarios.py job_worker INDEX PORT0,PORT1 OUT.json   (slow test)
+
 Each writes its measurements as JSON; the assertions live in the test file.
 The data, models and single-device runs are defined here once so that the
 test process can reproduce the single-process side of every comparison.
@@ -123,6 +125,19 @@ def replicas_identical(strategy, variables):
 # -- Scenario sets ---------------------------------------------------------------
 
 
+def run_private_step(step, strategy, data, micro_steps):
+    """The user's custom loop: one tf.function call of `step.run` per micro-step."""
+    import tensorflow as tf
+
+    train = tf.function(lambda iterator: step.run(next(iterator)))
+    iterator = iter(data)
+    logs = {}
+    for _ in range(micro_steps):
+        logs = train(iterator)
+    step.record()
+    return {name: np.asarray(value).item() for name, value in logs.items()}
+
+
 def accumulators_of(optimizer):
     """The DPOptimizer's in-memory accumulators (never saved, so only read live)."""
     return optimizer._in_memory.accumulators
@@ -218,6 +233,35 @@ def equality_and_replica_checks(strategy, replicas, tmp_dir, result, checkpoint)
         (v.numpy() - i).tolist() for v, i in zip(single.trainable_variables, initial)]
     result["weights_identical_across_replicas"] = replicas_identical(
         strategy, list(model.trainable_variables) + list(optimizer.inner_optimizer.variables))
+
+
+def custom_loop_checks(strategy, replicas, result):
+    """A custom loop of `tf_megadp.PrivateStep` on the data of the equality checks (sigma 0).
+
+    Compared in the test with the private fit under the same strategy and
+    with the single-device fit.
+    """
+    import tf_megadp
+    from tf_megadp import distribute
+
+    x, y, w = dense_data(replicas)
+    initial = [v.numpy() for v in dense_model().trainable_variables]
+    with strategy.scope():
+        model = compiled(dense_model())
+        step = tf_megadp.PrivateStep(model)
+    data = distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w))
+    micro_steps = ACCUMULATION * LOGICAL_STEPS
+    step.begin(data, num_examples=len(x), micro_batches_per_pass=micro_steps)
+    logs = run_private_step(step, strategy, data, micro_steps)
+    result["custom_loop"] = {
+        "logical_steps": step.logical_step,
+        "logs": {name: logs[name] for name in ("logical_step", "applied", "nonfinite_examples")},
+        "update": [(v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)],
+        "identical_across_replicas": replicas_identical(
+            strategy, list(model.trainable_variables) + list(model.optimizer.inner_optimizer.variables)),
+        "ledger_steps": tf_megadp.model_ledger(model).total_steps,
+        "noiseless_steps": int(model.optimizer.noiseless_steps.numpy()),
+    }
 
 
 def ghost_checks(strategy, replicas, result):
@@ -356,6 +400,7 @@ def accounting_checks(strategy, replicas, result):
     import keras
 
     import tf_megadp
+    from tf_megadp import distribute
 
     rng = np.random.default_rng(200 + replicas)
     layouts = []
@@ -366,21 +411,50 @@ def accounting_checks(strategy, replicas, result):
         epochs = int(rng.integers(1, 3))
         x = rng.normal(size=(num_examples, 4)).astype("float32")
         y = rng.normal(size=(num_examples, 2)).astype("float32")
-        sampler = tf_megadp.PoissonSampler.from_arrays(
-            x, y, batch_size=batch_size, epochs=epochs, micro_batch_size=micro_batch,
-            num_replicas=replicas)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # seeded noise below: a test run
+        # The first layout's draws are seeded (a test run): a custom loop
+        # on the same draws and seeded noise must give fit's weights.
+        sampling_seed = 300 + replicas if not layouts else None
+
+        def sampler_and_model():
+            sampler = tf_megadp.PoissonSampler.from_arrays(
+                x, y, batch_size=batch_size, epochs=epochs, micro_batch_size=micro_batch,
+                num_replicas=replicas, seed=sampling_seed)
             with strategy.scope():
                 keras.utils.set_random_seed(0)
                 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
                 optimizer = tf_megadp.DPOptimizer(
                     keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
                     schedule=sampler.schedule, seed=1)
+            return sampler, model, optimizer
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # seeded noise and draws: a test run
+            sampler, model, optimizer = sampler_and_model()
+            with strategy.scope():
                 tf_megadp.make_private(model)
                 model.compile(optimizer=optimizer, loss="mse")
-        callback = tf_megadp.PrivacyCallback(1e-5, accountant="rdp")
-        model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+            callback = tf_megadp.PrivacyCallback(1e-5, accountant="rdp")
+            model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+            if sampling_seed is not None:
+                loop_sampler, loop_model, loop_optimizer = sampler_and_model()
+                with strategy.scope():
+                    step = tf_megadp.PrivateStep(loop_model, loop_optimizer, loss="mse")
+                micro_steps = loop_sampler.as_dataset()
+                data = distribute.distribute_micro_batches(strategy, lambda _: micro_steps)
+                step.begin(data)
+                run_private_step(step, strategy, data, loop_sampler.total_micro_steps)
+                report = tf_megadp.PrivacyReport(step, 1e-5, accountant="rdp")
+                loop = {
+                    "steps_applied": step.logical_step,
+                    "epsilon": report.epsilon,
+                    "ledger": [e.to_dict() for e in report.ledger],
+                    "weights_equal_fit": all(
+                        np.array_equal(a.numpy(), b.numpy())
+                        for a, b in zip(loop_model.trainable_variables, model.trainable_variables)),
+                    "max_difference_from_fit": max(
+                        float(np.max(np.abs(a.numpy() - b.numpy())))
+                        for a, b in zip(loop_model.trainable_variables, model.trainable_variables)),
+                }
         layouts.append({
             "num_examples": num_examples, "micro_batch": micro_batch,
             "batch_size": batch_size, "epochs": epochs,
@@ -389,8 +463,45 @@ def accounting_checks(strategy, replicas, result):
                         "max_batch_size": e.max_batch_size, "sampling": e.sampling}
                        for e in callback.ledger],
             "epsilon": callback.epsilon,
+            "ledger_entries": [e.to_dict() for e in callback.ledger],
+            **({"custom_loop": loop} if sampling_seed is not None else {}),
         })
     result["accounting"] = layouts
+
+
+WORKER_NOISE_SEED = 7
+
+
+def noisy_fit_weights(strategy, replicas):
+    """fit on R replicas with seeded noise: what the custom loop on R workers must equal."""
+    from tf_megadp import distribute
+
+    x, y, w = dense_data(replicas)
+    with strategy.scope():
+        model = compiled(dense_model(), noise_multiplier=1.0, seed=WORKER_NOISE_SEED)
+    model.fit(distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w)),
+              epochs=1, verbose=0, steps_per_epoch=ACCUMULATION * LOGICAL_STEPS)
+    return [v.numpy().tolist() for v in model.trainable_variables]
+
+
+# examples/tpu_custom_loop.py at test size: N, B, m per replica, one epoch (2 steps).
+TPU_EXAMPLE_SIZE = ["--examples", "48", "--batch-size", "24", "--micro-batch-size", "6",
+                    "--epochs", "1", "--features", "6", "--classes", "3", "--hidden", "8"]
+
+
+def tpu_example(strategy):
+    """Runs examples/tpu_custom_loop.py's main at test size under `strategy`.
+
+    The scenario's own strategy: a second MirroredStrategy over the same CPU
+    devices in one process would reuse its collective instance keys.
+    """
+    import runpy
+    import warnings
+
+    example = runpy.run_path(os.path.join(ROOT, "examples", "tpu_custom_loop.py"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return example["main"](TPU_EXAMPLE_SIZE, strategy=strategy)
 
 
 def run_replicas(replicas, out_path):
@@ -411,10 +522,14 @@ def run_replicas(replicas, out_path):
     noise_checks(strategy, replicas, result)
     seconds["noise"] = time.perf_counter() - start - seconds["equality"]
     accounting_checks(strategy, replicas, result)
+    seconds["accounting"] = time.perf_counter() - start - sum(seconds.values())
+    custom_loop_checks(strategy, replicas, result)
+    seconds["custom_loop"] = time.perf_counter() - start - sum(seconds.values())
     if replicas == 2:
         mixed_bfloat16_checks(strategy, replicas, result)
         ghost_checks(strategy, replicas, result)
         sampling_secret_checks(strategy, result)
+        result["noisy_fit_for_workers"] = noisy_fit_weights(strategy, replicas)
     seconds["total"] = time.perf_counter() - start
     write_json_atomically(out_path, result)
 
@@ -428,18 +543,27 @@ def run_worker(index, ports, out_path):
     strategy = distribute.resolve_strategy("multiworker")
     replicas = strategy.num_replicas_in_sync
     x, y, w = dense_data(replicas)
+    import tf_megadp
+
+    micro_steps = ACCUMULATION * LOGICAL_STEPS
     with strategy.scope():
         model = compiled(dense_model())
-        noisy = compiled(dense_model(), noise_multiplier=1.0, seed=7)
+        noisy = compiled(dense_model(), noise_multiplier=1.0, seed=WORKER_NOISE_SEED)
     for each in (model, noisy):
-        # model.fit cannot run under multi-worker Keras 3.15 (see
-        # distribute.train_micro_steps); the private train step can.
+        # Keras 3.15's fit cannot run under several workers; a custom loop
+        # of the same private step can.
+        with strategy.scope():
+            step = tf_megadp.PrivateStep(each)
         data = distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w))
-        logs = distribute.train_micro_steps(each, strategy, data, ACCUMULATION * LOGICAL_STEPS)
+        step.begin(data, num_examples=len(x), micro_batches_per_pass=micro_steps)
+        logs = run_private_step(step, strategy, data, micro_steps)
         if each is model:
             model_logs = logs
     secret = {}
     sampling_secret_checks(strategy, secret)
+    cpu_seconds = {"dense": time.process_time()}
+    example = tpu_example(strategy)
+    cpu_seconds["example"] = time.process_time() - sum(cpu_seconds.values())
     write_json_atomically(out_path, {
         **secret,
         "replicas": replicas,
@@ -447,7 +571,20 @@ def run_worker(index, ports, out_path):
         "nonfinite_logged": float(model_logs["nonfinite_examples"]),
         "weights": [v.numpy().tolist() for v in model.trainable_variables],
         "noisy_weights": [v.numpy().tolist() for v in noisy.trainable_variables],
+        "tpu_example": example,
+        "cpu_seconds": cpu_seconds,
     })
+
+
+def run_job_worker(index, ports, out_path):
+    """The job on worker INDEX of a loopback cluster (`job_on_worker`), for the slow test."""
+    os.environ["TF_CONFIG"] = json.dumps({
+        "cluster": {"worker": [f"127.0.0.1:{port}" for port in ports]},
+        "task": {"type": "worker", "index": index}})
+    from tf_megadp import distribute
+
+    strategy = distribute.resolve_strategy("multiworker")
+    write_json_atomically(out_path, job_on_worker(index, os.path.dirname(out_path), strategy))
 
 
 # The job's command line on R replicas: m * R = JOB_ROWS rows per micro-step
@@ -457,17 +594,56 @@ JOB_ROWS = 8
 JOB_STEPS = 3
 
 
-def job_argv(folder, corpus, replicas, output, *extra):
-    """`tf-megadp pretrain` arguments of the pico job on R CPU replicas."""
+def job_argv(folder, corpus, replicas, output, *extra, strategy="mirrored"):
+    """`tf-megadp pretrain` arguments of the pico job on R CPU replicas (or R workers)."""
     argv = ["pretrain", "--corpus", corpus, "--cache-dir", str(folder / "cache"),
             "--model", "pico", "--sequence-length", "16", "--vocabulary-size", "200",
             "--max-characters", "300000", "--micro-batch-size", str(JOB_ROWS // replicas),
             "--batch-size", "16", "--steps", str(JOB_STEPS), "--eval-every", str(JOB_STEPS),
             "--noise-multiplier", "1.0", "--accountant", "rdp", "--warmup-steps", "1",
             "--output-dir", str(output), *extra]
-    if replicas > 1:
+    if strategy == "multiworker":
+        argv += ["--strategy", "multiworker"]
+    elif replicas > 1:
         argv += ["--strategy", "mirrored", "--cpu-replicas", str(replicas)]
     return argv
+
+
+def job_on_worker(index, shared, strategy):
+    """The pico job on this worker of two (`--strategy multiworker`), sigma 0, test-only seeds.
+
+    Both workers run the same command on one shared folder, as on machines
+    with a shared file system: the chief prepares the corpus cache that the
+    other then reads, and only the chief writes the run's output. The chief
+    returns the exported weights, to compare with the one-device job of
+    `run_job(1)`.
+    """
+    import pathlib
+
+    import keras
+
+    from tf_megadp import cli, distribute
+    from tf_megadp.jobs.bert import pretraining
+    from tests.test_pretraining import write_corpus
+
+    folder = pathlib.Path(shared) / "job_workers"
+    output = folder / "output"
+    if index == 0:
+        folder.mkdir()
+        write_corpus(folder)
+    distribute.barrier(strategy)  # The corpus file is written.
+    args = cli.build_parser().parse_args(job_argv(
+        folder, str(folder / "private.txt"), 2, output, strategy="multiworker"))
+    seeded = pretraining._TestingSeeds(sampling_seed=11, noise_seed=12, noise_multiplier=0.0)
+    report = pretraining.run_pretraining(cli.run_config_from_args(args, None),
+                                         log=lambda *_: None, testing=seeded)
+    result = {key: report[key] for key in ("logical_steps", "completed", "schedule")}
+    result["heldout_accuracy"] = [record["heldout_mlm_accuracy"] for record in report["history"]]
+    if index == 0:
+        model = keras.models.load_model(output / "model.keras", compile=False)
+        result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
+        result["files"] = sorted(os.listdir(output))
+    return result
 
 
 def run_job(replicas, out_path):
@@ -528,5 +704,7 @@ if __name__ == "__main__":
         run_job(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "worker":
         run_worker(int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")], sys.argv[4])
+    elif sys.argv[1] == "job_worker":
+        run_job_worker(int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")], sys.argv[4])
     else:
         raise SystemExit(f"unknown scenario set {sys.argv[1]!r}")

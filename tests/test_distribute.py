@@ -60,9 +60,8 @@ def scenario_results(tmp_path_factory):
     The interpreters spend most of their time tracing Python, one core each,
     so running them side by side roughly halves the wall time on two cores.
     """
-    directory = tmp_path_factory.mktemp("distributed")
     ports = ",".join(str(p) for p in _free_ports(2))
-    commands = {
+    return _run_scenarios(tmp_path_factory.mktemp("distributed"), {
         "replicas2": ["replicas", "2"],
         "replicas4": ["replicas", "4"],
         "worker0": ["worker", "0", ports],
@@ -70,7 +69,11 @@ def scenario_results(tmp_path_factory):
         "job1": ["job", "1"],
         "job2": ["job", "2"],
         "job4": ["job", "4"],
-    }
+    })
+
+
+def _run_scenarios(directory, commands):
+    """Runs the scenario sets `commands` (name -> arguments) side by side; their results."""
     outputs = {name: str(directory / f"{name}.json") for name in commands}
     processes = {
         name: subprocess.Popen(
@@ -170,6 +173,61 @@ class TestMirroredReplicas:
         assert stats.chi2.cdf(statistic / replicas, dof) < 1e-12
 
 
+class TestCustomLoopOnReplicas:
+    """A custom loop of `tf_megadp.PrivateStep` under MirroredStrategy: fit's updates."""
+
+    def test_sigma_zero_update_equals_fits_under_the_same_strategy(self, replicated):
+        loop = replicated["custom_loop"]
+        assert loop["logical_steps"] == scenarios.LOGICAL_STEPS
+        assert loop["logs"] == {"logical_step": scenarios.LOGICAL_STEPS, "applied": True,
+                                "nonfinite_examples": 1.0}
+        for mine, fits, single in zip(loop["update"], replicated["distributed_update"],
+                                      replicated["single_device_update"]):
+            np.testing.assert_array_equal(mine, fits)
+            np.testing.assert_allclose(mine, single, rtol=1e-5, atol=1e-7)
+        assert loop["identical_across_replicas"]
+        # sigma = 0: every step is recorded, as a step without noise.
+        assert (loop["ledger_steps"], loop["noiseless_steps"]) == (0, scenarios.LOGICAL_STEPS)
+
+    def test_seeded_noise_on_the_same_draws_gives_fits_weights_and_epsilon(self, replicated):
+        layout = replicated["accounting"][0]
+        loop = layout["custom_loop"]
+        assert loop["weights_equal_fit"], loop["max_difference_from_fit"]
+        assert loop["steps_applied"] == layout["steps_applied"]
+        assert loop["ledger"] == layout["ledger_entries"]
+        assert loop["epsilon"] == layout["epsilon"]
+
+
+class TestTheTpuCustomLoopExample:
+    """examples/tpu_custom_loop.py on two loopback workers (one CPU replica each)."""
+
+    @staticmethod
+    def _check(result, replicas):
+        size = dict(zip(scenarios.TPU_EXAMPLE_SIZE[::2], scenarios.TPU_EXAMPLE_SIZE[1::2]))
+        n, batch = int(size["--examples"]), int(size["--batch-size"])
+        schedule = tf_megadp.BatchSizeSchedule.from_dict(result["schedule"])
+        assert result["replicas"] == schedule.num_replicas == replicas
+        steps = math.ceil(n / batch)
+        assert result["logical_steps"] == schedule.total_steps == steps
+        # dp_accounting's PLD (the example's default accountant and delta) of
+        # the steps applied, Poisson truncated at the capacity k * m * R.
+        import dp_accounting
+        from dp_accounting import pld
+
+        event = dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=n, sampling_probability=batch / n, noise_multiplier=1.0,
+            truncated_batch_size=schedule.capacity(schedule.phases[0])), steps)
+        expected = pld.PLDAccountant().compose(event).get_epsilon(1e-6)
+        assert result["epsilon"] == pytest.approx(expected, rel=1e-4)
+
+    def test_on_two_workers_with_one_secret(self, two_workers):
+        first, second = (worker["tpu_example"] for worker in two_workers)
+        self._check(first, replicas=2)
+        assert first["epsilon"] == second["epsilon"]
+        for a, b in zip(first["weights"], second["weights"]):
+            np.testing.assert_array_equal(a, b)
+
+
 class TestMixedBfloat16:
     """The step as TPUs run it: bfloat16 compute, float32 DP arithmetic."""
 
@@ -249,6 +307,38 @@ class TestMultiWorker:
         reference = scenarios.single_device_weights(replicas=2)
         for distributed, single in zip(first["weights"], reference):
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
+
+    def test_seeded_noise_equals_fit_on_two_mirrored_replicas(self, two_workers,
+                                                              scenario_results):
+        # The same key, steps and replica ids: the workers' custom loop adds
+        # the noise fit adds on two replicas of one process.
+        fits = _result(scenario_results, "replicas2")["noisy_fit_for_workers"]
+        for loop, fit in zip(two_workers[0]["noisy_weights"], fits):
+            np.testing.assert_allclose(loop, fit, rtol=1e-5, atol=1e-7)
+
+    @pytest.mark.slow
+    def test_the_job_runs_on_two_workers_and_equals_the_one_device_run(
+            self, tmp_path, scenario_results):
+        """`tf-megadp pretrain --strategy multiworker`, sigma 0, the job's test-only seeds.
+
+        Slow (two more interpreters, about 60 CPU-seconds): `pytest -m slow -k
+        job_runs_on_two_workers tests/test_distribute.py`.
+        """
+        ports = ",".join(str(p) for p in _free_ports(2))
+        results = _run_scenarios(tmp_path, {f"job_worker{index}": ["job_worker", str(index), ports]
+                                            for index in (0, 1)})
+        chief, other = (_result(results, f"job_worker{index}") for index in (0, 1))
+        for job in (chief, other):
+            assert job["completed"] and job["logical_steps"] == scenarios.JOB_STEPS
+        assert chief["heldout_accuracy"] == other["heldout_accuracy"]
+        schedule = tf_megadp.BatchSizeSchedule.from_dict(chief["schedule"])
+        assert schedule.num_replicas * schedule.micro_batch_size == scenarios.JOB_ROWS
+        # Written once, by the chief, into the folder both workers were given.
+        for name in ("model.keras", "privacy.json", "report.json", "history.csv", "checkpoint"):
+            assert name in chief["files"]
+        single = _result(scenario_results, "job1")
+        for distributed, reference in zip(chief["weights"], single["weights"]):
+            np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda r: f"job_on_{r}_replicas")

@@ -143,13 +143,19 @@ class TestAPlannedPicoRun:
         assert "exceeds target_epsilon 1" in capsys.readouterr().err
 
 
-def test_several_workers_are_refused_naming_the_custom_loop(tmp_path, monkeypatch):
-    """Keras 3.15's fit cannot run under multi-worker: the job says so before any work."""
+def test_the_non_private_baseline_is_refused_on_several_workers(tmp_path, monkeypatch):
+    """It trains with Keras's fit, which cannot run there: the job says so before any work.
+
+    (The private job trains on several workers with a custom loop of
+    tf_megadp.PrivateStep: the slow test of tests/test_distribute.py on two
+    loopback workers.)
+    """
     from tf_megadp import distribute
 
     monkeypatch.setattr(distribute, "_worker_count", lambda strategy: 2)
-    config = pretraining.PretrainConfig(output_dir=str(tmp_path / "run"), strategy="default")
-    with pytest.raises(pretraining.PretrainError, match="train_micro_steps"):
+    config = pretraining.PretrainConfig(output_dir=str(tmp_path / "run"), strategy="default",
+                                        non_private=True)
+    with pytest.raises(pretraining.PretrainError, match="non-private baseline"):
         pretraining.run_pretraining(config, log=lambda *_: None)
     assert not (tmp_path / "run").exists()
 

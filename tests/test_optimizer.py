@@ -282,7 +282,15 @@ def _file_arrays(path):
     """Every array an attacker can read from a file tf_megadp or Keras wrote."""
     import zipfile
 
+    import os
+
     path = str(path)
+    if os.path.exists(path + ".index"):  # A tf.train.Checkpoint prefix.
+        import tensorflow as tf
+
+        reader = tf.train.load_checkpoint(path)
+        return [np.asarray(reader.get_tensor(name))
+                for name in reader.get_variable_to_shape_map()]
     if path.endswith(".keras"):
         with zipfile.ZipFile(path) as archive:
             archive.extract("model.weights.h5", path + ".unzipped")
@@ -291,6 +299,28 @@ def _file_arrays(path):
         return _h5_arrays(path)
     with np.load(path) as saved:
         return [saved[name] for name in saved.files]
+
+
+def _assert_no_file_removes_the_noise(files, key, update, clipped_sum, partial):
+    """No integer pair in any file regenerates the noise; no array is an un-noised sum."""
+    noise_error = np.sqrt(sum(np.sum((-DIVISOR * u - c) ** 2)
+                              for u, c in zip(update, clipped_sum)))
+    for name, path in files.items():
+        arrays = _file_arrays(path)
+        integers = np.concatenate([a.ravel() for a in arrays
+                                   if np.issubdtype(a.dtype, np.integer)] or [np.zeros(0)])
+        assert not np.isin(key, integers).any(), name
+        candidates = [a.ravel().astype(np.int64)[i:i + 2]
+                      for a in arrays if np.issubdtype(a.dtype, np.integer) and a.size >= 2
+                      for i in range(a.size - 1)]
+        for candidate in candidates:
+            error = np.sqrt(sum(np.sum((r - c) ** 2) for r, c in zip(
+                _recovered_sum(update, candidate, DIVISOR), clipped_sum)))
+            assert error > 0.1 * noise_error, (name, candidate)
+        # The partial step's un-noised sum is in no file either.
+        for array in arrays:
+            for p in partial:
+                assert not (array.shape == p.shape and np.allclose(array, p, atol=1e-5)), name
 
 
 def _recovered_sum(update, key, divisor):
@@ -375,26 +405,56 @@ class TestSecrets:
         [files["state_weights"]] = (tmp_path / "state").glob("model-*.weights.h5")
         tf_megadp.export_model(model, tmp_path / "release.keras")
         files["release"] = tmp_path / "release.keras"
-        noise_error = np.sqrt(sum(np.sum((-DIVISOR * u - c) ** 2)
-                                  for u, c in zip(update, clipped_sum)))
-        for name, path in files.items():
-            arrays = _file_arrays(path)
-            integers = np.concatenate([a.ravel() for a in arrays
-                                       if np.issubdtype(a.dtype, np.integer)] or [np.zeros(0)])
-            assert not np.isin(key, integers).any(), name
-            candidates = [a.ravel().astype(np.int64)[i:i + 2]
-                          for a in arrays if np.issubdtype(a.dtype, np.integer) and a.size >= 2
-                          for i in range(a.size - 1)]
-            for candidate in candidates:
-                error = np.sqrt(sum(np.sum((r - c) ** 2) for r, c in zip(
-                    _recovered_sum(update, candidate, DIVISOR), clipped_sum)))
-                assert error > 0.1 * noise_error, (name, candidate)
-            # The partial step's un-noised sum of x[4:6] is in no file either.
-            partial = [-DIVISOR * u for u in reference.naive_clipped_update(
-                model, keras.losses.MeanSquaredError(), x[4:], y[4:], CLIP, DIVISOR)]
-            for array in arrays:
-                for p in partial:
-                    assert not (array.shape == p.shape and np.allclose(array, p, atol=1e-5)), name
+        partial = [-DIVISOR * u for u in reference.naive_clipped_update(
+            model, keras.losses.MeanSquaredError(), x[4:], y[4:], CLIP, DIVISOR)]
+        _assert_no_file_removes_the_noise(files, key, update, clipped_sum, partial)
+
+    def test_no_checkpoint_of_a_custom_loop_holds_the_noise_key_or_the_clipped_sum(
+            self, tmp_path):
+        """The same attack on what a PrivateStep loop writes: tf.train.Checkpoint files."""
+        import tensorflow as tf
+
+        rng = np.random.default_rng(2)
+        x = rng.normal(size=(6, 3)).astype("float32")
+        y = rng.normal(size=(6, 2)).astype("float32")
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        step = tf_megadp.PrivateStep(
+            model, tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), l2_norm_clip=CLIP,
+                                         noise_multiplier=SIGMA, accumulation_steps=2,
+                                         normalize_by=DIVISOR), loss="mse")
+        step.begin((x, y), micro_batches_per_pass=3)
+        before = reference.weights(model)
+        clipped_sum = [-DIVISOR * u for u in reference.naive_clipped_update(
+            model, keras.losses.MeanSquaredError(), x[:4], y[:4], CLIP, DIVISOR)]
+        train = tf.function(step.run)
+        for start in (0, 2, 4):  # One noisy step applied, one micro-batch accumulated.
+            train((x[start:start + 2], y[start:start + 2]))
+        update = [a - b for a, b in zip(reference.weights(model), before)]
+        key = step.optimizer._in_memory.noise_key.numpy()
+        recovered = _recovered_sum(update, key, DIVISOR)
+        for r, c in zip(recovered, clipped_sum):  # The attack works with the real key.
+            np.testing.assert_allclose(r, c, atol=1e-4)
+
+        files = {
+            "step checkpoint": step.checkpoint().write(str(tmp_path / "step")),
+            "tf.train.Checkpoint": tf.train.Checkpoint(
+                model=model, optimizer=step.optimizer).write(str(tmp_path / "plain")),
+        }
+        manager = tf.train.CheckpointManager(step.checkpoint(), str(tmp_path / "managed"), 1)
+        files["CheckpointManager"] = manager.save()
+        tf_megadp.save_training_state(model, str(tmp_path / "state"))
+        [files["state"]] = (tmp_path / "state").glob("optimizer-*.npz")
+        partial = [-DIVISOR * u for u in reference.naive_clipped_update(
+            model, keras.losses.MeanSquaredError(), x[4:], y[4:], CLIP, DIVISOR)]
+        _assert_no_file_removes_the_noise(files, key, update, clipped_sum, partial)
+        # Each checkpoint holds the ledger of the step applied (record ran first).
+        restored = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        again = tf_megadp.PrivateStep(restored, tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=SIGMA,
+            accumulation_steps=2, normalize_by=DIVISOR), loss="mse")
+        again.checkpoint().read(files["CheckpointManager"]).assert_existing_objects_matched()
+        assert tf_megadp.model_ledger(restored).total_steps == again.logical_step == 1
 
     def test_the_release_file_has_no_optimizer(self, tmp_path):
         model = _private_dense()

@@ -30,6 +30,7 @@ from tf_megadp.checkpointing import (
     save_training_state,
 )
 from tf_megadp.clipping import AutoClipping, ClippingStrategy, GhostClipping, VectorizedClipping
+from tf_megadp.custom_loop import PrivacyReport, PrivateStep
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
@@ -73,6 +74,8 @@ __all__ = [
     "PrivacyCallback",
     "PrivacyConfigurationError",
     "PrivacyLedger",
+    "PrivacyReport",
+    "PrivateStep",
     "ShuffleSampler",
     "TokenShards",
     "VectorizedClipping",

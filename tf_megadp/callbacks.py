@@ -3,18 +3,20 @@
 Two callbacks share the work:
 
 * `LedgerKeeper` (added by the private `fit` itself, first in the list, so
-  no user can forget it): after every batch it turns the steps the compiled
-  step applied (`DPOptimizer.applied_steps`, written in the graph with the
-  values that step used) into privacy-ledger entries, adding what only the
-  data can tell, N and how each step chose its examples
-  (`tf_megadp.sources.DataSource`). The ledger lives in the optimizer's
+  no user can forget it): after every batch its `LedgerRecorder` turns the
+  steps the compiled step applied (`DPOptimizer.applied_steps`, written in
+  the graph with the values that step used) into privacy-ledger entries,
+  adding what only the data can tell, N and how each step chose its
+  examples (`tf_megadp.sources.DataSource`). A custom loop's
+  `tf_megadp.PrivateStep` records with the same `LedgerRecorder`. The ledger lives in the optimizer's
   `privacy_ledger` variable, so `model.save`, `ModelCheckpoint`,
   `keras.callbacks.BackupAndRestore` and `tf_megadp.save_training_state`
   carry the spend and a resumed run continues it. It also ends partial
   logical steps where an example could otherwise enter one noisy sum twice.
 * `PrivacyCallback` (the user's): writes `epsilon` and `delta` into the
   Keras `logs`, enforces a `target_epsilon` budget and writes the
-  publishable report.
+  publishable report, with the code (`_PrivacyReporting`) that a custom
+  loop's `tf_megadp.PrivacyReport` runs.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ from tf_megadp.optimizer import (
 from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
 
 __all__ = [
-    "EVALUATION_METRICS", "LedgerKeeper", "PrivacyCallback", "model_ledger", "read_ledger",
-    "RELEASED_OUTSIDE_EPSILON", "run_notes", "weights_digest",
+    "EVALUATION_METRICS", "LedgerKeeper", "LedgerRecorder", "PrivacyCallback", "model_ledger",
+    "read_ledger", "RELEASED_OUTSIDE_EPSILON", "run_notes", "weights_digest",
 ]
 
 # What a private Keras run publishes that epsilon does not cover.
@@ -111,9 +113,10 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
             f"{missing} of the {optimizer.logical_steps_applied} logical steps applied to "
             "this model's weights are in no privacy ledger: they were taken outside "
             "fit (train_on_batch, or a loop calling train_step), where the data and "
-            "its sampling are unknown, so any epsilon would leave them out. Train "
-            "only with fit; to report an honest epsilon, restore a checkpoint taken "
-            "before those steps."
+            "its sampling are unknown, or by a tf_megadp.PrivateStep whose record() "
+            "has not run since, so any epsilon would leave them out. Train with fit "
+            "or a PrivateStep (and call its record()); to report an honest epsilon, "
+            "restore a checkpoint taken before those steps."
         )
     unaccounted = _number(optimizer.unaccounted_steps)
     if unaccounted:
@@ -219,12 +222,13 @@ def run_notes(model) -> _RunNotes:
     return notes
 
 
-class LedgerKeeper(keras.callbacks.Callback):
-    """Records every applied logical step in the privacy ledger; added by `fit`.
+class LedgerRecorder:
+    """Records every applied logical step in the privacy ledger, with N and the sampling.
 
-    The private `fit` (see `tf_megadp.make_private`) puts one first in the
-    callback list; there is no need to create one. What it checks before
-    the first step, each with an error that names the fix:
+    One recorder serves every way of training: the private `fit` runs one
+    as a Keras callback (`LedgerKeeper`), and a custom training loop's
+    `tf_megadp.PrivateStep` owns one. What it checks before the first step
+    (`begin`), each with an error that names the fix:
 
     * N: measured from the data when it can be; a stated
       `PrivacyCallback(num_examples=...)` must agree with it;
@@ -244,6 +248,7 @@ class LedgerKeeper(keras.callbacks.Callback):
             error.
         validation: `fit` was given validation data (its metrics are
             released outside epsilon).
+        model: the private model (a callback is given it by Keras instead).
     """
 
     def __init__(
@@ -255,8 +260,9 @@ class LedgerKeeper(keras.callbacks.Callback):
         micro_batch_size: int | None = None,
         nothing_to_train: bool = False,
         validation: bool = False,
+        model: keras.Model | None = None,
     ):
-        super().__init__()
+        self._model = model
         self.source = source
         self.nothing_to_train = nothing_to_train
         self.validation = validation
@@ -268,6 +274,10 @@ class LedgerKeeper(keras.callbacks.Callback):
         self._last_rows: float | None = None
 
     # -- What the run is -------------------------------------------------------
+
+    @property
+    def model(self) -> keras.Model:
+        return self._model
 
     @property
     def sampling(self) -> str:
@@ -299,16 +309,14 @@ class LedgerKeeper(keras.callbacks.Callback):
         if stated is not None and stated != measured:
             kind = "measured" if self.source.num_examples_measured else "stated"
             raise PrivacyConfigurationError(
-                f"PrivacyCallback(num_examples={stated}) but fit is given "
-                f"{measured} examples ({kind}: {self.source.description}). Remove "
-                "num_examples from PrivacyCallback: N is measured from the data."
+                f"num_examples={stated} was stated (PrivacyCallback or "
+                f"PrivateStep.begin) but the data has {measured} examples ({kind}: "
+                f"{self.source.description}). Remove num_examples: N is measured from "
+                "the data."
             )
         return measured
 
-    # -- Keras hooks -------------------------------------------------------------
-
-    def on_train_begin(self, logs=None):
-        self.begin()
+    # -- The run's start -----------------------------------------------------------
 
     def begin(self) -> None:
         """Everything checked and prepared before the first private step of a run.
@@ -335,9 +343,9 @@ class LedgerKeeper(keras.callbacks.Callback):
         if discarded:
             warnings.warn(
                 f"Discarded {discarded} micro-batches of a logical step left "
-                "unfinished by an earlier fit call: a logical step never spans two "
-                "fit calls (an example could enter its noisy sum twice). They were "
-                "never released and cost no privacy.",
+                "unfinished by an earlier fit call or loop: a logical step never spans "
+                "two fit calls or two runs of a loop (an example could enter its noisy "
+                "sum twice). They were never released and cost no privacy.",
                 UserWarning,
                 stacklevel=3,
             )
@@ -356,38 +364,11 @@ class LedgerKeeper(keras.callbacks.Callback):
         self._check_source(optimizer)
         self.ledger = read_ledger(optimizer)
         self._check_consistent(optimizer)
-        self._batches = 0
         self.model._tf_megadp_keeper = self
         notes = run_notes(self.model)
         notes.begin_fit(self.model)
         if self.validation:
             notes.release(EVALUATION_METRICS)
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
-        self.drain()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.drain()
-        if self.sampling != "poisson":
-            # The next epoch is a new pass over the data: a logical step that
-            # continued into it could hold an example twice.
-            self._end_partial_step("an epoch")
-
-    def on_train_end(self, logs=None):
-        self.drain()
-        self._end_partial_step("a fit call")
-        # After Keras's finalize (an EMA average is in the weights by now).
-        run_notes(self.model).end_fit(self.model)
-        if (self.sampling == "poisson" and not self._batches and not self.model.stop_training
-                and not self.nothing_to_train):
-            raise PrivacyConfigurationError(
-                "fit consumed no micro-batch of the sampler's dataset. Under a "
-                "tf.distribute strategy Keras reads one batch to build an unbuilt model "
-                "and restarts the data, which a sampler refuses (its draws are read "
-                "once). Build the model before fit (e.g. call it once on a batch of the "
-                "right shapes, or model.build(...)), then pass a fresh sampler's dataset."
-            )
 
     # -- Checks --------------------------------------------------------------------
 
@@ -437,7 +418,7 @@ class LedgerKeeper(keras.callbacks.Callback):
                 schedule.num_examples != self.num_examples):
             raise PrivacyConfigurationError(
                 f"The optimizer's schedule was planned for num_examples="
-                f"{schedule.num_examples} but fit is given {self.num_examples} "
+                f"{schedule.num_examples} but the data has {self.num_examples} "
                 "examples. Build the schedule with the data's size."
             )
         if self.sampling != "poisson":
@@ -471,19 +452,34 @@ class LedgerKeeper(keras.callbacks.Callback):
 
     def drain(self) -> None:
         """Moves the steps the compiled step applied into the ledger."""
+        self._record_rows(self._take_applied_rows())
+
+    def _take_applied_rows(self) -> np.ndarray:
+        """The rows (`APPLIED_STEP_COLUMNS`) the compiled step wrote since the last drain.
+
+        They leave the optimizer's buffer: the caller records them.
+        """
         optimizer = _dp_optimizer(self.model)
         count = _number(optimizer.applied_rows)
         if not count:
-            return
+            return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
         capacity = optimizer.applied_steps.shape[0]
         if count > capacity:
             raise PrivacyConfigurationError(
-                f"More than {capacity} differently configured logical steps ran in "
-                "one batch call, beyond what the step can record. Lower "
-                "steps_per_execution."
+                f"More than {capacity} differently configured logical steps ran "
+                "between two ledger updates, beyond what the step can record. Lower "
+                "steps_per_execution (fit), or call PrivateStep.record() more often "
+                "(a custom loop)."
             )
         table = optimizer.applied_steps.numpy()[:count]
         optimizer.applied_rows.assign(0)
+        return table
+
+    def _record_rows(self, table: np.ndarray) -> None:
+        """Turns applied-step rows into ledger entries and stores the ledger."""
+        if not len(table):
+            return
+        optimizer = _dp_optimizer(self.model)
         step = (self.ledger.total_steps + _number(optimizer.unaccounted_steps)
                 + _number(optimizer.noiseless_steps) - _number(optimizer.carried_steps))
         for values in table:
@@ -556,80 +552,69 @@ class LedgerKeeper(keras.callbacks.Callback):
         return self._fixed_size_entry(min(rows, self.num_examples), sigma)
 
 
-class PrivacyCallback(keras.callbacks.Callback):
-    """Reports epsilon during `fit`, enforces a budget, writes the report.
+class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
+    """The private `fit`'s `LedgerRecorder`, as a Keras callback.
 
-    Epsilon is computed from the privacy ledger that the private `fit` keeps
-    (see `LedgerKeeper`): the steps the compiled step applied, N measured
-    from the data, and the way each step chose its examples. Nothing here is
-    taken on trust: a value you pass is checked against what `fit` consumes.
+    The private `fit` (see `tf_megadp.make_private`) puts one first in the
+    callback list; there is no need to create one. It begins at the start
+    of training, records after every batch, and ends partial logical steps
+    where an example could otherwise enter one noisy sum twice: at the end
+    of every epoch of data that no sampler drew, and at the end of `fit`.
 
-    Place it before `CSVLogger` and `TensorBoard` in the callback list so that
-    they see the `epsilon` and `delta` it adds to each epoch's logs (the
-    progress bar and `History` always see them).
-
-    Args:
-        delta: the delta of the reported (epsilon, delta); at most 1/N.
-        num_examples: N, only for data whose size `fit` cannot measure (a
-            `tf.data.Dataset` or `PyDataset` that no tf_megadp sampler
-            returned); the report then says N was stated. For arrays and
-            sampler datasets N is measured, and a different value raises.
-        batch_size: optional check of the expected logical batch size: a
-            value different from what the run's steps hold raises.
-        accountant: ``"pld"`` (default) or ``"rdp"``.
-        target_epsilon: optional budget. At the end of every logical step, if
-            one more step would make epsilon exceed it, training stops, so
-            the run never spends more than the budget. Needs
-            `steps_per_execution=1` to stop exactly at a step boundary.
-        log_every_steps: also write `epsilon` and `delta` into the batch logs
-            every this many logical steps.
-        report_path: write the publishable JSON report here when training
-            ends (atomically).
-        verbose: 1 prints when the budget stops training; 0 is silent.
-
-    Example:
-    ```python
-    callback = tf_megadp.PrivacyCallback(delta=1e-5, target_epsilon=3.0)
-    model.fit(sampler.as_dataset(), callbacks=[callback])
-    callback.epsilon              # spent so far
-    callback.report()             # publishable dict
-    ```
+    Args: as `LedgerRecorder` (Keras gives it the model).
     """
 
-    def __init__(
-        self,
-        delta: float | None = None,
-        num_examples: int | None = None,
-        *,
-        batch_size: int | None = None,
-        accountant: str = DEFAULT_ACCOUNTANT,
-        target_epsilon: float | None = None,
-        log_every_steps: int | None = None,
-        report_path: str | os.PathLike | None = None,
-        verbose: int = 1,
-    ):
-        super().__init__()
-        if isinstance(delta, int) and not isinstance(delta, bool) and delta >= 1 and (
-                num_examples is None or isinstance(num_examples, float)):
-            raise TypeError(
-                "PrivacyCallback takes delta first: PrivacyCallback(delta=1e-5). "
-                "N is measured from the data; pass num_examples= only for data of "
-                "unknown size."
+    def __init__(self, *args, **kwargs):
+        keras.callbacks.Callback.__init__(self)
+        LedgerRecorder.__init__(self, *args, **kwargs)
+
+    def on_train_begin(self, logs=None):
+        self.begin()
+        self._batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        self.drain()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.drain()
+        if self.sampling != "poisson":
+            # The next epoch is a new pass over the data: a logical step that
+            # continued into it could hold an example twice.
+            self._end_partial_step("an epoch")
+
+    def on_train_end(self, logs=None):
+        self.drain()
+        self._end_partial_step("a fit call")
+        # After Keras's finalize (an EMA average is in the weights by now).
+        run_notes(self.model).end_fit(self.model)
+        if (self.sampling == "poisson" and not self._batches and not self.model.stop_training
+                and not self.nothing_to_train):
+            raise PrivacyConfigurationError(
+                "fit consumed no micro-batch of the sampler's dataset. Under a "
+                "tf.distribute strategy Keras reads one batch to build an unbuilt model "
+                "and restarts the data, which a sampler refuses (its draws are read "
+                "once). Build the model before fit (e.g. call it once on a batch of the "
+                "right shapes, or model.build(...)), then pass a fresh sampler's dataset."
             )
+
+
+class _PrivacyReporting:
+    """Epsilon, the publishable report and the budget of a private run, from its ledger.
+
+    The one implementation behind `PrivacyCallback` (for `fit`) and
+    `tf_megadp.PrivacyReport` (for custom training loops). A subclass
+    provides `model` and calls `_attach` with the run's `LedgerRecorder`
+    before anything is read.
+    """
+
+    def _init_reporting(self, delta, num_examples, batch_size, accountant, target_epsilon):
         if delta is None:
             raise ValueError("PrivacyCallback needs delta (at most 1/num_examples).")
         if target_epsilon is not None and not (
             isinstance(target_epsilon, (int, float)) and 0 < target_epsilon < float("inf")
         ):
             raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
-        if log_every_steps is not None and (
-            isinstance(log_every_steps, bool)
-            or not isinstance(log_every_steps, int)
-            or log_every_steps < 1
-        ):
-            raise ValueError(
-                f"log_every_steps must be a positive integer, got {log_every_steps!r}."
-            )
         if batch_size is not None and (
                 isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
@@ -645,12 +630,7 @@ class PrivacyCallback(keras.callbacks.Callback):
         self.batch_size = batch_size
         self.accountant_name = accountant
         self.target_epsilon = target_epsilon
-        self.log_every_steps = log_every_steps
-        self.report_path = report_path
-        self.verbose = verbose
-        self.stopped_at_step: int | None = None
-        self._keeper: LedgerKeeper | None = None
-        self._seen_iterations = 0
+        self._keeper: LedgerRecorder | None = None
         self._stop_at: int | None = None
         self._budget_entry: LedgerEntry | None = None
 
@@ -672,7 +652,8 @@ class PrivacyCallback(keras.callbacks.Callback):
         if self._keeper is None:
             raise RuntimeError(
                 "PrivacyCallback.epsilon is known once the callback was passed to a "
-                "private fit (it measures N there). For a loaded model, use "
+                "private fit (it measures N there). For a custom loop, use "
+                "tf_megadp.PrivacyReport(step, delta). For a loaded model, use "
                 "tf_megadp.PrivacyAccountant(N, delta, ledger=tf_megadp.model_ledger(model))."
             )
         ledger = model_ledger(self.model)
@@ -748,15 +729,16 @@ class PrivacyCallback(keras.callbacks.Callback):
 
         write_json_atomically(path, self.report())
 
-    # -- Keras hooks ---------------------------------------------------------------
+    def _attach(self, keeper: LedgerRecorder) -> None:
+        """Reads the run's ledger through `keeper` from now on; checks it first.
 
-    def on_train_begin(self, logs=None):
-        keeper = getattr(self.model, "_tf_megadp_keeper", None)
+        Raises:
+            PrivacyConfigurationError: N is unknown, or steps were taken that
+                no ledger accounts for.
+            RuntimeError: the budget is spent: one more step would exceed
+                `target_epsilon`.
+        """
         optimizer = self._optimizer
-        if keeper is None or keeper.model is not self.model:
-            raise PrivacyConfigurationError(
-                "PrivacyCallback needs the private fit of tf_megadp.make_private(model)."
-            )
         if keeper.num_examples is None:
             raise PrivacyConfigurationError(
                 "fit cannot measure the size of this data (a dataset that no "
@@ -765,21 +747,12 @@ class PrivacyCallback(keras.callbacks.Callback):
                 "tf_megadp sampler's dataset."
             )
         model_ledger(self.model)  # Refuses steps that no ledger can account for.
-        if self.target_epsilon is not None and getattr(self.model, "steps_per_execution", 1) != 1:
-            raise ValueError(
-                "PrivacyCallback(target_epsilon=...) must see every micro-batch to "
-                "stop exactly before the step that would exceed the budget: compile "
-                "with steps_per_execution=1."
-            )
         self._keeper = keeper
         self._accountant = PrivacyAccountant(
             keeper.num_examples, self.delta, accountant=self.accountant_name)
         self._stop_at = None
         self._budget_entry = None
-        self._micro_batches_seen = 0
-        self.stopped_at_step = None
         iterations = _number(optimizer.iterations)
-        self._seen_iterations = iterations
         self._check_batch_size(keeper.next_entry(iterations))
         if (self.target_epsilon is not None and not keeper.nothing_to_train
                 and not self._next_step_fits(iterations)):
@@ -824,6 +797,106 @@ class PrivacyCallback(keras.callbacks.Callback):
                 self.target_epsilon, entry, limit=limit
             )
         return step < self._stop_at
+
+    def _steps_left_in_fit(self, step: int) -> int | None:
+        """An upper bound on the logical steps the run can still take (None: unknown)."""
+        return None
+
+
+class PrivacyCallback(_PrivacyReporting, keras.callbacks.Callback):
+    """Reports epsilon during `fit`, enforces a budget, writes the report.
+
+    Epsilon is computed from the privacy ledger that the private `fit` keeps
+    (see `LedgerKeeper`): the steps the compiled step applied, N measured
+    from the data, and the way each step chose its examples. Nothing here is
+    taken on trust: a value you pass is checked against what `fit` consumes.
+
+    Place it before `CSVLogger` and `TensorBoard` in the callback list so that
+    they see the `epsilon` and `delta` it adds to each epoch's logs (the
+    progress bar and `History` always see them).
+
+    Args:
+        delta: the delta of the reported (epsilon, delta); at most 1/N.
+        num_examples: N, only for data whose size `fit` cannot measure (a
+            `tf.data.Dataset` or `PyDataset` that no tf_megadp sampler
+            returned); the report then says N was stated. For arrays and
+            sampler datasets N is measured, and a different value raises.
+        batch_size: optional check of the expected logical batch size: a
+            value different from what the run's steps hold raises.
+        accountant: ``"pld"`` (default) or ``"rdp"``.
+        target_epsilon: optional budget. At the end of every logical step, if
+            one more step would make epsilon exceed it, training stops, so
+            the run never spends more than the budget. Needs
+            `steps_per_execution=1` to stop exactly at a step boundary.
+        log_every_steps: also write `epsilon` and `delta` into the batch logs
+            every this many logical steps.
+        report_path: write the publishable JSON report here when training
+            ends (atomically).
+        verbose: 1 prints when the budget stops training; 0 is silent.
+
+    Example:
+    ```python
+    callback = tf_megadp.PrivacyCallback(delta=1e-5, target_epsilon=3.0)
+    model.fit(sampler.as_dataset(), callbacks=[callback])
+    callback.epsilon              # spent so far
+    callback.report()             # publishable dict
+    ```
+    """
+
+    def __init__(
+        self,
+        delta: float | None = None,
+        num_examples: int | None = None,
+        *,
+        batch_size: int | None = None,
+        accountant: str = DEFAULT_ACCOUNTANT,
+        target_epsilon: float | None = None,
+        log_every_steps: int | None = None,
+        report_path: str | os.PathLike | None = None,
+        verbose: int = 1,
+    ):
+        super().__init__()
+        if isinstance(delta, int) and not isinstance(delta, bool) and delta >= 1 and (
+                num_examples is None or isinstance(num_examples, float)):
+            raise TypeError(
+                "PrivacyCallback takes delta first: PrivacyCallback(delta=1e-5). "
+                "N is measured from the data; pass num_examples= only for data of "
+                "unknown size."
+            )
+        if log_every_steps is not None and (
+            isinstance(log_every_steps, bool)
+            or not isinstance(log_every_steps, int)
+            or log_every_steps < 1
+        ):
+            raise ValueError(
+                f"log_every_steps must be a positive integer, got {log_every_steps!r}."
+            )
+        self._init_reporting(delta, num_examples, batch_size, accountant, target_epsilon)
+        self.log_every_steps = log_every_steps
+        self.report_path = report_path
+        self.verbose = verbose
+        self.stopped_at_step: int | None = None
+        self._seen_iterations = 0
+
+    # -- Keras hooks ---------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        keeper = getattr(self.model, "_tf_megadp_keeper", None)
+        optimizer = self._optimizer  # Raises first for a model without a DPOptimizer.
+        if keeper is None or keeper.model is not self.model:
+            raise PrivacyConfigurationError(
+                "PrivacyCallback needs the private fit of tf_megadp.make_private(model)."
+            )
+        if self.target_epsilon is not None and getattr(self.model, "steps_per_execution", 1) != 1:
+            raise ValueError(
+                "PrivacyCallback(target_epsilon=...) must see every micro-batch to "
+                "stop exactly before the step that would exceed the budget: compile "
+                "with steps_per_execution=1."
+            )
+        self._micro_batches_seen = 0
+        self.stopped_at_step = None
+        self._seen_iterations = _number(optimizer.iterations)
+        self._attach(keeper)
 
     def _steps_left_in_fit(self, step: int) -> int | None:
         """An upper bound on the logical steps this fit can still take (None: unknown).

@@ -61,6 +61,7 @@ def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any
     ```
     """
     os.makedirs(directory, exist_ok=True)
+    record_custom_loop(model)
     optimizer = model.optimizer
     # A name no earlier checkpoint used: the committed files are never
     # overwritten, so a kill mid-save leaves them whole.
@@ -92,6 +93,20 @@ def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any
                 or (base.startswith("optimizer-") and base.endswith(".npz")))
         if ours and name not in files.values():
             os.remove(os.path.join(directory, name))
+
+
+def record_custom_loop(model: keras.Model) -> None:
+    """Records the steps a custom loop's `tf_megadp.PrivateStep` applied, before a save.
+
+    The compiled step leaves each noisy update in the optimizer's buffer of
+    applied steps; the ledger entry (with N and the sampling) is written in
+    Python. A file saved in between would hold steps that a restored run
+    can only count as unaccounted.
+    """
+    step = getattr(model, "_tf_megadp_step", None)
+    # A release export detaches the optimizer: it saves no ledger.
+    if step is not None and getattr(model, "optimizer", None) is step.optimizer:
+        step.record()
 
 
 def restore_training_state(model: keras.Model, directory: str, compile_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,10 @@ with strategy.scope():
 data = tf_megadp.distribute.distribute_micro_batches(strategy, micro_steps)
 model.fit(data, steps_per_epoch=k * logical_steps)
 ```
+
+Under `MultiWorkerMirroredStrategy` with several workers Keras's `fit` cannot
+run; a custom loop with `tf_megadp.PrivateStep` runs the same private step
+there (and under every other strategy).
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ __all__ = [
     "resolve_strategy",
     "distribute_micro_batches",
     "replica_micro_batches",
-    "train_micro_steps",
     "check_schedule_matches_strategy",
     "shared_sampling_secret",
+    "is_chief",
+    "barrier",
     "build_without_reading",
 ]
 
@@ -288,41 +293,6 @@ def distribute_micro_batches(
     return distributed
 
 
-def train_micro_steps(model, strategy: tf.distribute.Strategy, dataset, steps: int) -> dict:
-    """Runs `steps` micro-steps of the DP train step with `strategy.run`.
-
-    `model.fit` is the normal entry point. Under MultiWorkerMirroredStrategy
-    with more than one worker, Keras 3.15's TensorFlow trainer cannot run
-    `fit` at all: its symbolic build averages the first batch with
-    `strategy.reduce` (which cannot reduce a nested batch across workers)
-    and it reduces scalar logs with `strategy.reduce("MEAN", v, axis=0)`.
-    This loop runs the same private train step that `make_private`
-    installed, one micro-batch per replica per call, without those steps.
-
-    Args:
-        model: a model made private and compiled under `strategy.scope()`.
-        strategy: its strategy.
-        dataset: a distributed dataset (see `distribute_micro_batches`).
-        steps: micro-steps to run (k per logical step).
-
-    Returns:
-        The last step's logs, from the first local replica.
-    """
-    with strategy.scope():
-        model.optimizer.build(model.trainable_variables)
-
-    @tf.function
-    def micro_step(iterator):
-        return strategy.run(model.train_step, args=(next(iterator),))
-
-    iterator = iter(dataset)
-    logs = {}
-    for _ in range(steps):
-        logs = micro_step(iterator)
-    return {name: strategy.experimental_local_results(value)[0]
-            for name, value in logs.items()}
-
-
 def check_schedule_matches_strategy(
     schedule: BatchSizeSchedule, strategy: tf.distribute.Strategy
 ) -> None:
@@ -361,6 +331,33 @@ def _worker_count(strategy: tf.distribute.Strategy) -> int:
         return 1
     cluster = resolver.cluster_spec().as_dict()
     return max(1, len(cluster.get("chief", [])) + len(cluster.get("worker", [])))
+
+
+def is_chief(strategy: tf.distribute.Strategy | None = None) -> bool:
+    """Whether this process is the one of several workers that writes the run's files.
+
+    Under `MultiWorkerMirroredStrategy` every worker runs the same program;
+    the chief (task "chief", or worker 0 without one) writes checkpoints,
+    reports and the model, the others write nothing to the shared output.
+    Every other strategy runs in one process, which is the chief.
+
+    Args:
+        strategy: the run's strategy; default the current one.
+    """
+    strategy = strategy if strategy is not None else tf.distribute.get_strategy()
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if _worker_count(strategy) == 1 or resolver is None:
+        return True
+    if resolver.task_type == "chief":
+        return True
+    cluster = resolver.cluster_spec().as_dict()
+    return not cluster.get("chief") and resolver.task_type == "worker" and resolver.task_id == 0
+
+
+def barrier(strategy: tf.distribute.Strategy) -> None:
+    """Returns on every worker once every worker has called it (a collective; no-op on one)."""
+    if _worker_count(strategy) > 1:
+        _broadcast_from_replica_zero(strategy, 0)
 
 
 def _broadcast_from_replica_zero(strategy: tf.distribute.Strategy, value: int) -> int:

@@ -546,10 +546,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def unrecorded_steps(self) -> int:
         """Applied logical steps that no ledger entry records (taken outside `fit`).
 
-        The private `fit` records every step it applies after each batch;
-        steps applied by `train_on_batch` or a custom loop that calls
-        `train_step` stay unrecorded, and epsilon cannot be reported while
-        there are any.
+        The private `fit` records every step it applies after each batch,
+        and a custom loop's `tf_megadp.PrivateStep` when its `record` runs;
+        steps applied by `train_on_batch` or a loop that calls `train_step`
+        itself stay unrecorded, and epsilon cannot be reported while there
+        are any.
         """
         return self.logical_steps_applied - self.logical_steps_recorded
 
@@ -726,8 +727,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "DPOptimizer received already-aggregated gradients, which cannot be "
             "clipped per example: the model's train step is not private. Call "
             "`model = tf_megadp.make_private(model)` before `fit` (also after "
-            "`keras.models.load_model`), and do not call `apply_gradients` on a "
-            "DPOptimizer from a custom training loop."
+            "`keras.models.load_model`). A custom training loop calls a "
+            "`tf_megadp.PrivateStep` once per micro-batch instead of "
+            "`apply_gradients`."
         )
 
     apply = _fail_aggregated
@@ -746,8 +748,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "DPOptimizer.accumulate is not public: gradients from user code are "
             "not clipped per example, so their sum has no sensitivity bound. Call "
             "`model = tf_megadp.make_private(model)` and train with `model.fit`, "
-            "`model.train_on_batch` or `model.train_step(data)` in a custom loop; "
-            "the private step clips each example before it reaches the optimizer."
+            "or with a `tf_megadp.PrivateStep` in a custom loop; the private step "
+            "clips each example before it reaches the optimizer."
         )
 
     def finalize_variable_values(self, var_list):

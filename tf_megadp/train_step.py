@@ -14,6 +14,7 @@ import inspect
 import math
 import os
 import warnings
+from typing import NamedTuple
 
 import keras
 import numpy as np
@@ -21,6 +22,7 @@ import tensorflow as tf
 
 from tf_megadp import distribute, map_independence, preemption, sources
 from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
+from tf_megadp.checkpointing import record_custom_loop
 from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
@@ -114,12 +116,13 @@ def make_private(
         )
     model.train_step = functools.partial(
         _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
+    model._tf_megadp_log_nonfinite = bool(log_nonfinite_examples)
     if not is_private(model):
         model.fit = _private_fit(model, type(model).fit.__get__(model))
         model.evaluate = _noted_evaluate(model, type(model).evaluate.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
-        model.save_weights = _atomic_save(type(model).save_weights.__get__(model))
+        model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     setattr(model, _PRIVATE_FLAG, True)
     return model
@@ -371,15 +374,18 @@ def _ledger_preserving_load(model: keras.Model, original_load):
     return load_weights
 
 
-def _atomic_save(original_save):
+def _atomic_save(original_save, model=None):
     """`save` / `save_weights` through a temporary file renamed into place.
 
     A run killed while `ModelCheckpoint` (or the user) writes a checkpoint
-    keeps the previous file whole instead of a truncated one.
+    keeps the previous file whole instead of a truncated one. Given the
+    model, the steps a custom loop applied are recorded in its ledger first.
     """
 
     @functools.wraps(original_save)
     def save(filepath, *args, **kwargs):
+        if model is not None:
+            record_custom_loop(model)
         path = os.fspath(filepath)
         if "://" in path or kwargs.get("overwrite", True) is False:
             # Remote files have no atomic rename; overwrite=False asks first.
@@ -391,7 +397,7 @@ def _atomic_save(original_save):
 
 
 def _ledger_preserving_save(model: keras.Model, original_save):
-    atomic_save = _atomic_save(original_save)
+    atomic_save = _atomic_save(original_save, model)
 
     @functools.wraps(original_save)
     def save(filepath, *args, **kwargs):
@@ -569,6 +575,30 @@ def _check_no_example_mixing(model: keras.Model):
 
 
 def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False):
+    """The train step `make_private` installs: the logs of `_private_step`."""
+    return _private_step(model, data, log_nonfinite_examples=log_nonfinite_examples).logs
+
+
+class _StepOutcome(NamedTuple):
+    """What one micro-batch of the DP step gives its caller (in a replica context).
+
+    Attributes:
+        logs: Keras's logs of the step (`compute_metrics`), as `fit` shows them.
+        applied: bool scalar, whether this micro-batch ended a logical step
+            and the noisy update was applied.
+    """
+
+    logs: dict
+    applied: tf.Tensor
+
+
+def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False) -> _StepOutcome:
+    """One micro-batch of the DP step: the one implementation `fit` and `PrivateStep` run.
+
+    Clips every example of the micro-batch, hands the clipped sum to the
+    `DPOptimizer` (which applies the noisy update at the end of a logical
+    step), and updates the loss and metrics.
+    """
     optimizer = model.optimizer
     if not isinstance(optimizer, DPOptimizer):
         raise PrivacyConfigurationError(
@@ -587,7 +617,7 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size)
-    optimizer._accumulate_clipped(
+    applied = optimizer._accumulate_clipped(
         _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables, micro_batch_size,
         batch.nonfinite,
     )
@@ -603,7 +633,7 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
             mixing = tf.reduce_max(replica_context.all_gather(tf.reshape(mixing, [1]), axis=0))
         logs[independence.LOG_KEY] = mixing
     if not log_nonfinite_examples:
-        return logs
+        return _StepOutcome(logs, applied)
     nonfinite = optimizer.nonfinite_examples.value
     replica_context = tf.distribute.get_replica_context()
     if replica_context is not None and replica_context.num_replicas_in_sync > 1:
@@ -612,7 +642,7 @@ def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: boo
         nonfinite = replica_context.all_reduce(
             tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
     logs["nonfinite_examples"] = nonfinite
-    return logs
+    return _StepOutcome(logs, applied)
 
 
 def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size):

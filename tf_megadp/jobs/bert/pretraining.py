@@ -12,7 +12,10 @@ The run's settings are one `PretrainConfig` (`tf_megadp.jobs.bert.config`,
 re-exported here); a planned one (with `hardware`) is planned again with the
 measured N and vocabulary size before it trains. On R replicas of one host
 the sampler's m * R-row micro-steps go to `fit` unchanged and Keras splits
-them; several workers are refused (Keras 3.15's `fit` cannot run there).
+them. Under several workers (`MultiWorkerMirroredStrategy`), where Keras
+3.15's `fit` cannot run, the same private step trains in a custom loop
+(`tf_megadp.PrivateStep`) that drives the same callbacks, and only the
+chief writes the run's files.
 """
 
 from __future__ import annotations
@@ -599,23 +602,29 @@ def run_pretraining(config: PretrainConfig, *, log=print,
             "mirrored", devices=[f"/cpu:{index}" for index in range(config.cpu_replicas)])
     else:
         strategy = distribute.resolve_strategy(config.strategy, tpu=config.tpu)
-    if distribute._worker_count(strategy) > 1:
+    several_workers = distribute._worker_count(strategy) > 1
+    if several_workers and config.non_private:
         raise PretrainError(
-            "tf-megadp pretrain runs on one host (strategies default, mirrored, tpu): "
-            "Keras 3.15's fit cannot run under MultiWorkerMirroredStrategy with several "
-            "workers (docs/tpu.md). Run the private step with "
-            "tf_megadp.distribute.train_micro_steps in your own loop, with a sampler "
-            "built from tf_megadp.distribute.shared_sampling_secret(strategy)."
+            "The non-private baseline trains with Keras's fit, which cannot run under "
+            "MultiWorkerMirroredStrategy with several workers (docs/tpu.md): run it on "
+            "one host (strategies default, mirrored, tpu)."
         )
+    chief = distribute.is_chief(strategy)
     replicas = strategy.num_replicas_in_sync
     log(f"Preparing the corpus ({'default offline corpus' if not config.corpus else 'user corpus'}; "
         f"vocabulary from {vocabulary_report(config)['source']})...")
+    if not chief:
+        # The chief prepares the cache first: workers sharing its folder
+        # then only read it (without a shared folder each prepares its own).
+        distribute.barrier(strategy)
     corpus, train, heldout = prepare_data(config, log)
     log(f"Corpus: N = {len(train):,} training sequences of {train.sequence_length} tokens "
         f"(the privacy unit), {len(heldout):,} held out.")
     canaries = None
     if config.canaries:
         train, canaries, _ = canary_split(config, train)
+    if chief:
+        distribute.barrier(strategy)
     if max(phase[1] for phase in phases) > len(train):
         raise PretrainError(
             f"The logical batch ({max(phase[1] for phase in phases)}) is larger than the "
@@ -634,10 +643,13 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     if testing is not None and testing.noise_multiplier is not None:
         sigma = testing.noise_multiplier
 
-    created = not os.path.exists(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
+    # Only the chief writes the run's files (the other workers of a
+    # multi-worker run write nothing there).
+    created = chief and not os.path.exists(output_dir)
+    if chief:
+        os.makedirs(output_dir, exist_ok=True)
     try:
-        if canaries is not None:
+        if canaries is not None and chief:
             from tf_megadp.audit.canaries import save_canaries
 
             save_canaries(os.path.join(output_dir, CANARIES_NAME), canaries)
@@ -650,16 +662,25 @@ def run_pretraining(config: PretrainConfig, *, log=print,
 
 
 class _Checkpointer:
-    """Saves model and optimizer (so the privacy ledger) atomically at logical-step ends."""
+    """Saves model and optimizer (so the privacy ledger) atomically at logical-step ends.
 
-    def __init__(self, output_dir: str, history: list, config: PretrainConfig, resumes: list):
+    Only the chief of several workers saves (`enabled`); the others' state
+    is the same.
+    """
+
+    def __init__(self, output_dir: str, history: list, config: PretrainConfig, resumes: list,
+                 enabled: bool = True):
         self.directory = os.path.join(output_dir, CHECKPOINT_NAME)
         self.history = history
         self.config = config
         self.resumes = resumes
+        self.enabled = enabled
 
     def save(self, model) -> None:
         from tf_megadp.checkpointing import save_training_state
+
+        if not self.enabled:
+            return
 
         save_training_state(model, self.directory, extra={
             "logical_steps": int(model.optimizer.iterations.numpy()),
@@ -799,15 +820,19 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     epochs = _divisor_at_most(remaining_micro, evaluations) if remaining_micro else 0
     steps_per_epoch = remaining_micro // epochs if epochs else 0
 
+    # Keras's fit cannot run under several workers: there the same private
+    # step runs in a custom loop that drives the same callbacks.
+    several_workers = distribute._worker_count(strategy) > 1
+    chief = distribute.is_chief(strategy)
     callbacks = []
     privacy = None
     if private:
         privacy = tf_megadp.PrivacyCallback(
             delta=delta, accountant=config.accountant,
-            report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME),
+            report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME) if chief else None,
             target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
         callbacks.append(privacy)
-    checkpointer = _Checkpointer(output_dir, history, config, resumes)
+    checkpointer = _Checkpointer(output_dir, history, config, resumes, enabled=chief)
 
     class _Evaluate(keras.callbacks.Callback):
         """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints."""
@@ -827,10 +852,14 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         def on_epoch_end(self, epoch, logs=None):
             # With weight averaging, the held-out accuracy is the average's:
             # the weights the run exports (fit leaves the average in the model).
-            _, accuracy = self.model.evaluate(
-                heldout_x, heldout_y, sample_weight=heldout_w,
-                batch_size=config.micro_batch_size, verbose=0,
-                callbacks=[keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None)
+            swap = [keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None
+            if several_workers:
+                accuracy = _heldout_accuracy(self.model, heldout_x, heldout_y, heldout_w,
+                                             config.micro_batch_size, swap)
+            else:
+                _, accuracy = self.model.evaluate(
+                    heldout_x, heldout_y, sample_weight=heldout_w,
+                    batch_size=config.micro_batch_size, verbose=0, callbacks=swap)
             steps = int(self.model.optimizer.iterations.numpy())
             record = {
                 "step": steps,
@@ -850,8 +879,9 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                 checkpointer.save(self.model)
 
     callbacks.append(_Evaluate())
-    callbacks.append(keras.callbacks.CSVLogger(os.path.join(output_dir, HISTORY_NAME), append=config.resume))
-    callbacks.append(keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"), update_freq="epoch"))
+    if chief:
+        callbacks.append(keras.callbacks.CSVLogger(os.path.join(output_dir, HISTORY_NAME), append=config.resume))
+        callbacks.append(keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"), update_freq="epoch"))
 
     layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
     log(
@@ -868,19 +898,24 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         # BertMaskedLM never uses the backbone's pooler; Keras's optimizer
         # warns about it on every non-private run.
         warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
-        model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch or None,
-                  shuffle=False, callbacks=callbacks, verbose=config.verbose)
+        if several_workers:
+            _fit_with_private_step(model, strategy, dataset, epochs=epochs,
+                                   steps_per_epoch=steps_per_epoch, callbacks=callbacks)
+        else:
+            model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch or None,
+                      shuffle=False, callbacks=callbacks, verbose=config.verbose)
     train_seconds = time.time() - train_started
 
     final_steps = history[-1]["step"] if history else logical_done
     if not epochs:
         checkpointer.save(model)
-    # The release: the model without any optimizer state, and the
-    # vocabulary it reads (public unless --vocabulary-from-training-corpus).
-    export_model(model, os.path.join(output_dir, MODEL_NAME))
-    vocabulary_file = os.path.join(train.directory, train.manifest["vocabulary_file"])
-    atomic_write(os.path.join(output_dir, VOCABULARY_NAME),
-                 lambda temporary: shutil.copyfile(vocabulary_file, temporary))
+    if chief:
+        # The release: the model without any optimizer state, and the
+        # vocabulary it reads (public unless --vocabulary-from-training-corpus).
+        export_model(model, os.path.join(output_dir, MODEL_NAME))
+        vocabulary_file = os.path.join(train.directory, train.manifest["vocabulary_file"])
+        atomic_write(os.path.join(output_dir, VOCABULARY_NAME),
+                     lambda temporary: shutil.copyfile(vocabulary_file, temporary))
     accuracy = history[-1]["heldout_mlm_accuracy"] if history else float("nan")
     epsilon = float(privacy.epsilon) if privacy else math.inf
     report = {
@@ -918,11 +953,97 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "history": history,
         "config": _config_dict(config),
     }
-    write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
-    if history:
-        _plot(history, os.path.join(output_dir, PLOT_NAME), private)
+    if chief:
+        write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
+        if history:
+            _plot(history, os.path.join(output_dir, PLOT_NAME), private)
     log(_summary(report, output_dir))
     return report
+
+
+def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_epoch: int,
+                           callbacks: list) -> None:
+    """`model.fit` of the sampler's dataset, as a custom loop of a `tf_megadp.PrivateStep`.
+
+    Keras 3.15's `fit` cannot run under `MultiWorkerMirroredStrategy` with
+    several workers (docs/tpu.md). This loop runs the private `fit`'s own
+    step on every replica, each worker feeding its replicas' rows of the
+    sampler's micro-steps (`distribute_micro_batches`), records the ledger
+    after every micro-step as the private `fit` does, and drives the same
+    callbacks at the same points: the privacy callback (epsilon, budget
+    stop, report), evaluation and checkpoints, the CSV and TensorBoard logs.
+    """
+    import keras
+    import tensorflow as tf
+
+    import tf_megadp
+    from tf_megadp import distribute, sources
+    from tf_megadp.callbacks import LedgerRecorder
+
+    hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
+                                         steps=steps_per_epoch, verbose=0)
+    model.stop_training = False
+    if not epochs:
+        # A run resumed after its last step: the ledger is checked and
+        # reported, nothing is trained.
+        LedgerRecorder(sources.source_of(dataset), model=model, nothing_to_train=True,
+                       require_poisson_sampling=True).begin()
+        hooks.on_train_begin()
+        hooks.on_train_end()
+        return
+    step = tf_megadp.PrivateStep(model)
+    data = distribute.distribute_micro_batches(strategy, lambda context: dataset)
+    step.begin(data)
+    train = tf.function(lambda iterator: step.run(next(iterator)))
+    iterator = iter(data)
+    logs = {}
+    hooks.on_train_begin()
+    for epoch in range(epochs):
+        model.reset_metrics()
+        hooks.on_epoch_begin(epoch)
+        for batch in range(steps_per_epoch):
+            hooks.on_train_batch_begin(batch)
+            logs = {name: float(value) for name, value in train(iterator).items()
+                    if name not in ("logical_step", "applied")}
+            step.record()  # Before any callback reads the ledger.
+            hooks.on_train_batch_end(batch, logs)
+            if model.stop_training:
+                break
+        logs = dict(logs)
+        hooks.on_epoch_end(epoch, logs)
+        if model.stop_training:
+            break
+    # As fit: the weights' average replaces them (with use_ema), then the end.
+    model.optimizer.finalize_variable_values(model.trainable_variables)
+    hooks.on_train_end(logs)
+
+
+def _heldout_accuracy(model, x, y, sample_weight, batch_size: int, swap=None) -> float:
+    """The held-out masked-LM accuracy `evaluate` gives, without `evaluate`.
+
+    Keras's `evaluate` cannot run under several workers either; this is its
+    weighted accuracy over the masked positions, from the model's forward
+    pass on this worker (its weights are every worker's).
+    """
+    import keras
+    import numpy as np
+
+    for callback in swap or ():
+        callback.set_model(model)
+        callback.on_test_begin()
+    try:
+        correct = weight = 0.0
+        for start in range(0, len(y), batch_size):
+            rows = slice(start, start + batch_size)
+            logits = model({name: value[rows] for name, value in x.items()}, training=False)
+            hits = np.argmax(keras.ops.convert_to_numpy(logits), axis=-1) == y[rows]
+            correct += float(np.sum(hits * sample_weight[rows]))
+            weight += float(np.sum(sample_weight[rows]))
+    finally:
+        for callback in swap or ():
+            callback.on_test_end()
+    return correct / weight
+
 
 
 def _file_guide(config: PretrainConfig, private: bool) -> dict[str, str]:

@@ -1,0 +1,347 @@
+"""Specification of the private step of custom training loops (`tf_megadp.PrivateStep`).
+
+A loop that calls `PrivateStep` once per micro-batch inside its own
+`tf.function` must be indistinguishable from the private `fit` on the same
+draws: the same updates (sigma = 0, and the same seeded noise), the same
+ledger and epsilon, and the same refusals. Here on one device; on 2 and 4
+CPU replicas and on two loopback workers in tests/test_distribute.py (the
+scenarios of tests/distributed_scenarios.py).
+"""
+
+import math
+import runpy
+import warnings
+
+import dp_accounting
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from dp_accounting import rdp
+
+import tf_megadp
+from tf_megadp import PrivacyConfigurationError, PrivacyReport, PrivateStep
+
+N = 48
+BATCH = 12
+MICRO_BATCH = 4
+DELTA = 1e-5
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:DPOptimizer\\(seed="),
+    pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0"),
+    pytest.mark.filterwarnings("ignore:.*seed=.*recomputable"),
+    pytest.mark.filterwarnings("ignore:.*fixed-size batches, not Poisson draws"),
+]
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(N, 4)).astype("float32"),
+            rng.normal(size=(N, 2)).astype("float32"))
+
+
+def dense_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"),
+                             keras.layers.Dense(2)])
+
+
+def dp_optimizer(schedule=None, noise_multiplier=1.0, **kwargs):
+    return tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.5, momentum=0.9), l2_norm_clip=0.5,
+        noise_multiplier=noise_multiplier, schedule=schedule, seed=3, **kwargs)
+
+
+def sampler_of(data, seed=5, **kwargs):
+    x, y = data
+    kwargs.setdefault("epochs", 1)
+    return tf_megadp.PoissonSampler.from_arrays(
+        x, y, batch_size=BATCH, micro_batch_size=MICRO_BATCH, seed=seed, **kwargs)
+
+
+def poisson_epsilon(steps, q=BATCH / N, delta=DELTA):
+    """dp_accounting's RDP epsilon of `steps` Poisson-sampled Gaussian steps (sigma 1)."""
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)), steps)
+    return rdp.RdpAccountant().compose(event).get_epsilon(delta)
+
+
+def train_loop(step, batches, stop=None):
+    """The user's loop: one tf.function call per micro-batch; returns the logs."""
+    train = tf.function(step.run)
+    history = []
+    for batch in batches:
+        logs = {name: value.numpy() for name, value in train(batch).items()}
+        history.append(logs)
+        if stop is not None and stop(logs):
+            break
+    step.record()
+    return history
+
+
+def weights(model):
+    return [v.numpy() for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("noise_multiplier", [0.0, 1.0])
+def test_the_loop_applies_fits_updates_on_the_same_draws(data, noise_multiplier):
+    """sigma = 0 and the same seeded noise: the loop's weights are fit's, bit for bit."""
+    fit_sampler, loop_sampler = sampler_of(data), sampler_of(data)
+    reference = tf_megadp.make_private(dense_model())
+    reference.compile(optimizer=dp_optimizer(fit_sampler.schedule, noise_multiplier), loss="mse")
+    callback = tf_megadp.PrivacyCallback(DELTA, accountant="rdp")
+    reference.fit(fit_sampler.as_dataset(), callbacks=[callback], verbose=0)
+
+    model = dense_model()
+    initial = weights(model)
+    step = PrivateStep(model, dp_optimizer(loop_sampler.schedule, noise_multiplier), loss="mse")
+    step.begin(loop_sampler)
+    history = train_loop(step, loop_sampler.as_dataset())
+
+    steps = loop_sampler.schedule.total_steps
+    assert step.logical_step == steps == int(reference.optimizer.iterations.numpy()) == 4
+    for mine, theirs, start in zip(weights(model), weights(reference), initial):
+        np.testing.assert_array_equal(mine, theirs)
+        assert np.any(mine != start)
+    # The logs say which micro-batch applied the update, and the step count after it.
+    k = loop_sampler.schedule.phases[0].accumulation_steps
+    assert [logs["applied"] for logs in history] == [(i + 1) % k == 0 for i in range(steps * k)]
+    assert [logs["logical_step"] for logs in history] == [(i + 1) // k for i in range(steps * k)]
+    assert all(np.isfinite(logs["loss"]) for logs in history)
+    assert tf_megadp.model_ledger(model) == tf_megadp.model_ledger(reference)
+    if noise_multiplier:
+        report = PrivacyReport(step, DELTA, accountant="rdp")
+        assert report.epsilon == callback.epsilon
+        # Truncation at the capacity costs at most half of delta.
+        assert poisson_epsilon(steps) <= report.epsilon <= poisson_epsilon(steps, delta=DELTA / 2)
+        assert report.report()["data"]["sampling"] == "poisson"
+    else:
+        assert PrivacyReport(step, DELTA).epsilon == math.inf
+
+
+def test_the_budget_stops_the_loop_at_the_last_step_that_fits(data):
+    sampler = sampler_of(data, epochs=2)
+    model = dense_model()
+    step = PrivateStep(model, dp_optimizer(sampler.schedule), loss="mse")
+    step.begin(sampler)
+    budget = (poisson_epsilon(3, delta=DELTA / 2) + poisson_epsilon(4)) / 2
+    privacy = PrivacyReport(step, DELTA, accountant="rdp", target_epsilon=budget)
+    train_loop(step, sampler.as_dataset(),
+               stop=lambda logs: logs["applied"] and not privacy.within_budget())
+    # Epsilon is dp_accounting's on the 3 steps applied, not on the 8 planned.
+    assert step.logical_step == privacy.ledger.total_steps == 3 < sampler.schedule.total_steps
+    assert poisson_epsilon(3) <= privacy.epsilon <= poisson_epsilon(3, delta=DELTA / 2)
+    assert privacy.epsilon <= budget and privacy.report()["epsilon"] == privacy.epsilon
+    with pytest.raises(RuntimeError, match="budget is spent"):
+        PrivacyReport(step, DELTA, accountant="rdp", target_epsilon=budget)
+
+
+class TestRefusedAsInFit:
+    def test_a_layer_that_mixes_examples(self):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2),
+                                  keras.layers.BatchNormalization()])
+        with pytest.raises(PrivacyConfigurationError, match="mixes examples"):
+            PrivateStep(model, dp_optimizer(accumulation_steps=1), loss="mse")
+
+    def test_aggregated_gradients_inside_the_loop(self, data):
+        model = dense_model()
+        step = PrivateStep(model, dp_optimizer(accumulation_steps=1), loss="mse")
+
+        @tf.function
+        def aggregated(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            gradients = tape.gradient(loss, model.trainable_variables)
+            step.optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
+        with pytest.raises(PrivacyConfigurationError, match="PrivateStep"):
+            aggregated(*data)
+        assert step.logical_step == 0
+
+    def test_a_plain_optimizer(self):
+        with pytest.raises(PrivacyConfigurationError, match="DPOptimizer"):
+            PrivateStep(dense_model(), keras.optimizers.SGD(0.1), loss="mse")
+
+    def test_a_second_private_optimizer(self, data):
+        with pytest.raises(PrivacyConfigurationError, match="cannot wrap another"):
+            tf_megadp.DPOptimizer(dp_optimizer(), l2_norm_clip=1.0, noise_multiplier=1.0)
+        x, y = data
+        batches = [(x[i:i + MICRO_BATCH], y[i:i + MICRO_BATCH]) for i in range(0, 16, MICRO_BATCH)]
+        model = dense_model()
+        first = dp_optimizer(accumulation_steps=1)
+        old = PrivateStep(model, first, loss="mse")
+        old.begin(num_examples=N, micro_batches_per_pass=N // MICRO_BATCH)
+        train_loop(old, batches[:2])
+        # A new DPOptimizer takes the weights' ledger over and trains further...
+        with pytest.warns(UserWarning, match="the 2 logical steps of the previous one"):
+            new = PrivateStep(model, dp_optimizer(accumulation_steps=1), loss="mse")
+            new.begin(num_examples=N, micro_batches_per_pass=N // MICRO_BATCH)
+        train_loop(new, batches[2:])
+        assert tf_megadp.model_ledger(model).total_steps == 4
+        # ...so the old step and the old optimizer, whose ledger misses those steps, refuse.
+        with pytest.raises(PrivacyConfigurationError, match="newer PrivateStep"):
+            tf.function(old.run)(batches[0])
+        with pytest.raises(PrivacyConfigurationError, match="trained further"):
+            PrivateStep(model, first, loss="mse").begin(
+                num_examples=N, micro_batches_per_pass=N // MICRO_BATCH)
+
+    def test_steps_not_yet_recorded_and_settings_changed_after_the_first_step(self, data):
+        sampler = sampler_of(data)
+        model = dense_model()
+        step = PrivateStep(model, dp_optimizer(sampler.schedule), loss="mse")
+        step.begin(sampler)
+        train = tf.function(step.run)
+        for _, batch in zip(range(sampler.schedule.phases[0].accumulation_steps),
+                            sampler.as_dataset()):
+            train(batch)
+        assert step.logical_step == 1
+        with pytest.raises(PrivacyConfigurationError, match="record"):
+            tf_megadp.model_ledger(model)
+        step.record()
+        assert tf_megadp.model_ledger(model).total_steps == 1
+        for name, value in [("noise_multiplier", 0.0), ("l2_norm_clip", 10.0), ("schedule", None)]:
+            with pytest.raises(PrivacyConfigurationError, match="cannot change"):
+                setattr(step.optimizer, name, value)
+
+    def test_a_logical_step_spanning_two_passes(self, data):
+        """Data no sampler drew: 3 micro-batches per pass, 2 per logical step."""
+        x, y = data[0][:12], data[1][:12]
+        passes = [(x[i:i + 4], y[i:i + 4]) for i in range(0, 12, 4)]
+        model = dense_model()
+        step = PrivateStep(model, dp_optimizer(accumulation_steps=2, normalize_by=8), loss="mse")
+        step.begin((x, y), micro_batches_per_pass=3)
+        train = tf.function(step.run)
+        for batch in passes + passes:  # Step 2 = the last batch of pass 1 + the first of pass 2.
+            train(batch)
+        with pytest.raises(PrivacyConfigurationError, match="spanned the end of a pass"):
+            step.record()
+        with pytest.raises(PrivacyConfigurationError, match="cannot be accounted"):
+            tf_megadp.model_ledger(model)
+
+        model = dense_model()
+        step = PrivateStep(model, dp_optimizer(accumulation_steps=2, normalize_by=8), loss="mse")
+        step.begin((x, y), micro_batches_per_pass=3)
+        train = tf.function(step.run)
+        for _ in range(2):
+            for batch in passes:
+                train(batch)
+            with pytest.warns(UserWarning, match="Discarded the last 1 micro-batches"):
+                step.end_pass()
+        (entry,) = PrivacyReport(step, DELTA).ledger
+        assert (entry.steps, entry.sampling_rate, entry.sampling) == (2, 8 / 12, "shuffle")
+
+    def test_steps_something_else_applied_in_between(self, data):
+        x, y = data
+        model = dense_model()
+        step = PrivateStep(model, dp_optimizer(accumulation_steps=1), loss="mse")
+        step.begin((x, y), micro_batches_per_pass=N // MICRO_BATCH)
+        train = tf.function(step.run)
+        train((x[:4], y[:4]))
+        model.train_on_batch(x[4:8], y[4:8])  # Data the step never saw.
+        train((x[8:12], y[8:12]))
+        with pytest.raises(PrivacyConfigurationError, match="trained by something else"):
+            step.record()
+        with pytest.raises(PrivacyConfigurationError, match="cannot be accounted"):
+            PrivacyReport(step, DELTA).epsilon
+
+    @pytest.mark.parametrize("case, message", [
+        ("other schedule", "follows"),
+        ("other start step", "starts at logical step 1"),
+        ("stated N differs", "num_examples=40"),
+        ("no N", "state it"),
+        ("no passes", "micro_batches_per_pass"),
+        ("strict", "require_poisson_sampling"),
+    ])
+    def test_data_fit_would_refuse(self, data, case, message):
+        sampler = sampler_of(data)
+        step = PrivateStep(dense_model(), dp_optimizer(sampler.schedule), loss="mse",
+                           require_poisson_sampling=case == "strict")
+        arguments = {
+            "other schedule": (sampler_of(data, epochs=2), {}),
+            "other start step": (sampler_of(data, start_step=1), {}),
+            "stated N differs": (sampler, {"num_examples": 40}),
+            "no N": (None, {"micro_batches_per_pass": 3}),
+            "no passes": (None, {"num_examples": N}),
+            "strict": (None, {"num_examples": N, "micro_batches_per_pass": 3}),
+        }
+        source, keywords = arguments[case]
+        with pytest.raises(PrivacyConfigurationError, match=message):
+            step.begin(source, **keywords)
+        with pytest.raises(RuntimeError, match="begin"):
+            tf.function(step.run)(next(iter(sampler.as_dataset())))
+
+
+def test_a_checkpoint_resumes_the_ledger_and_holds_no_partial_step(data, tmp_path):
+    """Saved inside logical step 3 with step.checkpoint(), restored into a fresh model."""
+    sampler = sampler_of(data, epochs=2)
+    model = dense_model()
+    step = PrivateStep(model, dp_optimizer(sampler.schedule), loss="mse")
+    step.begin(sampler)
+    k = sampler.schedule.phases[0].accumulation_steps
+    train_loop(step, sampler.as_dataset(),
+               stop=lambda logs: logs["logical_step"] == 2 and not logs["applied"])
+    assert step.logical_step == 2 and int(step.optimizer.micro_steps.numpy()) == 1
+    path = step.checkpoint().write(str(tmp_path / "loop"))  # Records the 2 steps first.
+
+    restored_model = dense_model()
+    restored = PrivateStep(restored_model, dp_optimizer(sampler.schedule), loss="mse")
+    restored.checkpoint().read(path).assert_consumed()
+    assert restored.logical_step == 2
+    assert int(restored.optimizer.micro_steps.numpy()) == 0
+    assert not any(np.any(a.numpy()) for a in restored.optimizer._in_memory.accumulators)
+    for a, b in zip(weights(restored_model), weights(model)):
+        np.testing.assert_array_equal(a, b)
+    rest = sampler_of(data, epochs=2, seed=6, start_step=restored.logical_step)
+    restored.begin(rest)
+    history = train_loop(restored, rest.as_dataset())
+    assert len(history) == (sampler.schedule.total_steps - 2) * k
+    report = PrivacyReport(restored, DELTA, accountant="rdp")
+    steps = sampler.schedule.total_steps
+    assert report.ledger.total_steps == restored.logical_step == steps
+    assert poisson_epsilon(steps) <= report.epsilon <= poisson_epsilon(steps, delta=DELTA / 2)
+
+
+def test_a_checkpoint_restored_under_a_running_step_needs_begin_again(data, tmp_path):
+    sampler = sampler_of(data, epochs=2)
+    model = dense_model()
+    step = PrivateStep(model, dp_optimizer(sampler.schedule), loss="mse")
+    step.begin(sampler)
+    checkpoint = step.checkpoint()
+    batches = iter(sampler.as_dataset())
+    k = sampler.schedule.phases[0].accumulation_steps
+    train = tf.function(step.run)
+    for _ in range(k):
+        train(next(batches))
+    path = checkpoint.write(str(tmp_path / "one"))
+    for _ in range(k):
+        train(next(batches))
+    step.record()
+    checkpoint.read(path)  # Back at step 1, with a micro-batch of step 2 accumulated.
+    train(next(batches))
+    with pytest.raises(PrivacyConfigurationError, match="replaced.*step.begin"):
+        step.record()
+    rest = sampler_of(data, epochs=2, seed=6, start_step=1)
+    with pytest.warns(UserWarning, match="Discarded 1 micro-batches"):
+        step.begin(rest)
+    train_loop(step, rest.as_dataset())
+    steps = sampler.schedule.total_steps
+    epsilon = PrivacyReport(step, DELTA, accountant="rdp").epsilon
+    assert poisson_epsilon(steps) <= epsilon <= poisson_epsilon(steps, delta=DELTA / 2)
+
+
+def test_the_custom_loop_example_trains_resumes_and_reports(capsys, tmp_path):
+    """examples/custom_loop.py, tiny: stopped after 2 logical steps, resumed to the end."""
+    example = runpy.run_path("examples/custom_loop.py")
+    flags = ["--examples", "96", "--batch-size", "24", "--epochs", "1", "--micro-batch-size",
+             "8", "--hidden", "8", "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = example["main"](flags + ["--stop-after-steps", "2"])
+        final = example["main"](flags)
+    assert (first["logical_steps"], final["logical_steps"]) == (2, 4)
+    assert "resumed at logical step 2" in capsys.readouterr().out
+    ledger = final["report"]["ledger"]
+    assert sum(entry["steps"] for entry in ledger) == 4
+    assert 0 < first["epsilon"] < final["epsilon"] < math.inf

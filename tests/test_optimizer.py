@@ -188,6 +188,12 @@ class TestSchedule:
         assert counts == [(0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2), (3, 0)]
 
 
+def _twelve_examples():
+    """Twelve distinct examples (identical rows would be one example: N counts distinct rows)."""
+    x = np.arange(48, dtype="float32").reshape(12, 4) / 48.0
+    return x, np.zeros((12, 2), "float32")
+
+
 def _train_micro_batches(model, x, y, batch, callbacks=()):
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=list(callbacks))
 
@@ -229,8 +235,7 @@ class TestPersistence:
 
     def test_loaded_model_without_make_private_refuses_to_train(self, tmp_path):
         model = _private_dense()
-        x = np.zeros((12, 4), "float32")
-        y = np.zeros((12, 2), "float32")
+        x, y = _twelve_examples()
         _train_micro_batches(model, x, y, batch=4)
         model.save(tmp_path / "m.keras")
         loaded = keras.models.load_model(tmp_path / "m.keras")
@@ -241,8 +246,7 @@ class TestPersistence:
         # Without make_private's guard: Keras would skip the optimizer's
         # variables with a warning, and the run would restart its ledger at 0.
         model = _private_dense()
-        x = np.zeros((12, 4), "float32")
-        _train_micro_batches(model, x, np.zeros((12, 2), "float32"), batch=4)
+        _train_micro_batches(model, *_twelve_examples(), batch=4)
         assert tf_megadp.read_ledger(model.optimizer).total_steps == 1
         model.save_weights(tmp_path / "m.weights.h5")
         keras.utils.set_random_seed(3)
@@ -458,8 +462,7 @@ class TestSecrets:
 
     def test_the_release_file_has_no_optimizer(self, tmp_path):
         model = _private_dense()
-        x = np.zeros((12, 4), "float32")
-        _train_micro_batches(model, x, np.zeros((12, 2), "float32"), batch=4)
+        _train_micro_batches(model, *_twelve_examples(), batch=4)
         tf_megadp.export_model(model, tmp_path / "release.keras")
         released = keras.models.load_model(tmp_path / "release.keras")
         assert getattr(released, "optimizer", None) is None

@@ -404,7 +404,9 @@ def accounting_checks(strategy, replicas, result):
 
     rng = np.random.default_rng(200 + replicas)
     layouts = []
-    for _ in range(ACCOUNTING_LAYOUTS):
+    # Four replicas run only the first (seeded) layout: the loop-equals-fit
+    # check needs it; the random-layout property runs on two.
+    for _ in range(ACCOUNTING_LAYOUTS if replicas == 2 else 1):
         num_examples = int(rng.integers(30, 80))
         micro_batch = int(rng.integers(2, 5))
         batch_size = int(rng.integers(2, num_examples // 3))
@@ -519,7 +521,10 @@ def run_replicas(replicas, out_path):
         equality_and_replica_checks(strategy, replicas, tmp_dir, result,
                                     checkpoint=replicas == 2)
     seconds["equality"] = time.perf_counter() - start
-    noise_checks(strategy, replicas, result)
+    if replicas == 2:
+        # Noise added on every replica would show as R times the variance
+        # on two replicas as on four; four would cost CI the check again.
+        noise_checks(strategy, replicas, result)
     seconds["noise"] = time.perf_counter() - start - seconds["equality"]
     accounting_checks(strategy, replicas, result)
     seconds["accounting"] = time.perf_counter() - start - sum(seconds.values())

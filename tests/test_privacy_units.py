@@ -266,3 +266,20 @@ def test_examples_per_unit_is_a_frozen_saved_setting():
     with pytest.raises(ValueError, match="examples_per_unit"):
         tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), l2_norm_clip=1.0,
                               noise_multiplier=1.0, examples_per_unit=0)
+
+
+def test_the_cli_accounts_units_and_names_them(capsys):
+    from tf_megadp import cli
+
+    run = ["--num-examples", "5000", "--batch-size", "50", "--steps", "200",
+           "--delta", "1e-5", "--accountant", "rdp", "--privacy-unit", "user", "--json"]
+    assert cli.main(["epsilon", *run, "--noise-multiplier", "1.0"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(50 / 5000, dp_accounting.GaussianDpEvent(1.0)), 200)
+    assert report["epsilon"] == pytest.approx(
+        rdp.RdpAccountant().compose(event).get_epsilon(1e-5), rel=1e-12)
+    assert report["privacy_unit"] == "user" and report["num_examples"] == 5000
+    assert cli.main(["calibrate", *run[:-1], "--target-epsilon", "2.0"]) == 0
+    out = capsys.readouterr().out
+    assert "privacy unit : user" in out and "units (N)    : 5000" in out

@@ -718,8 +718,9 @@ class _PrivacyReporting:
         report = accountant.report(self._settings())
         data = keeper.data_report()
         report["data"] = data
-        # What epsilon protects: one example, or one unit of the field named.
-        report["privacy_unit"] = data["privacy_unit"]
+        if data["privacy_unit"] != "example":
+            # What epsilon protects: every example of one unit (a user), not one.
+            report["privacy_unit"] = data["privacy_unit"]
         report["num_examples_measured"] = data["num_examples_measured"]
         report["seeded_noise"] = optimizer.seeded_noise
         run = run_notes(self.model)

@@ -297,6 +297,13 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--max-characters", type=int, default=hidden,
                       help="size cap of the default corpus")
     data.add_argument("--heldout-fraction", type=float, default=hidden)
+    data.add_argument("--privacy-unit", metavar="FIELD", default=hidden,
+                      help="user-level privacy: the JSONL field naming each document's "
+                           "unit (author, account); batch sizes then count units "
+                           "(docs/privacy.md, 'Choosing the privacy unit')")
+    data.add_argument("--examples-per-unit", type=int, metavar="K", default=hidden,
+                      help="with --privacy-unit: the most sequences of one unit in a "
+                           "logical step (default 4)")
     data.add_argument("--canaries", type=int, metavar="N", default=hidden,
                       help="insert N secret canaries per repetition count (1, 4, 16) into the "
                            "training split for `tf-megadp audit` (default: none)")

@@ -283,3 +283,60 @@ def test_the_cli_accounts_units_and_names_them(capsys):
     assert cli.main(["calibrate", *run[:-1], "--target-epsilon", "2.0"]) == 0
     out = capsys.readouterr().out
     assert "privacy unit : user" in out and "units (N)    : 5000" in out
+
+
+# -- The BERT job at user level -------------------------------------------------------
+
+WORDS = ("the clinic note says patient reports mild pain after the visit and asks for "
+         "a follow up call about the results of the test next week").split()
+
+
+def write_user_corpus(path, sizes, seed=0):
+    """Generated JSONL documents, `sizes[u]` of them by user u (no third-party text)."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for user, size in enumerate(sizes):
+        for _ in range(size):
+            text = " ".join(rng.choice(WORDS, size=int(rng.integers(8, 20))))
+            lines.append(json.dumps({"text": text, "author": f"user-{user:03d}"}))
+    rng.shuffle(lines)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
+    from tf_megadp.jobs.bert import text
+    from tf_megadp.jobs.bert.pretraining import (PretrainConfig, PretrainError, prepare_data,
+                                                 run_pretraining)
+
+    sizes = [40, 30] + [2] * 38  # two prolific authors
+    corpus = write_user_corpus(tmp_path / "notes.jsonl", sizes)
+    vocabulary = tmp_path / "vocab.txt"  # public, given: nothing to learn
+    vocabulary.write_text("\n".join(text.SPECIAL_TOKENS + tuple(sorted(set(WORDS)))) + "\n",
+                          encoding="utf-8")
+    settings = dict(vocabulary=str(vocabulary),
+        corpus=[corpus], output_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"),
+        model="pico", sequence_length=16, vocabulary_size=200, micro_batch_size=4,
+        batch_size=8, steps=2, eval_every=2, target_epsilon=None, noise_multiplier=1.0,
+        accountant="rdp", warmup_steps=1, verbose=0,
+        privacy_unit="author", examples_per_unit=2)
+    report = run_pretraining(PretrainConfig(**settings), log=lambda *_: None)
+    _, train, _ = prepare_data(PretrainConfig(**settings))
+    units = text.load_unit_ids(train)
+    assert report["privacy_unit"] == "author" and report["examples_per_unit"] == 2
+    assert report["num_examples"] == np.unique(units).size <= len(sizes)
+    assert report["training_sequences"] == len(train) > report["num_examples"]
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    assert privacy["privacy_unit"] == "author"
+    q = 8 / report["num_examples"]
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0)), 2)
+    assert report["epsilon"] == pytest.approx(
+        rdp.RdpAccountant().compose(event).get_epsilon(report["delta"]), rel=1e-6)
+    # A plain-text corpus has no field to read a unit from.
+    plain = tmp_path / "notes.txt"
+    plain.write_text("one document.\n\nanother one.", encoding="utf-8")
+    with pytest.raises(PretrainError, match="is not JSONL"):
+        run_pretraining(PretrainConfig(**{**settings, "corpus": [str(plain)],
+                                          "output_dir": str(tmp_path / "plain")}),
+                        log=lambda *_: None)

@@ -101,7 +101,7 @@ class GhostClipping(base.ClippingStrategy):
                 base.refuse_layers_without_xla(model)
 
             def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability, mixing,
-                             examples_per_unit):
+                             examples_per_unit=1):
                 return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
                                      automatic_stability, mixing=mixing,
                                      examples_per_unit=examples_per_unit)

@@ -70,7 +70,7 @@ class VectorizedClipping(base.ClippingStrategy):
                 base.refuse_layers_without_xla(model)
 
             def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability,
-                             examples_per_unit):
+                             examples_per_unit=1):
                 return _clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
                                      automatic_stability, examples_per_unit)
 

@@ -340,3 +340,15 @@ def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
         run_pretraining(PretrainConfig(**{**settings, "corpus": [str(plain)],
                                           "output_dir": str(tmp_path / "plain")}),
                         log=lambda *_: None)
+
+
+def test_the_user_level_example_runs_and_reports_per_user(capsys):
+    example = __import__("runpy").run_path("examples/user_level.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = example["main"](["--users", "60", "--batch-size", "10",
+                                  "--micro-batch-size", "5", "--epochs", "1"])
+    assert result["report"]["privacy_unit"] == "user"
+    assert result["report"]["num_examples"] == result["users"] == 60
+    assert 0 < result["per_example_epsilon"] < result["epsilon"] < math.inf
+    assert "epsilon per user" in capsys.readouterr().out

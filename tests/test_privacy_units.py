@@ -352,3 +352,16 @@ def test_the_user_level_example_runs_and_reports_per_user(capsys):
     assert result["report"]["num_examples"] == result["users"] == 60
     assert 0 < result["per_example_epsilon"] < result["epsilon"] < math.inf
     assert "epsilon per user" in capsys.readouterr().out
+
+
+def test_make_private_with_epsilon_clips_the_samplers_units():
+    x, y, ids = skewed_data()
+    sampler = PrivacyUnitSampler.from_arrays(
+        x, y, unit_ids=ids, examples_per_unit=K, batch_size=2, epochs=1,
+        micro_batch_size=2, seed=0)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model = tf_megadp.make_private_with_epsilon(
+        model, keras.optimizers.SGD(0.1), sampler, target_epsilon=3.0, delta=1e-2,
+        l2_norm_clip=1.0, accountant="rdp", loss="mse")
+    assert model.optimizer.examples_per_unit == K

@@ -155,7 +155,8 @@ def make_private_with_epsilon(
         optimizer: the inner Keras optimizer (Adam, SGD, ...).
         sampler: a tf_megadp Poisson sampler (e.g.
             `PoissonSampler.from_arrays(x, y, batch_size=..., epochs=...,
-            micro_batch_size=...)`) starting at step 0.
+            micro_batch_size=...)`, or a `PrivacyUnitSampler`, whose units
+            are then clipped whole) starting at step 0.
         target_epsilon: the budget.
         delta: the target delta, at most 1/N.
         l2_norm_clip: C, the per-example gradient norm bound.
@@ -191,7 +192,9 @@ def make_private_with_epsilon(
     make_private(model)
     model.compile(
         optimizer=DPOptimizer(optimizer, l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
-                              schedule=source.schedule, clipping=clipping),
+                              schedule=source.schedule, clipping=clipping,
+                              # A PrivacyUnitSampler's units are clipped whole.
+                              examples_per_unit=source.examples_per_unit),
         **compile_kwargs,
     )
     return model

@@ -355,10 +355,12 @@ def test_the_user_level_example_runs_and_reports_per_user(capsys):
 
 
 def test_make_private_with_epsilon_clips_the_samplers_units():
-    x, y, ids = skewed_data()
+    sizes = [10, 8] + [1, 2, 3] * 9 + [1]
+    x, y, ids = skewed_data(sizes)
+    schedule = tf_megadp.BatchSizeSchedule(  # truncation ~1e-24 (see above)
+        [tf_megadp.Phase(5, 2, 12)], num_examples=len(sizes), micro_batch_size=2)
     sampler = PrivacyUnitSampler.from_arrays(
-        x, y, unit_ids=ids, examples_per_unit=K, batch_size=2, epochs=1,
-        micro_batch_size=2, seed=0)
+        x, y, unit_ids=ids, examples_per_unit=K, schedule=schedule, seed=0)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model = tf_megadp.make_private_with_epsilon(

@@ -53,6 +53,10 @@ __all__ = ["PrivacyUnitSampler", "units_of"]
 # The spawn key of the per-unit example choice in the sampler's secret
 # streams (PoissonSampler uses 0 to 3).
 _EXAMPLE_CHOICE = 4
+# `from_arrays` / `from_records` settings, in the order `_resolve_schedule` takes them.
+_SCHEDULE_SETTINGS = ("schedule", "batch_size", "epochs", "micro_batch_size", "num_replicas",
+                      "truncation_probability")
+_RANDOMNESS_SETTINGS = ("seed", "shared_secret", "start_step", "end_step")
 
 
 def units_of(unit_ids: Any, num_examples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -224,35 +228,27 @@ class PrivacyUnitSampler(PoissonSampler):
         unit_ids: Any,
         examples_per_unit: int,
         privacy_unit: str = "user",
-        batch_size: int | None = None,
-        epochs: float | None = None,
-        micro_batch_size: int | None = None,
-        num_replicas: int | None = None,
-        truncation_probability: float | None = None,
-        schedule: BatchSizeSchedule | None = None,
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
+        **settings: Any,
     ) -> Self:
         """A unit sampler over in-memory arrays; one example is one row of every array.
 
         Args:
             x, y, sample_weight: as in `PoissonSampler.from_arrays`.
             unit_ids, examples_per_unit, privacy_unit: as in the constructor.
-            batch_size: B, the expected number of UNITS per logical step
-                (q = B / U).
-            epochs: passes over the units, E > 0: ceil(E * U / B) steps.
-            micro_batch_size: m, unit slots per micro-batch and replica (each
-                micro-batch has m * k rows per replica).
-            num_replicas, truncation_probability, schedule, seed,
-            shared_secret, start_step, end_step: as in
-            `PoissonSampler.from_arrays`.
+            **settings: as in `PoissonSampler.from_arrays` (`batch_size`,
+                `epochs`, `micro_batch_size`, `num_replicas`,
+                `truncation_probability` or `schedule`; `seed`,
+                `shared_secret`, `start_step`, `end_step`), in UNITS:
+                `batch_size` is B, the expected units per logical step
+                (q = B / U), `epochs` passes over the units (ceil(E U / B)
+                steps), `micro_batch_size` unit slots per micro-batch and
+                replica (m k rows).
 
         Returns:
             The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
         """
-        return cls._over(_ArrayStore(x, y, sample_weight), **_settings(locals()))
+        return cls._over(_ArrayStore(x, y, sample_weight), unit_ids, examples_per_unit,
+                         privacy_unit, settings)
 
     @classmethod
     def from_records(
@@ -262,41 +258,34 @@ class PrivacyUnitSampler(PoissonSampler):
         unit_ids: Any,
         examples_per_unit: int,
         privacy_unit: str = "user",
-        batch_size: int | None = None,
-        epochs: float | None = None,
-        micro_batch_size: int | None = None,
-        num_replicas: int | None = None,
-        truncation_probability: float | None = None,
-        schedule: BatchSizeSchedule | None = None,
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
+        **settings: Any,
     ) -> Self:
         """A unit sampler over an indexable collection of examples, read lazily.
 
         Args:
             records: as in `PoissonSampler.from_records`.
             unit_ids: one id per record, `len(records)` of them.
-            examples_per_unit, privacy_unit, batch_size, epochs,
-            micro_batch_size, ...: as in `from_arrays`.
+            examples_per_unit, privacy_unit, **settings: as in `from_arrays`.
 
         Returns:
             The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
         """
-        return cls._over(_IndexableStore(records), **_settings(locals()))
+        return cls._over(_IndexableStore(records), unit_ids, examples_per_unit, privacy_unit,
+                         settings)
 
     @classmethod
-    def _over(cls, examples: _RecordStore, *, unit_ids, examples_per_unit, privacy_unit,
-              batch_size, epochs, micro_batch_size, num_replicas, truncation_probability,
-              schedule, seed, shared_secret, start_step, end_step) -> Self:
+    def _over(cls, examples: _RecordStore, unit_ids, examples_per_unit, privacy_unit,
+              settings: dict[str, Any]) -> Self:
+        unknown = sorted(set(settings) - set(_SCHEDULE_SETTINGS) - set(_RANDOMNESS_SETTINGS))
+        if unknown:
+            raise TypeError(f"PrivacyUnitSampler got unexpected settings {unknown}.")
         # The schedule counts units: N = U, B = expected units per step.
         schedule = cls._resolve_schedule(
-            int(np.unique(np.asarray(unit_ids)).size), schedule, batch_size, epochs,
-            micro_batch_size, num_replicas, truncation_probability)
+            int(np.unique(np.asarray(unit_ids)).size),
+            *(settings.get(name) for name in _SCHEDULE_SETTINGS))
         return cls(examples, schedule, unit_ids=unit_ids, examples_per_unit=examples_per_unit,
-                   privacy_unit=privacy_unit, seed=seed, shared_secret=shared_secret,
-                   start_step=start_step, end_step=end_step)
+                   privacy_unit=privacy_unit,
+                   **{name: settings[name] for name in _RANDOMNESS_SETTINGS if name in settings})
 
     # -- What the accountant is told ---------------------------------------------
 
@@ -373,19 +362,5 @@ class PrivacyUnitSampler(PoissonSampler):
                 members = self.unit_examples(draw.step, int(unit))
                 self.capped_examples += self._store.members(int(unit)).size - members.size
                 example_rows[slot * k: slot * k + members.size] = members
-            real = example_rows >= 0
-            padded = []
-            for (shape, dtype), values in zip(self._store.leaves,
-                                              self._store.read(example_rows[real])):
-                block = np.zeros((rows, *shape), values.dtype if dtype.kind in "US" else dtype)
-                block[real] = values
-                padded.append(block)
-            yield self._store.arrange(padded, real.astype(np.float32))
+            yield self._padded_element(example_rows)
 
-
-def _settings(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments `from_arrays` / `from_records` hand to `_over`."""
-    names = ("unit_ids", "examples_per_unit", "privacy_unit", "batch_size", "epochs",
-             "micro_batch_size", "num_replicas", "truncation_probability", "schedule", "seed",
-             "shared_secret", "start_step", "end_step")
-    return {name: arguments[name] for name in names}

@@ -304,6 +304,30 @@ def write_user_corpus(path, sizes, seed=0):
     return str(path)
 
 
+def test_a_corpus_with_units_packs_no_row_across_units_and_keeps_each_rows_unit(tmp_path):
+    from tf_megadp.jobs.bert import text
+
+    sizes = [12, 1, 3, 2]
+    corpus = write_user_corpus(tmp_path / "notes.jsonl", sizes)
+    vocabulary = list(text.SPECIAL_TOKENS) + sorted(set(WORDS))
+    shards = text.prepare_corpus(tmp_path / "shards", [corpus], sequence_length=16,
+                                 vocabulary=vocabulary, min_tokens=1, unit_field="author")
+    units = text.load_unit_ids(shards)
+    assert units.shape == (len(shards),) and shards.manifest["num_units"] == len(sizes)
+    assert shards.manifest["unit_field"] == "author"
+    assert "user-000" not in (tmp_path / "shards" / "manifest.json").read_text()  # no ids
+    # Each unit's documents, tokenized on their own and packed as one stream,
+    # are exactly that unit's rows: no row holds two units' text.
+    documents, _, authors = text.read_documents([corpus], unit_field="author")
+    tokens = text._tokenize(documents, vocabulary, True)
+    for unit, name in enumerate(sorted(set(authors))):
+        own = [t for t, author in zip(tokens, authors) if author == name]
+        expected = text._pack(own, 16, "stream", 1)
+        np.testing.assert_array_equal(shards.read(np.flatnonzero(units == unit)), expected)
+    with pytest.raises(text.CorpusError, match="no string or integer field 'user'"):
+        text.read_documents([corpus], unit_field="user")
+
+
 def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
     from tf_megadp.jobs.bert import text
     from tf_megadp.jobs.bert.pretraining import (PretrainConfig, PretrainError, prepare_data,

@@ -114,7 +114,8 @@ def run(name: str, args, corpus: str, **overrides) -> dict:
 
 def group_privacy(epsilon: float, delta: float, n: int) -> tuple[float, float]:
     """(epsilon, delta) for a group of n units of an (epsilon, delta)-DP mechanism."""
-    return n * epsilon, n * math.exp((n - 1) * epsilon) * delta
+    exponent = (n - 1) * epsilon + math.log(n * delta)
+    return n * epsilon, math.exp(exponent) if exponent < 700 else math.inf
 
 
 def main(argv=None) -> dict:

@@ -63,6 +63,12 @@ def unit_layout(filled, k, rows_of, seed=0):
     return x, y, w
 
 
+def _take(part, rows):
+    if isinstance(part, dict):
+        return {name: value[rows] for name, value in part.items()}
+    return part[rows]
+
+
 def _zero_row(x, row):
     if isinstance(x, dict):
         return {name: _zero_row(value, row) for name, value in x.items()}
@@ -136,9 +142,15 @@ def test_removing_any_whole_unit_moves_the_sum_by_at_most_c(sequences, name):
         distances = []
         for slot, real in enumerate(FILLED):
             if real:
+                # Removed in place (its slot becomes padding), and removed with
+                # the later units moving up one slot, as the sampler packs them.
                 removed = unit_layout([0 if s == slot else f for s, f in enumerate(FILLED)],
                                       K, token_rows)
-                distances.append(np.linalg.norm(full - flat_sum(*removed, **units)))
+                order = [s for s in range(len(FILLED)) if s != slot] + [slot]
+                rows = np.concatenate([np.arange(s * K, (s + 1) * K) for s in order])
+                shifted = tuple(_take(part, rows) for part in removed)
+                for layout in (removed, shifted):
+                    distances.append(np.linalg.norm(full - flat_sum(*layout, **units)))
         return np.array(distances)
 
     assert np.all(moves(examples_per_unit=K) <= clip * (1 + 1e-5))

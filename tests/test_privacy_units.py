@@ -123,6 +123,19 @@ class TestSampler:
             PrivacyUnitSampler.from_arrays(x, y, unit_ids=ids, examples_per_unit=K,
                                            batch_size=4, epochs=1, micro_batch_size=2, seed=3)
 
+    def test_a_resumed_sampler_draws_the_same_units_and_examples_from_its_step(self):
+        x, y, ids = skewed_data()
+        build = lambda **kw: PrivacyUnitSampler.from_arrays(  # noqa: E731
+            x, y, unit_ids=ids, examples_per_unit=K, batch_size=4, epochs=3,
+            micro_batch_size=2, shared_secret=1 << 90, **kw)
+        whole = drawn_steps(build())
+        resumed = build()._continued_at(2)  # what a preemption backup restores
+        again = drawn_steps(resumed)
+        assert sorted(again) == [step for step in sorted(whole) if step >= 2]
+        for step in again:
+            np.testing.assert_array_equal(again[step], whole[step])
+        assert resumed.source.examples_per_unit == K and resumed.source.start_step == 2
+
     def test_the_schedule_counts_units_and_the_source_names_the_unit(self):
         x, y, ids = skewed_data()
         examples = tf_megadp.BatchSizeSchedule.for_poisson(

@@ -6,7 +6,9 @@ out in its own slot of k rows. A `DPOptimizer(examples_per_unit=k)` clips
 each slot's summed gradient, and the accountant composes over the U units:
 the report's epsilon equals dp_accounting's for Poisson sampling of units,
 and the report names the unit. An optimizer and data that disagree on the
-unit are refused before any step.
+unit are refused before any step. The BERT job at user level (`--privacy-unit
+FIELD`) runs end to end in a slow test (`pytest -m slow`); its corpus
+preparation is checked in the default run.
 """
 
 import json
@@ -341,6 +343,7 @@ def test_a_corpus_with_units_packs_no_row_across_units_and_keeps_each_rows_unit(
         text.read_documents([corpus], unit_field="user")
 
 
+@pytest.mark.slow  # a whole job (XLA compilations of a BERT): 30-60 s on the 2-core machine
 def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
     from tf_megadp.jobs.bert import text
     from tf_megadp.jobs.bert.pretraining import (PretrainConfig, PretrainError, prepare_data,
@@ -383,10 +386,10 @@ def test_the_user_level_example_runs_and_reports_per_user(capsys):
     example = __import__("runpy").run_path("examples/user_level.py")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = example["main"](["--users", "60", "--batch-size", "10",
-                                  "--micro-batch-size", "5", "--epochs", "1"])
+        result = example["main"](["--users", "40", "--batch-size", "8",
+                                  "--micro-batch-size", "8", "--epochs", "0.5"])
     assert result["report"]["privacy_unit"] == "user"
-    assert result["report"]["num_examples"] == result["users"] == 60
+    assert result["report"]["num_examples"] == result["users"] == 40
     assert 0 < result["per_example_epsilon"] < result["epsilon"] < math.inf
     assert "epsilon per user" in capsys.readouterr().out
 

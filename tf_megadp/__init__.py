@@ -34,6 +34,7 @@ from tf_megadp.custom_loop import PrivacyReport, PrivateStep
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.privacy_units import PrivacyUnitSampler
 from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
 from tf_megadp.schedules import BatchSizeSchedule, Phase
 from tf_megadp.sources import DataSource
@@ -70,6 +71,7 @@ __all__ = [
     "MaskedLMBatcher",
     "Phase",
     "PoissonSampler",
+    "PrivacyUnitSampler",
     "PrivacyAccountant",
     "PrivacyCallback",
     "PrivacyConfigurationError",

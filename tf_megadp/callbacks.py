@@ -297,6 +297,8 @@ class LedgerRecorder:
                 "description": "data of unknown size; N stated by the user",
                 "num_examples_measured": False,
                 "seeded_sampling": False,
+                "privacy_unit": "example",
+                "examples_per_unit": 1,
             }
         report["poisson_guarantee"] = self.sampling == "poisson"
         return report
@@ -382,6 +384,7 @@ class LedgerRecorder:
                 "proven guarantee. Feed tf_megadp.PoissonSampler(...).as_dataset() "
                 "(or PoissonSampler.from_arrays for arrays)."
             )
+        _check_privacy_unit(source, optimizer)
         schedule = optimizer.schedule
         if source is not None and source.schedule is not None:
             iterations = _number(optimizer.iterations)
@@ -552,6 +555,25 @@ class LedgerRecorder:
         return self._fixed_size_entry(min(rows, self.num_examples), sigma)
 
 
+def _check_privacy_unit(source: DataSource | None, optimizer: DPOptimizer) -> None:
+    """The optimizer clips the units the data lays out: k rows per unit, or one example.
+
+    Clipping single examples of k-row unit slots would let one unit move the
+    sum by k C while epsilon is reported per unit; clipping k-row groups of
+    data that holds no units would group unrelated examples.
+    """
+    unit = source.privacy_unit if source is not None else "example"
+    k = source.examples_per_unit if source is not None else 1
+    if optimizer.examples_per_unit != k:
+        raise PrivacyConfigurationError(
+            f"The data lays out privacy units of {k} rows ({unit!r}) but the optimizer "
+            f"clips units of examples_per_unit={optimizer.examples_per_unit} rows: a "
+            "unit's contribution would not be bounded by C as the accountant assumes. "
+            "Build the DPOptimizer with examples_per_unit=sampler.examples_per_unit "
+            "(1 for data without privacy units)."
+        )
+
+
 class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
     """The private `fit`'s `LedgerRecorder`, as a Keras callback.
 
@@ -682,6 +704,7 @@ class _PrivacyReporting:
             "clipping": optimizer.clipping,
             "per_example_scaling": optimizer.per_example_scaling,
             "automatic_scaling_stability": optimizer.automatic_stability,
+            "examples_per_unit": optimizer.examples_per_unit,
             "target_epsilon": self.target_epsilon,
         }
 
@@ -700,6 +723,9 @@ class _PrivacyReporting:
         report = accountant.report(self._settings())
         data = keeper.data_report()
         report["data"] = data
+        if data["privacy_unit"] != "example":
+            # What epsilon protects: every example of one unit (a user), not one.
+            report["privacy_unit"] = data["privacy_unit"]
         report["num_examples_measured"] = data["num_examples_measured"]
         report["seeded_noise"] = optimizer.seeded_noise
         run = run_notes(self.model)

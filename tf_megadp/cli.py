@@ -58,9 +58,11 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
     """The description of a training run, shared by `epsilon` and `calibrate`."""
     run = parser.add_argument_group("the run (or --schedule)")
     run.add_argument("--num-examples", type=int, metavar="N",
-                     help="N, the number of training examples (privacy units)")
+                     help="N, the number of privacy units: training examples, or "
+                          "users with --privacy-unit")
     run.add_argument("--batch-size", type=int, metavar="B",
-                     help="expected logical batch size B (sampling rate q = B/N)")
+                     help="expected logical batch size B, in the same units "
+                          "(sampling rate q = B/N)")
     run.add_argument("--steps", type=int, metavar="T",
                      help="logical steps (with --schedule: defaults to its total)")
     run.add_argument("--epochs", type=float, metavar="E",
@@ -81,6 +83,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
                              "reported as Poisson, which understates the loss)")
     parser.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
                         help="privacy accountant (default: pld)")
+    parser.add_argument("--privacy-unit", metavar="NAME",
+                        help="user-level privacy (tf_megadp.PrivacyUnitSampler): the unit, "
+                             "e.g. user; N counts units and B expected units per step "
+                             "(default: one training example)")
     parser.add_argument("--json", action="store_true",
                         help="print a machine-readable JSON report")
 
@@ -142,6 +148,7 @@ def _statement(report: dict[str, Any]) -> str:
     """A human-readable privacy statement for a `PrivacyAccountant.report()`."""
     # Rounded up, so the printed epsilon never understates the spend.
     epsilon = math.ceil(report["epsilon"] * 1e4) / 1e4
+    per_example = report["privacy_unit"].startswith("one training example")
     lines = [
         f"This training run is ({epsilon:.4f}, {report['delta']:.3g})-"
         "differentially private.",
@@ -149,7 +156,7 @@ def _statement(report: dict[str, Any]) -> str:
         f"{report['neighbouring_relation'].replace('_', '-')} adjacency",
         f"  accountant   : {report['accountant'].upper()} "
         f"(dp_accounting {report['versions']['dp_accounting']})",
-        f"  examples (N) : {report['num_examples']}",
+        f"  {'examples (N)' if per_example else 'units (N)   '} : {report['num_examples']}",
         f"  steps        : {report['steps']}",
     ]
     sampling = report["sampling"]
@@ -170,6 +177,13 @@ def _statement(report: dict[str, Any]) -> str:
     for message in report["warnings"]:
         lines.append(f"  WARNING: {message}")
     return "\n".join(lines)
+
+
+def _named_unit(report: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The report of a user-level run names its unit (--privacy-unit)."""
+    if args.privacy_unit:
+        report["privacy_unit"] = args.privacy_unit
+    return report
 
 
 def _print_report(report: dict[str, Any], as_json: bool, heading: str | None = None) -> None:
@@ -206,7 +220,7 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     accountant = accounting.PrivacyAccountant.for_run(
         args.delta, noise_multiplier=noise, **keywords
     )
-    _print_report(accountant.report(), args.json)
+    _print_report(_named_unit(accountant.report(), args), args.json)
     return 0
 
 
@@ -235,6 +249,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     report = accounting.PrivacyAccountant.for_run(
         args.delta, noise_multiplier=sigma, **keywords
     ).report()
+    report = _named_unit(report, args)
     report["noise_multiplier"] = sigma
     report["target_epsilon"] = args.target_epsilon
     _print_report(
@@ -282,6 +297,13 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--max-characters", type=int, default=hidden,
                       help="size cap of the default corpus")
     data.add_argument("--heldout-fraction", type=float, default=hidden)
+    data.add_argument("--privacy-unit", metavar="FIELD", default=hidden,
+                      help="user-level privacy: the JSONL field naming each document's "
+                           "unit (author, account); batch sizes then count units "
+                           "(docs/privacy.md, 'Choosing the privacy unit')")
+    data.add_argument("--examples-per-unit", type=int, metavar="K", default=hidden,
+                      help="with --privacy-unit: the most sequences of one unit in a "
+                           "logical step (default 4)")
     data.add_argument("--canaries", type=int, metavar="N", default=hidden,
                       help="insert N secret canaries per repetition count (1, 4, 16) into the "
                            "training split for `tf-megadp audit` (default: none)")

@@ -67,7 +67,7 @@ _APPLIED_CAPACITY = 64
 _FROZEN_SETTINGS = frozenset({
     "l2_norm_clip", "noise_multiplier", "accumulation_steps", "normalize_by",
     "seed", "schedule", "clipping", "clipping_strategy", "inner_optimizer",
-    "per_example_scaling", "automatic_scaling_stability",
+    "per_example_scaling", "automatic_scaling_stability", "examples_per_unit",
 })
 _PER_EXAMPLE_SCALINGS = frozenset({"clip", "automatic"})
 # Only the private train step may hand clipped sums to the optimizer.
@@ -312,6 +312,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
             so the sensitivity is still C and C only rescales the update).
         automatic_scaling_stability: gamma > 0 of automatic clipping (Bu et
             al. use 0.01); small norms are scaled up at most by C / gamma.
+        examples_per_unit: k, the rows of one privacy unit (user-level
+            privacy): 1 (the default) clips every example; k > 1 clips the
+            SUMMED gradient of each slot of k rows that a
+            `tf_megadp.PrivacyUnitSampler` lays out (pass
+            `sampler.examples_per_unit`), and the schedule counts units
+            (micro-batch size m in unit slots). The private `fit` refuses
+            data whose unit layout differs.
         name: optimizer name.
 
     Example:
@@ -335,6 +342,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         clipping: str | ClippingStrategy = "auto",
         per_example_scaling: str = "clip",
         automatic_scaling_stability: float = 0.01,
+        examples_per_unit: int = 1,
         name: str | None = None,
         **kwargs,
     ):
@@ -381,6 +389,10 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
         automatic_scaling_stability = _positive_finite(
             "automatic_scaling_stability", automatic_scaling_stability)
+        if (isinstance(examples_per_unit, bool) or not isinstance(examples_per_unit, int)
+                or examples_per_unit < 1):
+            raise ValueError(
+                f"examples_per_unit must be an integer >= 1, got {examples_per_unit!r}.")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be None or an int, got {seed!r}.")
         if seed is not None:
@@ -403,6 +415,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.schedule = schedule
         self.per_example_scaling = per_example_scaling
         self.automatic_scaling_stability = automatic_scaling_stability
+        self.examples_per_unit = examples_per_unit
         if isinstance(clipping, ClippingStrategy):
             if per_example_scaling == "automatic":
                 _check_takes_automatic_stability(clipping)
@@ -975,6 +988,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "clipping": self.clipping,
             "per_example_scaling": self.per_example_scaling,
             "automatic_scaling_stability": self.automatic_scaling_stability,
+            "examples_per_unit": self.examples_per_unit,
         }
 
     @classmethod

@@ -959,19 +959,23 @@ class _Sampler(abc.ABC):
             zeros with weight 0.
         """
         size = self.micro_batch_rows
-        weights_template = np.zeros(size, np.float32)
         # Read per micro-batch, so memory is O(m * R) rows however big the step.
         for start in range(0, draw.capacity, size):
             chosen = draw.indices[start : start + size]
-            padded = []
-            for (shape, dtype), values in zip(self._store.leaves, self._store.read(chosen)):
-                # Strings keep their own width (a narrower one would cut them).
-                block = np.zeros((size, *shape), values.dtype if dtype.kind in "US" else dtype)
-                block[: chosen.size] = values
-                padded.append(block)
-            weights = weights_template.copy()
-            weights[: chosen.size] = 1.0
-            yield self._store.arrange(padded, weights)
+            rows = np.full(size, -1, np.int64)
+            rows[: chosen.size] = chosen
+            yield self._padded_element(rows)
+
+    def _padded_element(self, rows: np.ndarray) -> Any:
+        """The element whose row j is example `rows[j]`, or padding (zeros, weight 0) where -1."""
+        real = rows >= 0
+        padded = []
+        for (shape, dtype), values in zip(self._store.leaves, self._store.read(rows[real])):
+            # Strings keep their own width (a narrower one would cut them).
+            block = np.zeros((rows.size, *shape), values.dtype if dtype.kind in "US" else dtype)
+            block[real] = values
+            padded.append(block)
+        return self._store.arrange(padded, real.astype(np.float32))
 
     def micro_batches(self) -> Iterator[Any]:
         """All micro-batches from `start_step`, in training order.

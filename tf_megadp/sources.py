@@ -61,6 +61,11 @@ class DataSource:
         seeded: the sampling randomness came from an explicit seed, so
             anyone who can guess it can recompute every batch.
         end_step: the logical step the sampler stops before (None: unknown).
+        privacy_unit: what one of the N units is: "example" (one row), or
+            the name of the unit a `tf_megadp.PrivacyUnitSampler` groups
+            examples by ("user", a JSONL field name).
+        examples_per_unit: k, the rows of one unit's slot in a micro-batch
+            (1 for "example"); the optimizer must clip with the same k.
     """
 
     sampling: str
@@ -71,6 +76,8 @@ class DataSource:
     start_step: int = 0
     seeded: bool = False
     end_step: int | None = None
+    privacy_unit: str = "example"
+    examples_per_unit: int = 1
 
     def __post_init__(self):
         if self.sampling not in ("poisson", FIXED_SIZE_SAMPLING):
@@ -93,6 +100,8 @@ class DataSource:
             "description": self.description,
             "num_examples_measured": self.num_examples_measured,
             "seeded_sampling": self.seeded,
+            "privacy_unit": self.privacy_unit,
+            "examples_per_unit": self.examples_per_unit,
         }
 
 

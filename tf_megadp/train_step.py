@@ -155,7 +155,8 @@ def make_private_with_epsilon(
         optimizer: the inner Keras optimizer (Adam, SGD, ...).
         sampler: a tf_megadp Poisson sampler (e.g.
             `PoissonSampler.from_arrays(x, y, batch_size=..., epochs=...,
-            micro_batch_size=...)`) starting at step 0.
+            micro_batch_size=...)`, or a `PrivacyUnitSampler`, whose units
+            are then clipped whole) starting at step 0.
         target_epsilon: the budget.
         delta: the target delta, at most 1/N.
         l2_norm_clip: C, the per-example gradient norm bound.
@@ -191,7 +192,9 @@ def make_private_with_epsilon(
     make_private(model)
     model.compile(
         optimizer=DPOptimizer(optimizer, l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
-                              schedule=source.schedule, clipping=clipping),
+                              schedule=source.schedule, clipping=clipping,
+                              # A PrivacyUnitSampler's units are clipped whole.
+                              examples_per_unit=source.examples_per_unit),
         **compile_kwargs,
     )
     return model
@@ -617,9 +620,10 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size)
+    # The optimizer and its schedule count privacy units (slots of k rows).
     applied = optimizer._accumulate_clipped(
-        _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables, micro_batch_size,
-        batch.nonfinite,
+        _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
+        micro_batch_size // optimizer.examples_per_unit, batch.nonfinite,
     )
     real_examples = tf.reduce_sum(batch.is_real)
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
@@ -659,6 +663,8 @@ def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_ba
     # clipping keeps working (and fails loudly if asked for automatic).
     scaling = ({} if optimizer.automatic_stability is None
                else {"automatic_stability": optimizer.automatic_stability})
+    if optimizer.examples_per_unit > 1:
+        scaling["examples_per_unit"] = optimizer.examples_per_unit
     if sample_weight is None:
         return strategy.clip_and_sum(model, x, y, sample_weight, clip, **scaling)
     is_real = example_weights_present(sample_weight, micro_batch_size)

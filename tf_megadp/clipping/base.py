@@ -79,7 +79,7 @@ class ClippingStrategy(abc.ABC):
     @abc.abstractmethod
     def clip_and_sum(
         self, model: keras.Model, x, y, sample_weight, l2_norm_clip: float,
-        automatic_stability: float | None = None,
+        automatic_stability: float | None = None, examples_per_unit: int = 1,
     ) -> ClippedBatch:
         """Returns the clipped gradient sum of one micro-batch.
 
@@ -89,6 +89,10 @@ class ClippingStrategy(abc.ABC):
             l2_norm_clip: C.
             automatic_stability: None for flat clipping; a float gamma for
                 automatic clipping (see `clip_factors`).
+            examples_per_unit: k, the rows of one privacy unit: rows
+                [u k, (u + 1) k) are unit u, whose SUMMED gradient is clipped
+                (`tf_megadp.clipping.units`); every row of a unit reports the
+                unit's norm. The private step passes it only when k > 1.
 
         Returns:
             A `ClippedBatch`.

@@ -27,7 +27,7 @@ import tensorflow as tf
 from keras.src import backend as keras_backend
 from tensorflow.python.ops import resource_variable_ops
 
-from tf_megadp.clipping import base, independence
+from tf_megadp.clipping import base, independence, units
 from tf_megadp.clipping.ghost_rules import plan_rules
 from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
 from tf_megadp.clipping.terms import squared_norm_of_sum
@@ -76,7 +76,7 @@ class GhostClipping(base.ClippingStrategy):
         self._checked = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
-                     automatic_stability=None):
+                     automatic_stability=None, examples_per_unit=1):
         """See `ClippingStrategy.clip_and_sum`.
 
         Raises:
@@ -100,9 +100,11 @@ class GhostClipping(base.ClippingStrategy):
             if self.jit_compile:
                 base.refuse_layers_without_xla(model)
 
-            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability, mixing):
+            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability, mixing,
+                             examples_per_unit=1):
                 return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
-                                     automatic_stability, mixing=mixing)
+                                     automatic_stability, mixing=mixing,
+                                     examples_per_unit=examples_per_unit)
 
             def check(x):
                 return _independence_code(model, rules, x, vectorize=self.jit_compile)
@@ -120,6 +122,7 @@ class GhostClipping(base.ClippingStrategy):
                 for f in (clip_and_sum, check, check_gradients))
             self._functions[model] = function
             self._checked[model] = _CheckedSignatures(self.recheck_probability)
+        units.check_unit_layout(tf.nest.flatten(x)[0].shape[0], examples_per_unit)
         step, check, check_gradients = function
         checked = self._checked[model]
         slot = checked.slot((x, y, sample_weight, automatic_stability))
@@ -136,7 +139,8 @@ class GhostClipping(base.ClippingStrategy):
         # and finished when the step starts: their per-example passes never
         # hold memory beside the step's records (0.8 GB at BERT-mini, m = 256).
         mixing = tf.cond(first, full_check, lambda: tf.cond(again, lambda: check(x), ok))
-        batch = step(x, y, sample_weight, _as_float64(l2_norm_clip), automatic_stability, mixing)
+        batch = step(x, y, sample_weight, _as_float64(l2_norm_clip), automatic_stability, mixing,
+                     examples_per_unit)
         checked.record(slot, batch.mixing)
         if tf.executing_eagerly():
             if int(batch.mixing) != independence.MIXING_OK:
@@ -313,13 +317,13 @@ class AutoClipping(GhostClipping):
         self._vectorized = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
-                     automatic_stability=None):
+                     automatic_stability=None, examples_per_unit=1):
         """See `GhostClipping.clip_and_sum`; falls back per model as described above."""
         vectorized = self._vectorized.get(model)
         if vectorized is None:
             try:
                 return super().clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                            automatic_stability)
+                                            automatic_stability, examples_per_unit)
             except GhostClippingUnsupportedError as error:
                 warnings.warn(
                     f"clipping='auto': ghost norms cannot attribute part of model "
@@ -331,7 +335,7 @@ class AutoClipping(GhostClipping):
                 vectorized = VectorizedClipping(jit_compile=self.jit_compile)
                 self._vectorized[model] = vectorized
         return vectorized.clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                       automatic_stability)
+                                       automatic_stability, examples_per_unit)
 
 
 def _check_no_regularizers(model):
@@ -567,14 +571,18 @@ def _clipped_sum(terms, factors, keep, variable):
 
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
-                  automatic_stability=None, *, mixing):
+                  automatic_stability=None, *, mixing, examples_per_unit=1):
     with base.example_axis_guards(model), base.secret_seed_draws(model):
         records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight)
     variables = model.trainable_variables
     groups = _grouped(records, variables)
     batch_size = tf.shape(losses)[0]
-    squared = [squared_norm_of_sum(groups[i]) for i in sorted(groups)]
-    _check_one_norm_per_example(squared, losses, [variables[i] for i in sorted(groups)])
+    # The squared norm of each privacy unit's summed gradient (each example's
+    # when a unit is one example), cross terms between its examples included.
+    k = examples_per_unit
+    squared = [squared_norm_of_sum([units.regrouped(term, k) for term in groups[i]])
+               for i in sorted(groups)]
+    _check_one_norm_per_example(squared, losses, [variables[i] for i in sorted(groups)], k)
     # float64 models clip in float64 (every term of a float64 variable is).
     dtype = tf.float64 if any(s.dtype == tf.float64 for s in squared) else tf.float32
     # A failed independence check gives every example a NaN norm: the
@@ -583,7 +591,8 @@ def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
     if squared:
         squared = tf.add_n([tf.cast(s, dtype) for s in squared])
         # Gram forms can round a zero norm to a tiny negative; keep NaN as NaN.
-        norms = tf.sqrt(tf.where(squared < 0.0, tf.zeros_like(squared), squared))
+        norms = units.unit_rows(
+            tf.sqrt(tf.where(squared < 0.0, tf.zeros_like(squared), squared)), k)
     else:
         norms = tf.zeros([batch_size], dtype)
     norms = tf.where(independent, norms, tf.fill(tf.shape(norms), tf.constant(float("nan"), dtype)))
@@ -601,9 +610,9 @@ def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
                               mixing=mixing)
 
 
-def _check_one_norm_per_example(squared, losses, variables):
-    """Every variable's norms must have one entry per example (m), statically."""
-    expected = losses.shape[0]
+def _check_one_norm_per_example(squared, losses, variables, examples_per_unit=1):
+    """Every variable's norms must have one entry per example (m), or per unit (m / k)."""
+    expected = None if losses.shape[0] is None else losses.shape[0] // examples_per_unit
     for norms, variable in zip(squared, variables):
         if not norms.shape.is_compatible_with([expected]):
             raise GhostClippingUnsupportedError(

@@ -14,7 +14,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from tf_megadp.clipping import base, vectorized_pfor
+from tf_megadp.clipping import base, units, vectorized_pfor
 from tf_megadp.clipping.terms import Explicit, compute_dtype
 
 # Without these converters part of the per-example pass runs as a while_loop
@@ -46,12 +46,13 @@ class VectorizedClipping(base.ClippingStrategy):
         self._functions = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
-                     automatic_stability=None):
+                     automatic_stability=None, examples_per_unit=1):
+        units.check_unit_layout(tf.nest.flatten(x)[0].shape[0], examples_per_unit)
         function = self._function_for(model)
         # float64, so that a float64 model clips at C itself, not at float32(C).
         clip = (tf.cast(l2_norm_clip, tf.float64) if tf.is_tensor(l2_norm_clip)
                 else tf.constant(l2_norm_clip, tf.float64))
-        return function(x, y, sample_weight, clip, automatic_stability)
+        return function(x, y, sample_weight, clip, automatic_stability, examples_per_unit)
 
     def per_example_gradients(self, model: keras.Model, x, y, sample_weight=None):
         """Per-example gradients, for tests and diagnostics (eager or graph).
@@ -68,9 +69,10 @@ class VectorizedClipping(base.ClippingStrategy):
             if self.jit_compile:
                 base.refuse_layers_without_xla(model)
 
-            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability):
+            def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability,
+                             examples_per_unit=1):
                 return _clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                     automatic_stability)
+                                     automatic_stability, examples_per_unit)
 
             # No autograph: the pass needs no conversion (see ghost.py).
             function = tf.function(clip_and_sum, jit_compile=self.jit_compile,
@@ -134,7 +136,8 @@ def _per_example_gradients(model, x, y, sample_weight):
     return full, losses, y_pred
 
 
-def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=None):
+def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=None,
+                  examples_per_unit=1):
     gradients, losses, y_pred = _per_example_gradients(model, x, y, sample_weight)
     batch_size = tf.shape(losses)[0]
     # The per-example gradients are `Explicit` terms: their norms and
@@ -147,8 +150,11 @@ def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=
     # One norm over all variables: in float64 as soon as one of them is.
     norm_dtype = (tf.float64 if any(t.dtype == tf.float64 for t in present)
                   else tf.float32)
-    squared = tf.add_n([tf.cast(t.squared_norms(), norm_dtype) for t in present])
-    norms = tf.sqrt(squared)
+    # The norm of each privacy unit's summed gradient (of each example's
+    # when a unit is one example), given to every row of the unit.
+    squared = tf.add_n([tf.cast(units.regrouped(t, examples_per_unit).squared_norms(),
+                                norm_dtype) for t in present])
+    norms = units.unit_rows(tf.sqrt(squared), examples_per_unit)
     is_real = base.example_weights_present(sample_weight, batch_size)
     factors, nonfinite = base.clip_factors(norms, l2_norm_clip, is_real, automatic_stability)
     # Rows with a non-finite norm are zeroed before the sums (0 * NaN is NaN);

@@ -106,6 +106,15 @@ class PretrainConfig:
         max_characters: size cap of the default corpus (also when it only
             supplies the vocabulary of a user corpus).
         heldout_fraction: share of sequences kept out of training for evaluation.
+        privacy_unit: user-level privacy: the JSONL field naming each
+            document's privacy unit (its author, account, patient). Every
+            logical step then Poisson-samples UNITS (`tf_megadp.PrivacyUnitSampler`),
+            at most `examples_per_unit` sequences of each, clipped together:
+            epsilon bounds what one unit risks, N counts units, and
+            `batch_size`, `schedule` and `micro_batch_size` count units (a
+            micro-batch has micro_batch_size * examples_per_unit rows). None
+            (default): the sequence is the unit.
+        examples_per_unit: k, the most sequences of one unit in a step.
         canaries: for a privacy audit (`tf-megadp audit`), insert this many
             secret-sharer canaries per repetition count r in (1, 4, 16) into
             the training split, r copies each (every copy is one more
@@ -188,6 +197,8 @@ class PretrainConfig:
     document_separator: str = "blank-line"
     max_characters: int = 3_000_000
     heldout_fraction: float = 0.05
+    privacy_unit: str | None = None
+    examples_per_unit: int = 4
     canaries: int = 0
     micro_batch_size: int = 64
     batch_size: int = 256
@@ -250,6 +261,7 @@ class PretrainConfig:
             "steps": self.steps,
             "eval_every": self.eval_every,
             "reference_batch_size": self.reference_batch_size,
+            "examples_per_unit": self.examples_per_unit,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -277,6 +289,23 @@ class PretrainConfig:
             raise PretrainError(f"stop_after_steps must be >= 1, got {self.stop_after_steps}.")
         if not isinstance(self.canaries, int) or self.canaries < 0:
             raise PretrainError(f"canaries must be a non-negative integer, got {self.canaries!r}.")
+        if self.privacy_unit is not None:
+            if not isinstance(self.privacy_unit, str) or not self.privacy_unit:
+                raise PretrainError(
+                    f"privacy_unit must name a JSONL field, got {self.privacy_unit!r}.")
+            if not self.corpus:
+                raise PretrainError(
+                    f"--privacy-unit {self.privacy_unit} reads each document's unit from a "
+                    "field of a JSONL corpus: pass --corpus FILE.jsonl.")
+            if self.canaries:
+                raise PretrainError(
+                    "--canaries with --privacy-unit is not supported: the audit inserts "
+                    "canaries as sequences, not as units. Audit a sequence-level run.")
+            if self.hardware is not None:
+                raise PretrainError(
+                    "A planned run (hardware) with --privacy-unit is not supported: the "
+                    "planner sizes micro-batches in sequences, not in units of "
+                    "examples_per_unit rows. Drop the hardware section.")
         if self.checkpoint_every < 0:
             raise PretrainError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}.")
         if self.non_private:
@@ -412,6 +441,7 @@ _YAML_FIELDS = {
              "vocabulary_from_training_corpus": "vocabulary_from_training_corpus",
              "document_separator": "document_separator",
              "max_characters": "max_characters", "heldout_fraction": "heldout_fraction",
+             "privacy_unit": "privacy_unit", "examples_per_unit": "examples_per_unit",
              "canaries": "canaries", "cache_dir": "cache_dir"},
     "run": {"output_dir": "output_dir", "eval_every": "eval_every",
             "checkpoint_every": "checkpoint_every", "stop_after_steps": "stop_after_steps",

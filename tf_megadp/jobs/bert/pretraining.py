@@ -165,6 +165,7 @@ def _corpus_key(config: PretrainConfig) -> str:
         "vocabulary": _vocabulary_plan(config),
         # Only files have separators; the default corpus's key stays as it was.
         **({"separator": config.document_separator} if config.corpus else {}),
+        **({"privacy_unit": config.privacy_unit} if config.privacy_unit else {}),
     }, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -256,7 +257,9 @@ def prepare_data(config: PretrainConfig, log=None):
             vocabulary=vocabulary,
             separator=config.document_separator,
             progress=log,
+            unit_field=config.privacy_unit,
         )
+        units = text.load_unit_ids(corpus) if config.privacy_unit else None
     except text.CorpusError as error:
         raise PretrainError(str(error)) from None
     total = len(corpus)
@@ -270,10 +273,14 @@ def prepare_data(config: PretrainConfig, log=None):
     for name, indices in (("train", np.sort(order[heldout:])), ("heldout", np.sort(order[:heldout]))):
         directory = os.path.join(folder, name)
         rows = (corpus.read(indices[i:i + 65536]) for i in range(0, len(indices), 65536))
+        # Each split keeps its rows' units (written before its manifest).
+        unit_metadata = ({} if units is None
+                         else text.save_unit_ids(directory, units[indices]))
         sampling.write_token_shards(
             directory, rows, sequence_length=corpus.sequence_length,
             vocabulary_size=corpus.vocabulary_size, checksum=split_checksum,
-            metadata={"vocabulary_file": os.path.join(folder, "all", "vocab.txt")},
+            metadata={"vocabulary_file": os.path.join(folder, "all", "vocab.txt"),
+                      **unit_metadata},
         )
         splits[name] = sampling.TokenShards(directory)
     return corpus, splits["train"], splits["heldout"]
@@ -618,27 +625,34 @@ def run_pretraining(config: PretrainConfig, *, log=print,
         # then only read it (without a shared folder each prepares its own).
         distribute.barrier(strategy)
     corpus, train, heldout = prepare_data(config, log)
-    log(f"Corpus: N = {len(train):,} training sequences of {train.sequence_length} tokens "
-        f"(the privacy unit), {len(heldout):,} held out.")
+    # N: the privacy units of the training split (sequences, or users).
+    population = len(train) if not config.privacy_unit else train.manifest["num_units"]
+    if config.privacy_unit:
+        log(f"Corpus: N = {population:,} privacy units ({config.privacy_unit!r}) writing "
+            f"{len(train):,} training sequences of {train.sequence_length} tokens, at most "
+            f"{config.examples_per_unit} per unit and step; {len(heldout):,} held out.")
+    else:
+        log(f"Corpus: N = {len(train):,} training sequences of {train.sequence_length} tokens "
+            f"(the privacy unit), {len(heldout):,} held out.")
     canaries = None
     if config.canaries:
         train, canaries, _ = canary_split(config, train)
     if chief:
         distribute.barrier(strategy)
-    if max(phase[1] for phase in phases) > len(train):
+    if max(phase[1] for phase in phases) > population:
         raise PretrainError(
             f"The logical batch ({max(phase[1] for phase in phases)}) is larger than the "
-            f"training corpus ({len(train)} sequences); lower --batch-size."
+            f"training corpus ({population} privacy units); lower --batch-size."
         )
-    if config.num_examples is not None and config.num_examples != len(train):
+    if config.num_examples is not None and config.num_examples != population:
         raise PretrainError(
             f"The run is planned for num_examples N={config.num_examples}, but the training "
-            f"split holds {len(train)} sequences: its sampling rates and epsilon would not "
-            f"be this run's. Set training.num_examples (--num-examples) to {len(train)} and "
-            "plan again.")
+            f"split holds {population} privacy units: its sampling rates and epsilon would "
+            f"not be this run's. Set training.num_examples (--num-examples) to {population} "
+            "and plan again.")
     if config.hardware is not None:
         _check_planned_hardware(config, replicas, train.vocabulary_size)
-    schedule = config.make_schedule(len(train), replicas)
+    schedule = config.make_schedule(population, replicas)
     sigma, delta, planned_epsilon = _plan_privacy(config, schedule)
     if testing is not None and testing.noise_multiplier is not None:
         sigma = testing.noise_multiplier
@@ -767,6 +781,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                     schedule=schedule, clipping=config.clipping,
                     per_example_scaling=config.per_example_scaling,
                     automatic_scaling_stability=config.automatic_scaling_stability,
+                    examples_per_unit=config.examples_per_unit if config.privacy_unit else 1,
                     seed=None if testing is None else testing.noise_seed)
             else:
                 k = schedule.phases[0].accumulation_steps
@@ -797,13 +812,18 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # what remains, as private as those the interrupted run would have drawn.
     # The secret is passed straight on, so that no local of this frame (and
     # no traceback) holds it.
+    # With a privacy unit, the sampler draws units and lays out k rows each.
+    units = ({} if not config.privacy_unit else
+             {"unit_ids": text.load_unit_ids(train), "privacy_unit": config.privacy_unit,
+              "examples_per_unit": config.examples_per_unit})
+    sampler_class = tf_megadp.PrivacyUnitSampler if units else sampling.PoissonSampler
     if testing is None:
-        sampler = sampling.PoissonSampler(
+        sampler = sampler_class(
             train, schedule, shared_secret=distribute.shared_sampling_secret(strategy),
-            start_step=start_step, end_step=end_step)
+            start_step=start_step, end_step=end_step, **units)
     else:
-        sampler = sampling.PoissonSampler(train, schedule, seed=testing.sampling_seed,
-                                          start_step=start_step, end_step=end_step)
+        sampler = sampler_class(train, schedule, seed=testing.sampling_seed,
+                                start_step=start_step, end_step=end_step, **units)
 
     # Fed to fit as the sampler returned it (a derived dataset is refused).
     # With R replicas on this host, Keras splits each m * R-row micro-step
@@ -934,7 +954,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "examples_processed_expected": schedule.examples_processed(),
         "wall_time_s": time.time() - started,
         "train_time_s": train_seconds,
-        "examples_per_s": (sampler.total_micro_steps * schedule.micro_batch_size * schedule.num_replicas)
+        "examples_per_s": (sampler.total_micro_steps * sampler.micro_batch_rows)
         / max(train_seconds, 1e-9),
         "truncated_steps": sampler.truncated_steps,
         "resumed_from_step": resumed_from,
@@ -942,7 +962,12 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "model": {"preset": config.model, "layers": layers, "hidden": hidden, "heads": heads,
                   "vocabulary_size": train.vocabulary_size,
                   "sequence_length": train.sequence_length},
-        "num_examples": len(train),
+        "num_examples": schedule.num_examples,
+        # What epsilon protects: one sequence, or every sequence of one unit.
+        "privacy_unit": config.privacy_unit or "sequence",
+        "training_sequences": len(train),
+        "examples_per_unit": config.examples_per_unit if config.privacy_unit else 1,
+        "capped_sequences": getattr(sampler, "capped_examples", 0),
         "canaries": ({"per_repetition": config.canaries, "repetitions": list(CANARY_REPETITIONS),
                       "controls": config.canaries, "file": CANARIES_NAME}
                      if config.canaries else None),

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from tf_megadp.files import write_bytes_atomically
+from tf_megadp.files import atomic_write, sha256_of_file, write_bytes_atomically
 from tf_megadp.jobs.bert.config import SEPARATORS
 from tf_megadp.sampling import MANIFEST_NAME, TokenShards, write_token_shards
 
@@ -207,7 +207,8 @@ def read_documents(
     skip_undecodable: bool = False,
     separator: str = "blank-line",
     progress: Progress | None = None,
-) -> tuple[list[str], int]:
+    unit_field: str | None = None,
+) -> tuple[list[str], int] | tuple[list[str], int, list[str]]:
     """Documents from text files, JSONL files, or globs of them.
 
     Plain text: documents are separated by blank lines (``separator=
@@ -217,6 +218,10 @@ def read_documents(
     Args:
         sources: a path, a glob pattern, or a list of them.
         jsonl_field: the JSONL field that holds the text.
+        unit_field: the JSONL field naming each document's privacy unit
+            (its author, account, ...), for user-level privacy; every
+            record must have it (a string or an integer), and every source
+            must be JSONL.
         skip_undecodable: False raises `CorpusError` at the first byte that is
             not UTF-8 (naming file and byte offset); True drops the documents
             that contain such bytes and counts them.
@@ -225,15 +230,22 @@ def read_documents(
         progress: called with one line per file read (size and documents).
 
     Returns:
-        (documents, number of documents skipped for bad bytes).
+        (documents, number of documents skipped for bad bytes), and with
+        `unit_field` a third item: each document's unit id, as a string.
     """
     if separator not in SEPARATORS:
         raise CorpusError(
             f"separator must be one of {', '.join(SEPARATORS)}, got {separator!r}.")
     documents: list[str] = []
+    units: list[str] = []
     skipped = 0
     for path in _expand_sources(sources):
         jsonl = path.endswith(".jsonl")
+        if unit_field is not None and not jsonl:
+            raise CorpusError(
+                f"{path} is not JSONL: a privacy unit ({unit_field!r}) can only be read "
+                "from a field of .jsonl records. Convert the corpus to JSONL with a "
+                f"{unit_field!r} field on every record.")
         with open(path, "rb") as handle:
             data = handle.read()
         before = len(documents)
@@ -264,14 +276,22 @@ def read_documents(
                         f"{jsonl_field!r}; set jsonl_field to the field holding the text."
                     )
                 text = record[jsonl_field]
+                if unit_field is not None:
+                    unit = record.get(unit_field)
+                    if isinstance(unit, bool) or not isinstance(unit, (str, int)):
+                        raise CorpusError(
+                            f"{path}: the line at byte {offset} has no string or integer "
+                            f"field {unit_field!r} (its privacy unit); every record needs one.")
             if text.strip():
                 documents.append(text.strip())
+                if unit_field is not None:
+                    units.append(str(unit))
         if progress:
             progress(f"  read {path}: {_megabytes(len(data))}, "
                      f"{len(documents) - before:,} documents")
     if not documents:
         raise CorpusError(f"No non-empty document in {sources!r}.")
-    return documents, skipped
+    return (documents, skipped) if unit_field is None else (documents, skipped, units)
 
 
 def write_synthetic_corpus(
@@ -569,6 +589,62 @@ def _pack(
     return rows
 
 
+def _pack_by_unit(tokens: list[np.ndarray], units: Sequence[str], sequence_length: int,
+                  packing: str, min_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows as `_pack` makes them, no row shared by two units; and each row's unit.
+
+    Returns:
+        (rows [n, L], unit index [n] int64 into the sorted distinct unit ids).
+    """
+    names, index = np.unique(np.asarray(units, dtype=str), return_inverse=True)
+    by_unit: list[list[np.ndarray]] = [[] for _ in names]
+    for unit, ids in zip(index, tokens):
+        by_unit[unit].append(ids)
+    blocks = [_pack(parts, sequence_length, packing, min_tokens) for parts in by_unit]
+    rows = (np.concatenate(blocks) if blocks
+            else np.zeros((0, sequence_length), np.int32))
+    row_units = np.repeat(np.arange(len(blocks), dtype=np.int64), [len(b) for b in blocks])
+    return rows, row_units
+
+
+UNITS_FILE = "units.npy"
+
+
+def save_unit_ids(directory: str | os.PathLike, unit_ids: np.ndarray) -> dict[str, Any]:
+    """Writes each row's privacy-unit index next to shards; returns the manifest fields.
+
+    Unit indices number the distinct ids (never the ids themselves, which
+    may be names or account numbers): the file says which rows belong
+    together, nothing about who wrote them. Write it before the shards'
+    manifest, which marks the folder complete.
+    """
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, UNITS_FILE)
+    atomic_write(path, lambda temporary: np.save(temporary, np.asarray(unit_ids, np.int64)))
+    return {"units_file": UNITS_FILE, "units_sha256": sha256_of_file(path),
+            "num_units": int(np.unique(unit_ids).size)}
+
+
+def load_unit_ids(shards: TokenShards) -> np.ndarray:
+    """Each row's privacy-unit index, saved by `prepare_corpus(unit_field=...)`.
+
+    Raises:
+        CorpusError: the shards hold no units, or the file does not match the manifest.
+    """
+    name = shards.manifest.get("units_file")
+    if name is None:
+        raise CorpusError(
+            f"The shards in {shards.directory} carry no privacy units: prepare the corpus "
+            "with a unit field (--privacy-unit FIELD).")
+    path = os.path.join(shards.directory, name)
+    if not os.path.isfile(path) or sha256_of_file(path) != shards.manifest.get("units_sha256"):
+        raise CorpusError(f"{path} is missing or does not match its manifest: rebuild the corpus.")
+    units = np.load(path, allow_pickle=False)
+    if units.shape != (len(shards),):
+        raise CorpusError(f"{path} holds {units.shape[0]} units for {len(shards)} rows.")
+    return units
+
+
 def _inputs_checksum(
     sources: str | os.PathLike | Sequence[str | os.PathLike] | None,
     max_characters: int,
@@ -623,6 +699,7 @@ def prepare_corpus(
     vocabulary: str | os.PathLike | Sequence[str] | None = None,
     separator: str = "blank-line",
     progress: Progress | None = None,
+    unit_field: str | None = None,
 ) -> TokenShards:
     """Builds (or reuses) the token shards of a corpus for masked-LM pretraining.
 
@@ -659,6 +736,11 @@ def prepare_corpus(
         progress: called with progress lines (files read, words counted,
             the vocabulary learned, documents tokenized, sequences written),
             e.g. `print`; None is silent.
+        unit_field: user-level privacy: the JSONL field naming each
+            document's privacy unit (`read_documents`). No row then holds
+            text of two units (the documents of each unit are packed
+            together, `packing` within the unit), and each row's unit index
+            is saved next to the shards (`load_unit_ids`).
 
     Returns:
         The `TokenShards`. If `output_dir` already holds shards built from the
@@ -708,6 +790,12 @@ def prepare_corpus(
         "jsonl_field": jsonl_field,
         "skip_undecodable": skip_undecodable,
     }
+    if unit_field is not None:
+        if sources is None:
+            raise CorpusError(
+                f"A privacy unit ({unit_field!r}) is read from JSONL records: pass the "
+                "corpus files; the default corpus has no units.")
+        settings["unit_field"] = unit_field
     if sources is not None:
         # Only files have separators; the default corpus's key stays as it was.
         if separator not in SEPARATORS:
@@ -732,9 +820,9 @@ def prepare_corpus(
         documents, skipped = default_corpus_documents(max_characters), 0
         description = f"default corpus: docstrings of {', '.join(_DEFAULT_PACKAGES)}"
     else:
-        documents, skipped = read_documents(
+        documents, skipped, *units = read_documents(
             sources, jsonl_field=jsonl_field, skip_undecodable=skip_undecodable,
-            separator=separator, progress=progress,
+            separator=separator, progress=progress, unit_field=unit_field,
         )
         description = f"{len(_expand_sources(sources))} file(s)"
     if progress:
@@ -762,9 +850,19 @@ def prepare_corpus(
             f"{unknown / total:.1%} of the tokens are [UNK] (limit "
             f"{max_unknown_fraction:.1%}): {fix}."
         )
-    rows = _pack(tokens, sequence_length, packing, min_tokens)
+    unit_metadata: dict[str, Any] = {}
+    if unit_field is None:
+        rows = _pack(tokens, sequence_length, packing, min_tokens)
+    else:
+        rows, row_units = _pack_by_unit(tokens, units[0], sequence_length, packing, min_tokens)
     if max_sequences is not None:
         rows = rows[:max_sequences]
+    if unit_field is not None:
+        unit_metadata = {
+            **save_unit_ids(output_dir, row_units[:len(rows)]),
+            "privacy_unit": f"one {unit_field}: every sequence of the same {unit_field!r}",
+            "unit_field": unit_field,
+        }
     if len(rows) == 0:
         raise CorpusError(
             f"No sequence has {min_tokens} tokens or more ({total} tokens in all): "
@@ -789,6 +887,7 @@ def prepare_corpus(
             "lowercase": lowercase,
             "packing": packing,
             "privacy_unit": f"one sequence of {sequence_length} tokens",
+            **unit_metadata,
             "source": description,
             "num_documents": len(documents),
             "documents_skipped": skipped,

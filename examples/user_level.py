@@ -14,7 +14,6 @@ the most prolific user by group privacy.
 """
 
 import argparse
-import math
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")

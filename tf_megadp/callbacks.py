@@ -30,6 +30,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_megadp import adaptive_clipping
 from tf_megadp.accounting import (
     DEFAULT_ACCOUNTANT,
     LedgerEntry,
@@ -484,6 +485,7 @@ class LedgerRecorder:
             step += steps
         write_ledger(optimizer, self.ledger)
         self._check_consistent(optimizer)
+        adaptive_clipping.note_clip_norm(optimizer)
 
     def _record(self, optimizer: DPOptimizer, first_step: int, steps: int, row: dict) -> None:
         self._last_rows = row["rows"]
@@ -497,14 +499,26 @@ class LedgerRecorder:
             self.ledger.append(self._entry(optimizer, step, row))
 
     def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
-        sigma = row["noise_multiplier"]
+        sigma, count_sigma = row["noise_multiplier"], row["count_noise_multiplier"]
+        # With adaptive clipping, gradient and count amount to one Gaussian
+        # of the planned sigma; an impossible pair was recorded as NaN.
+        if optimizer.adaptive_clipping is not None and not math.isclose(
+                adaptive_clipping.equivalent_noise_multiplier(sigma, count_sigma),
+                optimizer.noise_multiplier_at(step), rel_tol=1e-5):
+            raise PrivacyConfigurationError(
+                f"Logical step {step} released the gradient with noise multiplier {sigma} "
+                f"and the count of unclipped examples with {count_sigma}, which do not "
+                f"amount to the planned noise multiplier {optimizer.noise_multiplier_at(step)}. "
+                "With adaptive clipping, the count's noise multiplier 2 * count_stddev must "
+                "exceed sigma: raise AdaptiveClipping(count_stddev=...) or the batch size.")
         if self.sampling == "poisson":
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
             used = (row["accumulation_steps"], row["rows"], row["divisor"])
             planned = (phase.accumulation_steps, schedule.capacity(phase), phase.batch_size)
             if not np.allclose(used, planned, rtol=1e-6) or not math.isclose(
-                    sigma, optimizer.noise_multiplier_at(step), rel_tol=1e-6):
+                    adaptive_clipping.equivalent_noise_multiplier(sigma, count_sigma),
+                    optimizer.noise_multiplier_at(step), rel_tol=1e-6):
                 raise PrivacyConfigurationError(
                     f"Logical step {step} used (accumulation steps, rows, divisor, sigma) "
                     f"= {used + (sigma,)} but the sampler planned "
@@ -513,10 +527,11 @@ class LedgerRecorder:
                     "schedule=sampler.schedule."
                 )
             return LedgerEntry(1, phase.batch_size / self.num_examples, sigma,
-                               schedule.capacity(phase), "poisson")
-        return self._fixed_size_entry(row["rows"], sigma)
+                               schedule.capacity(phase), "poisson", count_sigma)
+        return self._fixed_size_entry(row["rows"], sigma, count_sigma)
 
-    def _fixed_size_entry(self, rows: float, sigma: float) -> LedgerEntry:
+    def _fixed_size_entry(self, rows: float, sigma: float,
+                          count_sigma: float = 0.0) -> LedgerEntry:
         if rows > self.num_examples:
             raise PrivacyConfigurationError(
                 f"A logical step held {int(rows)} rows but the data has "
@@ -525,7 +540,8 @@ class LedgerRecorder:
                 "accumulation_steps or the batch size so that a logical step fits in "
                 "one epoch."
             )
-        return LedgerEntry(1, rows / self.num_examples, sigma, 0, FIXED_SIZE_SAMPLING)
+        return LedgerEntry(1, rows / self.num_examples, sigma, 0, FIXED_SIZE_SAMPLING,
+                           count_sigma)
 
     def next_entry(self, step: int) -> LedgerEntry | None:
         """The ledger entry logical step `step` will get, when it can be known."""
@@ -677,6 +693,7 @@ class _PrivacyReporting:
             "clipping": optimizer.clipping,
             "per_example_scaling": optimizer.per_example_scaling,
             "automatic_scaling_stability": optimizer.automatic_stability,
+            "adaptive_clipping": adaptive_clipping.report_section(optimizer),
             "target_epsilon": self.target_epsilon,
         }
 

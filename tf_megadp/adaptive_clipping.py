@@ -273,19 +273,26 @@ def updated_clip_norm(config: AdaptiveClipping, clip_norm, noisy_centred_count, 
     return clip_norm * tf.exp(-config.learning_rate * (fraction - config.target_quantile))
 
 
-def release_count_and_update(config: AdaptiveClipping, clip_norm_variable, centred_sum, stddev,
-                             divisor, key, replicas: int) -> None:
-    """Adds the count's noise once, sums it over replicas and moves C (in a replica context).
+def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
+    """The released centred count: the sum over replicas plus N(0, s^2), once (float64).
 
-    Each replica adds noise of variance s^2 / R to its own partial count,
-    so the all-reduced sum carries exactly N(0, s^2), drawn from the secret
-    noise key of the step (`key`, already folded with the step and the
-    replica).
+    Called in a replica context: each replica adds noise of variance
+    s^2 / R to its own partial count, drawn from `key` (the step's secret
+    noise key, already folded with the step and the replica), so the
+    all-reduced sum carries exactly N(0, s^2).
     """
     noise = tf.random.stateless_normal([], seed=key, dtype=tf.float64)
-    noisy = centred_sum + stddev / math.sqrt(replicas) * noise
+    noisy = tf.cast(centred_sum, tf.float64) + tf.cast(stddev, tf.float64) / math.sqrt(
+        replicas) * noise
     if replicas > 1:
         noisy = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, noisy)
+    return noisy
+
+
+def release_count_and_update(config: AdaptiveClipping, clip_norm_variable, centred_sum, stddev,
+                             divisor, key, replicas: int) -> None:
+    """Releases the step's noisy count (`noisy_count`) and moves C with it."""
+    noisy = noisy_count(centred_sum, stddev, key, replicas)
     clip_norm_variable.assign(tf.cast(
         updated_clip_norm(config, clip_norm_variable.value, noisy, divisor),
         clip_norm_variable.dtype))

@@ -573,7 +573,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
             # C_t, a DP release: saved and restored with the optimizer.
             self.clip_norm = self.add_variable(
                 shape=(), dtype="float64", aggregation="only_first_replica", name="clip_norm",
-                initializer=keras.initializers.Constant(self.l2_norm_clip))
+                # Not keras.initializers.Constant, which rounds through float32.
+                initializer=lambda shape, dtype: tf.fill(
+                    shape, tf.constant(self.l2_norm_clip, tf.float64)))
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         elif [id(v) for v in self.inner_optimizer._trainable_variables] != [id(v) for v in var_list]:

@@ -6,6 +6,7 @@ time), against per-example gradients from `tests.reference` (one tape per
 example), and against direct dp_accounting calls.
 """
 
+import json
 import math
 
 import dp_accounting
@@ -265,7 +266,10 @@ def test_the_optimizer_noises_the_count_once_per_step_with_count_stddev():
         noise_multiplier=1.0,
         normalize_by=float(micro), seed=5,
         adaptive_clipping=AdaptiveClipping(0.5, eta, count_stddev=stddev))
-    model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=micro, shuffle=False, verbose=0)
+    recorder = Recorder()
+    before = reference.weights(model)
+    model.fit(x, np.zeros((len(x), 1), "float32"), batch_size=micro, shuffle=False, verbose=0,
+              callbacks=[recorder])
     clips = np.array([1.0] + [c for _, c in optimizer.clip_norm_trajectory])
     assert len(clips) == steps + 1
     estimate = 0.5 - np.log(clips[1:] / clips[:-1]) / eta  # the released b_t
@@ -273,6 +277,12 @@ def test_the_optimizer_noises_the_count_once_per_step_with_count_stddev():
     p = stats.chi2.cdf(np.sum((noise / stddev) ** 2), df=noise.size)
     assert 1e-4 < p < 1 - 1e-4, noise.std()
     assert abs(noise.mean()) < 5 * stddev / math.sqrt(steps)
+    # The count's noise is a draw of its own: independent of every coordinate's
+    # gradient noise (the updates, since every gradient is 0).
+    weights = [np.concatenate([w.ravel() for w in step]) for step in [before] + recorder.weights]
+    updates = np.diff(np.array(weights), axis=0)
+    correlations = [np.corrcoef(noise, updates[:, i])[0, 1] for i in range(updates.shape[1])]
+    assert max(abs(c) for c in correlations) < 5 / math.sqrt(steps)
 
 
 # -- The gradient's noise uses sigma_grad and this step's C ------------------------------
@@ -481,3 +491,35 @@ def test_invalid_adaptive_settings_raise(kwargs):
     with pytest.raises(ValueError):
         AdaptiveClipping(**kwargs)
 
+
+
+# -- The command line ------------------------------------------------------------------
+
+
+def test_cli_epsilon_accounts_the_count_with_the_gradient(capsys):
+    from tf_megadp import cli
+
+    run = ["epsilon", "--num-examples", "60000", "--batch-size", "1000", "--steps", "300",
+           "--delta", "1e-5", "--accountant", "rdp", "--json"]
+    gradient, count = andrew_noise_multipliers(1.0, 50.0)
+    assert cli.main(run + ["--noise-multiplier", str(gradient), "--count-stddev", "50"]) == 0
+    pair = json.loads(capsys.readouterr().out)
+    assert pair["ledger"][0]["count_noise_multiplier"] == count
+    event = dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(1000 / 60000, dp_accounting.GaussianDpEvent(1.0)), 300)
+    assert pair["epsilon"] == pytest.approx(
+        rdp.RdpAccountant().compose(event).get_epsilon(1e-5), rel=1e-9)
+
+
+def test_cli_calibrate_gives_the_gradients_multiplier_and_refuses_a_small_count(capsys):
+    from tf_megadp import cli
+
+    run = ["calibrate", "--num-examples", "60000", "--batch-size", "1000", "--steps", "300",
+           "--delta", "1e-5", "--accountant", "rdp", "--target-epsilon", "2", "--json"]
+    assert cli.main(run + ["--count-stddev", "50"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    section = report["adaptive_clipping"]
+    assert (section["gradient_noise_multiplier"], section["count_noise_multiplier"]) == (
+        pytest.approx(andrew_noise_multipliers(report["noise_multiplier"], 50.0), rel=1e-12))
+    assert cli.main(run + ["--count-stddev", "0.3"]) == 2
+    assert "count_stddev" in capsys.readouterr().err

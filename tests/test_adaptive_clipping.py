@@ -523,3 +523,20 @@ def test_cli_calibrate_gives_the_gradients_multiplier_and_refuses_a_small_count(
         pytest.approx(andrew_noise_multipliers(report["noise_multiplier"], 50.0), rel=1e-12))
     assert cli.main(run + ["--count-stddev", "0.3"]) == 2
     assert "count_stddev" in capsys.readouterr().err
+
+
+def test_the_example_grows_c_from_far_below_the_norms(capsys):
+    """examples/adaptive_clipping.py at test size: one epoch of B = 64."""
+    import runpy
+    import warnings
+
+    example = runpy.run_path("examples/adaptive_clipping.py")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = example["main"](["--epochs", "1", "--batch-size", "64",
+                                  "--micro-batch-size", "32"])
+    section = result["report"]["settings"]["adaptive_clipping"]
+    clips = [clip for _, clip in section["trajectory"]]
+    assert clips[-1] > 4 * 0.01  # every norm was above the initial C: C grew
+    assert result["report"]["ledger"][0]["count_noise_multiplier"] == pytest.approx(6.4)
+    assert "C after logical step" in capsys.readouterr().out

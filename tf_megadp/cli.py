@@ -383,6 +383,19 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                          default=hidden,
                          help="gamma of automatic clipping "
                               f"(default {defaults.automatic_scaling_stability})")
+    privacy.add_argument("--adaptive-clipping-quantile", type=float, metavar="GAMMA",
+                         default=hidden,
+                         help="adaptive clipping (Andrew et al. 2021): move C after every "
+                              "logical step towards this quantile of the per-example norms, "
+                              "--l2-norm-clip being the initial C; same epsilon (default: off)")
+    privacy.add_argument("--adaptive-clipping-learning-rate", type=float, metavar="ETA",
+                         default=hidden,
+                         help="eta of adaptive clipping's geometric update "
+                              f"(default {defaults.adaptive_clipping_learning_rate})")
+    privacy.add_argument("--adaptive-clipping-count-stddev", type=float, metavar="S",
+                         default=hidden,
+                         help="noise std of adaptive clipping's count of unclipped examples "
+                              "(default: the expected batch / 20)")
     privacy.add_argument("--accountant", choices=["pld", "rdp"], default=hidden)
     privacy.add_argument("--non-private", action="store_true", default=hidden,
                          help="baseline: same data, model and optimizer; no clipping or noise")

@@ -442,6 +442,7 @@ def run_config_from_args(args: argparse.Namespace, config_path: str | None):
     import dataclasses
 
     from tf_megadp.jobs.bert import pretraining
+    from tf_megadp.jobs.bert.config import parse_schedule
 
     config = (pretraining.load_run_config(config_path) if config_path
               else pretraining.PretrainConfig())
@@ -449,7 +450,7 @@ def run_config_from_args(args: argparse.Namespace, config_path: str | None):
     for name in ("handler", "command", "config", "json"):
         given.pop(name, None)
     if "schedule" in given:
-        given["schedule"] = pretraining.parse_schedule(given["schedule"])
+        given["schedule"] = parse_schedule(given["schedule"])
     if given.get("non_private"):
         given.update(noise_multiplier=None, target_epsilon=None)
     elif "noise_multiplier" in given and "target_epsilon" not in given and not config_path:

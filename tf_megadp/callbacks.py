@@ -500,29 +500,29 @@ class LedgerRecorder:
 
     def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
         sigma, count_sigma = row["noise_multiplier"], row["count_noise_multiplier"]
+        planned_sigma = optimizer.noise_multiplier_at(step)
         # With adaptive clipping, gradient and count amount to one Gaussian
         # of the planned sigma; an impossible pair was recorded as NaN.
-        if optimizer.adaptive_clipping is not None and not math.isclose(
-                adaptive_clipping.equivalent_noise_multiplier(sigma, count_sigma),
-                optimizer.noise_multiplier_at(step), rel_tol=1e-5):
+        sigma_as_planned = math.isclose(
+            adaptive_clipping.equivalent_noise_multiplier(sigma, count_sigma), planned_sigma,
+            rel_tol=1e-6)
+        if optimizer.adaptive_clipping is not None and not sigma_as_planned:
             raise PrivacyConfigurationError(
                 f"Logical step {step} released the gradient with noise multiplier {sigma} "
                 f"and the count of unclipped examples with {count_sigma}, which do not "
-                f"amount to the planned noise multiplier {optimizer.noise_multiplier_at(step)}. "
-                "With adaptive clipping, the count's noise multiplier 2 * count_stddev must "
-                "exceed sigma: raise AdaptiveClipping(count_stddev=...) or the batch size.")
+                f"amount to the planned noise multiplier {planned_sigma}. With adaptive "
+                "clipping, the count's noise multiplier 2 * count_stddev must exceed sigma: "
+                "raise AdaptiveClipping(count_stddev=...) or the batch size.")
         if self.sampling == "poisson":
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
             used = (row["accumulation_steps"], row["rows"], row["divisor"])
             planned = (phase.accumulation_steps, schedule.capacity(phase), phase.batch_size)
-            if not np.allclose(used, planned, rtol=1e-6) or not math.isclose(
-                    adaptive_clipping.equivalent_noise_multiplier(sigma, count_sigma),
-                    optimizer.noise_multiplier_at(step), rel_tol=1e-6):
+            if not np.allclose(used, planned, rtol=1e-6) or not sigma_as_planned:
                 raise PrivacyConfigurationError(
                     f"Logical step {step} used (accumulation steps, rows, divisor, sigma) "
                     f"= {used + (sigma,)} but the sampler planned "
-                    f"{planned + (optimizer.noise_multiplier_at(step),)}. Feed the "
+                    f"{planned + (planned_sigma,)}. Feed the "
                     "sampler's micro-batches unchanged, with the optimizer built from "
                     "schedule=sampler.schedule."
                 )

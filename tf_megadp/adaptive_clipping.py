@@ -232,7 +232,7 @@ def centred_count(norms, is_real, clip_norm) -> tf.Tensor:
     """
     real = tf.cast(is_real, tf.float64) > 0
     below = tf.cast(norms, tf.float64) <= tf.cast(clip_norm, tf.float64)
-    indicator = tf.where(below, 0.5, -0.5)
+    indicator = tf.where(below, tf.constant(0.5, tf.float64), tf.constant(-0.5, tf.float64))
     return tf.reduce_sum(tf.where(real, indicator, tf.zeros_like(indicator)))
 
 

@@ -482,6 +482,20 @@ def test_a_batch_known_only_in_the_step_is_refused_before_it_trains():
     x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
     with pytest.raises(PrivacyConfigurationError, match="count_stddev"):
         model.fit(x, np.zeros((16, 2), "float32"), batch_size=8, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_batch_known_only_at_run_time_is_refused_after_its_first_step():
+    """A dataset of unknown batch size and N: the step records the impossible pair as NaN."""
+    import tensorflow as tf
+
+    model = small_model()
+    compiled(model, l2_norm_clip=1.0, noise_multiplier=1.0, adaptive_clipping=AdaptiveClipping())
+    x = np.random.default_rng(0).normal(size=(16, 3)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, np.zeros((16, 2), "float32"))).batch(8)
+    with pytest.raises(PrivacyConfigurationError, match="count_stddev"):
+        with pytest.warns(UserWarning):
+            model.fit(data, verbose=0)
 
 
 @pytest.mark.parametrize("kwargs", [{"target_quantile": 0.0}, {"target_quantile": 1.0},
@@ -496,13 +510,24 @@ def test_invalid_adaptive_settings_raise(kwargs):
 # -- The command line ------------------------------------------------------------------
 
 
-def test_cli_epsilon_accounts_the_count_with_the_gradient(capsys):
+@pytest.fixture
+def cli_main():
+    """`tf_megadp.cli.main`, with the absl logger level it sets restored afterwards."""
+    import logging
+
     from tf_megadp import cli
 
+    logger = logging.getLogger("absl")
+    level = logger.level
+    yield cli.main
+    logger.setLevel(level)
+
+
+def test_cli_epsilon_accounts_the_count_with_the_gradient(capsys, cli_main):
     run = ["epsilon", "--num-examples", "60000", "--batch-size", "1000", "--steps", "300",
            "--delta", "1e-5", "--accountant", "rdp", "--json"]
     gradient, count = andrew_noise_multipliers(1.0, 50.0)
-    assert cli.main(run + ["--noise-multiplier", str(gradient), "--count-stddev", "50"]) == 0
+    assert cli_main(run + ["--noise-multiplier", str(gradient), "--count-stddev", "50"]) == 0
     pair = json.loads(capsys.readouterr().out)
     assert pair["ledger"][0]["count_noise_multiplier"] == count
     event = dp_accounting.SelfComposedDpEvent(
@@ -511,17 +536,16 @@ def test_cli_epsilon_accounts_the_count_with_the_gradient(capsys):
         rdp.RdpAccountant().compose(event).get_epsilon(1e-5), rel=1e-9)
 
 
-def test_cli_calibrate_gives_the_gradients_multiplier_and_refuses_a_small_count(capsys):
-    from tf_megadp import cli
-
+def test_cli_calibrate_gives_the_gradients_multiplier_and_refuses_a_small_count(capsys,
+                                                                               cli_main):
     run = ["calibrate", "--num-examples", "60000", "--batch-size", "1000", "--steps", "300",
            "--delta", "1e-5", "--accountant", "rdp", "--target-epsilon", "2", "--json"]
-    assert cli.main(run + ["--count-stddev", "50"]) == 0
+    assert cli_main(run + ["--count-stddev", "50"]) == 0
     report = json.loads(capsys.readouterr().out)
     section = report["adaptive_clipping"]
     assert (section["gradient_noise_multiplier"], section["count_noise_multiplier"]) == (
         pytest.approx(andrew_noise_multipliers(report["noise_multiplier"], 50.0), rel=1e-12))
-    assert cli.main(run + ["--count-stddev", "0.3"]) == 2
+    assert cli_main(run + ["--count-stddev", "0.3"]) == 2
     assert "count_stddev" in capsys.readouterr().err
 
 

@@ -489,6 +489,16 @@ class LedgerRecorder:
 
     def _record(self, optimizer: DPOptimizer, first_step: int, steps: int, row: dict) -> None:
         self._last_rows = row["rows"]
+        planned_sigma = optimizer.noise_multiplier_at(first_step)
+        if optimizer.adaptive_clipping is not None and not _noise_as_planned(row, planned_sigma):
+            # Before anything else: a step whose N is unknown is refused too.
+            raise PrivacyConfigurationError(
+                f"Logical step {first_step} released the gradient with noise multiplier "
+                f"{row['noise_multiplier']} and the count of unclipped examples with "
+                f"{row['count_noise_multiplier']}, which do not amount to the planned noise "
+                f"multiplier {planned_sigma}. With adaptive clipping, the count's noise "
+                "multiplier 2 * count_stddev must exceed sigma: raise "
+                "AdaptiveClipping(count_stddev=...) or the batch size.")
         if row["noise_multiplier"] == 0:
             optimizer.noiseless_steps.assign_add(steps)
             return
@@ -501,18 +511,7 @@ class LedgerRecorder:
     def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
         sigma, count_sigma = row["noise_multiplier"], row["count_noise_multiplier"]
         planned_sigma = optimizer.noise_multiplier_at(step)
-        # With adaptive clipping, gradient and count amount to one Gaussian
-        # of the planned sigma; an impossible pair was recorded as NaN.
-        sigma_as_planned = math.isclose(
-            adaptive_clipping.equivalent_noise_multiplier(sigma, count_sigma), planned_sigma,
-            rel_tol=1e-6)
-        if optimizer.adaptive_clipping is not None and not sigma_as_planned:
-            raise PrivacyConfigurationError(
-                f"Logical step {step} released the gradient with noise multiplier {sigma} "
-                f"and the count of unclipped examples with {count_sigma}, which do not "
-                f"amount to the planned noise multiplier {planned_sigma}. With adaptive "
-                "clipping, the count's noise multiplier 2 * count_stddev must exceed sigma: "
-                "raise AdaptiveClipping(count_stddev=...) or the batch size.")
+        sigma_as_planned = _noise_as_planned(row, planned_sigma)
         if self.sampling == "poisson":
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
@@ -561,6 +560,13 @@ class LedgerRecorder:
         if rows is None:
             return None
         return self._fixed_size_entry(min(rows, self.num_examples), sigma)
+
+
+def _noise_as_planned(row: dict, planned_sigma: float) -> bool:
+    """Whether a step's noise (gradient and, with adaptive clipping, count) is one
+    Gaussian of the planned sigma; an impossible pair was recorded as NaN."""
+    return math.isclose(adaptive_clipping.equivalent_noise_multiplier(
+        row["noise_multiplier"], row["count_noise_multiplier"]), planned_sigma, rel_tol=1e-6)
 
 
 class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):

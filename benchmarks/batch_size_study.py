@@ -123,6 +123,10 @@ STUDIES = {
         "adaptive-c0.1": _row("adaptive, C0 = 0.1, quantile 0.5", "300x256",
                               adaptive_clipping_quantile=0.5, l2_norm_clip=0.1),
         "fixed-c0.1": _row("C = 0.1 fixed", "300x256", l2_norm_clip=0.1),
+        # Replicates (the same seed 0, fresh Poisson draws and noise).
+        "fixed-c1-again": _row("C = 1 fixed, again", "300x256"),
+        "adaptive-c1-again": _row("adaptive, C0 = 1, quantile 0.5, again", "300x256",
+                                  adaptive_clipping_quantile=0.5),
     },
 }
 

@@ -565,3 +565,17 @@ def test_the_example_grows_c_from_far_below_the_norms(capsys):
     assert clips[-1] > 2 * 0.01  # every norm was above the initial C: C grew
     assert result["report"]["ledger"][0]["count_noise_multiplier"] == pytest.approx(6.4)
     assert "C after logical step" in capsys.readouterr().out
+
+
+def test_the_white_box_audit_refuses_a_moving_clip_norm():
+    """Its scores assume each update moves by lr * C / B with C fixed."""
+    import types
+
+    from tf_megadp.audit import white_box
+
+    model = small_model()
+    compiled(model, l2_norm_clip=1.0, noise_multiplier=1.0, normalize_by=64.0,
+             adaptive_clipping=AdaptiveClipping())
+    scoring = white_box._WhiteBoxScoring(types.SimpleNamespace(model=model), None, 1.0)
+    with pytest.raises(PrivacyConfigurationError, match="adaptive_clipping=None"):
+        scoring.scores()

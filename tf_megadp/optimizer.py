@@ -11,11 +11,13 @@ What is saved and what is not is a privacy decision, not a convenience:
 * saved (`model.save`, `save_weights`, `ModelCheckpoint`,
   `keras.callbacks.BackupAndRestore` in a private `fit`,
   `tf_megadp.save_training_state`): the inner optimizer's state, the
-  logical-step counter, the privacy ledger and the record of the steps the
-  compiled step applied;
+  logical-step counter, the privacy ledger, the record of the steps the
+  compiled step applied and, with adaptive clipping, the clip norm C (a
+  function of noisy releases only);
 * never saved, held only in memory: the noise key (whoever holds it can
   regenerate the noise and subtract it from the released update) and the
-  mid-step state (the accumulators hold the exact, un-noised clipped sum).
+  mid-step state (the accumulators hold the exact, un-noised clipped sum,
+  and adaptive clipping's the exact count of unclipped examples).
   A restored optimizer therefore resumes at a logical-step boundary with a
   fresh key; the discarded partial step was never released, so it cost no
   privacy, and fresh noise is as private as the old.
@@ -930,7 +932,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             if self.adaptive_clipping is not None:
                 adaptive.release_count_and_update(
                     self.adaptive_clipping, self.clip_norm, state.centred_count.value,
-                    count_stddev, divisor, self._step_key(step, len(state.accumulators)),
+                    count_stddev, divisor, tf.random.experimental.stateless_fold_in(
+                        self._step_key(step), len(state.accumulators)),
                     tf.distribute.get_strategy().num_replicas_in_sync)
                 state.centred_count.assign(0.0)
             self._record_applied_step(noise_multiplier, accumulation_steps, divisor,
@@ -988,17 +991,16 @@ class DPOptimizer(keras.optimizers.Optimizer):
         adaptive.gradient_noise_multiplier(
             sigma, self.adaptive_clipping.count_stddev_for(batch_size, sigma))
 
-    def _step_key(self, step, stream: int):
-        """The secret noise key of logical step `step`, this replica and one noise `stream`.
+    def _step_key(self, step):
+        """The secret noise key of logical step `step` on this replica.
 
-        Streams 0..n-1 are the n accumulators' noise; adaptive clipping's
-        count uses stream n.
+        Each noise of the step folds in its own stream: 0..n-1 for the n
+        accumulators, n for adaptive clipping's count.
         """
         replica_context = tf.distribute.get_replica_context()
         replica_id = 0 if replica_context is None else replica_context.replica_id_in_sync_group
         key = tf.random.experimental.stateless_fold_in(self._in_memory.noise_key.value, step)
-        key = tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
-        return tf.random.experimental.stateless_fold_in(key, stream)
+        return tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
 
     def _noisy_update(self, trainable_variables, connected, step, divisor, noise_multiplier):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -1009,6 +1011,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             clip_norm = tf.cast(clip_norm, noise_multiplier.dtype)
         stddev = noise_multiplier * clip_norm / math.sqrt(replicas)
         state = self._in_memory
+        key = self._step_key(step)
         gradients, variables = [], []
         for index, (accumulator, variable, is_connected) in enumerate(
             zip(state.accumulators, trainable_variables, connected)
@@ -1017,7 +1020,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 continue
             noise = tf.random.stateless_normal(
                 tf.shape(accumulator.value),
-                seed=self._step_key(step, index),
+                seed=tf.random.experimental.stateless_fold_in(key, index),
                 dtype=accumulator.dtype,
             )
             noisy_sum = accumulator.value + tf.cast(stddev, accumulator.dtype) * noise

@@ -579,3 +579,22 @@ def test_the_white_box_audit_refuses_a_moving_clip_norm():
     scoring = white_box._WhiteBoxScoring(types.SimpleNamespace(model=model), None, 1.0)
     with pytest.raises(PrivacyConfigurationError, match="adaptive_clipping=None"):
         scoring.scores()
+
+
+def test_the_main_job_takes_adaptive_clipping_from_its_flags():
+    import argparse
+
+    from tf_megadp.cli import run_config_from_args
+    from tf_megadp.jobs.bert.config import PretrainError
+
+    def config(**flags):
+        return run_config_from_args(argparse.Namespace(**flags), None)
+
+    adaptive = config(adaptive_clipping_quantile=0.5, adaptive_clipping_count_stddev=20.0)
+    adaptive.validate()
+    assert adaptive.adaptive_clipping() == AdaptiveClipping(0.5, 0.2, 20.0)
+    assert config().adaptive_clipping() is None  # off by default
+    with pytest.raises(PretrainError, match="target_quantile"):
+        config(adaptive_clipping_quantile=1.5).validate()
+    with pytest.raises(PretrainError, match="needs a private run"):
+        config(adaptive_clipping_quantile=0.5, non_private=True).validate()

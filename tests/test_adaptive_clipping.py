@@ -598,3 +598,46 @@ def test_the_main_job_takes_adaptive_clipping_from_its_flags():
         config(adaptive_clipping_quantile=1.5).validate()
     with pytest.raises(PretrainError, match="needs a private run"):
         config(adaptive_clipping_quantile=0.5, non_private=True).validate()
+
+
+_REPLICAS_SCRIPT = """
+import sys
+import tensorflow as tf
+replicas = int(sys.argv[1])
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import numpy as np, keras, tf_megadp
+strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+rng = np.random.default_rng(0)
+x = rng.normal(size=(64, 3)).astype("float32")
+y = (rng.normal(size=(64, 2)) * np.linspace(0.2, 3, 64)[:, None]).astype("float32")
+with strategy.scope():
+    keras.utils.set_random_seed(0)
+    model = tf_megadp.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+    optimizer = tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.1), 0.5, 0.0, normalize_by=16.0, clipping="vectorized",
+        accumulation_steps=3 - replicas,
+        adaptive_clipping=tf_megadp.AdaptiveClipping(0.5, 0.5, count_stddev=0.0))
+    model.compile(optimizer=optimizer, loss="mse")
+model.fit(x, y, batch_size=16 if replicas == 2 else 8, shuffle=False, verbose=0)
+print([c for _, c in optimizer.clip_norm_trajectory])
+"""
+
+
+@pytest.mark.slow
+def test_replicas_sum_their_counts_before_c_moves():
+    """Two MirroredStrategy replicas (CPU devices) move C as one replica with k = 2 does.
+
+    Slow (two interpreters, about 30 CPU-seconds): `pytest -m slow -k replicas`.
+    """
+    import os
+    import subprocess
+    import sys
+
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore")
+    runs = [subprocess.run([sys.executable, "-c", _REPLICAS_SCRIPT, str(replicas)],
+                           capture_output=True, text=True, timeout=300, env=environment)
+            for replicas in (1, 2)]
+    one, two = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
+    assert len(one) == 4 and one[-1] != 0.5
+    np.testing.assert_allclose(two, one, rtol=1e-12)

@@ -641,3 +641,36 @@ def test_replicas_sum_their_counts_before_c_moves():
     one, two = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
     assert len(one) == 4 and one[-1] != 0.5
     np.testing.assert_allclose(two, one, rtol=1e-12)
+
+
+def test_a_custom_loop_moves_c_records_the_pair_and_checkpoints_c(tmp_path):
+    """PrivateStep runs the same step: C in its logs, the pair in its ledger, C in step.checkpoint()."""
+    import tensorflow as tf
+
+    from tf_megadp import PrivacyReport, PrivateStep
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(256, 3)).astype("float32"), rng.normal(size=(256, 2)).astype("float32")
+    sampler = tf_megadp.PoissonSampler.from_arrays(x, y, batch_size=64, micro_batch_size=32,
+                                                   epochs=0.5, seed=5)
+
+    def private_step():
+        return PrivateStep(small_model(), tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.1), l2_norm_clip=0.05, noise_multiplier=1.0,
+            schedule=sampler.schedule, seed=3, adaptive_clipping=AdaptiveClipping()), loss="mse")
+
+    step = private_step()
+    step.begin(sampler)
+    train = tf.function(step.run)
+    logs = [{k: v.numpy() for k, v in train(batch).items()} for batch in sampler.as_dataset()]
+    report = PrivacyReport(step, 1e-3).report()
+    clip = float(step.optimizer.clip_norm.numpy())
+    assert clip > 0.05 and float(logs[-1]["clip_norm"]) == pytest.approx(clip, rel=1e-6)
+    entry = report["ledger"][0]
+    assert entry["count_noise_multiplier"] == pytest.approx(6.4)
+    assert entry["noise_multiplier"] == pytest.approx(andrew_noise_multipliers(1.0, 3.2)[0])
+    assert report["settings"]["adaptive_clipping"]["clip_norm"] == pytest.approx(clip)
+    path = step.checkpoint().write(str(tmp_path / "loop"))
+    restored = private_step()
+    restored.checkpoint().read(path).assert_consumed()
+    assert float(restored.optimizer.clip_norm.numpy()) == clip

@@ -12,6 +12,10 @@ Three studies, each a list of `tf-megadp pretrain` runs on the same corpus
 - ``recipe``: the main job with one change at a time (weight averaging,
   automatic clipping, learning rate, clip norm), the best combination, and
   the non-private baseline with the same care.
+- ``adaptive``: the job's defaults with the fixed clip norm C = 1 against
+  adaptive clipping (Andrew et al. 2021, target quantile 0.5) started at
+  C = 1 and at C = 0.1, at the same epsilon; the table adds C at every
+  evaluation (docs/benchmarks.md, "Adaptive clipping").
 
 Each run writes its own folder under --runs-dir/<study>/<row>; a row whose
 report.json exists is not run again. Then the markdown tables of
@@ -21,6 +25,7 @@ docs/results.md are printed and the plot written.
     python benchmarks/batch_size_study.py --study steps --only b256 # one row
     python benchmarks/batch_size_study.py --table-only              # tables from existing runs
     python benchmarks/batch_size_study.py --study recipe --jobs 2   # two runs at a time
+    python benchmarks/batch_size_study.py --study adaptive --plot runs/adaptive.png
 
 With --jobs 2 two runs share the 2 cores: their wall times are then not
 the time of one run alone.
@@ -110,6 +115,19 @@ STUDIES = {
                                    **_old_default(300) | {"warmup_steps": 25, "eval_every": 25,
                                                           "learning_rate": 0.008}),
     },
+    # The shipped defaults (lr 8e-3, 300 x 256, epsilon 5.36) with C fixed or adaptive.
+    "adaptive": {
+        "fixed-c1": _row("C = 1 fixed (the default)", "300x256"),
+        "adaptive-c1": _row("adaptive, C0 = 1, quantile 0.5", "300x256",
+                            adaptive_clipping_quantile=0.5),
+        "adaptive-c0.1": _row("adaptive, C0 = 0.1, quantile 0.5", "300x256",
+                              adaptive_clipping_quantile=0.5, l2_norm_clip=0.1),
+        "fixed-c0.1": _row("C = 0.1 fixed", "300x256", l2_norm_clip=0.1),
+        # Replicates (the same seed 0, fresh Poisson draws and noise).
+        "fixed-c1-again": _row("C = 1 fixed, again", "300x256"),
+        "adaptive-c1-again": _row("adaptive, C0 = 1, quantile 0.5, again", "300x256",
+                                  adaptive_clipping_quantile=0.5),
+    },
 }
 
 
@@ -179,6 +197,13 @@ def table(runs_dir: str, study: str) -> str:
             f"| {row['label']} | {schedule} | {accuracy:.4f} | {ratio} | {epsilon} | {delta} "
             f"| {sigma} | {report['examples_processed_expected']:,.0f} | {report['wall_time_s']:.0f} |"
         )
+    if study == "adaptive":
+        lines.append("\nC at each evaluation (logical step: C), from report.json's history:")
+        for name, report in reports.items():
+            if report is not None and report.get("adaptive_clipping"):
+                trajectory = ", ".join(f"{h['step']}: {h['clip_norm']:.3g}"
+                                       for h in report["history"])
+                lines.append(f"- {STUDIES[study][name]['label']}: {trajectory}")
     unigram = next((r["unigram_baseline_accuracy"] for r in reports.values() if r), None)
     if unigram is not None:
         lines.append(f"\nUnigram baseline (always the most frequent token): {unigram:.4f}.")

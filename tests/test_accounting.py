@@ -429,14 +429,16 @@ def test_ledger_round_trips_through_optimizer_rows_and_json():
         LedgerEntry(5, 0.001, 1.1),
         LedgerEntry(7, 0.004, 0.9, max_batch_size=5_000),
         LedgerEntry(2, 0.004, 0.9, sampling="shuffle"),
+        LedgerEntry(3, 0.004, 1.2, count_noise_multiplier=6.4),  # adaptive clipping
     ])
     rows = ledger.to_rows()
-    assert rows.dtype == np.float64 and rows.shape == (3, 5)
-    np.testing.assert_array_equal(rows[1], [7, 0.004, 0.9, 5_000, 0])
+    assert rows.dtype == np.float64 and rows.shape == (4, 6)
+    np.testing.assert_array_equal(rows[1], [7, 0.004, 0.9, 5_000, 0, 0])
     assert rows[2, 4] == 1  # shuffle
+    assert rows[3, 5] == 6.4  # the count's noise multiplier
     assert PrivacyLedger.from_rows(rows) == ledger
     assert PrivacyLedger.from_list(json.loads(json.dumps(ledger.to_list()))) == ledger
-    assert PrivacyLedger.from_rows(np.zeros((0, 5))) == PrivacyLedger()
+    assert PrivacyLedger.from_rows(np.zeros((0, 6))) == PrivacyLedger()
 
 
 def test_report_is_publishable_json_and_reproduces_epsilon(tmp_path):

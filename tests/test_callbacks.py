@@ -113,7 +113,8 @@ def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     assert report["settings"]["per_example_scaling"] == "clip"
     assert report["settings"]["automatic_scaling_stability"] is None
     assert report["ledger"] == [dict(steps=8, sampling_rate=BATCH / N, noise_multiplier=1.0,
-                                     max_batch_size=0, sampling="shuffle")]
+                                     max_batch_size=0, sampling="shuffle",
+                                     count_noise_multiplier=0.0)]
     assert report["data"]["poisson_guarantee"] is False
     assert report["seeded_noise"] is True
     assert any("seeded noise: not for release" in w for w in report["warnings"])

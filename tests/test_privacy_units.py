@@ -219,6 +219,41 @@ def test_a_step_over_all_units_equals_the_naive_per_unit_update():
     assert not all(np.allclose(g, -e / 4, rtol=1e-3) for g, e in zip(moved, per_example))
 
 
+def test_adaptive_clipping_counts_units_not_rows():
+    # A unit's norm is repeated on its k rows: a count over rows would move by
+    # up to k when one unit is added, while its noise is calibrated for 1/2.
+    sizes = [1, 2, 2, 2]
+    x, y, ids = skewed_data(sizes=sizes)
+    sampler = PrivacyUnitSampler.from_arrays(
+        x, y, unit_ids=ids, examples_per_unit=K, batch_size=4, epochs=1,
+        micro_batch_size=2, seed=0)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    grads = reference.naive_per_example_gradients(model, keras.losses.MeanSquaredError(), x, y)
+    norms = []
+    for unit in np.unique(ids):
+        members = np.flatnonzero(ids == unit)
+        total = [sum(grads[i][j] for i in members) for j in range(len(grads[0]))]
+        norms.append(math.sqrt(sum(np.sum(g ** 2) for g in total)))
+    # One unit below C, three above: centred counts -1 over units, and -2.5 or
+    # -1.5 over rows.
+    order = sorted(norms)
+    clip = 0.5 * (order[0] + order[1])
+    gamma, eta = 0.5, 0.7
+    optimizer = tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=clip, noise_multiplier=0.0,
+        schedule=sampler.schedule, examples_per_unit=K, clipping="vectorized", seed=1,
+        adaptive_clipping=tf_megadp.AdaptiveClipping(gamma, eta, count_stddev=0.0))
+    tf_megadp.make_private(model)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(sampler.as_dataset(), verbose=0)
+    per_unit = sum((1.0 if n <= clip else 0.0) - 0.5 for n in norms)
+    want = clip * math.exp(-eta * (per_unit / 4 + 0.5 - gamma))
+    assert float(optimizer.clip_norm.numpy()) == pytest.approx(want, rel=1e-6)
+    per_row = sum(((1.0 if n <= clip else 0.0) - 0.5) * size for n, size in zip(norms, sizes))
+    assert per_row != per_unit  # the rows' count would have moved C elsewhere
+
+
 def test_epsilon_equals_dp_accounting_over_units_and_the_report_names_the_unit(tmp_path):
     sizes = [10, 8] + [1, 2, 3] * 9 + [1]
     x, y, ids = skewed_data(sizes)

@@ -14,6 +14,7 @@ import importlib
 from typing import Any
 
 from tf_megadp import distribute
+from tf_megadp.adaptive_clipping import AdaptiveClipping
 from tf_megadp.accounting import (
     LedgerEntry,
     PrivacyAccountant,
@@ -57,6 +58,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "AdaptiveClipping",
     "AuditCallback",
     "AutoClipping",
     "BatchScaledSchedule",

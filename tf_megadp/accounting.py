@@ -49,6 +49,7 @@ import numpy as np
 from dp_accounting import mechanism_calibration, pld, rdp
 from scipy import stats
 
+from tf_megadp import adaptive_clipping
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import write_json_atomically
 from tf_megadp.schedules import BatchSizeSchedule
@@ -77,6 +78,7 @@ LEDGER_COLUMNS = (
     "noise_multiplier",
     "max_batch_size",
     "sampling_kind",
+    "count_noise_multiplier",
 )
 REPORT_FORMAT = "tf_megadp.privacy_report/1"
 
@@ -144,6 +146,11 @@ class LedgerEntry:
         max_batch_size: the static maximum at which a Poisson step is
             truncated, or 0 for an untruncated Poisson step.
         sampling: ``"poisson"`` or ``"shuffle"``.
+        count_noise_multiplier: with adaptive clipping, the noise
+            multiplier of the count of unclipped examples each step also
+            releases (its noise over its sensitivity 1/2; see
+            `tf_megadp.adaptive_clipping`), and `noise_multiplier` is the
+            gradient's; 0 when the step releases the gradient only.
     """
 
     steps: int
@@ -151,6 +158,7 @@ class LedgerEntry:
     noise_multiplier: float
     max_batch_size: int = 0
     sampling: str = "poisson"
+    count_noise_multiplier: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(
@@ -195,11 +203,23 @@ class LedgerEntry:
                 "max_batch_size only applies to Poisson sampling; shuffled batches "
                 "have a fixed size. Pass max_batch_size=0."
             )
+        count = float(self.count_noise_multiplier)
+        if not math.isfinite(count) or count < 0.0:
+            raise ValueError(
+                "count_noise_multiplier must be a finite number >= 0 (0: no count), got "
+                f"{self.count_noise_multiplier!r}.")
         # Normalise numpy scalars so that entries compare and serialise alike.
+        object.__setattr__(self, "count_noise_multiplier", count)
         object.__setattr__(self, "steps", int(self.steps))
         object.__setattr__(self, "sampling_rate", q)
         object.__setattr__(self, "noise_multiplier", sigma)
         object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
+
+    @property
+    def equivalent_noise_multiplier(self) -> float:
+        """The one Gaussian multiplier the step's releases (gradient, count) amount to."""
+        return adaptive_clipping.equivalent_noise_multiplier(
+            self.noise_multiplier, self.count_noise_multiplier)
 
     def same_mechanism(self, other: "LedgerEntry") -> bool:
         """Whether `other` describes steps identical to these (any count)."""
@@ -215,6 +235,7 @@ class LedgerEntry:
             self.noise_multiplier,
             float(self.max_batch_size),
             float(SAMPLING_KINDS.index(self.sampling)),
+            self.count_noise_multiplier,
         ]
 
     @classmethod
@@ -225,7 +246,7 @@ class LedgerEntry:
                 f"A ledger row has {len(LEDGER_COLUMNS)} columns {LEDGER_COLUMNS}, "
                 f"got {len(row)}."
             )
-        steps, q, sigma, max_batch_size, kind = (float(value) for value in row)
+        steps, q, sigma, max_batch_size, kind, count = (float(value) for value in row)
         if kind not in range(len(SAMPLING_KINDS)):
             raise ValueError(f"Unknown sampling kind code {kind} in a ledger row.")
         return cls(
@@ -234,6 +255,7 @@ class LedgerEntry:
             noise_multiplier=sigma,
             max_batch_size=int(max_batch_size),
             sampling=SAMPLING_KINDS[int(kind)],
+            count_noise_multiplier=count,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,7 +325,7 @@ class PrivacyLedger:
         return PrivacyLedger(self._entries)
 
     def to_rows(self) -> np.ndarray:
-        """The ledger as a float64 array of shape (len(self), 5)."""
+        """The ledger as a float64 array of shape (len(self), len(LEDGER_COLUMNS))."""
         return np.array(
             [entry.to_row() for entry in self._entries], dtype=np.float64
         ).reshape(len(self._entries), len(LEDGER_COLUMNS))
@@ -403,16 +425,20 @@ def _entry_event(entry: LedgerEntry, num_examples: int) -> dp_accounting.DpEvent
         PrivacyConfigurationError: `entry.sampling` has no accounting rule.
     """
     if entry.sampling == "poisson" and entry.max_batch_size:
+        # dp_accounting's truncated event holds one Gaussian: the equivalent
+        # one of the step's releases (see `adaptive_clipping.as_single_gaussian`).
         step = dp_accounting.TruncatedSubsampledGaussianDpEvent(
             dataset_size=num_examples,
             sampling_probability=entry.sampling_rate,
             truncated_batch_size=entry.max_batch_size,
-            noise_multiplier=entry.noise_multiplier,
+            noise_multiplier=entry.equivalent_noise_multiplier,
         )
     elif entry.sampling == "poisson" or entry.sampling == "shuffle":
         # "shuffle" is accounted as if Poisson, always with _SHUFFLE_WARNING.
         step = dp_accounting.PoissonSampledDpEvent(
-            entry.sampling_rate, dp_accounting.GaussianDpEvent(entry.noise_multiplier)
+            entry.sampling_rate,
+            adaptive_clipping.step_mechanism(entry.noise_multiplier,
+                                             entry.count_noise_multiplier),
         )
     else:
         raise PrivacyConfigurationError(
@@ -502,7 +528,8 @@ class _StepAccountant(dp_accounting.PrivacyAccountant):
             return None
         if isinstance(event, dp_accounting.SelfComposedDpEvent):
             return self._maybe_compose(event.event, count * event.count, do_compose)
-        return self._maybe_compose_step(event, count, do_compose)
+        return self._maybe_compose_step(
+            adaptive_clipping.as_single_gaussian(event), count, do_compose)
 
     @abc.abstractmethod
     def _maybe_compose_step(

@@ -30,6 +30,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_megadp import adaptive_clipping
 from tf_megadp.accounting import (
     DEFAULT_ACCOUNTANT,
     LedgerEntry,
@@ -492,9 +493,20 @@ class LedgerRecorder:
             step += steps
         write_ledger(optimizer, self.ledger)
         self._check_consistent(optimizer)
+        adaptive_clipping.note_clip_norm(optimizer)
 
     def _record(self, optimizer: DPOptimizer, first_step: int, steps: int, row: dict) -> None:
         self._last_rows = row["rows"]
+        planned_sigma = optimizer.noise_multiplier_at(first_step)
+        if optimizer.adaptive_clipping is not None and not _noise_as_planned(row, planned_sigma):
+            # Before anything else: a step whose N is unknown is refused too.
+            raise PrivacyConfigurationError(
+                f"Logical step {first_step} released the gradient with noise multiplier "
+                f"{row['noise_multiplier']} and the count of unclipped examples with "
+                f"{row['count_noise_multiplier']}, which do not amount to the planned noise "
+                f"multiplier {planned_sigma}. With adaptive clipping, the count's noise "
+                "multiplier 2 * count_stddev must exceed sigma: raise "
+                "AdaptiveClipping(count_stddev=...) or the batch size.")
         if row["noise_multiplier"] == 0:
             optimizer.noiseless_steps.assign_add(steps)
             return
@@ -505,26 +517,28 @@ class LedgerRecorder:
             self.ledger.append(self._entry(optimizer, step, row))
 
     def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
-        sigma = row["noise_multiplier"]
+        sigma, count_sigma = row["noise_multiplier"], row["count_noise_multiplier"]
+        planned_sigma = optimizer.noise_multiplier_at(step)
+        sigma_as_planned = _noise_as_planned(row, planned_sigma)
         if self.sampling == "poisson":
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
             used = (row["accumulation_steps"], row["rows"], row["divisor"])
             planned = (phase.accumulation_steps, schedule.capacity(phase), phase.batch_size)
-            if not np.allclose(used, planned, rtol=1e-6) or not math.isclose(
-                    sigma, optimizer.noise_multiplier_at(step), rel_tol=1e-6):
+            if not np.allclose(used, planned, rtol=1e-6) or not sigma_as_planned:
                 raise PrivacyConfigurationError(
                     f"Logical step {step} used (accumulation steps, rows, divisor, sigma) "
                     f"= {used + (sigma,)} but the sampler planned "
-                    f"{planned + (optimizer.noise_multiplier_at(step),)}. Feed the "
+                    f"{planned + (planned_sigma,)}. Feed the "
                     "sampler's micro-batches unchanged, with the optimizer built from "
                     "schedule=sampler.schedule."
                 )
             return LedgerEntry(1, phase.batch_size / self.num_examples, sigma,
-                               schedule.capacity(phase), "poisson")
-        return self._fixed_size_entry(row["rows"], sigma)
+                               schedule.capacity(phase), "poisson", count_sigma)
+        return self._fixed_size_entry(row["rows"], sigma, count_sigma)
 
-    def _fixed_size_entry(self, rows: float, sigma: float) -> LedgerEntry:
+    def _fixed_size_entry(self, rows: float, sigma: float,
+                          count_sigma: float = 0.0) -> LedgerEntry:
         if rows > self.num_examples:
             raise PrivacyConfigurationError(
                 f"A logical step held {int(rows)} rows but the data has "
@@ -533,7 +547,8 @@ class LedgerRecorder:
                 "accumulation_steps or the batch size so that a logical step fits in "
                 "one epoch."
             )
-        return LedgerEntry(1, rows / self.num_examples, sigma, 0, FIXED_SIZE_SAMPLING)
+        return LedgerEntry(1, rows / self.num_examples, sigma, 0, FIXED_SIZE_SAMPLING,
+                           count_sigma)
 
     def next_entry(self, step: int) -> LedgerEntry | None:
         """The ledger entry logical step `step` will get, when it can be known."""
@@ -572,6 +587,13 @@ def _check_privacy_unit(source: DataSource | None, optimizer: DPOptimizer) -> No
             "Build the DPOptimizer with examples_per_unit=sampler.examples_per_unit "
             "(1 for data without privacy units)."
         )
+
+
+def _noise_as_planned(row: dict, planned_sigma: float) -> bool:
+    """Whether a step's noise (gradient and, with adaptive clipping, count) is one
+    Gaussian of the planned sigma; an impossible pair was recorded as NaN."""
+    return math.isclose(adaptive_clipping.equivalent_noise_multiplier(
+        row["noise_multiplier"], row["count_noise_multiplier"]), planned_sigma, rel_tol=1e-6)
 
 
 class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
@@ -705,6 +727,7 @@ class _PrivacyReporting:
             "per_example_scaling": optimizer.per_example_scaling,
             "automatic_scaling_stability": optimizer.automatic_stability,
             "examples_per_unit": optimizer.examples_per_unit,
+            "adaptive_clipping": adaptive_clipping.report_section(optimizer),
             "target_epsilon": self.target_epsilon,
         }
 

@@ -28,6 +28,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import math  # noqa: E402
@@ -173,6 +174,9 @@ def _statement(report: dict[str, Any]) -> str:
         lines.append(
             f"  phase {index}      : {entry['steps']} steps, q = {entry['sampling_rate']:.4g} "
             f"(B = {batch:.6g}), sigma = {entry['noise_multiplier']:.4g}{truncation}"
+            + (f", count sigma = {entry['count_noise_multiplier']:.4g} (adaptive clipping; "
+               f"together sigma = {_equivalent(entry):.4g})"
+               if entry.get("count_noise_multiplier") else "")
         )
     for message in report["warnings"]:
         lines.append(f"  WARNING: {message}")
@@ -184,6 +188,16 @@ def _named_unit(report: dict[str, Any], args: argparse.Namespace) -> dict[str, A
     if args.privacy_unit:
         report["privacy_unit"] = args.privacy_unit
     return report
+
+
+def _equivalent(entry: dict[str, Any]) -> float:
+    from tf_megadp.adaptive_clipping import equivalent_noise_multiplier
+
+    return equivalent_noise_multiplier(entry["noise_multiplier"], entry["count_noise_multiplier"])
+
+
+def _add_count_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--count-stddev", type=float, metavar="S", help=help_text)
 
 
 def _print_report(report: dict[str, Any], as_json: bool, heading: str | None = None) -> None:
@@ -204,6 +218,12 @@ def _add_epsilon_parser(subparsers) -> None:
         description="Epsilon of a DP-SGD run at the given delta.",
     )
     _add_run_arguments(parser, with_noise=True)
+    _add_count_argument(
+        parser, "adaptive clipping: the noise std S of the count of unclipped examples "
+                "(AdaptiveClipping(count_stddev=S)); --noise-multiplier is then the "
+                "gradient's own multiplier, and the pair (gradient, count of multiplier "
+                "2 S) is accounted. Without it, give the optimizer's noise_multiplier: "
+                "adaptive clipping does not change epsilon.")
     parser.set_defaults(handler=_run_epsilon)
 
 
@@ -220,6 +240,15 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     accountant = accounting.PrivacyAccountant.for_run(
         args.delta, noise_multiplier=noise, **keywords
     )
+    if args.count_stddev is not None:
+        if not args.count_stddev > 0:
+            raise UsageError("--count-stddev must be > 0.")
+        from tf_megadp.adaptive_clipping import COUNT_SENSITIVITY
+
+        accountant.ledger = accounting.PrivacyLedger(
+            dataclasses.replace(entry, count_noise_multiplier=args.count_stddev
+                                / COUNT_SENSITIVITY)
+            for entry in accountant.ledger)
     _print_report(_named_unit(accountant.report(), args), args.json)
     return 0
 
@@ -236,6 +265,10 @@ def _add_calibrate_parser(subparsers) -> None:
     parser.add_argument("--target-epsilon", type=float, required=True, metavar="E",
                         help="the privacy budget epsilon")
     _add_run_arguments(parser, with_noise=False)
+    _add_count_argument(
+        parser, "adaptive clipping: the noise std S of the count of unclipped examples; "
+                "also prints the gradient's own multiplier (sigma^-2 - (2 S)^-2)^-1/2, "
+                "and refuses an S too small for sigma")
     parser.set_defaults(handler=_run_calibrate)
 
 
@@ -252,11 +285,23 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     report = _named_unit(report, args)
     report["noise_multiplier"] = sigma
     report["target_epsilon"] = args.target_epsilon
-    _print_report(
-        report, args.json,
-        heading=f"noise multiplier: {sigma:.6g} (smallest meeting epsilon "
-                f"{args.target_epsilon:g} at delta {args.delta:g})",
-    )
+    heading = (f"noise multiplier: {sigma:.6g} (smallest meeting epsilon "
+               f"{args.target_epsilon:g} at delta {args.delta:g})")
+    if args.count_stddev is not None:
+        from tf_megadp.adaptive_clipping import gradient_noise_multiplier
+        from tf_megadp.errors import PrivacyConfigurationError
+
+        try:
+            gradient, count = gradient_noise_multiplier(sigma, args.count_stddev)
+        except PrivacyConfigurationError as error:
+            raise UsageError(str(error)) from None
+        report["adaptive_clipping"] = {"count_stddev": args.count_stddev,
+                                       "gradient_noise_multiplier": gradient,
+                                       "count_noise_multiplier": count}
+        heading += (f"\nwith adaptive clipping (count_stddev {args.count_stddev:g}): the "
+                    f"gradient's noise multiplier is {gradient:.6g}, the count's {count:.6g}; "
+                    f"pass noise_multiplier={sigma:.6g} to DPOptimizer")
+    _print_report(report, args.json, heading=heading)
     return 0
 
 
@@ -360,6 +405,19 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                          default=hidden,
                          help="gamma of automatic clipping "
                               f"(default {defaults.automatic_scaling_stability})")
+    privacy.add_argument("--adaptive-clipping-quantile", type=float, metavar="GAMMA",
+                         default=hidden,
+                         help="adaptive clipping (Andrew et al. 2021): move C after every "
+                              "logical step towards this quantile of the per-example norms, "
+                              "--l2-norm-clip being the initial C; same epsilon (default: off)")
+    privacy.add_argument("--adaptive-clipping-learning-rate", type=float, metavar="ETA",
+                         default=hidden,
+                         help="eta of adaptive clipping's geometric update "
+                              f"(default {defaults.adaptive_clipping_learning_rate})")
+    privacy.add_argument("--adaptive-clipping-count-stddev", type=float, metavar="S",
+                         default=hidden,
+                         help="noise std of adaptive clipping's count of unclipped examples "
+                              "(default: the expected batch / 20)")
     privacy.add_argument("--accountant", choices=["pld", "rdp"], default=hidden)
     privacy.add_argument("--non-private", action="store_true", default=hidden,
                          help="baseline: same data, model and optimizer; no clipping or noise")

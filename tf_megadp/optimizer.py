@@ -11,11 +11,13 @@ What is saved and what is not is a privacy decision, not a convenience:
 * saved (`model.save`, `save_weights`, `ModelCheckpoint`,
   `keras.callbacks.BackupAndRestore` in a private `fit`,
   `tf_megadp.save_training_state`): the inner optimizer's state, the
-  logical-step counter, the privacy ledger and the record of the steps the
-  compiled step applied;
+  logical-step counter, the privacy ledger, the record of the steps the
+  compiled step applied and, with adaptive clipping, the clip norm C (a
+  function of noisy releases only);
 * never saved, held only in memory: the noise key (whoever holds it can
   regenerate the noise and subtract it from the released update) and the
-  mid-step state (the accumulators hold the exact, un-noised clipped sum).
+  mid-step state (the accumulators hold the exact, un-noised clipped sum,
+  and adaptive clipping's the exact count of unclipped examples).
   A restored optimizer therefore resumes at a logical-step boundary with a
   fresh key; the discarded partial step was never released, so it cost no
   privacy, and fresh noise is as private as the old.
@@ -43,6 +45,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.saving import serialization_lib
 
+from tf_megadp import adaptive_clipping as adaptive
 from tf_megadp.accounting import LEDGER_COLUMNS, PrivacyLedger
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
@@ -58,7 +61,8 @@ LEDGER_CAPACITY = 256
 # entries (adding N and the sampling) after every batch, so the buffer only
 # needs to hold the steps of one `steps_per_execution` call.
 APPLIED_STEP_COLUMNS = (
-    "steps", "noise_multiplier", "accumulation_steps", "rows", "divisor"
+    "steps", "noise_multiplier", "accumulation_steps", "rows", "divisor",
+    "count_noise_multiplier",
 )
 _APPLIED_CAPACITY = 64
 # Settings that fix the privacy of every step; they cannot change after
@@ -68,6 +72,7 @@ _FROZEN_SETTINGS = frozenset({
     "l2_norm_clip", "noise_multiplier", "accumulation_steps", "normalize_by",
     "seed", "schedule", "clipping", "clipping_strategy", "inner_optimizer",
     "per_example_scaling", "automatic_scaling_stability", "examples_per_unit",
+    "adaptive_clipping",
 })
 _PER_EXAMPLE_SCALINGS = frozenset({"clip", "automatic"})
 # Only the private train step may hand clipped sums to the optimizer.
@@ -108,6 +113,8 @@ class _InMemoryState:
     micro_steps: Any = None
     step_rows: Any = None
     nonfinite_examples: Any = None
+    # Adaptive clipping's un-noised centred count of unclipped examples.
+    centred_count: Any = None
 
 
 def _positive_finite(name: str, value, allow_zero: bool = False) -> float:
@@ -168,6 +175,36 @@ def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
             "clip_and_sum does not. Add the argument (pass it to "
             "tf_megadp.clipping.base.clip_factors), or use per_example_scaling='clip'."
         )
+
+
+def _check_adaptive_clipping(config, per_example_scaling, noise_multiplier, schedule,
+                             normalize_by) -> adaptive.AdaptiveClipping | None:
+    """The `AdaptiveClipping` of a DPOptimizer, refused where it cannot hold.
+
+    Every (sigma, expected batch) pair known before training is checked
+    here: the count's noise must leave room for the gradient's.
+    """
+    if config is None:
+        return None
+    if isinstance(config, dict):
+        config = adaptive.AdaptiveClipping.from_dict(config)
+    if not isinstance(config, adaptive.AdaptiveClipping):
+        raise TypeError(
+            f"adaptive_clipping must be a tf_megadp.AdaptiveClipping, got {config!r}.")
+    if per_example_scaling == "automatic":
+        raise PrivacyConfigurationError(
+            "adaptive_clipping with per_example_scaling='automatic': automatic clipping "
+            "normalizes every gradient to norm C, so C only rescales the update and has no "
+            "quantile to follow. Use per_example_scaling='clip' with adaptive clipping.")
+    if schedule is not None:
+        for phase in schedule.phases:
+            sigma = noise_multiplier if phase.noise_multiplier is None else phase.noise_multiplier
+            adaptive.gradient_noise_multiplier(
+                sigma, config.count_stddev_for(phase.batch_size, sigma))
+    elif normalize_by is not None or config.count_stddev is not None:
+        adaptive.gradient_noise_multiplier(
+            noise_multiplier, config.count_stddev_for(normalize_by or 0.0, noise_multiplier))
+    return config
 
 
 class _LedgerOwner:
@@ -319,6 +356,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
             `sampler.examples_per_unit`), and the schedule counts units
             (micro-batch size m in unit slots). The private `fit` refuses
             data whose unit layout differs.
+        adaptive_clipping: a `tf_megadp.AdaptiveClipping` (or its dict) to
+            move C after every logical step towards a quantile of the
+            per-example norms (Andrew et al. 2021), `l2_norm_clip` being the
+            initial C; the count it uses is paid from the same
+            `noise_multiplier` (docs/clipping.md, "Adaptive clipping").
+            None (default): C stays `l2_norm_clip`.
         name: optimizer name.
 
     Example:
@@ -343,6 +386,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         per_example_scaling: str = "clip",
         automatic_scaling_stability: float = 0.01,
         examples_per_unit: int = 1,
+        adaptive_clipping: adaptive.AdaptiveClipping | dict | None = None,
         name: str | None = None,
         **kwargs,
     ):
@@ -395,6 +439,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 f"examples_per_unit must be an integer >= 1, got {examples_per_unit!r}.")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be None or an int, got {seed!r}.")
+        adaptive_clipping = _check_adaptive_clipping(
+            adaptive_clipping, per_example_scaling, noise_multiplier, schedule, normalize_by)
         if seed is not None:
             warnings.warn(
                 f"DPOptimizer(seed={seed}) makes the noise reproducible: anyone who "
@@ -416,6 +462,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.per_example_scaling = per_example_scaling
         self.automatic_scaling_stability = automatic_scaling_stability
         self.examples_per_unit = examples_per_unit
+        self.adaptive_clipping = adaptive_clipping
+        # (logical step, C) at every ledger update of this process (the report's).
+        self.clip_norm_trajectory: list[tuple[int, float]] = []
         if isinstance(clipping, ClippingStrategy):
             if per_example_scaling == "automatic":
                 _check_takes_automatic_stability(clipping)
@@ -476,6 +525,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return None
 
     @property
+    def current_clip_norm(self):
+        """C of the current logical step: the `clip_norm` variable's value with
+        adaptive clipping (a tensor), else `l2_norm_clip`."""
+        if self.adaptive_clipping is None:
+            return self.l2_norm_clip
+        return tf.convert_to_tensor(self.clip_norm.value)
+
+    @property
     def seeded_noise(self) -> bool:
         """Whether the noise comes from an explicit seed (not for release)."""
         return self.seed is not None
@@ -492,6 +549,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         state.nonfinite_examples = self._replica_sum_variable(
             None, shape=(), dtype="int64", name="nonfinite_examples"
         )
+        if self.adaptive_clipping is not None:
+            state.centred_count = self._replica_sum_variable(
+                None, shape=(), dtype="float64", name="centred_count")
         if self.seed is None:
             key = [secrets.randbits(63), secrets.randbits(63)]
         else:
@@ -525,6 +585,13 @@ class DPOptimizer(keras.optimizers.Optimizer):
         self.applied_rows = self.add_variable(
             shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows"
         )
+        if self.adaptive_clipping is not None:
+            # C_t, a DP release: saved and restored with the optimizer.
+            self.clip_norm = self.add_variable(
+                shape=(), dtype="float64", aggregation="only_first_replica", name="clip_norm",
+                # Not keras.initializers.Constant, which rounds through float32.
+                initializer=lambda shape, dtype: tf.fill(
+                    shape, tf.constant(self.l2_norm_clip, tf.float64)))
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         elif [id(v) for v in self.inner_optimizer._trainable_variables] != [id(v) for v in var_list]:
@@ -695,6 +762,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         discarded = int(state.micro_steps.numpy())
         for accumulator in state.accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
+        if state.centred_count is not None:
+            state.centred_count.assign(0.0)
         state.micro_steps.assign(0)
         state.step_rows.assign(0)
         return discarded
@@ -821,7 +890,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         )
 
     def _accumulate_clipped(self, token, gradient_sum, trainable_variables, micro_batch_size,
-                            nonfinite):
+                            nonfinite, centred_count=None):
         """Adds one micro-batch's clipped sum; applies the noisy update when due.
 
         Called by the private train step in a replica context, with its token.
@@ -832,6 +901,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             trainable_variables: the model's trainable variables, aligned.
             micro_batch_size: m (a Python int or scalar tensor).
             nonfinite: count of examples dropped for non-finite gradients.
+            centred_count: with adaptive clipping, the micro-batch's
+                `adaptive_clipping.centred_count` at the step's C.
         """
         if token is not _PRIVATE_STEP:
             self.accumulate()  # Raises, naming make_private.
@@ -847,6 +918,17 @@ class DPOptimizer(keras.optimizers.Optimizer):
         state.micro_steps.assign_add(1)
         state.step_rows.assign_add(tf.cast(micro_batch_size, tf.int64) * replicas)
         state.nonfinite_examples.assign_add(tf.cast(nonfinite, tf.int64))
+        if self.adaptive_clipping is not None:
+            if centred_count is None:
+                raise PrivacyConfigurationError(
+                    "This DPOptimizer clips adaptively but the step gave it no count of "
+                    "unclipped examples. Train through tf_megadp.make_private or a "
+                    "tf_megadp.PrivateStep.")
+            if isinstance(micro_batch_size, int) and self.schedule is None and (
+                    self.normalize_by is None):
+                self._check_adaptive_pair(float(micro_batch_size * self.accumulation_steps
+                                                * replicas))
+            state.centred_count.assign_add(tf.cast(centred_count, tf.float64))
         step = tf.cast(self.iterations, tf.int64)
         accumulation_steps, divisor, noise_multiplier = self._phase_values(step)
         if divisor is None:
@@ -855,8 +937,21 @@ class DPOptimizer(keras.optimizers.Optimizer):
         connected = [g is not None for g in gradient_sum]
 
         def noisy_update(step, divisor, noise_multiplier):
+            count_multiplier = tf.constant(0.0, tf.float32)
+            if self.adaptive_clipping is not None:
+                noise_multiplier, count_multiplier, count_stddev = adaptive.step_noise_multipliers(
+                    self.adaptive_clipping, noise_multiplier, divisor)
+            # Every noise of the step (gradient and count) uses this step's C.
             self._noisy_update(trainable_variables, connected, step, divisor, noise_multiplier)
-            self._record_applied_step(noise_multiplier, accumulation_steps, divisor)
+            if self.adaptive_clipping is not None:
+                adaptive.release_count_and_update(
+                    self.adaptive_clipping, self.clip_norm, state.centred_count.value,
+                    count_stddev, divisor, tf.random.experimental.stateless_fold_in(
+                        self._step_key(step), len(state.accumulators)),
+                    tf.distribute.get_strategy().num_replicas_in_sync)
+                state.centred_count.assign(0.0)
+            self._record_applied_step(noise_multiplier, accumulation_steps, divisor,
+                                      count_multiplier)
             return tf.constant(True)
 
         def skip():
@@ -904,16 +999,33 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 "per replica, or rebuild the schedule."
             )
 
-    def _noisy_update(self, trainable_variables, connected, step, divisor, noise_multiplier):
+    def _check_adaptive_pair(self, batch_size: float) -> None:
+        """Refuses, before training, adaptive clipping whose count spends more than sigma."""
+        sigma = self.noise_multiplier
+        adaptive.gradient_noise_multiplier(
+            sigma, self.adaptive_clipping.count_stddev_for(batch_size, sigma))
+
+    def _step_key(self, step):
+        """The secret noise key of logical step `step` on this replica.
+
+        Each noise of the step folds in its own stream: 0..n-1 for the n
+        accumulators, n for adaptive clipping's count.
+        """
         replica_context = tf.distribute.get_replica_context()
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
         replica_id = 0 if replica_context is None else replica_context.replica_id_in_sync_group
+        key = tf.random.experimental.stateless_fold_in(self._in_memory.noise_key.value, step)
+        return tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
+
+    def _noisy_update(self, trainable_variables, connected, step, divisor, noise_multiplier):
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
         # Each replica adds independent noise of variance sigma^2 C^2 / R, so the
         # all-reduced SUM carries exactly N(0, sigma^2 C^2) per coordinate.
-        stddev = noise_multiplier * self.l2_norm_clip / math.sqrt(replicas)
+        clip_norm = self.current_clip_norm
+        if tf.is_tensor(clip_norm):  # Adaptive clipping: this step's C.
+            clip_norm = tf.cast(clip_norm, noise_multiplier.dtype)
+        stddev = noise_multiplier * clip_norm / math.sqrt(replicas)
         state = self._in_memory
-        key = tf.random.experimental.stateless_fold_in(state.noise_key.value, step)
-        key = tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
+        key = self._step_key(step)
         gradients, variables = [], []
         for index, (accumulator, variable, is_connected) in enumerate(
             zip(state.accumulators, trainable_variables, connected)
@@ -934,7 +1046,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             accumulator.assign(tf.zeros_like(accumulator.value))
         state.micro_steps.assign(0)
 
-    def _record_applied_step(self, noise_multiplier, accumulation_steps, divisor):
+    def _record_applied_step(self, noise_multiplier, accumulation_steps, divisor,
+                             count_noise_multiplier):
         """Appends the step just applied to `applied_steps`, as the graph used it.
 
         Consecutive identical steps share a row. A full buffer stops
@@ -949,6 +1062,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             tf.cast(accumulation_steps, tf.float64),
             tf.cast(state.step_rows.value, tf.float64),
             tf.cast(divisor, tf.float64),
+            tf.cast(count_noise_multiplier, tf.float64),
         ])
         state.step_rows.assign(0)
         count = self.applied_rows.value
@@ -989,6 +1103,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
             "per_example_scaling": self.per_example_scaling,
             "automatic_scaling_stability": self.automatic_scaling_stability,
             "examples_per_unit": self.examples_per_unit,
+            "adaptive_clipping": (None if self.adaptive_clipping is None
+                                  else self.adaptive_clipping.to_dict()),
         }
 
     @classmethod

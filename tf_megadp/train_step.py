@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp import distribute, map_independence, preemption, sources
+from tf_megadp import adaptive_clipping, distribute, map_independence, preemption, sources
 from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
 from tf_megadp.checkpointing import record_custom_loop
 from tf_megadp.clipping import base, independence
@@ -619,11 +619,23 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     micro_batch_size = tf.nest.flatten(x)[0].shape[0]
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
-    batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size)
+    clip_norm = optimizer.current_clip_norm
+    batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,
+                                         clip_norm)
+    centred_count = None
+    if optimizer.adaptive_clipping is not None:
+        norms, is_real = batch.norms, batch.is_real
+        units = optimizer.examples_per_unit
+        if units > 1:
+            # One count per privacy unit: its norm is repeated on its k rows,
+            # and a count over rows would move by up to k per unit.
+            norms = tf.reshape(norms, [-1, units])[:, 0]
+            is_real = tf.reduce_max(tf.reshape(tf.cast(is_real, tf.float32), [-1, units]), axis=1)
+        centred_count = adaptive_clipping.centred_count(norms, is_real, clip_norm)
     # The optimizer and its schedule count privacy units (slots of k rows).
     applied = optimizer._accumulate_clipped(
         _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
-        micro_batch_size // optimizer.examples_per_unit, batch.nonfinite,
+        micro_batch_size // optimizer.examples_per_unit, batch.nonfinite, centred_count,
     )
     real_examples = tf.reduce_sum(batch.is_real)
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
@@ -636,6 +648,9 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
             # ReduceOp has no MAX: gather every replica's code and take the largest.
             mixing = tf.reduce_max(replica_context.all_gather(tf.reshape(mixing, [1]), axis=0))
         logs[independence.LOG_KEY] = mixing
+    if optimizer.adaptive_clipping is not None:
+        # C after this micro-batch (it moves at the end of a logical step): a DP release.
+        logs["clip_norm"] = tf.cast(optimizer.current_clip_norm, tf.float32)
     if not log_nonfinite_examples:
         return _StepOutcome(logs, applied)
     nonfinite = optimizer.nonfinite_examples.value
@@ -649,7 +664,8 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     return _StepOutcome(logs, applied)
 
 
-def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size):
+def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,
+                                 clip):
     """The strategy's clipped sum, skipping micro-batches that hold only padding.
 
     Poisson steps are padded to a static k*m capacity above the expected
@@ -658,7 +674,6 @@ def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_ba
     part) changes no number and saves up to a third of a small step.
     """
     strategy = optimizer.clipping_strategy
-    clip = optimizer.l2_norm_clip
     # Passed only when set, so that a user's strategy written for flat
     # clipping keeps working (and fails loudly if asked for automatic).
     scaling = ({} if optimizer.automatic_stability is None

@@ -508,6 +508,12 @@ class _WhiteBoxScoring:
             raise PrivacyConfigurationError(
                 "The audited model is not compiled with a DPOptimizer: there is no DP step to audit."
             )
+        if optimizer.adaptive_clipping is not None:
+            raise PrivacyConfigurationError(
+                "The white-box audit scores each step's update against lr * C / B and the "
+                "gradient noise sigma * C, but this DPOptimizer clips adaptively (C moves "
+                "every step, the gradient's noise is raised for the count): audit a run "
+                "with a fixed C (adaptive_clipping=None).")
         if optimizer.schedule is not None and optimizer.schedule != self.schedule:
             raise PrivacyConfigurationError(
                 "The DPOptimizer runs another schedule than the audit was planned for: the "

@@ -132,6 +132,14 @@ class PretrainConfig:
             (normalized clipping, Bu et al. 2022: every per-example gradient
             scaled by C / (||g|| + gamma)); DPOptimizer's option.
         automatic_scaling_stability: gamma of automatic clipping.
+        adaptive_clipping_quantile: None (default: C stays `l2_norm_clip`),
+            or the target quantile gamma of adaptive clipping (Andrew et al.
+            2021; `tf_megadp.AdaptiveClipping`): `l2_norm_clip` is then the
+            initial C, moved after every logical step towards that quantile
+            of the per-example norms, within the same epsilon.
+        adaptive_clipping_learning_rate: eta of adaptive clipping's update.
+        adaptive_clipping_count_stddev: the noise std of its count (None:
+            the expected batch / 20).
         accountant: "pld" (default, tighter) or "rdp" (faster).
         learning_rate, warmup_steps, weight_decay: AdamW with linear warmup and
             cosine decay over the logical steps.
@@ -210,6 +218,9 @@ class PretrainConfig:
     l2_norm_clip: float = 1.0
     per_example_scaling: str = "clip"
     automatic_scaling_stability: float = 0.01
+    adaptive_clipping_quantile: float | None = None
+    adaptive_clipping_learning_rate: float = 0.2
+    adaptive_clipping_count_stddev: float | None = None
     accountant: str = "pld"
     # 8e-3: the best change of docs/results.md's ablation at epsilon 5.36
     # (0.114 held-out accuracy, 0.096 at 4e-3, 0.079 at 2e-3; 300 x 256).
@@ -241,12 +252,23 @@ class PretrainConfig:
     cpu_replicas: int | None = None
     precision: str = "float32"
 
+    def adaptive_clipping(self):
+        """The run's `tf_megadp.AdaptiveClipping`, or None for a fixed C."""
+        if self.adaptive_clipping_quantile is None:
+            return None
+        from tf_megadp.adaptive_clipping import AdaptiveClipping
+
+        return AdaptiveClipping(self.adaptive_clipping_quantile,
+                                self.adaptive_clipping_learning_rate,
+                                self.adaptive_clipping_count_stddev)
+
     def validate(self) -> None:
         """Raises `PretrainError` naming the first bad field (and how to fix it)."""
         for name in ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
                      "learning_rate", "weight_decay", "dropout", "heldout_fraction", "beta_1",
                      "beta_2", "max_truncation_probability", "automatic_scaling_stability",
-                     "ema_momentum"):
+                     "ema_momentum", "adaptive_clipping_quantile",
+                     "adaptive_clipping_learning_rate", "adaptive_clipping_count_stddev"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
@@ -277,6 +299,15 @@ class PretrainConfig:
             raise PretrainError(
                 "automatic_scaling_stability must be > 0, got "
                 f"{self.automatic_scaling_stability!r}.")
+        if self.adaptive_clipping_quantile is not None:
+            if self.non_private:
+                raise PretrainError(
+                    "Adaptive clipping (--adaptive-clipping-quantile) needs a private run: "
+                    "the non-private baseline does not clip.")
+            try:
+                self.adaptive_clipping()
+            except ValueError as error:
+                raise PretrainError(f"adaptive clipping: {error}") from None
         if self.ema_momentum is not None and not 0 < self.ema_momentum < 1:
             raise PretrainError(
                 f"ema_momentum must be in (0, 1) (or None for no averaging), got "
@@ -433,6 +464,9 @@ _YAML_FIELDS = {
                  "clipping": "clipping", "l2_norm_clip": "l2_norm_clip",
                  "per_example_scaling": "per_example_scaling",
                  "automatic_scaling_stability": "automatic_scaling_stability",
+                 "adaptive_clipping_quantile": "adaptive_clipping_quantile",
+                 "adaptive_clipping_learning_rate": "adaptive_clipping_learning_rate",
+                 "adaptive_clipping_count_stddev": "adaptive_clipping_count_stddev",
                  "noise_multiplier": "noise_multiplier", "delta": "delta",
                  "target_epsilon": "target_epsilon", "accountant": "accountant",
                  "max_truncation_probability": "max_truncation_probability",

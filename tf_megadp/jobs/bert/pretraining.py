@@ -782,6 +782,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                     per_example_scaling=config.per_example_scaling,
                     automatic_scaling_stability=config.automatic_scaling_stability,
                     examples_per_unit=config.examples_per_unit if config.privacy_unit else 1,
+                    adaptive_clipping=config.adaptive_clipping(),
                     seed=None if testing is None else testing.noise_seed)
             else:
                 k = schedule.phases[0].accumulation_steps
@@ -889,6 +890,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                 "epsilon": float(privacy.epsilon) if privacy else math.inf,
                 "wall_time_s": time.time() - started,
             }
+            if config.adaptive_clipping_quantile is not None:
+                record["clip_norm"] = float(self.model.optimizer.clip_norm.numpy())
             history.append(record)
             if logs is not None:
                 logs["heldout_mlm_accuracy"] = float(accuracy)
@@ -946,6 +949,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "delta": delta if private else None,
         "noise_multiplier": sigma if private else None,
         "l2_norm_clip": config.l2_norm_clip if private else None,
+        "adaptive_clipping": (tf_megadp.adaptive_clipping.report_section(model.optimizer)
+                              if private else None),
         "accountant": config.accountant if private else None,
         "sampling": "poisson",
         "schedule": schedule.to_dict(),
@@ -1132,6 +1137,10 @@ def _summary(report: dict[str, Any], output_dir: str) -> str:
             f"privacy                 epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}"
             f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, Poisson, "
             f"{report['accountant'].upper()})")
+        if report["adaptive_clipping"]:
+            lines.append(f"adaptive clip norm      C {report['adaptive_clipping']['clip_norm']:.4g} "
+                         f"at the end (target quantile "
+                         f"{report['adaptive_clipping']['target_quantile']:g})")
     else:
         lines.append("privacy                 NONE (non-private baseline)")
     lines.append(f"vocabulary              {report['vocabulary']['source']}")

@@ -1,0 +1,330 @@
+"""Adaptive clipping: a clip norm C that follows a quantile of the per-example norms.
+
+Andrew, Thakkar, McMahan and Ramaswamy, "Differentially Private Learning with
+Adaptive Clipping" (NeurIPS 2021). At every logical step t, besides the
+clipped gradient sum, the step releases a noisy count of the examples whose
+gradient norm is at most C_t and moves C geometrically towards the target
+quantile gamma of the norms:
+
+    b_t = (sum_i (1[||g_i|| <= C_t] - 1/2) + N(0, s^2)) / B + 1/2
+    C_{t+1} = C_t * exp(-eta * (b_t - gamma))
+
+The sum runs over the real examples of the logical step (every micro-batch,
+no padding, no example without weight) and B is the *expected* batch size
+(the divisor of the gradient sum). Centring each indicator at 1/2 halves the
+sensitivity of the count to 1/2 (adding or removing one example moves the
+centred sum by exactly 1/2 either way), so the count is a Gaussian mechanism
+of noise multiplier 2 s. The gradient sum gets the noise multiplier
+
+    sigma_grad = (sigma^-2 - (2 s)^-2)^-1/2,
+
+so that the pair, released together, is exactly one Gaussian mechanism of
+the user's multiplier sigma: the privacy loss of two Gaussians on the same
+example adds in quadrature (1/sigma_grad^2 + 1/(2 s)^2 = 1/sigma^2), and the
+sampling is shared. The accountant composes the two Gaussians inside the
+sampling event of the step (`step_mechanism`), so the reported epsilon is
+the one of sigma.
+
+C_t is optimizer state: a `DPOptimizer` variable saved with every
+checkpoint (it is a function of noisy releases only, so saving it spends
+nothing); the count's un-noised accumulator lives in memory only, like the
+gradient accumulators.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import dp_accounting
+import numpy as np
+import tensorflow as tf
+
+from tf_megadp.errors import PrivacyConfigurationError
+
+__all__ = [
+    "AdaptiveClipping",
+    "COUNT_SENSITIVITY",
+    "DEFAULT_COUNT_STDDEV_FRACTION",
+    "equivalent_noise_multiplier",
+    "gradient_noise_multiplier",
+    "step_mechanism",
+    "as_single_gaussian",
+]
+
+# Adding or removing one example moves the centred count by 1/2.
+COUNT_SENSITIVITY = 0.5
+# Andrew et al.'s default noise on the count: the expected batch size / 20.
+DEFAULT_COUNT_STDDEV_FRACTION = 1.0 / 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveClipping:
+    """The settings of adaptive clipping, a `DPOptimizer` option.
+
+    The optimizer's `l2_norm_clip` is the initial C; after every logical
+    step C moves towards the `target_quantile` of the per-example gradient
+    norms. The noise of the count is paid out of the same budget: the
+    gradient's noise multiplier is raised so that gradient and count
+    together are one Gaussian mechanism of the optimizer's
+    `noise_multiplier` (epsilon does not change).
+
+    Args:
+        target_quantile: gamma in (0, 1), the fraction of examples whose
+            gradient should not be clipped (0.5: the median norm, Andrew et
+            al.'s default).
+        learning_rate: eta > 0 of the geometric update C <- C exp(-eta (b -
+            gamma)) (0.2, Andrew et al.'s default).
+        count_stddev: s, the standard deviation of the Gaussian noise on the
+            count of unclipped examples (in examples). None (default): the
+            expected batch size of each step / 20, as Andrew et al.
+            recommend (0, an exact count, when noise_multiplier=0). The
+            count's noise multiplier is 2 s (its sensitivity is 1/2) and
+            must exceed sigma; 0 is allowed only for a non-private run.
+
+    Example:
+    ```python
+    optimizer = tf_megadp.DPOptimizer(
+        keras.optimizers.Adam(1e-3), l2_norm_clip=0.1, noise_multiplier=1.1,
+        accumulation_steps=64,
+        adaptive_clipping=tf_megadp.AdaptiveClipping(target_quantile=0.5))
+    # logs["clip_norm"] shows C after every step.
+    ```
+    """
+
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_stddev: float | None = None
+
+    def __post_init__(self):
+        quantile = _number("target_quantile", self.target_quantile)
+        if not 0.0 < quantile < 1.0:
+            raise ValueError(f"target_quantile must be in (0, 1), got {self.target_quantile!r}.")
+        rate = _number("learning_rate", self.learning_rate)
+        if rate <= 0.0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+        object.__setattr__(self, "target_quantile", quantile)
+        object.__setattr__(self, "learning_rate", rate)
+        if self.count_stddev is not None:
+            stddev = _number("count_stddev", self.count_stddev)
+            if stddev < 0.0:
+                raise ValueError(f"count_stddev must be >= 0 or None, got {self.count_stddev!r}.")
+            object.__setattr__(self, "count_stddev", stddev)
+
+    def count_stddev_for(self, batch_size: float, noise_multiplier: float) -> float:
+        """s of a step of expected batch size `batch_size` and multiplier sigma.
+
+        The default is B / 20 for a private step and 0 (an exact count) for a
+        non-private one.
+        """
+        if self.count_stddev is not None:
+            return self.count_stddev
+        if not noise_multiplier:
+            return 0.0
+        return float(batch_size) * DEFAULT_COUNT_STDDEV_FRACTION
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> "AdaptiveClipping":
+        return cls(**config)
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}.") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {value!r}.")
+    return number
+
+
+def gradient_noise_multiplier(noise_multiplier: float, count_stddev: float) -> tuple[float, float]:
+    """(sigma_grad, count noise multiplier) whose pair is one Gaussian of `noise_multiplier`.
+
+    Args:
+        noise_multiplier: sigma, the run's noise multiplier (0: no privacy).
+        count_stddev: s, the noise standard deviation on the count.
+
+    Returns:
+        (sigma_grad, 2 s), with sigma_grad = (sigma^-2 - (2 s)^-2)^-1/2
+        (and (0, 0) for a non-private run).
+
+    Raises:
+        PrivacyConfigurationError: 2 s <= sigma, where no gradient noise
+            could keep the pair within sigma; or a count without noise in a
+            private run.
+    """
+    sigma = float(noise_multiplier)
+    count_multiplier = float(count_stddev) / COUNT_SENSITIVITY
+    if sigma == 0.0:
+        if count_multiplier:
+            raise PrivacyConfigurationError(
+                "noise_multiplier=0 trains without privacy, but adaptive clipping was "
+                f"given count_stddev={count_stddev}: set count_stddev=0 as well, so "
+                "that the non-private baseline follows the exact quantile.")
+        return 0.0, 0.0
+    if count_multiplier <= sigma:
+        raise PrivacyConfigurationError(
+            f"Adaptive clipping with count noise s = {count_stddev:g} cannot stay within "
+            f"noise multiplier sigma = {sigma:g}: the count alone, a Gaussian of "
+            f"multiplier 2 s = {count_multiplier:g}, spends more than sigma allows "
+            f"(2 s must exceed sigma). Raise count_stddev above {sigma / 2:g} (e.g. "
+            "AdaptiveClipping(count_stddev=None), the expected batch size / 20, with a "
+            "batch of more than 10 sigma examples), or lower noise_multiplier.")
+    return (sigma ** -2 - count_multiplier ** -2) ** -0.5, count_multiplier
+
+
+def equivalent_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
+    """The single Gaussian equivalent to the gradient's and the count's (0: no count)."""
+    if not count_noise_multiplier:
+        return float(noise_multiplier)
+    return float((noise_multiplier ** -2 + count_noise_multiplier ** -2) ** -0.5)
+
+
+def step_mechanism(noise_multiplier: float, count_noise_multiplier: float) -> dp_accounting.DpEvent:
+    """The DpEvent of one step's releases on the sampled batch (before sampling).
+
+    A `GaussianDpEvent` for the gradient alone; with adaptive clipping, the
+    `ComposedDpEvent` of the gradient's and the count's Gaussians.
+    """
+    gradient = dp_accounting.GaussianDpEvent(noise_multiplier)
+    if not count_noise_multiplier:
+        return gradient
+    return dp_accounting.ComposedDpEvent(
+        [gradient, dp_accounting.GaussianDpEvent(count_noise_multiplier)])
+
+
+def as_single_gaussian(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
+    """A sampled step of several Gaussians, as the one Gaussian it equals.
+
+    Gaussian mechanisms on the same sampled batch, each of sensitivity 1 in
+    units of its noise, have the privacy loss of one Gaussian whose
+    multiplier is (sum_k sigma_k^-2)^-1/2 (as dp_accounting's RDP
+    accountant reduces them); tf_megadp's PLD accountants account that
+    Gaussian. Any other event is returned unchanged.
+    """
+    if (isinstance(event, dp_accounting.PoissonSampledDpEvent)
+            and isinstance(event.event, dp_accounting.ComposedDpEvent)
+            and event.event.events
+            and all(isinstance(e, dp_accounting.GaussianDpEvent) for e in event.event.events)):
+        multipliers = [e.noise_multiplier for e in event.event.events]
+        if all(m > 0 for m in multipliers):
+            sigma = float(np.sum(np.asarray(multipliers, np.float64) ** -2.0) ** -0.5)
+            return dp_accounting.PoissonSampledDpEvent(
+                event.sampling_probability, dp_accounting.GaussianDpEvent(sigma))
+    return event
+
+
+# -- The graph side (called by DPOptimizer and the private step) -----------------
+
+
+def centred_count(norms, is_real, clip_norm) -> tf.Tensor:
+    """sum_i (1[||g_i|| <= C] - 1/2) over the real examples of a micro-batch (float64).
+
+    Padding and examples without weight (is_real = 0) count nothing; a
+    non-finite norm counts as clipped.
+    """
+    real = tf.cast(is_real, tf.float64) > 0
+    below = tf.cast(norms, tf.float64) <= tf.cast(clip_norm, tf.float64)
+    indicator = tf.where(below, tf.constant(0.5, tf.float64), tf.constant(-0.5, tf.float64))
+    return tf.reduce_sum(tf.where(real, indicator, tf.zeros_like(indicator)))
+
+
+def step_noise_multipliers(config: AdaptiveClipping, noise_multiplier, divisor):
+    """(sigma_grad, count noise multiplier, s) of one step, as float32 tensors.
+
+    The graph twin of `gradient_noise_multiplier` for steps whose expected
+    batch is a tensor (`count_stddev=None`). An impossible pair (2 s <=
+    sigma) gives sigma_grad = NaN, which the ledger keeper refuses; the
+    optimizer refuses every pair it can see before training.
+    """
+    sigma = tf.cast(noise_multiplier, tf.float64)
+    if config.count_stddev is None:
+        stddev = tf.where(sigma > 0, tf.cast(divisor, tf.float64) * DEFAULT_COUNT_STDDEV_FRACTION,
+                          tf.zeros([], tf.float64))
+    else:
+        stddev = tf.constant(config.count_stddev, tf.float64)
+    count_multiplier = stddev / COUNT_SENSITIVITY
+    private = sigma > 0
+    safe_sigma = tf.where(private, sigma, tf.ones_like(sigma))
+    safe_count = tf.where(count_multiplier > 0, count_multiplier, tf.ones_like(count_multiplier))
+    inverse = safe_sigma ** -2 - safe_count ** -2
+    valid = tf.logical_and(count_multiplier > sigma, inverse > 0)
+    gradient = tf.where(valid, tf.math.rsqrt(tf.where(valid, inverse, tf.ones_like(inverse))),
+                        tf.constant(float("nan"), tf.float64))
+    gradient = tf.where(private, gradient, tf.zeros_like(gradient))
+    # A non-private run (sigma = 0) may count exactly (s = 0) only.
+    count_multiplier = tf.where(
+        tf.logical_or(private, count_multiplier == 0), count_multiplier,
+        tf.constant(float("nan"), tf.float64))
+    return tf.cast(gradient, tf.float32), tf.cast(count_multiplier, tf.float32), stddev
+
+
+def updated_clip_norm(config: AdaptiveClipping, clip_norm, noisy_centred_count, divisor):
+    """C_{t+1} = C_t exp(-eta (b_t - gamma)), b_t = noisy centred count / B + 1/2."""
+    clip_norm = tf.cast(clip_norm, tf.float64)
+    fraction = noisy_centred_count / tf.cast(divisor, tf.float64) + 0.5
+    return clip_norm * tf.exp(-config.learning_rate * (fraction - config.target_quantile))
+
+
+def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
+    """The released centred count: the sum over replicas plus N(0, s^2), once (float64).
+
+    Called in a replica context: each replica adds noise of variance
+    s^2 / R to its own partial count, drawn from `key` (the step's secret
+    noise key, already folded with the step and the replica), so the
+    all-reduced sum carries exactly N(0, s^2).
+    """
+    noise = tf.random.stateless_normal([], seed=key, dtype=tf.float64)
+    noisy = tf.cast(centred_sum, tf.float64) + tf.cast(stddev, tf.float64) / math.sqrt(
+        replicas) * noise
+    if replicas > 1:
+        noisy = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, noisy)
+    return noisy
+
+
+def release_count_and_update(config: AdaptiveClipping, clip_norm_variable, centred_sum, stddev,
+                             divisor, key, replicas: int) -> None:
+    """Releases the step's noisy count (`noisy_count`) and moves C with it."""
+    noisy = noisy_count(centred_sum, stddev, key, replicas)
+    clip_norm_variable.assign(tf.cast(
+        updated_clip_norm(config, clip_norm_variable.value, noisy, divisor),
+        clip_norm_variable.dtype))
+
+
+# -- The report ------------------------------------------------------------------
+
+
+def note_clip_norm(optimizer) -> None:
+    """Appends (logical step, C) to the optimizer's trajectory when C moved on (Python)."""
+    if getattr(optimizer, "adaptive_clipping", None) is None or not optimizer.built:
+        return
+    step = optimizer.logical_steps_applied
+    trajectory = optimizer.clip_norm_trajectory
+    if not trajectory or trajectory[-1][0] != step:
+        trajectory.append((step, float(optimizer.clip_norm.numpy())))
+
+
+def report_section(optimizer) -> dict[str, Any] | None:
+    """What the privacy report says of adaptive clipping (None when it is off)."""
+    config = getattr(optimizer, "adaptive_clipping", None)
+    if config is None:
+        return None
+    section = config.to_dict()
+    section["count_sensitivity"] = COUNT_SENSITIVITY
+    section["initial_clip_norm"] = optimizer.l2_norm_clip
+    section["clip_norm"] = float(optimizer.clip_norm.numpy()) if optimizer.built else None
+    section["trajectory"] = [list(point) for point in optimizer.clip_norm_trajectory]
+    section["note"] = (
+        "C moves towards the target quantile of the per-example norms after every logical "
+        "step, from a noisy count of unclipped examples; the ledger's noise_multiplier is "
+        "the gradient's, count_noise_multiplier the count's, and the pair is accounted as "
+        "one Gaussian of the run's noise multiplier. The trajectory lists (logical step, C) "
+        "at every ledger update of this process.")
+    return section

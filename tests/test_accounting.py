@@ -26,7 +26,7 @@ from tf_megadp.accounting import (
     compute_epsilon,
     ledger_from_schedule,
 )
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 from tests.log_records import logged_messages
 
 

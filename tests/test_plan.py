@@ -18,7 +18,7 @@ import yaml
 
 from tf_megadp import accounting, cli
 from tf_megadp.jobs.bert import plan
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "tpu_configs")

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from tf_megadp import accounting, cli, distribute, sampling
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 from tf_megadp.jobs.bert.pretraining import PretrainConfig, prepare_data, run_pretraining
 
 SUBJECTS = ["the model", "a student", "our team", "the network", "each layer", "the sampler"]
@@ -204,7 +204,7 @@ class TestEndToEnd:
 
     def test_report_epsilon_matches_the_accountant(self, resumed_run):
         _, report, _ = resumed_run
-        from tf_megadp.schedules import BatchSizeSchedule
+        from tf_megadp.steps import BatchSizeSchedule
 
         schedule = BatchSizeSchedule.from_dict(report["schedule"])
         expected = accounting.compute_epsilon(
@@ -417,7 +417,7 @@ class TestTheDrawsStaySecret:
             self, workspace, resumed_capture):
         root, corpus, cache = workspace
         _, report, output, resumed = resumed_capture
-        from tf_megadp.schedules import BatchSizeSchedule
+        from tf_megadp.steps import BatchSizeSchedule
 
         # The attacker knows the corpus and code (DP's threat model), reads
         # every integer in the published JSON and tries it, and every small

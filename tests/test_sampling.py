@@ -29,7 +29,7 @@ from tf_megadp.sampling import (
     TokenShards,
     write_token_shards,
 )
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.sources import DataSource, resumed_at, source_of
 
 ALPHA = 1e-3

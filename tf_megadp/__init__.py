@@ -35,7 +35,7 @@ from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfiguration
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.sources import DataSource
 from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
 

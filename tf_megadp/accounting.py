@@ -51,7 +51,7 @@ from scipy import stats
 
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import write_json_atomically
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = [
     "ACCOUNTANTS",

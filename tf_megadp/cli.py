@@ -86,7 +86,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
 
 
 def _load_schedule(path: str):
-    from tf_megadp.schedules import BatchSizeSchedule
+    from tf_megadp.steps import BatchSizeSchedule
 
     try:
         with open(path, encoding="utf-8") as stream:

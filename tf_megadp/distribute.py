@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = [
     "STRATEGIES",

@@ -47,7 +47,7 @@ from tf_megadp.accounting import LEDGER_COLUMNS, PrivacyLedger
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["DPOptimizer", "LEDGER_CAPACITY", "APPLIED_STEP_COLUMNS", "read_ledger"]
 

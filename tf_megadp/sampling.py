@@ -53,7 +53,7 @@ import numpy as np
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
 from tf_megadp.map_independence import checked_map
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.secret import Secret
 from tf_megadp.sources import DataSource, attach_source
 

@@ -28,7 +28,7 @@ from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]
 

@@ -62,7 +62,7 @@ import tensorflow as tf
 from tf_megadp.audit.one_run import CanaryCoins, OneRunResult
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 # 1 / Phi^-1(3/4): the MAD of a normal sample times this estimates its SD.
 _MAD_TO_SD = 1.482602218505602

@@ -357,7 +357,7 @@ class PretrainConfig:
         truncates a Poisson step with probability at most
         `max_truncation_probability`.
         """
-        from tf_megadp.schedules import BatchSizeSchedule, Phase
+        from tf_megadp.steps import BatchSizeSchedule, Phase
 
         phases = self.phases()
         try:

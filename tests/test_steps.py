@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.schedules: one schedule, read alike by sampler, optimizer, accountant."""
+"""Specification of tf_megadp.steps: one schedule, read alike by sampler, optimizer, accountant."""
 
 import math
 from fractions import Fraction
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 
 
 def exact_tail(n, q, capacity):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
-import fractions
 import functools
 import logging
 import math
@@ -49,9 +48,16 @@ import numpy as np
 from dp_accounting import mechanism_calibration, pld, rdp
 from scipy import stats
 
+from tf_megadp._validate import check_delta as _check_delta
+from tf_megadp._validate import check_num_examples as _check_num_examples
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import write_json_atomically
-from tf_megadp.steps import BatchSizeSchedule
+from tf_megadp.steps import (
+    BatchSizeSchedule,
+    noise_multiplier_of,
+    sampling_rate_of,
+    steps_for_epochs,
+)
 
 __all__ = [
     "ACCOUNTANTS",
@@ -92,35 +98,6 @@ _SHUFFLE_WARNING = (
     "estimate, or train with Poisson sampling (the tf_megadp Poisson sampler) to "
     "get a guarantee that matches the number."
 )
-
-
-def _check_delta(delta: float, num_examples: int | None) -> float:
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)):
-        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}.")
-    delta = float(delta)
-    if not 0.0 < delta < 1.0:
-        raise ValueError(f"delta must be in (0, 1), got {delta!r}.")
-    if num_examples is not None and delta > 1.0 / num_examples:
-        warnings.warn(
-            f"delta = {delta:g} is larger than 1/N = {1.0 / num_examples:g}: a "
-            "mechanism that publishes one random example in full would meet it. "
-            f"Use delta <= 1/N, e.g. {1.0 / num_examples ** 1.1:.3g} (N^-1.1).",
-            UserWarning,
-            stacklevel=3,
-        )
-    return delta
-
-
-def _check_num_examples(num_examples: Any) -> int:
-    if (
-        isinstance(num_examples, bool)
-        or not isinstance(num_examples, (int, np.integer))
-        or num_examples < 1
-    ):
-        raise ValueError(
-            f"num_examples must be a positive integer, got {num_examples!r}."
-        )
-    return int(num_examples)
 
 
 def _check_accountant(accountant: str) -> str:
@@ -373,17 +350,15 @@ def ledger_from_schedule(
         count = remaining if last else min(remaining, phase.steps)
         if count == 0:
             break
-        sigma = phase.noise_multiplier
+        sigma = noise_multiplier_of(phase, noise_multiplier)
         if sigma is None:
-            if noise_multiplier is None:
-                raise ValueError(
-                    f"Phase {index} of the schedule sets no noise_multiplier; pass "
-                    "noise_multiplier for phases that do not set their own."
-                )
-            sigma = noise_multiplier
+            raise ValueError(
+                f"Phase {index} of the schedule sets no noise_multiplier; pass "
+                "noise_multiplier for phases that do not set their own."
+            )
         ledger.record(
             count,
-            sampling_rate=phase.batch_size / schedule.num_examples,
+            sampling_rate=sampling_rate_of(phase.batch_size, schedule.num_examples),
             noise_multiplier=sigma,
             max_batch_size=schedule.capacity(phase) if sampling == "poisson" else 0,
             sampling=sampling,
@@ -897,48 +872,6 @@ def _dp_accounting_version() -> str:
         return "unknown"
 
 
-def steps_for_epochs(epochs: float, *, num_examples: int, batch_size: int) -> int:
-    """Logical steps of `epochs` passes over N examples at expected batch B.
-
-    One epoch of Poisson steps is N / B steps in expectation (each example
-    joins each step with probability q = B / N), as in tensorflow-privacy's
-    `compute_dp_sgd_privacy` and Opacus. The count is rounded up, so the
-    accounted run is never shorter than the one asked for; `epochs` is read as
-    the decimal the user wrote (0.3 epochs of N = 1000, B = 100 is 3 steps,
-    not 4 from binary round-off).
-
-    Args:
-        epochs: passes over the data, a finite number > 0.
-        num_examples: N.
-        batch_size: expected logical batch B.
-
-    Returns:
-        ceil(epochs * N / B), an int >= 1.
-
-    Raises:
-        PrivacyConfigurationError: `epochs` is not a finite number > 0.
-
-    Example:
-    ```python
-    steps_for_epochs(3, num_examples=60_000, batch_size=256)    # 704
-    ```
-    """
-    if (
-        isinstance(epochs, bool)
-        or not isinstance(epochs, (int, float, np.integer, np.floating))
-        or not math.isfinite(epochs)
-        or epochs <= 0
-    ):
-        raise PrivacyConfigurationError(
-            f"epochs must be a finite number > 0, got {epochs!r}; or pass steps= instead."
-        )
-    num_examples = _check_num_examples(num_examples)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-    exact = fractions.Fraction(repr(float(epochs))) * int(num_examples) / int(batch_size)
-    return max(1, math.ceil(exact))
-
-
 def _run_ledger(
     *,
     schedule: BatchSizeSchedule | None,
@@ -1004,11 +937,12 @@ def _run_ledger(
             "the sampling rate q = B / N would exceed 1."
         )
     if epochs is not None:
-        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size)
+        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size,
+                                 sampling=sampling)
     ledger = PrivacyLedger()
     ledger.record(
         steps,
-        sampling_rate=batch_size / num_examples,
+        sampling_rate=sampling_rate_of(batch_size, num_examples),
         noise_multiplier=noise_multiplier,
         max_batch_size=max_batch_size or 0,
         sampling=sampling,
@@ -1049,7 +983,8 @@ def compute_epsilon(
         max_batch_size: truncation of untruncated-schedule Poisson steps.
         accountant: ``"pld"`` or ``"rdp"``.
         epochs: instead of `steps` (not with a schedule): passes over the
-            data; steps = ceil(epochs * N / B), see `steps_for_epochs`.
+            data; as many steps as the sampler of `sampling` draws, see
+            `tf_megadp.steps.steps_for_epochs`.
 
     Returns:
         epsilon (a float; 0.0 for zero steps).

@@ -48,6 +48,7 @@ from tf_megadp.optimizer import (
     write_ledger,
 )
 from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
+from tf_megadp.steps import sampling_rate_of, step_capacity
 
 __all__ = [
     "EVALUATION_METRICS", "LedgerKeeper", "LedgerRecorder", "PrivacyCallback", "model_ledger",
@@ -512,7 +513,7 @@ class LedgerRecorder:
                     "sampler's micro-batches unchanged, with the optimizer built from "
                     "schedule=sampler.schedule."
                 )
-            return LedgerEntry(1, phase.batch_size / self.num_examples, sigma,
+            return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
                                schedule.capacity(phase), "poisson")
         return self._fixed_size_entry(row["rows"], sigma)
 
@@ -525,7 +526,8 @@ class LedgerRecorder:
                 "accumulation_steps or the batch size so that a logical step fits in "
                 "one epoch."
             )
-        return LedgerEntry(1, rows / self.num_examples, sigma, 0, FIXED_SIZE_SAMPLING)
+        return LedgerEntry(1, sampling_rate_of(rows, self.num_examples), sigma, 0,
+                           FIXED_SIZE_SAMPLING)
 
     def next_entry(self, step: int) -> LedgerEntry | None:
         """The ledger entry logical step `step` will get, when it can be known."""
@@ -536,12 +538,13 @@ class LedgerRecorder:
         if self.sampling == "poisson":
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
-            return LedgerEntry(1, phase.batch_size / self.num_examples, sigma,
+            return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
                                schedule.capacity(phase), "poisson")
         rows = self._last_rows
         if rows is None and self.micro_batch_size is not None:
             replicas = optimizer._distribution_strategy.num_replicas_in_sync
-            rows = optimizer.accumulation_steps_at(step) * self.micro_batch_size * replicas
+            rows = step_capacity(optimizer.accumulation_steps_at(step), self.micro_batch_size,
+                                 replicas)
         if rows is None:
             return None
         return self._fixed_size_entry(min(rows, self.num_examples), sigma)

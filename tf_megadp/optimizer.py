@@ -47,7 +47,7 @@ from tf_megadp.accounting import LEDGER_COLUMNS, PrivacyLedger
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.steps import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
 
 __all__ = ["DPOptimizer", "LEDGER_CAPACITY", "APPLIED_STEP_COLUMNS", "read_ledger"]
 
@@ -763,11 +763,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.schedule.phase_at(step).accumulation_steps
 
     def noise_multiplier_at(self, step: int) -> float:
-        if self.schedule is not None:
-            sigma = self.schedule.phase_at(step).noise_multiplier
-            if sigma is not None:
-                return float(sigma)
-        return self.noise_multiplier
+        if self.schedule is None:
+            return self.noise_multiplier
+        return noise_multiplier_of(self.schedule.phase_at(step), self.noise_multiplier)
 
     def batch_size_at(self, step: int, micro_batch_size: int | None = None,
                       num_replicas: int | None = None) -> float:
@@ -783,7 +781,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
         if num_replicas is None:
             num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        return float(micro_batch_size * self.accumulation_steps * num_replicas)
+        return float(step_capacity(self.accumulation_steps, micro_batch_size, num_replicas))
 
     # -- The private update (graph) -------------------------------------------
 
@@ -803,8 +801,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return (
             pick([p.accumulation_steps for p in phases], tf.int64),
             pick([float(p.batch_size) for p in phases], tf.float32),
-            pick([self.noise_multiplier if p.noise_multiplier is None
-                  else float(p.noise_multiplier) for p in phases], tf.float32),
+            pick([noise_multiplier_of(p, self.noise_multiplier) for p in phases], tf.float32),
         )
 
     def _accumulate_clipped(self, token, gradient_sum, trainable_variables, micro_batch_size,
@@ -837,8 +834,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         step = tf.cast(self.iterations, tf.int64)
         accumulation_steps, divisor, noise_multiplier = self._phase_values(step)
         if divisor is None:
-            divisor = tf.cast(micro_batch_size, tf.float32) * tf.cast(
-                accumulation_steps * replicas, tf.float32)
+            divisor = tf.cast(step_capacity(
+                accumulation_steps, tf.cast(micro_batch_size, tf.int64), replicas), tf.float32)
         connected = [g is not None for g in gradient_sum]
 
         def noisy_update(step, divisor, noise_multiplier):

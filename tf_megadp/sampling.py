@@ -53,7 +53,7 @@ import numpy as np
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
 from tf_megadp.map_independence import checked_map
-from tf_megadp.steps import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase, step_capacity, steps_for_epochs
 from tf_megadp.secret import Secret
 from tf_megadp.sources import DataSource, attach_source
 
@@ -721,7 +721,7 @@ class _Sampler(abc.ABC):
         self.schedule = schedule
         self.start_step = start_step
         self.end_step = end_step
-        self.micro_batch_rows = schedule.micro_batch_size * schedule.num_replicas
+        self.micro_batch_rows = step_capacity(1, schedule.micro_batch_size, schedule.num_replicas)
         self._consumed = False
         entropy, self.seeded = _sampling_entropy(seed, shared_secret)
         # The only copy of the sampling randomness, in a holder that neither
@@ -1205,7 +1205,7 @@ class PoissonSampler(_Sampler):
     @classmethod
     def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
                       truncation_probability) -> BatchSizeSchedule:
-        steps = math.ceil(epochs * num_examples / batch_size)
+        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size)
         return BatchSizeSchedule.for_poisson(
             [(steps, batch_size)],
             num_examples=num_examples,
@@ -1310,12 +1310,8 @@ class ShuffleSampler(_Sampler):
                       truncation_probability) -> BatchSizeSchedule:
         if truncation_probability is not None:
             raise ValueError("ShuffleSampler never truncates: drop truncation_probability.")
-        steps = math.floor(epochs * (num_examples // batch_size))
-        if steps < 1:
-            raise ValueError(
-                f"epochs={epochs} of {num_examples // batch_size} full batches per epoch "
-                "is less than one step; raise epochs."
-            )
+        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size,
+                                 sampling="shuffle")
         slots = micro_batch_size * num_replicas
         return BatchSizeSchedule(
             [Phase(steps, batch_size, math.ceil(batch_size / slots))],

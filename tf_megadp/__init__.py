@@ -39,7 +39,7 @@ from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.sources import DataSource
 from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
 
-__version__ = "0.1.0"
+from tf_megadp._version import __version__
 
 # name -> (module, attribute or None for the module itself), imported on first access.
 _LAZY = {

@@ -30,14 +30,14 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_megadp._validate import check_delta
 from tf_megadp.accounting import (
     DEFAULT_ACCOUNTANT,
     LedgerEntry,
     PrivacyAccountant,
     PrivacyLedger,
-    _check_accountant,
-    _check_delta,
 )
+from tf_megadp.accounting.engines import check_accountant
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import (
     APPLIED_STEP_COLUMNS,
@@ -620,8 +620,8 @@ class _PrivacyReporting:
         if num_examples is not None:
             PrivacyAccountant(num_examples, delta, accountant=accountant)
         else:
-            _check_delta(delta, None)
-            _check_accountant(accountant)
+            check_delta(delta, None)
+            check_accountant(accountant)
         self._accountant: PrivacyAccountant | None = None
         self.num_examples = num_examples
         self.delta = delta

@@ -35,6 +35,12 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
+from tf_megadp.accounting import (  # noqa: E402
+    DEFAULT_ACCOUNTANT,
+    accountant_names,
+    sampling_kinds,
+)
+
 __all__ = ["main", "build_parser", "run_config_from_args"]
 
 _PROGRAM = "tf-megadp"
@@ -76,10 +82,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
                      help="Poisson steps truncated at M examples (default: none)")
     parser.add_argument("--delta", type=float, required=True,
                         help="delta, in (0, 1); at most 1/N")
-    parser.add_argument("--sampling", choices=("poisson", "shuffle"), default="poisson",
+    parser.add_argument("--sampling", choices=sampling_kinds(), default="poisson",
                         help="how batches are drawn (default: poisson; shuffle is "
                              "reported as Poisson, which understates the loss)")
-    parser.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
+    parser.add_argument("--accountant", choices=accountant_names(), default=DEFAULT_ACCOUNTANT,
                         help="privacy accountant (default: pld)")
     parser.add_argument("--json", action="store_true",
                         help="print a machine-readable JSON report")
@@ -338,7 +344,7 @@ def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                          default=hidden,
                          help="gamma of automatic clipping "
                               f"(default {defaults.automatic_scaling_stability})")
-    privacy.add_argument("--accountant", choices=["pld", "rdp"], default=hidden)
+    privacy.add_argument("--accountant", choices=accountant_names(), default=hidden)
     privacy.add_argument("--non-private", action="store_true", default=hidden,
                          help="baseline: same data, model and optimizer; no clipping or noise")
     run = parser.add_argument_group("run")

@@ -48,8 +48,10 @@ import sys
 import warnings
 from typing import Any, Callable, Iterable, Iterator, Self
 
+import dp_accounting
 import numpy as np
 
+from tf_megadp.accounting.events import SamplingKind, register_sampling_kind
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
 from tf_megadp.map_independence import checked_map
@@ -1180,6 +1182,26 @@ class PoissonSampler(_Sampler):
 
     sampling_kind = "poisson"
 
+    @staticmethod
+    def step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
+        """One step: Poisson-sampled Gaussian, truncated at `entry.max_batch_size` if set.
+
+        When truncation is rare, the accountant accounts a truncated step by a
+        coupling bound at the cost of the untruncated one (and works with RDP);
+        otherwise dp_accounting's exact PLD of the truncated mechanism is used
+        (see `tf_megadp.accounting.engines._TruncationAwareAccountant`).
+        """
+        if entry.max_batch_size:
+            return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+                dataset_size=num_examples,
+                sampling_probability=entry.sampling_rate,
+                truncated_batch_size=entry.max_batch_size,
+                noise_multiplier=entry.noise_multiplier,
+            )
+        return dp_accounting.PoissonSampledDpEvent(
+            entry.sampling_rate, dp_accounting.GaussianDpEvent(entry.noise_multiplier)
+        )
+
     def __init__(
         self,
         shards: TokenShards,
@@ -1274,6 +1296,13 @@ class ShuffleSampler(_Sampler):
 
     sampling_kind = "shuffle"
 
+    @staticmethod
+    def step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
+        """One step, as if Poisson-sampled: no accountant covers shuffling (see `SHUFFLE_WARNING`)."""
+        return dp_accounting.PoissonSampledDpEvent(
+            entry.sampling_rate, dp_accounting.GaussianDpEvent(entry.noise_multiplier)
+        )
+
     def __init__(
         self,
         shards: TokenShards,
@@ -1347,3 +1376,18 @@ class ShuffleSampler(_Sampler):
         chosen = self._permutation[offset : offset + phase.batch_size]
         indices = np.sort(chosen.astype(np.int64))
         return StepDraw(step, indices, phase.batch_size, self.schedule.capacity(phase))
+
+
+SHUFFLE_WARNING = (
+    "Shuffled fixed-size batches are accounted as if they were Poisson-sampled. "
+    "This UNDERSTATES the real privacy loss: shuffling does not give the "
+    "amplification that the accountant assumes (Chua et al., 2024, 'How Private "
+    "are DP-SGD Implementations?'). Report the epsilon as a Poisson-sampling "
+    "estimate, or train with Poisson sampling (the tf_megadp Poisson sampler) to "
+    "get a guarantee that matches the number."
+)
+
+# The ledger codes are stored in checkpoints: they never change.
+register_sampling_kind(SamplingKind("poisson", 0, PoissonSampler.step_event, truncates=True))
+register_sampling_kind(SamplingKind("shuffle", 1, ShuffleSampler.step_event,
+                                    warning=SHUFFLE_WARNING))

@@ -19,6 +19,8 @@ import math
 import os
 from typing import Any, Sequence
 
+from tf_megadp.accounting import accountant_names
+
 __all__ = ["LEARNING_RATE_SCALINGS", "MODEL_PRESETS", "PER_EXAMPLE_SCALINGS", "PRECISIONS",
            "SEPARATORS", "Hardware", "PretrainConfig", "PretrainError",
            "default_delta", "load_run_config", "parse_schedule", "run_config_from_dict"]
@@ -123,7 +125,8 @@ class PretrainConfig:
             (normalized clipping, Bu et al. 2022: every per-example gradient
             scaled by C / (||g|| + gamma)); DPOptimizer's option.
         automatic_scaling_stability: gamma of automatic clipping.
-        accountant: "pld" (default, tighter) or "rdp" (faster).
+        accountant: a registered accountant (`tf_megadp.accounting.accountant_names`):
+            "pld" (default, tighter) or "rdp" (faster).
         learning_rate, warmup_steps, weight_decay: AdamW with linear warmup and
             cosine decay over the logical steps.
         learning_rate_scaling: "none", "sqrt" or "linear": the learning rate
@@ -294,8 +297,9 @@ class PretrainConfig:
             )
         if self.target_epsilon is not None and not self.target_epsilon > 0:
             raise PretrainError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
-        if self.accountant not in ("pld", "rdp"):
-            raise PretrainError(f"accountant must be 'pld' or 'rdp', got {self.accountant!r}.")
+        if self.accountant not in accountant_names():
+            raise PretrainError(
+                f"accountant must be one of {accountant_names()}, got {self.accountant!r}.")
         if self.delta is not None and not 0 < self.delta < 1:
             raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
         if self.resume and not self.output_dir:

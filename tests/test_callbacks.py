@@ -21,7 +21,7 @@ from dp_accounting import pld, rdp
 
 import tf_megadp
 from tf_megadp import BatchSizeSchedule, Phase, PrivacyCallback, PrivacyConfigurationError
-from tf_megadp.sources import DataSource, attach_source
+from tf_megadp.data.sources import DataSource, attach_source
 
 MICRO_BATCH = 8
 ACCUMULATION = 2

@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.sampling: what the accountant assumes is what happens.
+"""Specification of tf_megadp.data.samplers: what the accountant assumes is what happens.
 
 Statistical checks use fixed seeds and significance level 1e-3; each is paired
 with a negative control showing that the same check rejects a sampler that
@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tf_megadp import sampling
+from tf_megadp import data
 from tf_megadp.accounting import ledger_from_schedule
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.sampling import (
+from tf_megadp.data.samplers import (
     MANIFEST_NAME,
     PoissonSampler,
     ShuffleSampler,
@@ -30,7 +30,7 @@ from tf_megadp.sampling import (
     write_token_shards,
 )
 from tf_megadp.steps import BatchSizeSchedule, Phase
-from tf_megadp.sources import DataSource, resumed_at, source_of
+from tf_megadp.data.sources import DataSource, resumed_at, source_of
 
 ALPHA = 1e-3
 SEED_WARNING = "An explicit sampling seed"
@@ -846,7 +846,7 @@ class TestExampleStores:
         ragged = [(np.zeros(3), 0)] * 9 + [(np.zeros(4), 0)]
         sampler = PoissonSampler.from_records(ragged, batch_size=9, epochs=1, micro_batch_size=10, seed=0)
         with pytest.raises(ValueError, match=r"records\[9\].*pad or truncate"):
-            sampler.step_micro_batches(sampling.StepDraw(0, np.arange(10), 10, 10)).__next__()
+            sampler.step_micro_batches(data.StepDraw(0, np.arange(10), 10, 10)).__next__()
         with pytest.raises(TypeError, match="from_arrays"):
             PoissonSampler.from_records(np.zeros((10, 2)), batch_size=2, epochs=1, micro_batch_size=2)
         with pytest.raises(TypeError, match=r"records\[0\] is a int"):

@@ -7,7 +7,7 @@ Two callbacks share the work:
   steps the compiled step applied (`DPOptimizer.applied_steps`, written in
   the graph with the values that step used) into privacy-ledger entries,
   adding what only the data can tell, N and how each step chose its
-  examples (`tf_megadp.sources.DataSource`). A custom loop's
+  examples (`tf_megadp.data.sources.DataSource`). A custom loop's
   `tf_megadp.PrivateStep` records with the same `LedgerRecorder`. The ledger lives in the optimizer's
   `privacy_ledger` variable, so `model.save`, `ModelCheckpoint`,
   `keras.callbacks.BackupAndRestore` and `tf_megadp.save_training_state`
@@ -47,7 +47,7 @@ from tf_megadp.optimizer import (
     read_ledger,
     write_ledger,
 )
-from tf_megadp.sources import FIXED_SIZE_SAMPLING, DataSource
+from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
 from tf_megadp.steps import sampling_rate_of, step_capacity
 
 __all__ = [

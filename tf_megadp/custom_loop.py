@@ -52,7 +52,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp import sources
+from tf_megadp.data import sources
 from tf_megadp.accounting import DEFAULT_ACCOUNTANT
 from tf_megadp.callbacks import LedgerRecorder, _PrivacyReporting
 from tf_megadp.clipping import independence

@@ -262,7 +262,7 @@ def distribute_micro_batches(
     model.fit(data, steps_per_epoch=sampler.total_micro_steps)
     ```
     """
-    from tf_megadp import sources
+    from tf_megadp.data import sources
 
     found = []
 

@@ -20,7 +20,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp import distribute, map_independence, preemption, sources
+from tf_megadp import distribute, preemption
+from tf_megadp.data import map_independence, sources
 from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
 from tf_megadp.checkpointing import record_custom_loop
 from tf_megadp.clipping import base, independence
@@ -58,7 +59,7 @@ def make_private(
     model must be compiled with a `DPOptimizer`; anything else raises.
 
     Every private `fit` keeps the privacy ledger from what it is fed (see
-    `tf_megadp.sources`): N is measured from arrays and from tf_megadp
+    `tf_megadp.data.sources`): N is measured from arrays and from tf_megadp
     samplers, and each applied step is recorded with the values the compiled
     step used. A logical step never spans two `fit` calls nor, for data that
     no sampler drew, two epochs: a partial logical step there is discarded
@@ -477,7 +478,7 @@ def extend_schedule(
 
 
 def _fit_source(arguments) -> sources.DataSource | None:
-    """What `fit` is fed, measured where it can be (see `tf_megadp.sources`)."""
+    """What `fit` is fed, measured where it can be (see `tf_megadp.data.sources`)."""
     x = arguments.get("x")
     source = sources.source_of(x)
     if source is None:

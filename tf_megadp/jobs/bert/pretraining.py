@@ -234,12 +234,12 @@ def prepare_data(config: PretrainConfig, log=None):
     len(train), train.vocabulary_size
     ```
     """
-    from tf_megadp import sampling
+    from tf_megadp import data
     from tf_megadp.jobs.bert import text
 
     folder = os.path.join(config.cache_dir or _default_cache_dir(), _corpus_key(config))
     try:
-        return tuple(sampling.TokenShards(os.path.join(folder, name))
+        return tuple(data.TokenShards(os.path.join(folder, name))
                      for name in ("all", "train", "heldout"))
     except (FileNotFoundError, ValueError):
         pass  # Not prepared yet (or damaged): build it.
@@ -270,12 +270,12 @@ def prepare_data(config: PretrainConfig, log=None):
     for name, indices in (("train", np.sort(order[heldout:])), ("heldout", np.sort(order[:heldout]))):
         directory = os.path.join(folder, name)
         rows = (corpus.read(indices[i:i + 65536]) for i in range(0, len(indices), 65536))
-        sampling.write_token_shards(
+        data.write_token_shards(
             directory, rows, sequence_length=corpus.sequence_length,
             vocabulary_size=corpus.vocabulary_size, checksum=split_checksum,
             metadata={"vocabulary_file": os.path.join(folder, "all", "vocab.txt")},
         )
-        splits[name] = sampling.TokenShards(directory)
+        splits[name] = data.TokenShards(directory)
     return corpus, splits["train"], splits["heldout"]
 
 
@@ -286,13 +286,13 @@ def canary_split(config: PretrainConfig, train):
         (shards, canaries, canary_index): canary_index gives, for each row,
         the index of the canary it holds or -1.
     """
-    from tf_megadp import sampling
+    from tf_megadp import data
     from tf_megadp.jobs.bert import text
     from tf_megadp.audit import canaries as canary_lib
 
     folder = os.path.join(os.path.dirname(train.directory), f"train-canaries{config.canaries}")
     try:
-        shards = sampling.TokenShards(folder)
+        shards = data.TokenShards(folder)
         return (shards, canary_lib.load_canaries(os.path.join(folder, CANARIES_NAME)),
                 np.load(os.path.join(folder, "canary_index.npy")))
     except (FileNotFoundError, ValueError):
@@ -305,12 +305,12 @@ def canary_split(config: PretrainConfig, train):
     canary_lib.save_canaries(os.path.join(folder, CANARIES_NAME), canaries)
     atomic_write(os.path.join(folder, "canary_index.npy"),
                  lambda temporary: np.save(temporary, canary_index))
-    sampling.write_token_shards(
+    data.write_token_shards(
         folder, [rows], sequence_length=train.sequence_length,
         vocabulary_size=train.vocabulary_size,
         checksum=f"{train.manifest['checksum']}-canaries{config.canaries}-seed{config.seed}",
         metadata={"vocabulary_file": train.manifest["vocabulary_file"]})
-    return sampling.TokenShards(folder), canaries, canary_index
+    return data.TokenShards(folder), canaries, canary_index
 
 
 def _make_canaries(vocabulary: list[str], per_repetition: int, seed: int) -> list:
@@ -729,7 +729,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     import keras
 
     import tf_megadp
-    from tf_megadp import distribute, sampling
+    from tf_megadp import data, distribute
     from tf_megadp.jobs.bert import text
     from tf_megadp.checkpointing import export_model
 
@@ -798,11 +798,11 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # The secret is passed straight on, so that no local of this frame (and
     # no traceback) holds it.
     if testing is None:
-        sampler = sampling.PoissonSampler(
+        sampler = data.PoissonSampler(
             train, schedule, shared_secret=distribute.shared_sampling_secret(strategy),
             start_step=start_step, end_step=end_step)
     else:
-        sampler = sampling.PoissonSampler(train, schedule, seed=testing.sampling_seed,
+        sampler = data.PoissonSampler(train, schedule, seed=testing.sampling_seed,
                                           start_step=start_step, end_step=end_step)
 
     # Fed to fit as the sampler returned it (a derived dataset is refused).
@@ -977,7 +977,8 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     import tensorflow as tf
 
     import tf_megadp
-    from tf_megadp import distribute, sources
+    from tf_megadp import distribute
+    from tf_megadp.data import sources
     from tf_megadp.callbacks import LedgerRecorder
 
     hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,

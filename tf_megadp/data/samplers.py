@@ -22,7 +22,7 @@ The DP guarantee holds only while the draws stay secret, so every sampler
 takes its randomness from OS entropy by default and keeps it in memory only
 (a `tf_megadp.secret.Secret`, which no `vars()`, repr or pickle shows); an explicit `seed=` warns and marks the run as seeded, and
 `shared_secret=` lets several hosts draw the same steps. Every dataset a
-sampler returns carries its `tf_megadp.sources.DataSource`.
+sampler returns carries its `tf_megadp.data.sources.DataSource`.
 
 `ShuffleSampler` gives fixed-size batches from shuffled epochs for users who
 want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
@@ -54,10 +54,10 @@ import numpy as np
 from tf_megadp.accounting.events import SamplingKind, register_sampling_kind
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, sha256_of_file, write_json_atomically
-from tf_megadp.map_independence import checked_map
+from tf_megadp.data.map_independence import checked_map
 from tf_megadp.steps import BatchSizeSchedule, Phase, step_capacity, steps_for_epochs
 from tf_megadp.secret import Secret
-from tf_megadp.sources import DataSource, attach_source
+from tf_megadp.data.sources import DataSource, attach_source
 
 __all__ = [
     "MANIFEST_NAME",
@@ -1033,7 +1033,7 @@ class _Sampler(abc.ABC):
         """The micro-batches as a `tf.data.Dataset` with static shapes, carrying its `DataSource`.
 
         Pass the returned dataset to `fit` as it is: `fit` reads its
-        `DataSource` (`tf_megadp.sources.source_of`) and refuses a dataset
+        `DataSource` (`tf_megadp.data.sources.source_of`) and refuses a dataset
         derived from it (`cache`, `repeat`, `map`, `take`, ...), which could
         replay or mix the draws. Per-micro-batch processing goes in `map_fn`.
 
@@ -1116,7 +1116,7 @@ class _Sampler(abc.ABC):
         """This sampler from logical step `step` on: same data, schedule, end and randomness.
 
         Used when a preemption backup restores the run at `step`
-        (`tf_megadp.sources.resumed_at`). The steps from `step` on were
+        (`tf_megadp.data.sources.resumed_at`). The steps from `step` on were
         never applied to the restored weights, so drawing them (again) is
         what an uninterrupted run would have done.
         """

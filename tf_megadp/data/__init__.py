@@ -1,0 +1,34 @@
+"""Data: where examples come from and how each logical step draws them.
+
+The token-shard store (`shards`), record stores over arrays and indexable
+collections (`stores`), the samplers' secret entropy (`entropy`), the
+samplers that emit each step's examples as static micro-batches and own the
+`dp_accounting` event of their steps (`samplers`), the `DataSource` a
+dataset carries to `fit` (`sources`), and the check that a sampler's
+`map_fn` keeps examples independent (`map_independence`).
+"""
+
+from tf_megadp.data.samplers import (
+    MANIFEST_NAME,
+    PoissonSampler,
+    ShuffleSampler,
+    StepDraw,
+    TokenShards,
+    token_dtype,
+    write_token_shards,
+)
+from tf_megadp.data.sources import DataSource, attach_source, resumed_at, source_of
+
+__all__ = [
+    "MANIFEST_NAME",
+    "DataSource",
+    "PoissonSampler",
+    "ShuffleSampler",
+    "StepDraw",
+    "TokenShards",
+    "attach_source",
+    "resumed_at",
+    "source_of",
+    "token_dtype",
+    "write_token_shards",
+]

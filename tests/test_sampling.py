@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.data.samplers: what the accountant assumes is what happens.
+"""Specification of tf_megadp.data (samplers, shards, stores, sources): what the accountant assumes is what happens.
 
 Statistical checks use fixed seeds and significance level 1e-3; each is paired
 with a negative control showing that the same check rejects a sampler that
@@ -20,9 +20,10 @@ import pytest
 from scipy import stats
 
 from tf_megadp import data
+from tf_megadp.data import entropy
 from tf_megadp.accounting import ledger_from_schedule
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.data.samplers import (
+from tf_megadp.data import (
     MANIFEST_NAME,
     PoissonSampler,
     ShuffleSampler,
@@ -456,7 +457,7 @@ class TestSecretRandomness:
     def test_the_entropy_reaches_no_public_attribute_repr_report_or_graph(self, small, monkeypatch, kind):
         shards, _ = small
         secret = 0x5EC12E7_0DD_BA11_F00D_CAFE_1234_5678  # stands in for the OS draw
-        monkeypatch.setattr(sampling, "_os_entropy", lambda: secret)
+        monkeypatch.setattr(entropy, "_os_entropy", lambda: secret)
         records = [(np.float32(i), i % 2) for i in range(200)]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

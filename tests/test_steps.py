@@ -135,7 +135,7 @@ class TestOneSourceOfTruth:
 
     @pytest.fixture(scope="class")
     def setup(self, tmp_path_factory):
-        from tf_megadp.data.samplers import PoissonSampler, TokenShards, write_token_shards
+        from tf_megadp.data import PoissonSampler, TokenShards, write_token_shards
 
         directory = tmp_path_factory.mktemp("shards")
         write_token_shards(directory, [np.ones((400, 4), np.int64)], sequence_length=4, vocabulary_size=8, checksum="t")
@@ -165,7 +165,7 @@ class TestOneSourceOfTruth:
         assert ledger.entries[1].noise_multiplier == 1.5  # the phase without its own sigma
 
     def test_sampled_step_sizes_follow_each_phase(self, setup):
-        from tf_megadp.data.samplers import PoissonSampler
+        from tf_megadp.data import PoissonSampler
 
         schedule, sampler = setup
         for index, phase in enumerate(schedule.phases):
@@ -179,7 +179,7 @@ class TestOneSourceOfTruth:
         import keras
 
         from tf_megadp.optimizer import DPOptimizer
-        from tf_megadp.data.samplers import PoissonSampler
+        from tf_megadp.data import PoissonSampler
         from tf_megadp.train_step import make_private
 
         schedule, sampler = setup

@@ -34,9 +34,9 @@ from tf_megadp.custom_loop import PrivacyReport, PrivateStep
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.data.samplers import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
+from tf_megadp.data import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
 from tf_megadp.steps import BatchSizeSchedule, Phase
-from tf_megadp.data.sources import DataSource
+from tf_megadp.data import DataSource
 from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
 
 from tf_megadp._version import __version__

@@ -8,15 +8,9 @@ dataset carries to `fit` (`sources`), and the check that a sampler's
 `map_fn` keeps examples independent (`map_independence`).
 """
 
-from tf_megadp.data.samplers import (
-    MANIFEST_NAME,
-    PoissonSampler,
-    ShuffleSampler,
-    StepDraw,
-    TokenShards,
-    token_dtype,
-    write_token_shards,
-)
+from tf_megadp.data.base import StepDraw
+from tf_megadp.data.samplers import PoissonSampler, ShuffleSampler
+from tf_megadp.data.shards import MANIFEST_NAME, TokenShards, token_dtype, write_token_shards
 from tf_megadp.data.sources import DataSource, attach_source, resumed_at, source_of
 
 __all__ = [

@@ -4,7 +4,7 @@ The pipeline: read documents (text files, JSONL, or the offline default corpus
 of Python docstrings), learn a WordPiece vocabulary, tokenize, pack the tokens
 into rows of exactly L ids laid out as BERT expects (``[CLS] tokens... [SEP]``
 then ``[PAD]``), and store the rows as memory-mapped shards with a manifest
-(`tf_megadp.data.samplers.write_token_shards`). The samplers draw rows from those
+(`tf_megadp.data.shards.write_token_shards`). The samplers draw rows from those
 shards; `MaskedLMBatcher` turns each micro-batch of rows into the inputs of
 `keras_hub.models.BertMaskedLM` with per-position sample weights.
 
@@ -35,7 +35,7 @@ import numpy as np
 
 from tf_megadp.files import write_bytes_atomically
 from tf_megadp.jobs.bert.config import SEPARATORS
-from tf_megadp.data.samplers import MANIFEST_NAME, TokenShards, write_token_shards
+from tf_megadp.data.shards import MANIFEST_NAME, TokenShards, write_token_shards
 
 __all__ = [
     "CorpusError",

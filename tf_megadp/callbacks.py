@@ -30,6 +30,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_megadp import _keras_compat
 from tf_megadp._validate import check_delta
 from tf_megadp.accounting import (
     DEFAULT_ACCOUNTANT,
@@ -79,6 +80,19 @@ _FIXED_SIZE_WARNING = (
     "fixed-size batches can be much less private; Chua et al., 2024). For a "
     "guarantee, feed tf_megadp.PoissonSampler.from_arrays(x, y, ...).as_dataset()."
 )
+
+
+_PRIVATE_FLAG = "_tf_megadp_private"
+
+
+def is_private(model: keras.Model) -> bool:
+    """Whether `make_private` has been applied to `model`."""
+    return bool(getattr(model, _PRIVATE_FLAG, False))
+
+
+def mark_private(model: keras.Model) -> None:
+    """Marks `model` as made private (`make_private` does, once it has checked the model)."""
+    setattr(model, _PRIVATE_FLAG, True)
 
 
 def model_ledger(model: keras.Model) -> PrivacyLedger:
@@ -542,7 +556,7 @@ class LedgerRecorder:
                                schedule.capacity(phase), "poisson")
         rows = self._last_rows
         if rows is None and self.micro_batch_size is not None:
-            replicas = optimizer._distribution_strategy.num_replicas_in_sync
+            replicas = _keras_compat.optimizer_strategy(optimizer).num_replicas_in_sync
             rows = step_capacity(optimizer.accumulation_steps_at(step), self.micro_batch_size,
                                  replicas)
         if rows is None:

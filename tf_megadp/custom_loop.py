@@ -52,8 +52,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp.data import sources
+from tf_megadp import _keras_compat
 from tf_megadp.accounting import DEFAULT_ACCOUNTANT
+from tf_megadp.data import sources
 from tf_megadp.callbacks import LedgerRecorder, _PrivacyReporting
 from tf_megadp.clipping import independence
 from tf_megadp.errors import PrivacyConfigurationError
@@ -317,14 +318,15 @@ class PrivateStep:
         builds them beforehand in the same way.
         """
         model = self.model
-        if model._distribute_strategy is None:
+        if _keras_compat.model_strategy(model) is None:
             return  # Without a strategy they are built when the step is traced.
-        unbuilt = [part for part in (model._compile_metrics, model._compile_loss)
+        compiled_loss, compiled_metrics = _keras_compat.compiled_loss_and_metrics(model)
+        unbuilt = [part for part in (compiled_metrics, compiled_loss)
                    if part is not None and not part.built]
         if not unbuilt:
             return
         spec = _per_replica_spec(data, model.distribute_strategy)
-        if spec is None and model._compile_metrics is None:
+        if spec is None and compiled_metrics is None:
             return  # A loss alone is built in the trace without variables.
         if spec is None:
             raise ValueError(
@@ -332,7 +334,7 @@ class PrivateStep:
                 "the dataset the loop reads (a sampler's, plain or distributed) to "
                 "begin(), or compile without metrics.")
         with model.distribute_strategy.scope():
-            model._symbolic_build(data_batch=spec)
+            _keras_compat.symbolic_build(model, spec)
 
     # -- The step ------------------------------------------------------------------
 

@@ -41,8 +41,8 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving import serialization_lib
 
+from tf_megadp import _keras_compat
 from tf_megadp.accounting import LEDGER_COLUMNS, PrivacyLedger
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
@@ -514,7 +514,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         )
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        elif [id(v) for v in self.inner_optimizer._trainable_variables] != [id(v) for v in var_list]:
+        elif [id(v) for v in _keras_compat.optimizer_trainable_variables(self.inner_optimizer)] != [id(v) for v in var_list]:
             raise ValueError(
                 "The inner optimizer was built for other variables than this model's "
                 "trainable variables. Wrap a fresh inner optimizer, or the inner "
@@ -644,7 +644,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if reference is not None:
             shape, dtype = reference.shape, accumulation_dtype(reference.dtype)
             name = f"{reference.path.replace('/', '_')}_{name}"
-            colocate = self._distribution_strategy.extended.colocate_vars_with(
+            colocate = _keras_compat.optimizer_strategy(self).extended.colocate_vars_with(
                 reference.value
             )
         with colocate, keras.name_scope(self.name, caller=self):
@@ -665,7 +665,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return _keras_compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     def discard_partial_step(self) -> int:
         """Drops the micro-batches accumulated since the last noisy update.
@@ -707,7 +707,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             # ledger is the one of the weights loaded with it.
             self.discard_partial_step()
             self._carried_from = None
-            self._claim(self._trainable_variables)
+            self._claim(_keras_compat.optimizer_trainable_variables(self))
 
     @property
     def iterations(self):
@@ -846,7 +846,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         def skip():
             return tf.constant(False)
 
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if _keras_compat.strategy_supports_no_merge_call():
             return tf.cond(
                 state.micro_steps >= accumulation_steps,
                 lambda: noisy_update(step, divisor, noise_multiplier),
@@ -962,7 +962,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def get_config(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "l2_norm_clip": self.l2_norm_clip,
             "noise_multiplier": self.noise_multiplier,
             "accumulation_steps": None if self.schedule else self.accumulation_steps,
@@ -977,7 +977,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        config["optimizer"] = serialization_lib.deserialize_keras_object(
+        config["optimizer"] = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)

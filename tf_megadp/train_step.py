@@ -20,9 +20,17 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_megadp import _keras_compat
 from tf_megadp import distribute, preemption
 from tf_megadp.data import map_independence, sources
-from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
+from tf_megadp.callbacks import (
+    EVALUATION_METRICS,
+    LedgerKeeper,
+    PrivacyCallback,
+    is_private,
+    mark_private,
+    run_notes,
+)
 from tf_megadp.checkpointing import record_custom_loop
 from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
@@ -35,14 +43,6 @@ __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_sc
 
 # Layers whose training-mode output for one example depends on the others.
 _EXAMPLE_MIXING_LAYERS = (keras.layers.BatchNormalization,)
-
-_PRIVATE_FLAG = "_tf_megadp_private"
-
-
-def is_private(model: keras.Model) -> bool:
-    """Whether `make_private` has been applied to `model`."""
-    return bool(getattr(model, _PRIVATE_FLAG, False))
-
 
 def make_private(
     model: keras.Model,
@@ -125,7 +125,7 @@ def make_private(
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
         model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
-    setattr(model, _PRIVATE_FLAG, True)
+    mark_private(model)
     return model
 
 
@@ -565,7 +565,7 @@ def _array_micro_batch_size(arguments) -> int | None:
 
 
 def _check_no_example_mixing(model: keras.Model):
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in _keras_compat.flatten_layers(model):
         if isinstance(layer, _EXAMPLE_MIXING_LAYERS):
             raise PrivacyConfigurationError(
                 f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples "
@@ -624,7 +624,7 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     )
     real_examples = tf.reduce_sum(batch.is_real)
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
-    model._loss_tracker.update_state(mean_loss, sample_weight=real_examples)
+    _keras_compat.loss_tracker(model).update_state(mean_loss, sample_weight=real_examples)
     logs = model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
     if batch.mixing is not None:
         mixing = tf.cast(batch.mixing, tf.float32)

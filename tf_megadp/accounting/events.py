@@ -11,14 +11,11 @@ event is refused by the accountant, never accounted as Poisson by default.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import dp_accounting
 
 from tf_megadp.errors import PrivacyConfigurationError
-
-if TYPE_CHECKING:
-    from tf_megadp.accounting.ledger import LedgerEntry
 
 __all__ = [
     "SamplingKind",
@@ -53,7 +50,7 @@ class SamplingKind:
 
     name: str
     code: int
-    step_event: Callable[["LedgerEntry", int], dp_accounting.DpEvent] | None
+    step_event: Callable[[Any, int], dp_accounting.DpEvent] | None
     truncates: bool = False
     warning: str | None = None
 
@@ -101,8 +98,8 @@ def sampling_kind_of_code(code: float) -> SamplingKind:
     raise ValueError(f"Unknown sampling kind code {code} in a ledger row.")
 
 
-def entry_event(entry: LedgerEntry, num_examples: int) -> dp_accounting.DpEvent:
-    """The `dp_accounting` event of `entry`'s steps.
+def entry_event(entry: Any, num_examples: int) -> dp_accounting.DpEvent:
+    """The `dp_accounting` event of `entry`'s steps (`entry` a `LedgerEntry`, which imports this module).
 
     Every sampling kind brings its own event: a kind registered without one
     must not be accounted as Poisson by default, which could understate what

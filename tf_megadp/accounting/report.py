@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tf_megadp._version import __version__
 from tf_megadp.accounting.events import sampling_kind
-
-if TYPE_CHECKING:
-    from tf_megadp.accounting.accountant import PrivacyAccountant
 
 __all__ = ["REPORT_FORMAT", "check_report_format", "privacy_report"]
 
 REPORT_FORMAT = "tf_megadp.privacy_report/1"
 
 
-def privacy_report(accountant: "PrivacyAccountant", settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The report of `accountant`'s run; see `PrivacyAccountant.report`."""
+def privacy_report(accountant: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report of a `PrivacyAccountant`'s run (which imports this module); see its `report`."""
     kinds = sorted({entry.sampling for entry in accountant.ledger})
     truncated = any(entry.max_batch_size for entry in accountant.ledger)
     warnings_ = [sampling_kind(kind).warning for kind in kinds if sampling_kind(kind).warning]

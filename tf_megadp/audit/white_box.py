@@ -59,6 +59,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_megadp import _keras_compat
 from tf_megadp.audit.one_run import CanaryCoins, OneRunResult
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.errors import PrivacyConfigurationError
@@ -386,7 +387,7 @@ def _is_plain_sgd(optimizer) -> bool:
 
 
 def _learning_rate_at(optimizer, step: int) -> float:
-    rate = optimizer._learning_rate
+    rate = _keras_compat.optimizer_learning_rate(optimizer)
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule) or callable(rate):
         return float(keras.ops.convert_to_numpy(rate(step)))
     return float(keras.ops.convert_to_numpy(rate))

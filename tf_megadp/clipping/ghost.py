@@ -24,9 +24,8 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from tensorflow.python.ops import resource_variable_ops
 
+from tf_megadp import _keras_compat
 from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.ghost_rules import plan_rules
 from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
@@ -229,13 +228,13 @@ class _CheckedSignatures:
         # distribution strategy: bookkeeping of this strategy, not model
         # state, and never saved (the key must not be).
         with tf.init_scope():
-            self.passed = resource_variable_ops.ResourceVariable(
+            self.passed = _keras_compat.plain_resource_variable(
                 tf.zeros([self.CAPACITY], tf.int32), trainable=False,
                 name="independence_checked")
-            self._key = resource_variable_ops.ResourceVariable(
+            self._key = _keras_compat.plain_resource_variable(
                 [secrets.randbits(63), secrets.randbits(63)], dtype=tf.int64,
                 trainable=False, name="independence_recheck_key")
-            self._calls = resource_variable_ops.ResourceVariable(
+            self._calls = _keras_compat.plain_resource_variable(
                 tf.constant(0, tf.int64), trainable=False, name="independence_calls")
         self.probability = probability
         self._eager_slots = {}
@@ -338,7 +337,7 @@ def _check_no_regularizers(model):
     # A weight regularizer's gradient reaches the variables directly, not
     # through any layer output, so no rule would see it.
     regularized = [v.path for v in model.trainable_variables if v.regularizer is not None]
-    regularized += [layer.name for layer in model._flatten_layers()
+    regularized += [layer.name for layer in _keras_compat.flatten_layers(model)
                     if getattr(layer, "activity_regularizer", None) is not None]
     if regularized:
         raise GhostClippingUnsupportedError(
@@ -369,7 +368,7 @@ def _forward(model, rules, x, y, sample_weight, apply_seed_updates=True):
             for rule in rules:
                 stack.enter_context(rule.installed(recorder))
             with scope:
-                if model._call_has_training_arg:
+                if _keras_compat.call_has_training_arg(model):
                     y_pred = model(x, training=True)
                 else:
                     y_pred = model(x)
@@ -422,8 +421,8 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
     mapping += list(zip(model.non_trainable_variables, states))
     taps = independence.LayerTaps(model, None, leading.shape[0])
     with base.example_axis_guards(model), base.secret_seed_draws(model):
-        with taps.installed(), keras_backend.StatelessScope(state_mapping=mapping):
-            if model._call_has_training_arg:
+        with taps.installed(), keras.StatelessScope(state_mapping=mapping):
+            if _keras_compat.call_has_training_arg(model):
                 model(x, training=True)
             else:
                 model(x)

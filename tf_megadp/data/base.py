@@ -430,7 +430,7 @@ class _Sampler(abc.ABC):
 
         Args:
             map_fn: optional function applied to each element (its parts as
-                arguments), e.g. `tf_megadp.MaskedLMBatcher(...)` on token
+                arguments), e.g. the BERT job's `MaskedLMBatcher` on token
                 rows, which returns `(x, y, sample_weight)`. Without it,
                 token shards give `(rows int32 [M, L], weights float32 [M])`
                 and arrays/records give `(x, y, sample_weight)`.

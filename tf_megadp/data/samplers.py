@@ -121,7 +121,7 @@ class PoissonSampler(_Sampler):
     schedule = tf_megadp.BatchSizeSchedule.for_poisson(
         [(50, 256), (50, 1024)], num_examples=len(shards), micro_batch_size=32)
     sampler = tf_megadp.PoissonSampler(shards, schedule)
-    dataset = sampler.as_dataset(tf_megadp.MaskedLMBatcher.from_shards(shards))
+    dataset = sampler.as_dataset(map_fn)   # e.g. the BERT job's MaskedLMBatcher
     ```
     """
 

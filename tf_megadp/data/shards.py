@@ -167,7 +167,8 @@ class TokenShards:
         if not os.path.isfile(path):
             raise FileNotFoundError(
                 f"No {MANIFEST_NAME} in {self.directory}: build the corpus first "
-                "(tf_megadp.prepare_corpus or tf_megadp.write_token_shards)."
+                "(tf_megadp.write_token_shards, or the BERT job's "
+                "tf_megadp.jobs.bert.text.prepare_corpus)."
             )
         with open(path, encoding="utf-8") as handle:
             manifest = json.load(handle)

@@ -335,14 +335,12 @@ _TEXT_BATCH = 256
 
 def _words_dataset(documents: Sequence[str], lowercase: bool, batch_size: int):
     import tensorflow as tf
-    # The exact split WordPieceTokenizer applies before matching word pieces,
-    # so the learned pieces are the ones the tokenizer will look for.
-    from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize
+    from tf_megadp._keras_compat import keras_hub_pretokenize
 
     return (
         tf.data.Dataset.from_tensor_slices(list(documents))
         .batch(batch_size)
-        .map(lambda text: pretokenize(text, lowercase, False, True, True))
+        .map(lambda text: keras_hub_pretokenize(text, lowercase))
     )
 
 
@@ -666,7 +664,7 @@ def prepare_corpus(
 
     Example:
     ```python
-    shards = tf_megadp.prepare_corpus("runs/corpus", max_characters=1_000_000)
+    shards = prepare_corpus("runs/corpus", max_characters=1_000_000)
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=shards.vocabulary_size, max_sequence_length=shards.sequence_length,
         num_layers=2, num_heads=2, hidden_dim=128, intermediate_dim=512)

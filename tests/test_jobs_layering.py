@@ -166,6 +166,8 @@ LAYERS = [
     ("data",),
     ("distribute", "learning_rate", "preemption"),
     ("optimizer",),
+    ("run_state",),
+    ("ledger_keeping",),
     ("callbacks",),
     ("checkpointing",),
     ("train_step",),

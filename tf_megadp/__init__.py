@@ -24,7 +24,7 @@ from tf_megadp.accounting import (
     compute_epsilon,
     ledger_from_schedule,
 )
-from tf_megadp.callbacks import PrivacyCallback, model_ledger, read_ledger
+from tf_megadp.callbacks import PrivacyCallback
 from tf_megadp.checkpointing import (
     export_model,
     has_training_state,
@@ -37,6 +37,7 @@ from tf_megadp.data import DataSource, PoissonSampler, ShuffleSampler, TokenShar
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.run_state import model_ledger, read_ledger
 from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
 

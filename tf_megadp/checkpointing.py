@@ -186,7 +186,7 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     if not path.endswith(".keras"):
         raise ValueError(f"export_model writes a .keras file, got {path!r}.")
-    from tf_megadp.callbacks import is_private, run_notes
+    from tf_megadp.run_state import is_private, run_notes
 
     if is_private(model):
         run_notes(model).check_weights(model)  # warns when they changed

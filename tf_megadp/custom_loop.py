@@ -55,9 +55,10 @@ import tensorflow as tf
 from tf_megadp import _keras_compat
 from tf_megadp.accounting import DEFAULT_ACCOUNTANT
 from tf_megadp.data import sources
-from tf_megadp.callbacks import LedgerRecorder, _PrivacyReporting
+from tf_megadp.callbacks import _PrivacyReporting
 from tf_megadp.clipping import independence
 from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.ledger_keeping import LedgerRecorder
 from tf_megadp.optimizer import DPOptimizer, _number, read_ledger
 from tf_megadp.train_step import (
     _distinct_real_examples,

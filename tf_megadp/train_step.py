@@ -23,20 +23,15 @@ import tensorflow as tf
 from tf_megadp import _keras_compat
 from tf_megadp import distribute, preemption
 from tf_megadp.data import map_independence, sources
-from tf_megadp.callbacks import (
-    EVALUATION_METRICS,
-    LedgerKeeper,
-    PrivacyCallback,
-    is_private,
-    mark_private,
-    run_notes,
-)
+from tf_megadp.callbacks import PrivacyCallback
 from tf_megadp.checkpointing import record_custom_loop
 from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write
+from tf_megadp.ledger_keeping import LedgerKeeper
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
+from tf_megadp.run_state import EVALUATION_METRICS, is_private, mark_private, run_notes
 from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]

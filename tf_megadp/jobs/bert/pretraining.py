@@ -979,7 +979,7 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     import tf_megadp
     from tf_megadp import distribute
     from tf_megadp.data import sources
-    from tf_megadp.callbacks import LedgerRecorder
+    from tf_megadp.ledger_keeping import LedgerRecorder
 
     hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
                                          steps=steps_per_epoch, verbose=0)

@@ -165,6 +165,7 @@ LAYERS = [
     ("clipping",),
     ("data",),
     ("distribute", "learning_rate", "preemption"),
+    ("optimizer_settings", "accumulators", "optimizer_ledger"),
     ("optimizer",),
     ("run_state",),
     ("ledger_keeping",),

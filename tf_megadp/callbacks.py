@@ -21,7 +21,8 @@ from tf_megadp.accounting import DEFAULT_ACCOUNTANT, LedgerEntry, PrivacyAccount
 from tf_megadp.accounting.engines import check_accountant
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerRecorder
-from tf_megadp.optimizer import DPOptimizer, _number
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer_ledger import _number
 from tf_megadp.run_state import (
     RELEASED_OUTSIDE_EPSILON,
     _dp_optimizer,

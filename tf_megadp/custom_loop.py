@@ -59,7 +59,8 @@ from tf_megadp.callbacks import _PrivacyReporting
 from tf_megadp.clipping import independence
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerRecorder
-from tf_megadp.optimizer import DPOptimizer, _number, read_ledger
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer_ledger import _number, read_ledger
 from tf_megadp.train_step import (
     _distinct_real_examples,
     _is_array_input,

@@ -27,7 +27,8 @@ from tf_megadp import _keras_compat
 from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer, _number, read_ledger, write_ledger
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer_ledger import APPLIED_STEP_COLUMNS, _number, read_ledger, write_ledger
 from tf_megadp.run_state import EVALUATION_METRICS, _dp_optimizer, run_notes
 from tf_megadp.steps import sampling_rate_of, step_capacity
 

@@ -30,236 +30,41 @@ built for variables that carry another one's ledger continues that ledger
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import secrets
 import warnings
-import dataclasses
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_megadp import _keras_compat
-from tf_megadp.accounting import LEDGER_COLUMNS, PrivacyLedger
+from tf_megadp.accounting import LEDGER_COLUMNS
+from tf_megadp.accumulators import Accumulators, _InMemoryState, accumulation_dtype
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.optimizer_ledger import (
+    _APPLIED_CAPACITY,
+    APPLIED_STEP_COLUMNS,
+    LEDGER_CAPACITY,
+    LedgerOfWeights,
+)
+from tf_megadp.optimizer_settings import (
+    _FROZEN_SETTINGS,
+    _PER_EXAMPLE_SCALINGS,
+    _check_inner_does_not_rescale,
+    _check_takes_automatic_stability,
+    _positive_finite,
+)
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
 
-__all__ = ["DPOptimizer", "LEDGER_CAPACITY", "APPLIED_STEP_COLUMNS", "read_ledger"]
-
-# Rows of phases the ledger variable can hold; consecutive identical steps share a row.
-LEDGER_CAPACITY = 256
-# What the compiled step records of every noisy update it applies, as it used
-# them; the ledger keeper of the private `fit` turns these rows into ledger
-# entries (adding N and the sampling) after every batch, so the buffer only
-# needs to hold the steps of one `steps_per_execution` call.
-APPLIED_STEP_COLUMNS = (
-    "steps", "noise_multiplier", "accumulation_steps", "rows", "divisor"
-)
-_APPLIED_CAPACITY = 64
-# Settings that fix the privacy of every step; they cannot change after
-# construction (Keras caches the compiled step, so a change would be recorded
-# but not used).
-_FROZEN_SETTINGS = frozenset({
-    "l2_norm_clip", "noise_multiplier", "accumulation_steps", "normalize_by",
-    "seed", "schedule", "clipping", "clipping_strategy", "inner_optimizer",
-    "per_example_scaling", "automatic_scaling_stability",
-})
-_PER_EXAMPLE_SCALINGS = frozenset({"clip", "automatic"})
-# Only the private train step may hand clipped sums to the optimizer.
+__all__ = ["DPOptimizer", "accumulation_dtype"]# Only the private train step may hand clipped sums to the optimizer.
 _PRIVATE_STEP = object()
-# The attribute of a model variable that names the DPOptimizer whose ledger
-# covers its current value (a plain holder, which neither Keras saving nor
-# tf.train.Checkpoint follows).
-_LEDGER_OWNER = "_tf_megadp_ledger_owner"
-
-
-def accumulation_dtype(variable_dtype) -> str:
-    """float64 for float64 variables, float32 for every other dtype.
-
-    A bfloat16 accumulator would round each clipped sum to 8 bits of
-    mantissa, and bfloat16 noise would be a coarser distribution than the
-    Gaussian the accountant assumes; the update is cast to the variable's
-    dtype only after the noise is added and the sum divided.
-    """
-    return "float64" if keras.backend.standardize_dtype(variable_dtype) == "float64" else "float32"
-
-
-@dataclasses.dataclass(repr=False)
-class _InMemoryState:
-    """Optimizer state that must never reach a file.
-
-    A plain object, not a Keras or TensorFlow trackable: neither Keras saving
-    (which walks `optimizer.variables`) nor `tf.train.Checkpoint` (which walks
-    trackable attributes) can see through it. Its repr shows no value, so
-    that `vars(optimizer)`, which debuggers and experiment trackers print,
-    shows neither the noise key nor an un-noised sum.
-    """
-
-    def __repr__(self) -> str:
-        return "<DPOptimizer in-memory state: noise key and accumulators, not shown>"
-
-    noise_key: Any = None
-    accumulators: list = dataclasses.field(default_factory=list)
-    micro_steps: Any = None
-    step_rows: Any = None
-    nonfinite_examples: Any = None
-
-
-def _positive_finite(name: str, value, allow_zero: bool = False) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}.") from None
-    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
-    return number
-
-
-def _check_inner_does_not_rescale(optimizer: keras.optimizers.Optimizer) -> None:
-    """Refuses inner optimizers that rescale the loss or average updates.
-
-    The DP step clips unscaled per-example gradients and never calls
-    `scale_loss`, so a loss-scaling wrapper (LossScaleOptimizer and its kin)
-    would divide every noisy update by its scale; Keras's own gradient
-    accumulation would average several noisy steps into one update that the
-    ledger counts as several.
-    """
-    if getattr(optimizer, "loss_scale_factor", None):
-        raise PrivacyConfigurationError(
-            "The inner optimizer has loss_scale_factor set; the DP step does "
-            "not scale losses, so the update would be rescaled after "
-            "clipping. Remove loss_scale_factor."
-        )
-    if type(optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss:
-        raise PrivacyConfigurationError(
-            f"{type(optimizer).__name__} rescales the loss (a loss-scaling "
-            "wrapper such as LossScaleOptimizer): the DP step clips unscaled "
-            "gradients, so every update would be divided by the loss scale. Wrap "
-            "the plain optimizer (e.g. DPOptimizer(keras.optimizers.SGD(...))); "
-            "for mixed precision use the 'mixed_bfloat16' policy, which needs no "
-            "loss scaling."
-        )
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise PrivacyConfigurationError(
-            "The inner optimizer has gradient_accumulation_steps set: Keras would "
-            "average several noisy updates into one. Accumulate with "
-            "DPOptimizer(accumulation_steps=...) or a BatchSizeSchedule instead."
-        )
-
-
-def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
-    """Automatic clipping needs a strategy whose `clip_and_sum` takes `automatic_stability`.
-
-    The DP step passes the keyword only for automatic clipping, so a strategy
-    written for flat clipping would otherwise fail with a bare TypeError at
-    the first step.
-    """
-    parameters = inspect.signature(strategy.clip_and_sum).parameters.values()
-    if not any(p.name == "automatic_stability" or p.kind is p.VAR_KEYWORD for p in parameters):
-        raise TypeError(
-            f"per_example_scaling='automatic' needs a clipping strategy whose "
-            f"clip_and_sum accepts `automatic_stability`; {type(strategy).__name__}."
-            "clip_and_sum does not. Add the argument (pass it to "
-            "tf_megadp.clipping.base.clip_factors), or use per_example_scaling='clip'."
-        )
-
-
-class _LedgerOwner:
-    """The optimizer whose ledger covers a variable's value (see `_LEDGER_OWNER`)."""
-
-    def __init__(self, optimizer: "DPOptimizer"):
-        self.optimizer = optimizer
-
-
-def _weights_owner(variables) -> "DPOptimizer | None":
-    """The DPOptimizer whose ledger covers `variables` (None if none does).
-
-    Raises:
-        PrivacyConfigurationError: two optimizers with their own histories
-            each cover part of the variables, so no single ledger covers
-            the model.
-    """
-    owners = []
-    for variable in variables:
-        holder = getattr(variable, _LEDGER_OWNER, None)
-        if holder is not None and all(holder.optimizer is not o for o in owners):
-            owners.append(holder.optimizer)
-    if len(owners) > 1:
-        raise PrivacyConfigurationError(
-            f"The model's variables were trained by {len(owners)} DPOptimizers, each with "
-            "its own privacy ledger, so no one ledger covers the model. Train the whole "
-            "model with one DPOptimizer (restore it from one training checkpoint)."
-        )
-    return owners[0] if owners else None
-
-
-def read_ledger(optimizer: "DPOptimizer") -> PrivacyLedger:
-    """The `PrivacyLedger` stored in a `DPOptimizer`.
-
-    An optimizer that is not built yet has recorded nothing and returns an
-    empty ledger; when it is built for weights that another `DPOptimizer`
-    trained (a loaded model compiled again), it takes that ledger over.
-
-    Args:
-        optimizer: the `DPOptimizer` (e.g. `model.optimizer` after
-            `keras.models.load_model`).
-
-    Returns:
-        The ledger of the logical steps recorded so far.
-
-    Raises:
-        TypeError: `optimizer` is not a `DPOptimizer`.
-
-    Example:
-    ```python
-    model = keras.models.load_model("run.keras")
-    tf_megadp.read_ledger(model.optimizer).total_steps
-    ```
-    """
-    if not isinstance(optimizer, DPOptimizer):
-        raise TypeError(
-            f"read_ledger reads a tf_megadp.DPOptimizer's ledger; got {optimizer!r}, "
-            "which keeps none."
-        )
-    if not optimizer.built:
-        return PrivacyLedger()
-    rows = int(keras.ops.convert_to_numpy(optimizer.privacy_ledger_rows))
-    table = keras.ops.convert_to_numpy(optimizer.privacy_ledger)
-    return PrivacyLedger.from_rows(table[:rows])
-
-
-def write_ledger(optimizer: "DPOptimizer", ledger: PrivacyLedger) -> None:
-    """Stores `ledger` in a built `DPOptimizer`'s `privacy_ledger` variable.
-
-    Raises:
-        RuntimeError: the ledger has more rows than the variable holds.
-    """
-    rows = ledger.to_rows()
-    capacity = optimizer.privacy_ledger.shape[0]
-    if len(rows) > capacity:
-        raise RuntimeError(
-            f"The privacy ledger needs {len(rows)} rows but the optimizer stores "
-            f"{capacity}: the sampling rate or noise multiplier changed too often. "
-            "Change them per phase of a BatchSizeSchedule instead of per step."
-        )
-    table = np.zeros(optimizer.privacy_ledger.shape, np.float64)
-    table[: len(rows)] = rows
-    optimizer.privacy_ledger.assign(table)
-    optimizer.privacy_ledger_rows.assign(len(rows))
-
-
-def _number(variable) -> int:
-    return int(keras.ops.convert_to_numpy(variable))
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
-class DPOptimizer(keras.optimizers.Optimizer):
+class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer to perform DP-SGD with mega-batch accumulation.
 
     One *logical step* is `accumulation_steps` micro-batches (times the number
@@ -525,166 +330,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         with tf.init_scope():
             self._continue_ledger_of(var_list)
 
-    # -- The ledger of the weights ---------------------------------------------
-
-    @property
-    def logical_steps_applied(self) -> int:
-        """Noisy updates these weights received: this optimizer's and those it took over."""
-        if not self.built:
-            return 0
-        return _number(self.carried_steps) + _number(self.iterations)
-
-    @property
-    def logical_steps_recorded(self) -> int:
-        """Logical steps in the ledger, plus those recorded as unaccounted or noiseless."""
-        if not self.built:
-            return 0
-        return (read_ledger(self).total_steps + _number(self.unaccounted_steps)
-                + _number(self.noiseless_steps))
-
-    @property
-    def unrecorded_steps(self) -> int:
-        """Applied logical steps that no ledger entry records (taken outside `fit`).
-
-        The private `fit` records every step it applies after each batch,
-        and a custom loop's `tf_megadp.PrivateStep` when its `record` runs;
-        steps applied by `train_on_batch` or a loop that calls `train_step`
-        itself stay unrecorded, and epsilon cannot be reported while there
-        are any.
-        """
-        return self.logical_steps_applied - self.logical_steps_recorded
-
-    def _has_history(self) -> bool:
-        return self.built and (self.logical_steps_applied > 0 or self.logical_steps_recorded > 0)
-
-    def _claim(self, variables) -> None:
-        """Marks `variables` as covered by this optimizer's ledger."""
-        holder = _LedgerOwner(self)
-        for variable in variables:
-            setattr(variable, _LEDGER_OWNER, holder)
-
-    def _continue_ledger_of(self, variables) -> None:
-        """Takes over the ledger of the DPOptimizer whose ledger covers `variables`.
-
-        The new optimizer continues exactly where the previous one stopped:
-        its ledger, the steps it could not account and those without noise,
-        and the count of steps applied (`carried_steps` plus this
-        optimizer's `iterations`). Wrapping the previous optimizer's inner
-        optimizer continues its state (moments, iterations) as well.
-        """
-        previous = _weights_owner(variables)
-        self._carried_from = None
-        if previous is not None and previous is not self and previous._has_history():
-            if previous.inner_optimizer is self.inner_optimizer:
-                carried = _number(previous.carried_steps)  # Its iterations continue.
-            elif _number(self.iterations) == 0:
-                carried = previous.logical_steps_applied
-            else:
-                raise PrivacyConfigurationError(
-                    f"The inner optimizer has already taken {_number(self.iterations)} "
-                    "steps that no privacy ledger recorded, and this model's weights "
-                    "carry the ledger of another DPOptimizer. Wrap a fresh inner "
-                    "optimizer, or the inner optimizer of the DPOptimizer that trained "
-                    "the model (model.optimizer.inner_optimizer) to continue its state."
-                )
-            write_ledger(self, read_ledger(previous))
-            self.carried_steps.assign(carried)
-            # Steps the previous optimizer applied outside fit were never
-            # recorded: they stay in the count of unaccounted steps.
-            self.unaccounted_steps.assign(
-                _number(previous.unaccounted_steps) + max(0, previous.unrecorded_steps))
-            self.noiseless_steps.assign(_number(previous.noiseless_steps))
-            self._carried_from = previous.logical_steps_applied
-        self._claim(variables)
-
-    def check_ledger_covers(self, variables) -> None:
-        """Checks, before a private step, that this optimizer's ledger covers `variables`.
-
-        Args:
-            variables: the model's trainable variables.
-
-        Raises:
-            PrivacyConfigurationError: another DPOptimizer trained them
-                after this one (for example the model was compiled with a
-                new DPOptimizer, trained, and compiled again with this one),
-                so this ledger misses its steps.
-        """
-        owner = _weights_owner(variables)
-        if owner is not None and owner is not self and owner._has_history() and (
-            owner.logical_steps_applied != self.logical_steps_applied
-            or read_ledger(owner) != read_ledger(self)
-        ):
-            raise PrivacyConfigurationError(
-                f"This model's weights were trained further by another DPOptimizer "
-                f"({owner.logical_steps_applied} logical steps in all, this optimizer "
-                f"records {self.logical_steps_applied}): its ledger misses those steps. "
-                "Compile with a fresh DPOptimizer (it takes the ledger of the weights "
-                "over), or restore the run with keras.models.load_model or "
-                "tf_megadp.restore_training_state."
-            )
-        self._claim(variables)
-
-    def _in_memory_variable(self, name, shape, dtype, initializer="zeros"):
-        """An optimizer variable that `variables`, saving and checkpoints never see."""
-        with keras.name_scope(self.name, caller=self):
-            return keras.Variable(
-                initializer=initializer, shape=shape, dtype=dtype, trainable=False,
-                aggregation="none", name=name,
-            )
-
-    def _replica_sum_variable(self, reference, shape=None, dtype=None, name="dp_accumulator"):
-        """An in-memory variable each replica updates locally; it reads as the sum.
-
-        Under a `tf.distribute` strategy every replica clips and accumulates
-        its own examples. A plain mirrored variable would make each replica
-        write its own copy; ON_READ/SUM keeps one local copy per replica and
-        reads as their sum.
-        """
-        colocate = contextlib.nullcontext()
-        if reference is not None:
-            shape, dtype = reference.shape, accumulation_dtype(reference.dtype)
-            name = f"{reference.path.replace('/', '_')}_{name}"
-            colocate = _keras_compat.optimizer_strategy(self).extended.colocate_vars_with(
-                reference.value
-            )
-        with colocate, keras.name_scope(self.name, caller=self):
-            return keras.Variable(
-                initializer="zeros", shape=shape, dtype=dtype, trainable=False,
-                aggregation="sum", synchronization="on_read", name=name,
-            )
-
-    @property
-    def micro_steps(self):
-        """Micro-batches accumulated in the current logical step (in memory only)."""
-        return self._in_memory.micro_steps
-
-    @property
-    def nonfinite_examples(self):
-        """Examples dropped for a non-finite gradient since the optimizer was built (in memory)."""
-        return self._in_memory.nonfinite_examples
-
     @property
     def variables(self):
         return _keras_compat.optimizer_own_variables(self) + self.inner_optimizer.variables
-
-    def discard_partial_step(self) -> int:
-        """Drops the micro-batches accumulated since the last noisy update.
-
-        Nothing computed from them was released, so discarding them spends
-        no privacy, and no example of theirs can reach a later noisy sum.
-
-        Returns:
-            The number of micro-batches discarded.
-        """
-        if not self.built:
-            return 0
-        state = self._in_memory
-        discarded = int(state.micro_steps.numpy())
-        for accumulator in state.accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
-        state.micro_steps.assign(0)
-        state.step_rows.assign(0)
-        return discarded
 
     def load_own_variables(self, store):
         saved = len(store.keys())
@@ -917,45 +565,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
         for accumulator in state.accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
         state.micro_steps.assign(0)
-
-    def _record_applied_step(self, noise_multiplier, accumulation_steps, divisor):
-        """Appends the step just applied to `applied_steps`, as the graph used it.
-
-        Consecutive identical steps share a row. A full buffer stops
-        recording and sets the row count past capacity, which the ledger
-        keeper refuses (it drains the buffer after every batch, so only
-        `steps_per_execution` far above the capacity can fill it).
-        """
-        state = self._in_memory
-        row = tf.stack([
-            tf.constant(1.0, tf.float64),
-            tf.cast(noise_multiplier, tf.float64),
-            tf.cast(accumulation_steps, tf.float64),
-            tf.cast(state.step_rows.value, tf.float64),
-            tf.cast(divisor, tf.float64),
-        ])
-        state.step_rows.assign(0)
-        count = self.applied_rows.value
-        table = self.applied_steps.value
-        last = tf.maximum(count - 1, 0)
-        same = tf.logical_and(
-            count > 0,
-            tf.logical_and(count <= _APPLIED_CAPACITY,
-                           tf.reduce_all(tf.gather(table, last)[1:] == row[1:])),
-        )
-
-        def merge():
-            return tf.tensor_scatter_nd_add(table, [[last, 0]], [1.0]), count
-
-        def append():
-            index = tf.minimum(count, _APPLIED_CAPACITY - 1)
-            updated = tf.tensor_scatter_nd_update(table, [[index]], [row])
-            full = count >= _APPLIED_CAPACITY
-            return tf.where(full, table, updated), count + 1
-
-        table, count = tf.cond(same, merge, append)
-        self.applied_steps.assign(table)
-        self.applied_rows.assign(count)
 
     # -- Serialization ---------------------------------------------------------
 

@@ -10,7 +10,8 @@ import numpy as np
 
 from tf_megadp.accounting import PrivacyLedger
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import DPOptimizer, _number, _weights_owner, read_ledger
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer_ledger import _number, _weights_owner, read_ledger
 
 __all__ = ["EVALUATION_METRICS", "RELEASED_OUTSIDE_EPSILON", "is_private", "mark_private", "model_ledger", "read_ledger", "run_notes", "weights_digest"]
 

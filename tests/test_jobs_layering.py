@@ -173,6 +173,7 @@ LAYERS = [
     ("checkpointing",),
     ("train_step",),
     ("custom_loop",),
+    ("privacy_report",),
     ("audit",),
     ("tf_megadp",),
     ("jobs",),

@@ -32,11 +32,12 @@ from tf_megadp.checkpointing import (
     save_training_state,
 )
 from tf_megadp.clipping import AutoClipping, ClippingStrategy, GhostClipping, VectorizedClipping
-from tf_megadp.custom_loop import PrivacyReport, PrivateStep
+from tf_megadp.custom_loop import PrivateStep
 from tf_megadp.data import DataSource, PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.privacy_report import PrivacyReport
 from tf_megadp.run_state import model_ledger, read_ledger
 from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon

@@ -238,14 +238,14 @@ class TestEndToEnd:
         """The last held-out accuracy is that of model.keras: the EMA weights, not the live ones."""
         import keras
 
-        from tf_megadp.jobs.bert import pretraining, text
+        from tf_megadp.jobs.bert import pretraining, text, training
 
         _, report, output = resumed_run
         root, corpus, cache = workspace
         config = tiny_config(corpus, cache, output, **RECIPE)
         _, train, heldout = prepare_data(config)
         batcher = text.MaskedLMBatcher.from_shards(train)
-        x, y, w = pretraining._heldout_batches(heldout, batcher, config.micro_batch_size,
+        x, y, w = training._heldout_batches(heldout, batcher, config.micro_batch_size,
                                                config.seed)
         exported = pretraining.build_model(config, train.vocabulary_size)
         exported.load_weights(str(output / "model.keras"))
@@ -262,7 +262,7 @@ class TestEndToEnd:
         live = pretraining.build_model(config, train.vocabulary_size)
         from tf_megadp.checkpointing import restore_training_state
 
-        restore_training_state(live, str(output / "checkpoint"), pretraining._compile_kwargs(True))
+        restore_training_state(live, str(output / "checkpoint"), training._compile_kwargs(True))
         averaged = live.optimizer.inner_optimizer._model_variables_moving_average
         assert len(averaged) == len(live.trainable_variables)
         for variable, average, released in zip(live.trainable_variables, averaged,

@@ -61,7 +61,7 @@ def test_the_library_names_nothing_of_the_job():
     for name in ("MaskedLMBatcher", "prepare_corpus", "CorpusError", "pretraining"):
         with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
             getattr(tf_megadp, name)
-    assert text.MaskedLMBatcher.__module__ == "tf_megadp.jobs.bert.text"
+    assert text.MaskedLMBatcher.__module__ == "tf_megadp.jobs.bert.masking"
     assert tf_megadp.run_audit is tf_megadp.audit.run_audit
 
 
@@ -270,3 +270,10 @@ def test_private_keras_and_tensorflow_api_is_used_in_one_file_only():
              if module != "tf_megadp._keras_compat" and (uses := _private_api_uses(path))}
     assert found == {}
     assert _private_api_uses(os.path.join(PACKAGE, "_keras_compat.py"))  # the check can fail
+
+
+def test_no_module_is_over_600_lines():
+    # Small modules, one concept each: the BERT job's count too.
+    long = {module: lines for module, path in _modules()
+            if (lines := len(open(path, encoding="utf-8").read().splitlines())) > 600}
+    assert long == {}

@@ -10,7 +10,7 @@ Each number of a step is computed by exactly one function here, which the
 sampler, the optimizer, the callbacks, the accountant, the CLI and the BERT
 job call (never retype):
 
-* `sampling_rate_of`: q = B / N;
+* `sampling_rate_of`: q = B / N (and `check_batch_fits`: B <= N);
 * `step_capacity`: the static slots of a logical step, k * m * R;
 * `steps_for_epochs`: the logical steps of E passes over the data;
 * `noise_multiplier_of`: sigma of a phase, or the optimizer's default.
@@ -33,6 +33,7 @@ from tf_megadp.errors import PrivacyConfigurationError
 __all__ = [
     "Phase",
     "BatchSizeSchedule",
+    "check_batch_fits",
     "noise_multiplier_of",
     "sampling_rate_of",
     "step_capacity",
@@ -57,6 +58,25 @@ def sampling_rate_of(batch_size: int | float, num_examples: int) -> float:
     ```
     """
     return batch_size / num_examples
+
+
+def check_batch_fits(batch_size: int, num_examples: int, where: str = "") -> None:
+    """Refuses an expected batch B larger than N: q = B / N would exceed 1.
+
+    Args:
+        batch_size: B.
+        num_examples: N.
+        where: what the batch belongs to, for the message (e.g. "Phase 2 has ").
+
+    Raises:
+        ValueError: B > N.
+    """
+    if batch_size > num_examples:
+        raise ValueError(
+            f"{where}batch_size {batch_size} is larger than num_examples {num_examples}, so "
+            "the expected batch exceeds the data: the sampling rate would exceed 1 "
+            "(q = B / N). Use a smaller batch_size."
+        )
 
 
 def step_capacity(accumulation_steps: int, micro_batch_size: int, num_replicas: int = 1) -> int:
@@ -213,11 +233,7 @@ class BatchSizeSchedule:
         for index, phase in enumerate(phases):
             if not isinstance(phase, Phase):
                 raise TypeError(f"phases[{index}] is {phase!r}, not a Phase.")
-            if phase.batch_size > num_examples:
-                raise ValueError(
-                    f"Phase {index} has batch_size {phase.batch_size} > "
-                    f"num_examples {num_examples}: the sampling rate would exceed 1."
-                )
+            check_batch_fits(phase.batch_size, num_examples, f"Phase {index} has ")
             capacity = step_capacity(phase.accumulation_steps, micro_batch_size, num_replicas)
             if capacity < phase.batch_size:
                 raise ValueError(

@@ -19,6 +19,7 @@ from tf_megadp.accounting.events import sampling_kind, sampling_kind_of_code
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.steps import (
     BatchSizeSchedule,
+    check_batch_fits,
     noise_multiplier_of,
     sampling_rate_of,
     steps_for_epochs,
@@ -348,11 +349,7 @@ def ledger_for_run(
     num_examples = _check_num_examples(num_examples)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-    if batch_size > num_examples:
-        raise ValueError(
-            f"batch_size {batch_size} is larger than num_examples {num_examples}: "
-            "the sampling rate q = B / N would exceed 1."
-        )
+    check_batch_fits(batch_size, num_examples)
     if epochs is not None:
         steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size,
                                  sampling=sampling)

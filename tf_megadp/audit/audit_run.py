@@ -110,7 +110,7 @@ def one_run_audit_run(
     from tf_megadp.callbacks import PrivacyCallback
     from tf_megadp.data import PoissonSampler
     from tf_megadp.optimizer import DPOptimizer
-    from tf_megadp.steps import BatchSizeSchedule
+    from tf_megadp.steps import BatchSizeSchedule, sampling_rate_of
     from tf_megadp.train_step import make_private
     from tf_megadp.audit.input_canaries import InputCanaries, dirac_canaries, dirac_canary_signal
     from tf_megadp.audit.planted_bugs import PLANTED_BUGS
@@ -195,7 +195,7 @@ def one_run_audit_run(
         "num_examples": total,
         "batch_size": batch_size,
         "steps": steps,
-        "sampling_rate": batch_size / total,
+        "sampling_rate": sampling_rate_of(batch_size, total),
         "micro_batch_size": micro_batch_size,
         "planted_bug": planted_bug,
         "planted_bug_description": description,

@@ -24,7 +24,7 @@ from tf_megadp.data.sources import DataSource, attach_source
 from tf_megadp.data.stores import _ArrayStore, _IndexableStore, _RecordStore, _TokenShardStore
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.secret import Secret
-from tf_megadp.steps import BatchSizeSchedule, step_capacity
+from tf_megadp.steps import BatchSizeSchedule, check_batch_fits, step_capacity
 
 __all__ = ["StepDraw"]
 
@@ -265,11 +265,7 @@ class _Sampler(abc.ABC):
             raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-        if batch_size > num_examples:
-            raise ValueError(
-                f"batch_size {batch_size} exceeds the {num_examples} examples: the "
-                "sampling rate would exceed 1. Use a smaller batch_size."
-            )
+        check_batch_fits(batch_size, num_examples)
         return cls._schedule_for(
             num_examples, batch_size, float(epochs), micro_batch_size,
             1 if num_replicas is None else num_replicas, truncation_probability,

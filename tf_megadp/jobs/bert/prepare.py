@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from tf_megadp.files import atomic_write
-from tf_megadp.jobs.bert.config import (  # noqa: F401 (the job's names, for the audit job)
+from tf_megadp.jobs.bert.config import (
     PretrainConfig,
     PretrainError,
 )

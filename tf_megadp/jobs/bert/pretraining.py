@@ -47,25 +47,56 @@ from tf_megadp.jobs.bert.run_files import (
     CANARIES_NAME,
     CHECKPOINT_NAME,
 )
-from tf_megadp.jobs.bert.training import (  # noqa: F401 (build_model is the job's)
-    _check_planned_hardware,
-    _train,
-    build_model,
-)
+from tf_megadp.jobs.bert.training import _train, build_model
 
 __all__ = ["MODEL_PRESETS", "PRECISIONS", "PretrainConfig", "PretrainError", "build_model",
            "canary_split", "load_run_config", "prepare_data", "run_config_from_dict",
            "run_pretraining"]
 
 
-def _plan_privacy(config: PretrainConfig, schedule) -> tuple[float, float, float]:
-    """(sigma, delta, epsilon of the full schedule)."""
+def _check_planned_hardware(config: PretrainConfig, replicas: int,
+                            vocabulary_size: int) -> dict[str, Any]:
+    """A planned run trains on the hardware and model its plan was made for.
+
+    Returns:
+        The plan (`tf_megadp.jobs.bert.plan.make_plan`), whose calibrated sigma
+        and epsilon the run takes instead of computing them again.
+    """
+    from tf_megadp.jobs.bert import plan
+
+    if replicas != config.hardware.replicas:
+        raise PretrainError(
+            f"The run is planned for {config.hardware.replicas} replicas "
+            f"({config.hardware.name}), but the strategy has {replicas}: its static "
+            "capacities and per-core memory would not be the plan's. Run it on that "
+            "slice, or set hardware.replicas and plan again.")
+    # A learned vocabulary may come out a little smaller than asked; the
+    # plan is redone below with the measured size. A larger one is not
+    # the model that was planned.
+    if vocabulary_size > config.vocabulary_size:
+        raise PretrainError(
+            f"The run is planned for vocabulary_size {config.vocabulary_size}, but its "
+            f"vocabulary has {vocabulary_size} tokens; set model.vocabulary_size to "
+            f"{vocabulary_size} and plan again.")
+    # Raises InfeasiblePlanError naming the number, exactly as `tf-megadp plan` does.
+    return plan.make_plan(config, vocabulary_size=vocabulary_size)
+
+
+def _plan_privacy(config: PretrainConfig, schedule,
+                  plan: dict[str, Any] | None = None) -> tuple[float, float, float]:
+    """(sigma, delta, epsilon of the full schedule).
+
+    A planned run's `plan` has calibrated sigma and accounted this same
+    schedule already: its numbers are taken, not computed a second time.
+    """
     from tf_megadp import accounting
 
     n = schedule.num_examples
     delta = config.delta if config.delta is not None else default_delta(n)
     if config.non_private:
         return 0.0, delta, math.inf
+    if plan is not None and plan["schedule"] == schedule.to_dict() and plan["delta"] == delta:
+        return float(plan["noise_multiplier"]), delta, float(plan["epsilon"])
     if config.noise_multiplier is not None:
         sigma = float(config.noise_multiplier)
     else:
@@ -184,10 +215,11 @@ def run_pretraining(config: PretrainConfig, *, log=print,
             f"split holds {len(train)} sequences: its sampling rates and epsilon would not "
             f"be this run's. Set training.num_examples (--num-examples) to {len(train)} and "
             "plan again.")
+    plan = None
     if config.hardware is not None:
-        _check_planned_hardware(config, replicas, train.vocabulary_size)
+        plan = _check_planned_hardware(config, replicas, train.vocabulary_size)
     schedule = config.make_schedule(len(train), replicas)
-    sigma, delta, planned_epsilon = _plan_privacy(config, schedule)
+    sigma, delta, planned_epsilon = _plan_privacy(config, schedule, plan)
     if testing is not None and testing.noise_multiplier is not None:
         sigma = testing.noise_multiplier
 

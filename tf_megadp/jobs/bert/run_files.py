@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 
-from tf_megadp.jobs.bert.config import (  # noqa: F401 (the job's names, for the audit job)
+from tf_megadp.jobs.bert.config import (
     PretrainConfig,
     PretrainError,
 )

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from tf_megadp.files import atomic_write, write_json_atomically
-from tf_megadp.jobs.bert.config import (  # noqa: F401 (the job's names, for the audit job)
+from tf_megadp.jobs.bert.config import (
     MODEL_PRESETS,
     PretrainConfig,
     PretrainError,
@@ -34,6 +34,8 @@ from tf_megadp.jobs.bert.run_files import (
     _config_dict,
     _summary,
 )
+from tf_megadp.steps import step_capacity
+
 
 def build_model(config: PretrainConfig, vocabulary_size: int):
     """The job's `keras_hub.models.BertMaskedLM` for `config` (preset, L, dropout, precision).
@@ -227,28 +229,6 @@ def _compile_kwargs(private: bool):
         # per-example pass with XLA, so the baseline must too to compare fairly.
         "jit_compile": not private,
     }
-
-
-def _check_planned_hardware(config: PretrainConfig, replicas: int, vocabulary_size: int) -> None:
-    """A planned run trains on the hardware and model its plan was made for."""
-    from tf_megadp.jobs.bert import plan
-
-    if replicas != config.hardware.replicas:
-        raise PretrainError(
-            f"The run is planned for {config.hardware.replicas} replicas "
-            f"({config.hardware.name}), but the strategy has {replicas}: its static "
-            "capacities and per-core memory would not be the plan's. Run it on that "
-            "slice, or set hardware.replicas and plan again.")
-    # A learned vocabulary may come out a little smaller than asked; the
-    # plan is redone below with the measured size. A larger one is not
-    # the model that was planned.
-    if vocabulary_size > config.vocabulary_size:
-        raise PretrainError(
-            f"The run is planned for vocabulary_size {config.vocabulary_size}, but its "
-            f"vocabulary has {vocabulary_size} tokens; set model.vocabulary_size to "
-            f"{vocabulary_size} and plan again.")
-    # Raises InfeasiblePlanError naming the number, exactly as `tf-megadp plan` does.
-    plan.make_plan(config, vocabulary_size=vocabulary_size)
 
 
 def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
@@ -461,8 +441,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "examples_processed_expected": schedule.examples_processed(),
         "wall_time_s": time.time() - started,
         "train_time_s": train_seconds,
-        "examples_per_s": (sampler.total_micro_steps * schedule.micro_batch_size * schedule.num_replicas)
-        / max(train_seconds, 1e-9),
+        "examples_per_s": step_capacity(sampler.total_micro_steps, schedule.micro_batch_size,
+                                        schedule.num_replicas) / max(train_seconds, 1e-9),
         "truncated_steps": sampler.truncated_steps,
         "resumed_from_step": resumed_from,
         "resumes": resumes,

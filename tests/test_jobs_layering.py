@@ -74,30 +74,41 @@ def _modules():
                 yield relative.removesuffix(".__init__"), path
 
 
+def _imported(statement, package, known):
+    """tf_megadp modules an `import` or `from ... import` statement imports.
+
+    `from package import submodule` depends on the submodule, `from module
+    import name` on the module (the package root, for `from tf_megadp import X`).
+    """
+    if isinstance(statement, ast.Import):
+        return {a.name for a in statement.names if a.name.startswith("tf_megadp")}
+    if not isinstance(statement, ast.ImportFrom):
+        return set()
+    base = statement.module or ""
+    if statement.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) - statement.level + 1]
+                        + ([base] if base else []))
+    if not base.startswith("tf_megadp"):
+        return set()
+    submodules = {f"{base}.{a.name}" for a in statement.names} & known
+    return submodules if len(submodules) == len(statement.names) else submodules | {base}
+
+
+def _parse(path, module):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    return tree, module if path.endswith("__init__.py") else module.rpartition(".")[0]
+
+
 def _module_level_imports(path, module, known=frozenset()):
     """tf_megadp modules imported when `module` is imported (not inside functions)."""
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    tree, package = _parse(path, module)
     found = set()
     for node in tree.body:
         statements = [node] + [child for child in ast.walk(node)] if isinstance(
             node, (ast.If, ast.Try)) else [node]
         for statement in statements:
-            if isinstance(statement, ast.Import):
-                found |= {a.name for a in statement.names if a.name.startswith("tf_megadp")}
-            elif isinstance(statement, ast.ImportFrom):
-                base = statement.module or ""
-                if statement.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - statement.level + 1]
-                                    + ([base] if base else []))
-                if base.startswith("tf_megadp"):
-                    # `from package import submodule` depends on the submodule;
-                    # `from module import name` on the module.
-                    submodules = {f"{base}.{a.name}" for a in statement.names} & known
-                    found |= submodules if len(submodules) == len(statement.names) else (
-                        submodules | {base})
+            found |= _imported(statement, package, known)
     return found
-
 
 def test_no_library_module_imports_the_job_at_module_level():
     offenders = {}
@@ -191,30 +202,16 @@ def _layer(module):
 
 
 def _every_import(path, module, known):
-    """tf_megadp modules `module` may import: anywhere in the file, or by name (importlib).
-
-    `from tf_megadp import name` imports the root unless `name` is a submodule.
-    """
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    """tf_megadp modules `module` may import: anywhere in the file, or by name (importlib)."""
+    tree, package = _parse(path, module)
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("tf_megadp")}
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
-                                + ([base] if base else []))
-            if base.startswith("tf_megadp"):
-                submodules = {f"{base}.{a.name}" for a in node.names} & known
-                found |= submodules if len(submodules) == len(node.names) else submodules | {base}
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+        found |= _imported(node, package, known)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
             # Names importlib resolves: `_LAZY` entries, `import_module(...)` arguments.
             if _MODULE_NAME.fullmatch(node.value) and node.value in known:
                 found.add(node.value)
     return found
-
 
 def test_nothing_imports_upwards():
     modules = dict(_modules())

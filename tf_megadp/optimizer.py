@@ -442,15 +442,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                 divisor,
                 tf.constant(self.noise_multiplier, tf.float32),
             )
-        phases = self.schedule.phases
-        ends = tf.constant(self.schedule.phase_ends[:-1], tf.int64)
-        index = tf.searchsorted(ends, tf.reshape(step, [1]), side="right")[0]
-        pick = lambda values, dtype: tf.gather(tf.constant(values, dtype), index)
-        return (
-            pick([p.accumulation_steps for p in phases], tf.int64),
-            pick([float(p.batch_size) for p in phases], tf.float32),
-            pick([noise_multiplier_of(p, self.noise_multiplier) for p in phases], tf.float32),
-        )
+        return self.schedule.phase_tensors(step, self.noise_multiplier)
 
     def _accumulate_clipped(self, token, gradient_sum, trainable_variables, micro_batch_size,
                             nonfinite):

@@ -1,5 +1,9 @@
 """The steps of a run: one description of the logical steps for everyone.
 
+`BatchSizeSchedule.phase_tensors(step)` gives the compiled step its phase's
+k, B and sigma as tensors, from the same phases the sampler and the
+accountant read.
+
 A `BatchSizeSchedule` is the single source of truth for how big each logical
 step is. The Poisson sampler reads its sampling rate q_t, the `DPOptimizer`
 reads its accumulation steps k_t and its divisor B_t, and the accountant
@@ -393,6 +397,30 @@ class BatchSizeSchedule:
 
     def phase_at(self, step: int) -> Phase:
         return self._phases[self.phase_index(step)]
+
+    def phase_tensors(self, step, noise_multiplier: float | None):
+        """(k, B, sigma) of logical step `step` (a tensor), for the compiled step.
+
+        Args:
+            step: the logical step, an int64 scalar tensor.
+            noise_multiplier: sigma of the phases that set none.
+
+        Returns:
+            (accumulation steps int64, batch size float32, noise multiplier
+            float32), each a scalar tensor; steps past the end stay in the
+            last phase, as `phase_at`.
+        """
+        import tensorflow as tf
+
+        phases = self.phases
+        ends = tf.constant(self.phase_ends[:-1], tf.int64)
+        index = tf.searchsorted(ends, tf.reshape(step, [1]), side="right")[0]
+        pick = lambda values, dtype: tf.gather(tf.constant(values, dtype), index)
+        return (
+            pick([p.accumulation_steps for p in phases], tf.int64),
+            pick([float(p.batch_size) for p in phases], tf.float32),
+            pick([noise_multiplier_of(p, noise_multiplier) for p in phases], tf.float32),
+        )
 
     def sampling_rate(self, step: int) -> float:
         """q_t = B_t / N for logical step `step`."""

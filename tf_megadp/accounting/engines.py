@@ -186,7 +186,7 @@ class _CachedPLDAccountant(_StepAccountant):
     The same operations as `pld.PLDAccountant` in the same order (identity,
     then for each event `compose(step_pld.self_compose(count))`), so the
     epsilon is the same number; only `_step_pld` is cached. It accounts the
-    events `_entry_event` makes, with positive rates, sizes and noise;
+    events `events.entry_event` makes, with positive rates, sizes and noise;
     anything else is refused rather than accounted some other way.
     """
 

@@ -25,6 +25,7 @@ the privacy and runs them in order.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -120,6 +121,7 @@ def _plan_privacy(config: PretrainConfig, schedule,
     return sigma, delta, epsilon
 
 
+@dataclasses.dataclass(frozen=True)
 class _TestingSeeds:
     """Test-only reproducibility: never reachable from a flag or a config file.
 

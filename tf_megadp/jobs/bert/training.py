@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import shutil
@@ -185,9 +184,6 @@ def _plot(history: list[dict[str, Any]], path: str, private: bool) -> None:
     figure.tight_layout()
     atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=100))
     plt.close(figure)
-
-
-@dataclasses.dataclass(frozen=True)
 
 
 class _Checkpointer:

@@ -72,7 +72,7 @@ def measure(args, clipping) -> dict:
     import numpy as np
 
     from _measure import PeakRss, rss_bytes
-    from tf_megadp.jobs.bert import pretraining
+    from tf_megadp.jobs.bert import pretraining, training
 
     import keras
 
@@ -104,11 +104,11 @@ def measure(args, clipping) -> dict:
         keras.utils.set_random_seed(0)
         model = pretraining.build_model(config, VOCABULARY)
         optimizer = tf_megadp.DPOptimizer(
-            pretraining._inner_optimizer(config, config.make_schedule(config.num_examples, 1),
+            training._inner_optimizer(config, config.make_schedule(config.num_examples, 1),
                                          None), l2_norm_clip=1.0,
             noise_multiplier=1.0, accumulation_steps=1, clipping=clipping)
         tf_megadp.make_private(model)
-        model.compile(optimizer=optimizer, **pretraining._compile_kwargs(True))
+        model.compile(optimizer=optimizer, **training._compile_kwargs(True))
         model.fit(x, y, sample_weight=w, batch_size=m, epochs=1, shuffle=False, verbose=0,
                   callbacks=[Clock()])
     return {

@@ -122,7 +122,8 @@ def measure_memory(batch_size: int, steps: int, sizes: list[int]) -> None:
 
 
 def measure_pipeline(directory: str, batch_size: int, steps: int) -> float:
-    from tf_megadp import BatchSizeSchedule, MaskedLMBatcher, PoissonSampler, TokenShards
+    from tf_megadp import BatchSizeSchedule, PoissonSampler, TokenShards
+    from tf_megadp.jobs.bert.text import MaskedLMBatcher
 
     shards = TokenShards(directory)
     schedule = BatchSizeSchedule.constant(steps, batch_size, num_examples=len(shards), micro_batch_size=MICRO_BATCH)

@@ -127,14 +127,14 @@ def main(argv=None) -> dict:
     results = {"corpus": stats, "settings": vars(args)}
 
     # The user run's corpus first: its units say how many sequences each user wrote.
-    from tf_megadp.jobs.bert import text
+    from tf_megadp.jobs.bert.units import load_unit_ids
     from tf_megadp.jobs.bert.pretraining import PretrainConfig, prepare_data
 
     user_settings = dict(corpus=[corpus], cache_dir=os.path.join(args.runs_dir, "cache"),
                          sequence_length=args.sequence_length, privacy_unit="user",
                          examples_per_unit=k)
     _, train, _ = prepare_data(PretrainConfig(**user_settings))
-    sizes = np.bincount(text.load_unit_ids(train))
+    sizes = np.bincount(load_unit_ids(train))
     sizes = sizes[sizes > 0]
     rows_per_user = float(np.mean(np.minimum(sizes, k)))
     user_batch = max(1, round(args.batch_size / rows_per_user))

@@ -17,6 +17,7 @@ from dp_accounting import pld, rdp
 from scipy import stats
 
 from tf_megadp import accounting
+from tf_megadp.accounting import engines, events
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.accounting import (
     LedgerEntry,
@@ -26,7 +27,7 @@ from tf_megadp.accounting import (
     compute_epsilon,
     ledger_from_schedule,
 )
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 from tests.log_records import logged_messages
 
 
@@ -151,7 +152,7 @@ def test_a_callbacks_repeated_evaluations_build_each_step_once_and_equal_dp_acco
     # PLDAccountant gives for the same events, for untruncated steps, rare
     # truncation (coupling bound) and frequent truncation (exact PLD).
     delta, n, q, sigma = 1e-6, 20_000, 0.01, 2.0
-    accounting._step_pld.cache_clear()
+    engines._step_pld.cache_clear()
     for steps in (10, 20):
         untruncated = compute_epsilon(num_examples=n, batch_size=200, steps=steps,
                                       noise_multiplier=sigma, delta=delta)
@@ -177,7 +178,7 @@ def test_a_callbacks_repeated_evaluations_build_each_step_once_and_equal_dp_acco
         assert frequent == pytest.approx(reference_epsilon([exact], delta, "pld"), rel=1e-9)
     # Two distinct steps: the Poisson step (shared by the untruncated run and
     # the coupling bound) and the exact truncated step; six evaluations.
-    assert accounting._step_pld.cache_info().misses == 2
+    assert engines._step_pld.cache_info().misses == 2
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
@@ -193,10 +194,10 @@ def test_nested_composed_and_self_composed_events_compose_like_dp_accounting(acc
         first,
     ])
     expected = reference_epsilon([nested], 1e-6, accountant)
-    engines = [accounting._TruncationAwareAccountant(accountant)]
+    accountants = [engines._TruncationAwareAccountant(accountant)]
     if accountant == "pld":
-        engines.append(accounting._CachedPLDAccountant())
-    for engine in engines:
+        accountants.append(engines._CachedPLDAccountant())
+    for engine in accountants:
         assert engine.compose(nested).get_epsilon(1e-6) == pytest.approx(expected, rel=1e-9)
         # An event neither can account, deep in the tree, is refused, not skipped.
         hidden = dp_accounting.ComposedDpEvent([
@@ -315,7 +316,7 @@ def test_calibration_prints_no_unconverged_order_warnings_and_is_right(absl_reco
     direct = [m for m in absl_records if "failed to converge" in m]
     assert direct, "the direct dp_accounting call at these inputs must trigger the warnings"
     absl_records.clear()
-    accounting._epsilon.cache_clear()  # A cached epsilon would never reach dp_accounting.
+    engines.epsilon.cache_clear()  # A cached epsilon would never reach dp_accounting.
 
     sigma = calibrate_noise_multiplier(2.0, 1e-5, accountant="rdp", **settings)
 
@@ -329,7 +330,7 @@ def test_calibration_prints_no_unconverged_order_warnings_and_is_right(absl_reco
 
 def test_other_absl_records_of_dp_accounting_still_pass(absl_records):
     logger = logging.getLogger("absl")
-    with accounting._quiet_unconverged_orders():
+    with engines._quiet_unconverged_orders():
         logger.warning("Negative Renyi divergence of %s", -1.0)
         logger.warning("_compute_log_a_frac failed to converge after %d iterations", 1000)
     assert absl_records == ["Negative Renyi divergence of -1.0"]
@@ -399,15 +400,86 @@ def test_neither_steps_nor_epochs_names_both():
 
 
 def test_a_sampling_kind_without_an_accounting_rule_raises(monkeypatch):
-    # A kind added to SAMPLING_KINDS (say, balls-in-bins) but given no rule in
-    # the accountant used to fall through to Poisson and report its epsilon.
-    monkeypatch.setattr(accounting, "SAMPLING_KINDS", (*accounting.SAMPLING_KINDS, "balls_in_bins"))
+    # A kind registered (say, balls-in-bins) but given no rule for the
+    # accountant used to fall through to Poisson and report its epsilon.
+    monkeypatch.setitem(events._KINDS, "balls_in_bins",
+                        events.SamplingKind("balls_in_bins", 2, step_event=None))
     ledger = PrivacyLedger([LedgerEntry(10, 0.01, 1.0, sampling="balls_in_bins")])
     account = PrivacyAccountant(1_000, 1e-4, accountant="rdp", ledger=ledger)
     with pytest.raises(PrivacyConfigurationError, match="No accounting rule.*balls_in_bins"):
         account.epsilon()
     with pytest.raises(PrivacyConfigurationError, match="No accounting rule"):
         account.dp_event()
+
+
+# One row per registered sampling kind: the event of one step of `entry`, built
+# directly with dp_accounting, and whether its epsilon carries a warning. A kind
+# registered without a row here fails `test_every_sampling_kind_has_a_test_row`.
+def _poisson_step(entry, num_examples):
+    if entry.max_batch_size:
+        return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            num_examples, entry.sampling_rate, entry.max_batch_size, entry.noise_multiplier)
+    return dp_accounting.PoissonSampledDpEvent(
+        entry.sampling_rate, dp_accounting.GaussianDpEvent(entry.noise_multiplier))
+
+
+SAMPLING_ROWS = {
+    # kind: (code, reference step event, truncates, warns)
+    "poisson": (0, _poisson_step, True, False),
+    "shuffle": (1, _poisson_step, False, True),  # accounted as if Poisson, with a warning
+}
+
+# One row per registered accountant: a fresh dp_accounting reference engine.
+ACCOUNTANT_ROWS = {
+    "pld": lambda: pld.PLDAccountant(value_discretization_interval=1e-4),
+    "rdp": rdp.RdpAccountant,
+}
+
+
+def test_every_sampling_kind_has_a_test_row():
+    assert set(accounting.sampling_kinds()) == set(SAMPLING_ROWS)
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLING_ROWS))
+def test_each_sampling_kind_makes_its_reference_event(kind, recwarn):
+    code, reference, truncates, warns = SAMPLING_ROWS[kind]
+    registered = events.sampling_kind(kind)
+    assert (registered.code, registered.truncates, bool(registered.warning)) == (code, truncates, warns)
+    for max_batch_size in (0, 30) if truncates else (0,):
+        entry = LedgerEntry(7, 0.02, 1.3, max_batch_size, kind)
+        assert LedgerEntry.from_row(entry.to_row()) == entry
+        assert events.entry_event(entry, 1_000) == dp_accounting.SelfComposedDpEvent(
+            reference(entry, 1_000), 7)
+    if not truncates:
+        with pytest.raises(ValueError, match="max_batch_size only applies"):
+            LedgerEntry(7, 0.02, 1.3, 30, kind)
+    report = PrivacyAccountant(1_000, 1e-4, accountant="rdp",
+                               ledger=PrivacyLedger([LedgerEntry(7, 0.02, 1.3, 0, kind)])).report()
+    assert bool(report["warnings"]) == warns
+
+
+def test_sampling_kinds_need_their_own_name_and_code():
+    with pytest.raises(ValueError, match="clashes"):
+        accounting.register_sampling_kind(events.SamplingKind("poisson", 9, step_event=None))
+    with pytest.raises(ValueError, match="clashes"):
+        accounting.register_sampling_kind(events.SamplingKind("new", 0, step_event=None))
+    with pytest.raises(ValueError, match="sampling must be one of"):
+        LedgerEntry(1, 0.1, 1.0, sampling="unregistered")
+
+
+def test_every_accountant_has_a_test_row():
+    assert set(accounting.accountant_names()) == set(ACCOUNTANT_ROWS)
+
+
+@pytest.mark.parametrize("name", sorted(ACCOUNTANT_ROWS))
+def test_each_accountant_matches_its_reference_engine(name):
+    run = [poisson(300, 0.01, 1.1), poisson(100, 0.05, 2.0)]
+    expected = ACCOUNTANT_ROWS[name]().compose(dp_accounting.ComposedDpEvent(run)).get_epsilon(1e-5)
+    ledger = PrivacyLedger([LedgerEntry(300, 0.01, 1.1), LedgerEntry(100, 0.05, 2.0)])
+    got = PrivacyAccountant(10_000, 1e-5, accountant=name, ledger=ledger).epsilon()
+    assert got == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ValueError, match="already registered"):
+        accounting.register_accountant(name)(ACCOUNTANT_ROWS[name])
 
 
 # -- The ledger ------------------------------------------------------------------

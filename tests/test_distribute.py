@@ -444,7 +444,7 @@ class TestDistributedSamplerData:
         micro_steps = sampler.as_dataset()
         data = distribute.distribute_micro_batches(
             tf.distribute.get_strategy(), lambda context: micro_steps)
-        source = tf_megadp.sources.source_of(data)
+        source = tf_megadp.data.sources.source_of(data)
         assert source == sampler.source
         assert source.sampling == "poisson" and source.num_examples == 20
 
@@ -459,7 +459,7 @@ class TestDistributedSamplerData:
             4, drop_remainder=True)
         data = distribute.distribute_micro_batches(
             tf.distribute.get_strategy(), lambda context: plain)
-        assert tf_megadp.sources.source_of(data) is None
+        assert tf_megadp.data.sources.source_of(data) is None
 
 
 class TestReplicaMicroBatches:

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tf_megadp import PrivacyConfigurationError, cli
-from tf_megadp.jobs.bert import plan, pretraining
+from tf_megadp.jobs.bert import plan, pretraining, training
 from tests.test_pretraining import write_corpus
 
 SHIPPED = "tpu_configs/bert_large_v3_1024.yaml"
@@ -263,7 +263,7 @@ class TestRecipeOptions:
             schedule=[(4, 16), (6, 64)], learning_rate=1e-3, warmup_steps=2,
             learning_rate_scaling=scaling, reference_batch_size=32, micro_batch_size=8)
         schedule = config.make_schedule(num_examples=1000, num_replicas=1)
-        optimizer = pretraining._inner_optimizer(config, schedule, None)
+        optimizer = training._inner_optimizer(config, schedule, None)
 
         def reference(step):  # warmup to 1e-3 over 2 steps, cosine to 10 % over 8
             shape = (step / 2 if step < 2 else

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tf_megadp
-from tf_megadp.jobs.bert import pretraining, text
+from tf_megadp.jobs.bert import pretraining, text, training
 
 VOCABULARY = 64
 LENGTH = 16
@@ -31,7 +31,7 @@ def examples():
     rows = np.random.default_rng(0).integers(5, VOCABULARY, size=(ROWS, LENGTH))
     rows[-2:, LENGTH // 2:] = 0  # some [PAD]
     batcher = text.MaskedLMBatcher(VOCABULARY, LENGTH)
-    return pretraining.masked_rows(rows, batcher, seed=0)
+    return training.masked_rows(rows, batcher, seed=0)
 
 
 def dp_step(precision, clipping, initial):

@@ -4,11 +4,14 @@ The library (optimizer, train step, clipping, accounting, samplers,
 callbacks, checkpointing, distribute, audit) must import without keras-hub,
 matplotlib and scikit-learn, which only the BERT job (tf_megadp.jobs.bert)
 and the audit's membership scores need; no library module may import the
-job at module level; and the package's modules form no import cycle.
+job at module level; the package's modules form no import cycle; and no
+import, at module level, inside a function or by name through importlib,
+runs from a lower layer of `LAYERS` to a higher one.
 """
 
 import ast
 import os
+import re
 import subprocess
 import sys
 
@@ -48,14 +51,18 @@ def test_import_tf_megadp_loads_no_job_dependency(loaded_by_the_library, module)
     assert module not in loaded_by_the_library
 
 
-def test_the_jobs_exports_resolve_on_first_use():
+def test_the_library_names_nothing_of_the_job():
     import tf_megadp
+    from tf_megadp.jobs.bert import text
 
     assert set(tf_megadp.__all__) <= set(dir(tf_megadp))
-    assert tf_megadp.MaskedLMBatcher.__module__ == "tf_megadp.jobs.bert.text"
+    assert not {name for name in tf_megadp.__all__
+                if getattr(vars(text).get(name), "__module__", None) == text.__name__}
+    for name in ("MaskedLMBatcher", "prepare_corpus", "CorpusError", "pretraining"):
+        with pytest.raises(AttributeError, match=f"no attribute '{name}'"):
+            getattr(tf_megadp, name)
+    assert text.MaskedLMBatcher.__module__ == "tf_megadp.jobs.bert.masking"
     assert tf_megadp.run_audit is tf_megadp.audit.run_audit
-    with pytest.raises(AttributeError, match="no attribute 'pretraining'"):
-        tf_megadp.pretraining  # noqa: B018 (the job left the library)
 
 
 def _modules():
@@ -67,30 +74,41 @@ def _modules():
                 yield relative.removesuffix(".__init__"), path
 
 
+def _imported(statement, package, known):
+    """tf_megadp modules an `import` or `from ... import` statement imports.
+
+    `from package import submodule` depends on the submodule, `from module
+    import name` on the module (the package root, for `from tf_megadp import X`).
+    """
+    if isinstance(statement, ast.Import):
+        return {a.name for a in statement.names if a.name.startswith("tf_megadp")}
+    if not isinstance(statement, ast.ImportFrom):
+        return set()
+    base = statement.module or ""
+    if statement.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) - statement.level + 1]
+                        + ([base] if base else []))
+    if not base.startswith("tf_megadp"):
+        return set()
+    submodules = {f"{base}.{a.name}" for a in statement.names} & known
+    return submodules if len(submodules) == len(statement.names) else submodules | {base}
+
+
+def _parse(path, module):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    return tree, module if path.endswith("__init__.py") else module.rpartition(".")[0]
+
+
 def _module_level_imports(path, module, known=frozenset()):
     """tf_megadp modules imported when `module` is imported (not inside functions)."""
-    tree = ast.parse(open(path, encoding="utf-8").read())
-    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    tree, package = _parse(path, module)
     found = set()
     for node in tree.body:
         statements = [node] + [child for child in ast.walk(node)] if isinstance(
             node, (ast.If, ast.Try)) else [node]
         for statement in statements:
-            if isinstance(statement, ast.Import):
-                found |= {a.name for a in statement.names if a.name.startswith("tf_megadp")}
-            elif isinstance(statement, ast.ImportFrom):
-                base = statement.module or ""
-                if statement.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - statement.level + 1]
-                                    + ([base] if base else []))
-                if base.startswith("tf_megadp"):
-                    # `from package import submodule` depends on the submodule;
-                    # `from module import name` on the module.
-                    submodules = {f"{base}.{a.name}" for a in statement.names} & known
-                    found |= submodules if len(submodules) == len(statement.names) else (
-                        submodules | {base})
+            found |= _imported(statement, package, known)
     return found
-
 
 def test_no_library_module_imports_the_job_at_module_level():
     offenders = {}
@@ -145,3 +163,115 @@ def test_import_tf_megadp_audit_loads_neither_scikit_learn_nor_the_job():
                             text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     assert output.returncode == 0, output.stderr[-2000:]
     assert output.stdout.strip().splitlines()[-1:] in ([], [""]), output.stdout
+
+
+# The library's layers, lowest first: a module may import its own layer and
+# the ones before it, never a later one (the job imports the library, the
+# library never the job). The package root ("tf_megadp") re-exports the
+# library's public API: only the job and the CLI may use it.
+LAYERS = [
+    ("errors", "_version", "files", "secret", "_validate", "_keras_compat"),
+    ("steps",),
+    ("adaptive_clipping",),
+    ("accounting",),
+    ("clipping",),
+    ("data",),
+    ("distribute", "learning_rate", "preemption"),
+    ("optimizer_settings", "accumulators", "optimizer_ledger"),
+    ("optimizer",),
+    ("run_state",),
+    ("ledger_keeping",),
+    ("callbacks",),
+    ("checkpointing",),
+    ("train_step",),
+    ("custom_loop",),
+    ("privacy_report",),
+    ("audit",),
+    ("tf_megadp",),
+    ("jobs",),
+    ("cli",),
+]
+_MODULE_NAME = re.compile(r"tf_megadp(\.\w+)+")
+
+
+def _layer(module):
+    unit = module.split(".")[1] if "." in module else module
+    for index, units in enumerate(LAYERS):
+        if unit in units:
+            return index
+    return len(LAYERS)
+
+
+def _every_import(path, module, known):
+    """tf_megadp modules `module` may import: anywhere in the file, or by name (importlib)."""
+    tree, package = _parse(path, module)
+    found = set()
+    for node in ast.walk(tree):
+        found |= _imported(node, package, known)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # Names importlib resolves: `_LAZY` entries, `import_module(...)` arguments.
+            if _MODULE_NAME.fullmatch(node.value) and node.value in known:
+                found.add(node.value)
+    return found
+
+def test_nothing_imports_upwards():
+    modules = dict(_modules())
+    known = frozenset(modules)
+    upward = {}
+    for module, path in modules.items():
+        for name in _every_import(path, module, known):
+            if _layer(name) > _layer(module):
+                upward.setdefault(module, []).append(name)
+    assert upward == {}
+
+
+def test_every_module_has_a_layer():
+    assert {module for module, _ in _modules() if _layer(module) == len(LAYERS)} == set()
+
+
+def test_the_layer_test_sees_function_level_and_importlib_imports(tmp_path):
+    # The check must be able to fail: an upward import inside a function and
+    # one by name are both found.
+    path = tmp_path / "probe.py"
+    path.write_text("def f():\n    from tf_megadp.train_step import make_private\n"
+                    "LAZY = {'x': ('tf_megadp.jobs', None)}\n")
+    found = _every_import(str(path), "tf_megadp.steps", frozenset(dict(_modules())))
+    assert found == {"tf_megadp.train_step", "tf_megadp.jobs"}
+    assert all(_layer(name) > _layer("tf_megadp.steps") for name in found)
+
+
+# Private Keras / TensorFlow API, reachable only through tf_megadp/_keras_compat.py.
+_PRIVATE_MODULES = ("keras.src", "keras_hub.src", "tensorflow.python", "tensorflow.compiler")
+_PRIVATE_ATTRIBUTES = {
+    "__internal__", "_flatten_layers", "_layers", "_trainable_variables", "_call_has_training_arg",
+    "_symbolic_build", "_maybe_symbolic_build", "_distribute_strategy", "_distribution_strategy",
+    "_compile_loss", "_compile_metrics", "_loss_tracker", "_learning_rate", "_bias",
+    "_pfor_converter_registry", "_variables",
+}
+
+
+def _private_api_uses(path):
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            uses += [a.name for a in node.names if a.name.startswith(_PRIVATE_MODULES)]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(_PRIVATE_MODULES):
+            uses.append(node.module)
+        elif isinstance(node, ast.Attribute) and node.attr in _PRIVATE_ATTRIBUTES:
+            uses.append(f"line {node.lineno}: .{node.attr}")
+    return uses
+
+
+def test_private_keras_and_tensorflow_api_is_used_in_one_file_only():
+    found = {module: uses for module, path in _modules()
+             if module != "tf_megadp._keras_compat" and (uses := _private_api_uses(path))}
+    assert found == {}
+    assert _private_api_uses(os.path.join(PACKAGE, "_keras_compat.py"))  # the check can fail
+
+
+def test_no_module_is_over_600_lines():
+    # Small modules, one concept each: the BERT job's count too.
+    long = {module: lines for module, path in _modules()
+            if (lines := len(open(path, encoding="utf-8").read().splitlines())) > 600}
+    assert long == {}

@@ -18,7 +18,7 @@ import yaml
 
 from tf_megadp import accounting, cli
 from tf_megadp.jobs.bert import plan
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "tpu_configs")
@@ -141,7 +141,7 @@ class TestArithmetic:
         """Per weight: the job's AdamW variables (two moments, the EMA copy) + the DP accumulator."""
         import keras
 
-        from tf_megadp.jobs.bert import pretraining
+        from tf_megadp.jobs.bert import training
 
         config = raw(CONFIGS[0])
         if ema_momentum is not None:
@@ -152,7 +152,7 @@ class TestArithmetic:
                   for c, memory in result["memory_bytes"].items()}
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(5)])
         schedule = config.make_schedule(config.num_examples, config.hardware.replicas)
-        inner = pretraining._inner_optimizer(config, schedule, None)
+        inner = training._inner_optimizer(config, schedule, None)
         inner.build(model.trainable_variables)
         weights = sum(math.prod(v.shape) for v in model.trainable_variables)
         # Scalars (the step counter) are not per weight.

@@ -28,8 +28,9 @@ import h5py
 import numpy as np
 import pytest
 
-from tf_megadp import accounting, cli, distribute, sampling
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp import accounting, cli, distribute
+from tf_megadp.data import PoissonSampler, TokenShards, write_token_shards
+from tf_megadp.steps import BatchSizeSchedule
 from tf_megadp.jobs.bert.pretraining import PretrainConfig, prepare_data, run_pretraining
 
 SUBJECTS = ["the model", "a student", "our team", "the network", "each layer", "the sampler"]
@@ -90,7 +91,7 @@ class Captured:
     def __init__(self, monkeypatch):
         self.secrets, self.draws, self._samplers = [], [], {}
         real_secret = distribute.shared_sampling_secret
-        real_draw = sampling.PoissonSampler.draw
+        real_draw = PoissonSampler.draw
 
         def secret(*args, **kwargs):
             value = real_secret(*args, **kwargs)
@@ -104,7 +105,7 @@ class Captured:
             return result
 
         monkeypatch.setattr(distribute, "shared_sampling_secret", secret)
-        monkeypatch.setattr(sampling.PoissonSampler, "draw", draw)
+        monkeypatch.setattr(PoissonSampler, "draw", draw)
 
     def first_draw(self, sampler_number=0):
         return next(d[2] for d in self.draws if d[0] == sampler_number and d[1] == 0)
@@ -204,7 +205,7 @@ class TestEndToEnd:
 
     def test_report_epsilon_matches_the_accountant(self, resumed_run):
         _, report, _ = resumed_run
-        from tf_megadp.schedules import BatchSizeSchedule
+        from tf_megadp.steps import BatchSizeSchedule
 
         schedule = BatchSizeSchedule.from_dict(report["schedule"])
         expected = accounting.compute_epsilon(
@@ -237,14 +238,14 @@ class TestEndToEnd:
         """The last held-out accuracy is that of model.keras: the EMA weights, not the live ones."""
         import keras
 
-        from tf_megadp.jobs.bert import pretraining, text
+        from tf_megadp.jobs.bert import pretraining, text, training
 
         _, report, output = resumed_run
         root, corpus, cache = workspace
         config = tiny_config(corpus, cache, output, **RECIPE)
         _, train, heldout = prepare_data(config)
         batcher = text.MaskedLMBatcher.from_shards(train)
-        x, y, w = pretraining._heldout_batches(heldout, batcher, config.micro_batch_size,
+        x, y, w = training._heldout_batches(heldout, batcher, config.micro_batch_size,
                                                config.seed)
         exported = pretraining.build_model(config, train.vocabulary_size)
         exported.load_weights(str(output / "model.keras"))
@@ -261,7 +262,7 @@ class TestEndToEnd:
         live = pretraining.build_model(config, train.vocabulary_size)
         from tf_megadp.checkpointing import restore_training_state
 
-        restore_training_state(live, str(output / "checkpoint"), pretraining._compile_kwargs(True))
+        restore_training_state(live, str(output / "checkpoint"), training._compile_kwargs(True))
         averaged = live.optimizer.inner_optimizer._model_variables_moving_average
         assert len(averaged) == len(live.trainable_variables)
         for variable, average, released in zip(live.trainable_variables, averaged,
@@ -417,7 +418,7 @@ class TestTheDrawsStaySecret:
             self, workspace, resumed_capture):
         root, corpus, cache = workspace
         _, report, output, resumed = resumed_capture
-        from tf_megadp.schedules import BatchSizeSchedule
+        from tf_megadp.steps import BatchSizeSchedule
 
         # The attacker knows the corpus and code (DP's threat model), reads
         # every integer in the published JSON and tries it, and every small
@@ -433,7 +434,7 @@ class TestTheDrawsStaySecret:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # seed= warns: that is the point
             for candidate in sorted(candidates):
-                guess = sampling.PoissonSampler(train, schedule, seed=candidate).draw(0).indices
+                guess = PoissonSampler(train, schedule, seed=candidate).draw(0).indices
                 assert not (guess.shape == actual.shape and np.array_equal(guess, actual)), (
                     f"seed {candidate} from the job's files reproduces its first step")
 
@@ -609,9 +610,9 @@ def masking_shards(tmp_path_factory):
         real = int(rng.integers(4, MASKING_LENGTH - 1))
         row[0], row[1:real + 1], row[real + 1] = 1, rng.integers(5, MASKING_VOCABULARY, real), 2
     directory = tmp_path_factory.mktemp("masking")
-    sampling.write_token_shards(directory, [rows], sequence_length=MASKING_LENGTH,
+    write_token_shards(directory, [rows], sequence_length=MASKING_LENGTH,
                                 vocabulary_size=MASKING_VOCABULARY, checksum="masking")
-    return sampling.TokenShards(directory)
+    return TokenShards(directory)
 
 
 def masking_schedule(shards):
@@ -687,10 +688,10 @@ class TestTheMasksAreSecretAndPerExample:
         batcher = MaskedLMBatcher.from_shards(masking_shards)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # seeded sampling: a test
-            pipeline = [as_arrays(e) for e in sampling.PoissonSampler(
+            pipeline = [as_arrays(e) for e in PoissonSampler(
                 masking_shards, schedule, seed=9).as_dataset(batcher, parallel_map=True)]
-            raw = list(sampling.PoissonSampler(masking_shards, schedule, seed=9).micro_batches())
-            keys = step_keys(sampling.PoissonSampler(masking_shards, schedule, seed=9))
+            raw = list(PoissonSampler(masking_shards, schedule, seed=9).micro_batches())
+            keys = step_keys(PoissonSampler(masking_shards, schedule, seed=9))
         assert len(pipeline) == len(raw) == len(keys) == sum(
             phase.steps * phase.accumulation_steps for phase in schedule.phases)
         # Every micro-batch of a step has the step's key; steps have their own.
@@ -726,14 +727,14 @@ class TestTheMasksAreSecretAndPerExample:
     def test_step_keys_are_secret_and_a_function_of_the_secret_and_the_step(
             self, masking_shards):
         schedule = masking_schedule(masking_shards)
-        fresh = [step_keys(sampling.PoissonSampler(masking_shards, schedule)) for _ in range(2)]
+        fresh = [step_keys(PoissonSampler(masking_shards, schedule)) for _ in range(2)]
         assert all(not np.array_equal(a[1], b[1]) for a, b in zip(*fresh))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             whole = dict((step, tuple(key)) for step, key in step_keys(
-                sampling.PoissonSampler(masking_shards, schedule, seed=1)))
+                PoissonSampler(masking_shards, schedule, seed=1)))
             resumed = dict((step, tuple(key)) for step, key in step_keys(
-                sampling.PoissonSampler(masking_shards, schedule, seed=1, start_step=3)))
+                PoissonSampler(masking_shards, schedule, seed=1, start_step=3)))
         assert resumed == {step: key for step, key in whole.items() if step >= 3}
 
     def test_selection_is_a_uniform_subset_and_other_tokens_are_untouched(self, masking_shards):

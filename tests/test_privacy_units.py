@@ -356,13 +356,14 @@ def write_user_corpus(path, sizes, seed=0):
 
 def test_a_corpus_with_units_packs_no_row_across_units_and_keeps_each_rows_unit(tmp_path):
     from tf_megadp.jobs.bert import text
+    from tf_megadp.jobs.bert.units import load_unit_ids
 
     sizes = [12, 1, 3, 2]
     corpus = write_user_corpus(tmp_path / "notes.jsonl", sizes)
     vocabulary = list(text.SPECIAL_TOKENS) + sorted(set(WORDS))
     shards = text.prepare_corpus(tmp_path / "shards", [corpus], sequence_length=16,
                                  vocabulary=vocabulary, min_tokens=1, unit_field="author")
-    units = text.load_unit_ids(shards)
+    units = load_unit_ids(shards)
     assert units.shape == (len(shards),) and shards.manifest["num_units"] == len(sizes)
     assert shards.manifest["unit_field"] == "author"
     assert "user-000" not in (tmp_path / "shards" / "manifest.json").read_text()  # no ids
@@ -381,6 +382,7 @@ def test_a_corpus_with_units_packs_no_row_across_units_and_keeps_each_rows_unit(
 @pytest.mark.slow  # a whole job (XLA compilations of a BERT): 30-60 s on the 2-core machine
 def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
     from tf_megadp.jobs.bert import text
+    from tf_megadp.jobs.bert.units import load_unit_ids
     from tf_megadp.jobs.bert.pretraining import (PretrainConfig, PretrainError, prepare_data,
                                                  run_pretraining)
 
@@ -397,7 +399,7 @@ def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
         privacy_unit="author", examples_per_unit=2)
     report = run_pretraining(PretrainConfig(**settings), log=lambda *_: None)
     _, train, _ = prepare_data(PretrainConfig(**settings))
-    units = text.load_unit_ids(train)
+    units = load_unit_ids(train)
     assert report["privacy_unit"] == "author" and report["examples_per_unit"] == 2
     assert report["num_examples"] == np.unique(units).size <= len(sizes)
     assert report["training_sequences"] == len(train) > report["num_examples"]

@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.sampling: what the accountant assumes is what happens.
+"""Specification of tf_megadp.data (samplers, shards, stores, sources): what the accountant assumes is what happens.
 
 Statistical checks use fixed seeds and significance level 1e-3; each is paired
 with a negative control showing that the same check rejects a sampler that
@@ -19,18 +19,19 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tf_megadp import sampling
+from tf_megadp import data
+from tf_megadp.data import entropy
 from tf_megadp.accounting import ledger_from_schedule
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.sampling import (
+from tf_megadp.data import (
     MANIFEST_NAME,
     PoissonSampler,
     ShuffleSampler,
     TokenShards,
     write_token_shards,
 )
-from tf_megadp.schedules import BatchSizeSchedule, Phase
-from tf_megadp.sources import DataSource, resumed_at, source_of
+from tf_megadp.steps import BatchSizeSchedule, Phase
+from tf_megadp.data.sources import DataSource, resumed_at, source_of
 
 ALPHA = 1e-3
 SEED_WARNING = "An explicit sampling seed"
@@ -456,7 +457,7 @@ class TestSecretRandomness:
     def test_the_entropy_reaches_no_public_attribute_repr_report_or_graph(self, small, monkeypatch, kind):
         shards, _ = small
         secret = 0x5EC12E7_0DD_BA11_F00D_CAFE_1234_5678  # stands in for the OS draw
-        monkeypatch.setattr(sampling, "_os_entropy", lambda: secret)
+        monkeypatch.setattr(entropy, "_os_entropy", lambda: secret)
         records = [(np.float32(i), i % 2) for i in range(200)]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -846,7 +847,7 @@ class TestExampleStores:
         ragged = [(np.zeros(3), 0)] * 9 + [(np.zeros(4), 0)]
         sampler = PoissonSampler.from_records(ragged, batch_size=9, epochs=1, micro_batch_size=10, seed=0)
         with pytest.raises(ValueError, match=r"records\[9\].*pad or truncate"):
-            sampler.step_micro_batches(sampling.StepDraw(0, np.arange(10), 10, 10)).__next__()
+            sampler.step_micro_batches(data.StepDraw(0, np.arange(10), 10, 10)).__next__()
         with pytest.raises(TypeError, match="from_arrays"):
             PoissonSampler.from_records(np.zeros((10, 2)), batch_size=2, epochs=1, micro_batch_size=2)
         with pytest.raises(TypeError, match=r"records\[0\] is a int"):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tf_megadp.sampling import PoissonSampler
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.data import PoissonSampler
+from tf_megadp.steps import BatchSizeSchedule
 from tf_megadp.jobs.bert.text import (
     SPECIAL_TOKENS,
     CorpusError,

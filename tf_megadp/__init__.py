@@ -2,10 +2,11 @@
 
 The public API is re-exported here; everything else is private to its module.
 `import tf_megadp` loads the library only: TensorFlow and Keras, never
-keras-hub, matplotlib or scikit-learn. The names that need them (the audit
-library, which scores membership with scikit-learn, and the BERT job's
-corpus and batching helpers, which tokenize with keras-hub) are resolved on
-first use (PEP 562), from the modules named in `_LAZY`.
+keras-hub, matplotlib or scikit-learn. The audit library, which scores
+membership with scikit-learn, is resolved on first use (PEP 562), from the
+modules named in `_LAZY`. The BERT job (`tf_megadp.jobs.bert`) is an
+application of the library, not part of it: this namespace names nothing of
+it; import its corpus and batching helpers from `tf_megadp.jobs.bert.text`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 from typing import Any
 
 from tf_megadp import distribute
+from tf_megadp._version import __version__
 from tf_megadp.adaptive_clipping import AdaptiveClipping
 from tf_megadp.accounting import (
     LedgerEntry,
@@ -23,7 +25,7 @@ from tf_megadp.accounting import (
     compute_epsilon,
     ledger_from_schedule,
 )
-from tf_megadp.callbacks import PrivacyCallback, model_ledger, read_ledger
+from tf_megadp.callbacks import PrivacyCallback
 from tf_megadp.checkpointing import (
     export_model,
     has_training_state,
@@ -31,30 +33,28 @@ from tf_megadp.checkpointing import (
     save_training_state,
 )
 from tf_megadp.clipping import AutoClipping, ClippingStrategy, GhostClipping, VectorizedClipping
-from tf_megadp.custom_loop import PrivacyReport, PrivateStep
+from tf_megadp.custom_loop import PrivateStep
+from tf_megadp.data import (
+    DataSource,
+    PoissonSampler,
+    PrivacyUnitSampler,
+    ShuffleSampler,
+    TokenShards,
+    write_token_shards,
+)
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 from tf_megadp.learning_rate import BatchScaledSchedule
 from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.privacy_units import PrivacyUnitSampler
-from tf_megadp.sampling import PoissonSampler, ShuffleSampler, TokenShards, write_token_shards
-from tf_megadp.schedules import BatchSizeSchedule, Phase
-from tf_megadp.sources import DataSource
+from tf_megadp.privacy_report import PrivacyReport
+from tf_megadp.run_state import model_ledger, read_ledger
+from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
-
-__version__ = "0.1.0"
 
 # name -> (module, attribute or None for the module itself), imported on first access.
 _LAZY = {
     "audit": ("tf_megadp.audit", None),
     "AuditCallback": ("tf_megadp.audit", "AuditCallback"),
     "run_audit": ("tf_megadp.audit", "run_audit"),
-    "jobs": ("tf_megadp.jobs", None),
-    "CorpusError": ("tf_megadp.jobs.bert.text", "CorpusError"),
-    "MaskedLMBatcher": ("tf_megadp.jobs.bert.text", "MaskedLMBatcher"),
-    "default_corpus_documents": ("tf_megadp.jobs.bert.text", "default_corpus_documents"),
-    "load_vocabulary": ("tf_megadp.jobs.bert.text", "load_vocabulary"),
-    "prepare_corpus": ("tf_megadp.jobs.bert.text", "prepare_corpus"),
-    "read_documents": ("tf_megadp.jobs.bert.text", "read_documents"),
 }
 
 __all__ = [
@@ -64,13 +64,11 @@ __all__ = [
     "BatchScaledSchedule",
     "BatchSizeSchedule",
     "ClippingStrategy",
-    "CorpusError",
     "DPOptimizer",
     "DataSource",
     "GhostClipping",
     "GhostClippingUnsupportedError",
     "LedgerEntry",
-    "MaskedLMBatcher",
     "Phase",
     "PoissonSampler",
     "PrivacyUnitSampler",
@@ -86,20 +84,15 @@ __all__ = [
     "audit",
     "calibrate_noise_multiplier",
     "compute_epsilon",
-    "default_corpus_documents",
     "distribute",
     "export_model",
     "extend_schedule",
     "has_training_state",
     "is_private",
-    "jobs",
     "ledger_from_schedule",
-    "load_vocabulary",
     "make_private",
     "make_private_with_epsilon",
     "model_ledger",
-    "prepare_corpus",
-    "read_documents",
     "read_ledger",
     "restore_training_state",
     "run_audit",

@@ -28,6 +28,7 @@ another.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -36,7 +37,9 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, write_json_atomically
+from tf_megadp.optimizer import DPOptimizer
 
 __all__ = ["save_training_state", "restore_training_state", "has_training_state", "export_model"]
 
@@ -186,8 +189,7 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     if not path.endswith(".keras"):
         raise ValueError(f"export_model writes a .keras file, got {path!r}.")
-    from tf_megadp.callbacks import run_notes
-    from tf_megadp.train_step import is_private
+    from tf_megadp.run_state import is_private, run_notes
 
     if is_private(model):
         run_notes(model).check_weights(model)  # warns when they changed
@@ -202,3 +204,97 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
     finally:
         model.optimizer = optimizer
         model.compiled = compiled
+
+
+# -- Keras save and load of a private model keep the ledger ------------------------
+
+
+def _saved_dp_optimizer_variables(path) -> int:
+    """How many DPOptimizer variables a Keras weights or model file holds (0 if none)."""
+    import zipfile
+
+    import h5py
+
+    path = str(path)
+    try:
+        if path.endswith(".keras"):
+            with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as stream:
+                with h5py.File(stream, "r") as handle:
+                    return _dp_variable_count(handle)
+        with h5py.File(path, "r") as handle:
+            return _dp_variable_count(handle)
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return 0  # Not a Keras weights file: Keras itself will say so.
+
+
+def _dp_variable_count(handle) -> int:
+    # A DPOptimizer saves its own variables and, as a child, its inner optimizer's.
+    group = handle.get("optimizer")
+    if group is None or "inner_optimizer" not in group:
+        return 0
+    return len(group.get("vars", {}))
+
+
+def _ledger_preserving_load(model: keras.Model, original_load):
+    @functools.wraps(original_load)
+    def load_weights(filepath, *args, **kwargs):
+        saved = _saved_dp_optimizer_variables(filepath)
+        optimizer = getattr(model, "optimizer", None)
+        if saved and isinstance(optimizer, DPOptimizer) and not optimizer.built and model.built:
+            # Keras skips the state of an unbuilt optimizer: build it, so
+            # that the ledger in the file is loaded with the weights.
+            optimizer.build(model.trainable_variables)
+        if saved and not (isinstance(optimizer, DPOptimizer) and optimizer.built
+                          and len(optimizer.variables) == saved):
+            raise PrivacyConfigurationError(
+                f"{filepath} holds a DPOptimizer's state, with the privacy ledger of "
+                "the steps already taken, but this model is not compiled with a "
+                "DPOptimizer of the same settings: Keras would load the weights and "
+                "drop that ledger, and epsilon would be under-reported. Compile with "
+                "the DPOptimizer first, then load_weights; or load the run with "
+                "keras.models.load_model or tf_megadp.restore_training_state."
+            )
+        return original_load(filepath, *args, **kwargs)
+
+    return load_weights
+
+
+def _atomic_save(original_save, model=None):
+    """`save` / `save_weights` through a temporary file renamed into place.
+
+    A run killed while `ModelCheckpoint` (or the user) writes a checkpoint
+    keeps the previous file whole instead of a truncated one. Given the
+    model, the steps a custom loop applied are recorded in its ledger first.
+    """
+
+    @functools.wraps(original_save)
+    def save(filepath, *args, **kwargs):
+        if model is not None:
+            record_custom_loop(model)
+        path = os.fspath(filepath)
+        if "://" in path or kwargs.get("overwrite", True) is False:
+            # Remote files have no atomic rename; overwrite=False asks first.
+            return original_save(filepath, *args, **kwargs)
+        kwargs["overwrite"] = True
+        atomic_write(path, lambda temporary: original_save(temporary, *args, **kwargs))
+
+    return save
+
+
+def _ledger_preserving_save(model: keras.Model, original_save):
+    atomic_save = _atomic_save(original_save, model)
+
+    @functools.wraps(original_save)
+    def save(filepath, *args, **kwargs):
+        # Keras replays only its own compile on load (keras-hub tasks override it).
+        compile_replayed = type(model).compile is keras.Model.compile
+        if isinstance(getattr(model, "optimizer", None), DPOptimizer) and not compile_replayed:
+            raise PrivacyConfigurationError(
+                f"{type(model).__name__} overrides compile, so keras.models.load_model "
+                "skips it and the DPOptimizer (its privacy ledger) would be lost on "
+                "load. Use tf_megadp.save_training_state(model, directory) to resume a "
+                "run and tf_megadp.export_model(model, path) to publish the model."
+            )
+        return atomic_save(filepath, *args, **kwargs)
+
+    return save

@@ -36,6 +36,12 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
+from tf_megadp.accounting import (  # noqa: E402
+    DEFAULT_ACCOUNTANT,
+    accountant_names,
+    sampling_kinds,
+)
+
 __all__ = ["main", "build_parser", "run_config_from_args"]
 
 _PROGRAM = "tf-megadp"
@@ -79,10 +85,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
                      help="Poisson steps truncated at M examples (default: none)")
     parser.add_argument("--delta", type=float, required=True,
                         help="delta, in (0, 1); at most 1/N")
-    parser.add_argument("--sampling", choices=("poisson", "shuffle"), default="poisson",
+    parser.add_argument("--sampling", choices=sampling_kinds(), default="poisson",
                         help="how batches are drawn (default: poisson; shuffle is "
                              "reported as Poisson, which understates the loss)")
-    parser.add_argument("--accountant", choices=("pld", "rdp"), default="pld",
+    parser.add_argument("--accountant", choices=accountant_names(), default=DEFAULT_ACCOUNTANT,
                         help="privacy accountant (default: pld)")
     parser.add_argument("--privacy-unit", metavar="NAME",
                         help="user-level privacy (tf_megadp.PrivacyUnitSampler): the unit, "
@@ -93,7 +99,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
 
 
 def _load_schedule(path: str):
-    from tf_megadp.schedules import BatchSizeSchedule
+    from tf_megadp.steps import BatchSizeSchedule
 
     try:
         with open(path, encoding="utf-8") as stream:
@@ -308,153 +314,6 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 # -- pretrain -------------------------------------------------------------------
 
 
-def _add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of a run configuration, shared by `pretrain` and `plan`.
-
-    Every flag defaults to "not given" (argparse.SUPPRESS): a given flag
-    overrides the field of the `--config` file (or of the defaults), a
-    missing one leaves it. See `run_config_from_args`.
-    """
-    from tf_megadp.jobs.bert.config import (LEARNING_RATE_SCALINGS, PER_EXAMPLE_SCALINGS,
-                                            SEPARATORS)
-    from tf_megadp.jobs.bert.pretraining import MODEL_PRESETS, PRECISIONS, PretrainConfig
-
-    defaults = PretrainConfig()
-    hidden = argparse.SUPPRESS
-    data = parser.add_argument_group("data")
-    data.add_argument("--corpus", nargs="+", metavar="PATH", default=hidden,
-                      help="text/JSONL files or globs (default: the offline default corpus)")
-    data.add_argument("--sequence-length", type=int, default=hidden,
-                      help=f"tokens per sequence (default {defaults.sequence_length})")
-    data.add_argument("--vocabulary-size", type=int, default=hidden,
-                      help="size of the vocabulary learned from the public default corpus "
-                           f"(default {defaults.vocabulary_size})")
-    data.add_argument("--vocabulary", metavar="FILE", default=hidden,
-                      help="a PUBLIC WordPiece vocabulary (one token per line, e.g. BERT's "
-                           "vocab.txt) instead of one learned from the default corpus")
-    data.add_argument("--vocabulary-from-training-corpus", action="store_true", default=hidden,
-                      help="learn the vocabulary from --corpus itself: NOT private (it is "
-                           "published with the model and shows the corpus's words "
-                           "verbatim); warns, and report.json says so")
-    data.add_argument("--document-separator", choices=list(SEPARATORS), default=hidden,
-                      help="plain-text corpus files: documents separated by blank lines, or "
-                           f"one per line (default {defaults.document_separator})")
-    data.add_argument("--max-characters", type=int, default=hidden,
-                      help="size cap of the default corpus")
-    data.add_argument("--heldout-fraction", type=float, default=hidden)
-    data.add_argument("--privacy-unit", metavar="FIELD", default=hidden,
-                      help="user-level privacy: the JSONL field naming each document's "
-                           "unit (author, account); batch sizes then count units "
-                           "(docs/privacy.md, 'Choosing the privacy unit')")
-    data.add_argument("--examples-per-unit", type=int, metavar="K", default=hidden,
-                      help="with --privacy-unit: the most sequences of one unit in a "
-                           "logical step (default 4)")
-    data.add_argument("--canaries", type=int, metavar="N", default=hidden,
-                      help="insert N secret canaries per repetition count (1, 4, 16) into the "
-                           "training split for `tf-megadp audit` (default: none)")
-    data.add_argument("--num-examples", type=int, metavar="N", default=hidden,
-                      help="the N the run is planned for; another corpus size is refused")
-    model = parser.add_argument_group("model and optimizer")
-    model.add_argument("--model", choices=list(MODEL_PRESETS), default=hidden,
-                       help=f"preset (default {defaults.model})")
-    model.add_argument("--precision", choices=list(PRECISIONS), default=hidden,
-                       help="dtype policy: mixed_bfloat16 computes in bfloat16, keeps "
-                            "variables, norms, accumulators, noise and logits in float32")
-    model.add_argument("--learning-rate", type=float, default=hidden)
-    model.add_argument("--warmup-steps", type=int, default=hidden)
-    model.add_argument("--weight-decay", type=float, default=hidden)
-    model.add_argument("--learning-rate-scaling", choices=list(LEARNING_RATE_SCALINGS),
-                       default=hidden,
-                       help="scale the learning rate of each phase with its batch B: "
-                            "lr * (B / --reference-batch-size)^(0, 1/2, 1) "
-                            f"(default {defaults.learning_rate_scaling})")
-    model.add_argument("--reference-batch-size", type=int, default=hidden,
-                       help="the batch at which --learning-rate applies as given "
-                            f"(default {defaults.reference_batch_size})")
-    model.add_argument("--ema-momentum", type=_optional_fraction, metavar="M|none",
-                       default=hidden,
-                       help="average the weights (EMA, no privacy cost) with this momentum; "
-                            "evaluation and the exported model use the average; 'none' "
-                            f"turns it off (default {defaults.ema_momentum})")
-    model.add_argument("--clipping", default=hidden,
-                       help=f"per-example clipping strategy (default {defaults.clipping})")
-    model.add_argument("--dropout", type=float, default=hidden)
-    batches = parser.add_argument_group("logical steps")
-    batches.add_argument("--micro-batch-size", type=int, default=hidden,
-                         help=f"m, per replica (default {defaults.micro_batch_size})")
-    batches.add_argument("--batch-size", type=int, default=hidden,
-                         help=f"expected logical batch (Poisson; default {defaults.batch_size})")
-    batches.add_argument("--steps", type=int, default=hidden,
-                         help=f"logical steps (default {defaults.steps})")
-    batches.add_argument("--schedule", metavar="STEPSxBATCH,...", default=hidden,
-                         help="growing batch, e.g. 40x256,40x1024 (overrides --batch-size/--steps)")
-    privacy = parser.add_argument_group("privacy")
-    privacy.add_argument("--target-epsilon", type=float, default=hidden,
-                         help=f"calibrate sigma to spend this epsilon (default {defaults.target_epsilon})")
-    privacy.add_argument("--noise-multiplier", type=float, default=hidden,
-                         help="sigma, instead of --target-epsilon")
-    privacy.add_argument("--delta", type=float, default=hidden, help="default 1/N^1.1")
-    privacy.add_argument("--l2-norm-clip", type=float, default=hidden,
-                         help=f"C, the per-example gradient norm bound (default {defaults.l2_norm_clip})")
-    privacy.add_argument("--per-example-scaling", choices=list(PER_EXAMPLE_SCALINGS),
-                         default=hidden,
-                         help="clip: g * min(1, C/||g||); automatic: g * C/(||g|| + gamma), "
-                              "normalized clipping (Bu et al. 2022), same sensitivity C "
-                              f"(default {defaults.per_example_scaling})")
-    privacy.add_argument("--automatic-scaling-stability", type=float, metavar="GAMMA",
-                         default=hidden,
-                         help="gamma of automatic clipping "
-                              f"(default {defaults.automatic_scaling_stability})")
-    privacy.add_argument("--adaptive-clipping-quantile", type=float, metavar="GAMMA",
-                         default=hidden,
-                         help="adaptive clipping (Andrew et al. 2021): move C after every "
-                              "logical step towards this quantile of the per-example norms, "
-                              "--l2-norm-clip being the initial C; same epsilon (default: off)")
-    privacy.add_argument("--adaptive-clipping-learning-rate", type=float, metavar="ETA",
-                         default=hidden,
-                         help="eta of adaptive clipping's geometric update "
-                              f"(default {defaults.adaptive_clipping_learning_rate})")
-    privacy.add_argument("--adaptive-clipping-count-stddev", type=float, metavar="S",
-                         default=hidden,
-                         help="noise std of adaptive clipping's count of unclipped examples "
-                              "(default: the expected batch / 20)")
-    privacy.add_argument("--accountant", choices=["pld", "rdp"], default=hidden)
-    privacy.add_argument("--non-private", action="store_true", default=hidden,
-                         help="baseline: same data, model and optimizer; no clipping or noise")
-    run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", default=hidden, help="default: a new folder under ./runs/")
-    run.add_argument("--resume", action="store_true", default=hidden,
-                     help="continue the run in --output-dir")
-    run.add_argument("--stop-after-steps", type=int, default=hidden,
-                     help="end this invocation after this many logical steps (resume later)")
-    run.add_argument("--eval-every", type=int, default=hidden,
-                     help="logical steps between held-out evaluations")
-    run.add_argument("--checkpoint-every", type=int, default=hidden,
-                     help="logical steps between checkpoints (0: at the end only)")
-    run.add_argument("--strategy", default=hidden,
-                     choices=["default", "mirrored", "multiworker", "tpu"])
-    run.add_argument("--tpu", default=hidden,
-                     help="TPU name for --strategy tpu ('local' on a TPU VM)")
-    run.add_argument("--cpu-replicas", type=int, metavar="R", default=hidden,
-                     help="with --strategy mirrored: split the CPU into R logical devices")
-    run.add_argument("--seed", type=int, default=hidden,
-                     help="seeds model initialisation, the held-out split and its masks, "
-                          "and canaries (all public); never the Poisson sampling, the "
-                          "training masks, dropout or the DP noise, which come from secret "
-                          "OS entropy")
-    run.add_argument("--cache-dir", default=hidden, help="where prepared corpora are kept")
-
-
-def _optional_fraction(text: str) -> float | None:
-    """A number, or None for 'none'/'off' (a flag that can turn a default off)."""
-    if text.lower() in ("none", "off"):
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
-
-
 def run_config_from_args(args: argparse.Namespace, config_path: str | None):
     """The run's `PretrainConfig`: the file's (or the defaults), then the given flags.
 
@@ -486,6 +345,8 @@ def run_config_from_args(args: argparse.Namespace, config_path: str | None):
 
 
 def _add_pretrain_parser(subparsers) -> None:
+    from tf_megadp.jobs.bert.arguments import add_run_config_arguments
+
     parser = subparsers.add_parser(
         "pretrain", help="DP masked-LM pretraining of a BERT (the main job)",
         description="Pretrains a keras-hub BertMaskedLM from scratch with DP-SGD on "
@@ -497,7 +358,7 @@ def _add_pretrain_parser(subparsers) -> None:
     )
     parser.add_argument("--config", metavar="FILE",
                         help="a run configuration (YAML, see tpu_configs/)")
-    _add_run_config_arguments(parser)
+    add_run_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print report.json at the end")
     parser.set_defaults(handler=_run_pretrain)
 
@@ -516,6 +377,8 @@ def _run_pretrain(args: argparse.Namespace) -> int:
 
 
 def _add_plan_parser(subparsers) -> None:
+    from tf_megadp.jobs.bert.arguments import add_run_config_arguments
+
     parser = subparsers.add_parser(
         "plan", help="check a TPU run configuration and estimate its cost",
         description="Validates a run configuration (see tpu_configs/) without running it "
@@ -526,7 +389,7 @@ def _add_plan_parser(subparsers) -> None:
                     "fields as in `pretrain --config`.",
     )
     parser.add_argument("config", metavar="CONFIG", help="a run configuration (YAML)")
-    _add_run_config_arguments(parser)
+    add_run_config_arguments(parser)
     parser.add_argument("--json", action="store_true",
                         help="print a machine-readable JSON plan")
     parser.set_defaults(handler=_run_plan)

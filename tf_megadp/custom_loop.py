@@ -52,21 +52,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp import sources
-from tf_megadp.accounting import DEFAULT_ACCOUNTANT
-from tf_megadp.callbacks import LedgerRecorder, _PrivacyReporting
+from tf_megadp import _keras_compat
 from tf_megadp.clipping import independence
+from tf_megadp.data import sources
+from tf_megadp.data.fit_inputs import _distinct_real_examples, _is_array_input
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import DPOptimizer, _number, read_ledger
-from tf_megadp.train_step import (
-    _distinct_real_examples,
-    _is_array_input,
-    _private_step,
-    is_private,
-    make_private,
-)
+from tf_megadp.ledger_keeping import LedgerRecorder
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer_ledger import _number, read_ledger
+from tf_megadp.run_state import is_private
+from tf_megadp.train_step import _private_step, make_private
 
-__all__ = ["PrivateStep", "PrivacyReport"]
+__all__ = ["PrivateStep"]
 
 # Logs that are the same on every replica: `run` takes replica 0's value.
 _GLOBAL_LOGS = ("logical_step", "applied", "nonfinite_examples")
@@ -317,14 +314,15 @@ class PrivateStep:
         builds them beforehand in the same way.
         """
         model = self.model
-        if model._distribute_strategy is None:
+        if _keras_compat.model_strategy(model) is None:
             return  # Without a strategy they are built when the step is traced.
-        unbuilt = [part for part in (model._compile_metrics, model._compile_loss)
+        compiled_loss, compiled_metrics = _keras_compat.compiled_loss_and_metrics(model)
+        unbuilt = [part for part in (compiled_metrics, compiled_loss)
                    if part is not None and not part.built]
         if not unbuilt:
             return
         spec = _per_replica_spec(data, model.distribute_strategy)
-        if spec is None and model._compile_metrics is None:
+        if spec is None and compiled_metrics is None:
             return  # A loss alone is built in the trace without variables.
         if spec is None:
             raise ValueError(
@@ -332,7 +330,7 @@ class PrivateStep:
                 "the dataset the loop reads (a sampler's, plain or distributed) to "
                 "begin(), or compile without metrics.")
         with model.distribute_strategy.scope():
-            model._symbolic_build(data_batch=spec)
+            _keras_compat.symbolic_build(model, spec)
 
     # -- The step ------------------------------------------------------------------
 
@@ -575,87 +573,3 @@ def _per_replica_spec(data, strategy):
     # A distributed dataset: a PerReplicaSpec (several local replicas) holds
     # one replica's spec per replica; a TensorSpec is one replica's already.
     return tf.nest.map_structure(lambda s: getattr(s, "_value_specs", [s])[0], spec)
-
-
-class PrivacyReport(_PrivacyReporting):
-    """Epsilon, the publishable report and the budget of a custom loop's `PrivateStep`.
-
-    What `PrivacyCallback` gives a private `fit`, computed by the same code
-    from the ledger the step keeps: every read records the steps applied so
-    far first (`PrivateStep.record`), so epsilon is never stale, and it
-    refuses (PrivacyConfigurationError) when steps were taken that no ledger
-    accounts for.
-
-    Args:
-        step: the loop's `PrivateStep`, after `begin`.
-        delta: the delta of the reported (epsilon, delta); at most 1/N.
-        accountant: ``"pld"`` (default) or ``"rdp"``.
-        target_epsilon: optional budget, for `within_budget`.
-        batch_size: optional check of the expected logical batch size.
-
-    Raises:
-        RuntimeError: the budget is already spent (one more step would
-            exceed `target_epsilon`), or `step.begin` was not called.
-
-    Example:
-    ```python
-    privacy = tf_megadp.PrivacyReport(step, delta=1e-5, target_epsilon=3.0)
-    while privacy.within_budget():
-        ...  # the micro-batches of one more logical step
-    privacy.save_report("privacy.json")
-    ```
-    """
-
-    def __init__(self, step: PrivateStep, delta: float, *, accountant: str = DEFAULT_ACCOUNTANT,
-                 target_epsilon: float | None = None, batch_size: int | None = None):
-        if not isinstance(step, PrivateStep):
-            raise TypeError(f"PrivacyReport reads a tf_megadp.PrivateStep's ledger, got {step!r}.")
-        self._init_reporting(delta, None, batch_size, accountant, target_epsilon)
-        self.step = step
-        self._refresh()
-
-    @property
-    def model(self) -> keras.Model:
-        return self.step.model
-
-    def _refresh(self) -> None:
-        """Records the step's applied steps; follows the step's current data."""
-        if self.step.recorder is None:
-            raise RuntimeError("Call step.begin(data) before creating its PrivacyReport.")
-        self.step.record()
-        if self._keeper is not self.step.recorder:
-            self._attach(self.step.recorder)
-
-    @property
-    def epsilon(self) -> float:
-        """Epsilon spent by every noisy update of the model's weights (inf without noise)."""
-        self._refresh()
-        return _PrivacyReporting.epsilon.fget(self)
-
-    @property
-    def ledger(self):
-        """A copy of the steps recorded so far."""
-        self._refresh()
-        return _PrivacyReporting.ledger.fget(self)
-
-    def report(self) -> dict[str, Any]:
-        """The publishable report (as `PrivacyCallback.report`)."""
-        self._refresh()
-        return super().report()
-
-    def within_budget(self) -> bool:
-        """Whether one more logical step keeps epsilon within `target_epsilon`.
-
-        Always True without a target. Ask it when a logical step has just
-        been applied (`logs["applied"]`) and stop the loop when it says False:
-        the run then never spends more than the budget.
-        """
-        self._refresh()
-        if self.target_epsilon is None:
-            return True
-        return self._next_step_fits(self.step.logical_step)
-
-    def _steps_left_in_fit(self, step: int) -> int | None:
-        source = self.step.recorder.source
-        end = None if source is None else source.end_step
-        return None if end is None else max(1, end - step)

@@ -41,8 +41,9 @@ from typing import Callable, Sequence
 
 import tensorflow as tf
 
+from tf_megadp import _keras_compat
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = [
     "STRATEGIES",
@@ -262,7 +263,7 @@ def distribute_micro_batches(
     model.fit(data, steps_per_epoch=sampler.total_micro_steps)
     ```
     """
-    from tf_megadp import sources
+    from tf_megadp.data import sources
 
     found = []
 
@@ -455,7 +456,7 @@ def build_without_reading(model, element_spec) -> None:
         element_spec: the dataset's element spec (global micro-batches of
             m * R rows).
     """
-    strategy = getattr(model, "_distribute_strategy", None)
+    strategy = _keras_compat.model_strategy(model)
     if strategy is None:
         return
     replicas = strategy.num_replicas_in_sync
@@ -465,6 +466,6 @@ def build_without_reading(model, element_spec) -> None:
 
     def build(iterator=None, data_batch=None):
         with strategy.scope():
-            model._symbolic_build(data_batch=per_replica)
+            _keras_compat.symbolic_build(model, per_replica)
 
-    model._maybe_symbolic_build = build
+    _keras_compat.replace_symbolic_build(model, build)

@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 if TYPE_CHECKING:
-    from tf_megadp.schedules import BatchSizeSchedule
+    from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["BatchScaledSchedule"]
 

@@ -32,271 +32,42 @@ built for variables that carry another one's ledger continues that ledger
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import math
-import secrets
 import warnings
-import dataclasses
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
-from keras.src.saving import serialization_lib
 
+from tf_megadp import _keras_compat
 from tf_megadp import adaptive_clipping as adaptive
-from tf_megadp.accounting import LEDGER_COLUMNS, PrivacyLedger
+from tf_megadp.accounting import LEDGER_COLUMNS
+from tf_megadp.accumulators import Accumulators, accumulation_dtype
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
-from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.schedules import BatchSizeSchedule
-
-__all__ = ["DPOptimizer", "LEDGER_CAPACITY", "APPLIED_STEP_COLUMNS", "read_ledger"]
-
-# Rows of phases the ledger variable can hold; consecutive identical steps share a row.
-LEDGER_CAPACITY = 256
-# What the compiled step records of every noisy update it applies, as it used
-# them; the ledger keeper of the private `fit` turns these rows into ledger
-# entries (adding N and the sampling) after every batch, so the buffer only
-# needs to hold the steps of one `steps_per_execution` call.
-APPLIED_STEP_COLUMNS = (
-    "steps", "noise_multiplier", "accumulation_steps", "rows", "divisor",
-    "count_noise_multiplier",
+from tf_megadp.optimizer_ledger import (
+    _APPLIED_CAPACITY,
+    APPLIED_STEP_COLUMNS,
+    LEDGER_CAPACITY,
+    LedgerOfWeights,
 )
-_APPLIED_CAPACITY = 64
-# Settings that fix the privacy of every step; they cannot change after
-# construction (Keras caches the compiled step, so a change would be recorded
-# but not used).
-_FROZEN_SETTINGS = frozenset({
-    "l2_norm_clip", "noise_multiplier", "accumulation_steps", "normalize_by",
-    "seed", "schedule", "clipping", "clipping_strategy", "inner_optimizer",
-    "per_example_scaling", "automatic_scaling_stability", "examples_per_unit",
-    "adaptive_clipping",
-})
-_PER_EXAMPLE_SCALINGS = frozenset({"clip", "automatic"})
-# Only the private train step may hand clipped sums to the optimizer.
+from tf_megadp.optimizer_settings import (
+    _FROZEN_SETTINGS,
+    _PER_EXAMPLE_SCALINGS,
+    _check_adaptive_clipping,
+    _check_adaptive_pair,
+    _check_inner_does_not_rescale,
+    _check_schedule_layout,
+    _check_takes_automatic_stability,
+    _positive_finite,
+)
+from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
+
+__all__ = ["DPOptimizer", "accumulation_dtype"]# Only the private train step may hand clipped sums to the optimizer.
 _PRIVATE_STEP = object()
-# The attribute of a model variable that names the DPOptimizer whose ledger
-# covers its current value (a plain holder, which neither Keras saving nor
-# tf.train.Checkpoint follows).
-_LEDGER_OWNER = "_tf_megadp_ledger_owner"
-
-
-def accumulation_dtype(variable_dtype) -> str:
-    """float64 for float64 variables, float32 for every other dtype.
-
-    A bfloat16 accumulator would round each clipped sum to 8 bits of
-    mantissa, and bfloat16 noise would be a coarser distribution than the
-    Gaussian the accountant assumes; the update is cast to the variable's
-    dtype only after the noise is added and the sum divided.
-    """
-    return "float64" if keras.backend.standardize_dtype(variable_dtype) == "float64" else "float32"
-
-
-@dataclasses.dataclass(repr=False)
-class _InMemoryState:
-    """Optimizer state that must never reach a file.
-
-    A plain object, not a Keras or TensorFlow trackable: neither Keras saving
-    (which walks `optimizer.variables`) nor `tf.train.Checkpoint` (which walks
-    trackable attributes) can see through it. Its repr shows no value, so
-    that `vars(optimizer)`, which debuggers and experiment trackers print,
-    shows neither the noise key nor an un-noised sum.
-    """
-
-    def __repr__(self) -> str:
-        return "<DPOptimizer in-memory state: noise key and accumulators, not shown>"
-
-    noise_key: Any = None
-    accumulators: list = dataclasses.field(default_factory=list)
-    micro_steps: Any = None
-    step_rows: Any = None
-    nonfinite_examples: Any = None
-    # Adaptive clipping's un-noised centred count of unclipped examples.
-    centred_count: Any = None
-
-
-def _positive_finite(name: str, value, allow_zero: bool = False) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}.") from None
-    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}.")
-    return number
-
-
-def _check_inner_does_not_rescale(optimizer: keras.optimizers.Optimizer) -> None:
-    """Refuses inner optimizers that rescale the loss or average updates.
-
-    The DP step clips unscaled per-example gradients and never calls
-    `scale_loss`, so a loss-scaling wrapper (LossScaleOptimizer and its kin)
-    would divide every noisy update by its scale; Keras's own gradient
-    accumulation would average several noisy steps into one update that the
-    ledger counts as several.
-    """
-    if getattr(optimizer, "loss_scale_factor", None):
-        raise PrivacyConfigurationError(
-            "The inner optimizer has loss_scale_factor set; the DP step does "
-            "not scale losses, so the update would be rescaled after "
-            "clipping. Remove loss_scale_factor."
-        )
-    if type(optimizer).scale_loss is not keras.optimizers.Optimizer.scale_loss:
-        raise PrivacyConfigurationError(
-            f"{type(optimizer).__name__} rescales the loss (a loss-scaling "
-            "wrapper such as LossScaleOptimizer): the DP step clips unscaled "
-            "gradients, so every update would be divided by the loss scale. Wrap "
-            "the plain optimizer (e.g. DPOptimizer(keras.optimizers.SGD(...))); "
-            "for mixed precision use the 'mixed_bfloat16' policy, which needs no "
-            "loss scaling."
-        )
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise PrivacyConfigurationError(
-            "The inner optimizer has gradient_accumulation_steps set: Keras would "
-            "average several noisy updates into one. Accumulate with "
-            "DPOptimizer(accumulation_steps=...) or a BatchSizeSchedule instead."
-        )
-
-
-def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
-    """Automatic clipping needs a strategy whose `clip_and_sum` takes `automatic_stability`.
-
-    The DP step passes the keyword only for automatic clipping, so a strategy
-    written for flat clipping would otherwise fail with a bare TypeError at
-    the first step.
-    """
-    parameters = inspect.signature(strategy.clip_and_sum).parameters.values()
-    if not any(p.name == "automatic_stability" or p.kind is p.VAR_KEYWORD for p in parameters):
-        raise TypeError(
-            f"per_example_scaling='automatic' needs a clipping strategy whose "
-            f"clip_and_sum accepts `automatic_stability`; {type(strategy).__name__}."
-            "clip_and_sum does not. Add the argument (pass it to "
-            "tf_megadp.clipping.base.clip_factors), or use per_example_scaling='clip'."
-        )
-
-
-def _check_adaptive_clipping(config, per_example_scaling, noise_multiplier, schedule,
-                             normalize_by) -> adaptive.AdaptiveClipping | None:
-    """The `AdaptiveClipping` of a DPOptimizer, refused where it cannot hold.
-
-    Every (sigma, expected batch) pair known before training is checked
-    here: the count's noise must leave room for the gradient's.
-    """
-    if config is None:
-        return None
-    if isinstance(config, dict):
-        config = adaptive.AdaptiveClipping.from_dict(config)
-    if not isinstance(config, adaptive.AdaptiveClipping):
-        raise TypeError(
-            f"adaptive_clipping must be a tf_megadp.AdaptiveClipping, got {config!r}.")
-    if per_example_scaling == "automatic":
-        raise PrivacyConfigurationError(
-            "adaptive_clipping with per_example_scaling='automatic': automatic clipping "
-            "normalizes every gradient to norm C, so C only rescales the update and has no "
-            "quantile to follow. Use per_example_scaling='clip' with adaptive clipping.")
-    if schedule is not None:
-        for phase in schedule.phases:
-            sigma = noise_multiplier if phase.noise_multiplier is None else phase.noise_multiplier
-            adaptive.gradient_noise_multiplier(
-                sigma, config.count_stddev_for(phase.batch_size, sigma))
-    elif normalize_by is not None or config.count_stddev is not None:
-        adaptive.gradient_noise_multiplier(
-            noise_multiplier, config.count_stddev_for(normalize_by or 0.0, noise_multiplier))
-    return config
-
-
-class _LedgerOwner:
-    """The optimizer whose ledger covers a variable's value (see `_LEDGER_OWNER`)."""
-
-    def __init__(self, optimizer: "DPOptimizer"):
-        self.optimizer = optimizer
-
-
-def _weights_owner(variables) -> "DPOptimizer | None":
-    """The DPOptimizer whose ledger covers `variables` (None if none does).
-
-    Raises:
-        PrivacyConfigurationError: two optimizers with their own histories
-            each cover part of the variables, so no single ledger covers
-            the model.
-    """
-    owners = []
-    for variable in variables:
-        holder = getattr(variable, _LEDGER_OWNER, None)
-        if holder is not None and all(holder.optimizer is not o for o in owners):
-            owners.append(holder.optimizer)
-    if len(owners) > 1:
-        raise PrivacyConfigurationError(
-            f"The model's variables were trained by {len(owners)} DPOptimizers, each with "
-            "its own privacy ledger, so no one ledger covers the model. Train the whole "
-            "model with one DPOptimizer (restore it from one training checkpoint)."
-        )
-    return owners[0] if owners else None
-
-
-def read_ledger(optimizer: "DPOptimizer") -> PrivacyLedger:
-    """The `PrivacyLedger` stored in a `DPOptimizer`.
-
-    An optimizer that is not built yet has recorded nothing and returns an
-    empty ledger; when it is built for weights that another `DPOptimizer`
-    trained (a loaded model compiled again), it takes that ledger over.
-
-    Args:
-        optimizer: the `DPOptimizer` (e.g. `model.optimizer` after
-            `keras.models.load_model`).
-
-    Returns:
-        The ledger of the logical steps recorded so far.
-
-    Raises:
-        TypeError: `optimizer` is not a `DPOptimizer`.
-
-    Example:
-    ```python
-    model = keras.models.load_model("run.keras")
-    tf_megadp.read_ledger(model.optimizer).total_steps
-    ```
-    """
-    if not isinstance(optimizer, DPOptimizer):
-        raise TypeError(
-            f"read_ledger reads a tf_megadp.DPOptimizer's ledger; got {optimizer!r}, "
-            "which keeps none."
-        )
-    if not optimizer.built:
-        return PrivacyLedger()
-    rows = int(keras.ops.convert_to_numpy(optimizer.privacy_ledger_rows))
-    table = keras.ops.convert_to_numpy(optimizer.privacy_ledger)
-    return PrivacyLedger.from_rows(table[:rows])
-
-
-def write_ledger(optimizer: "DPOptimizer", ledger: PrivacyLedger) -> None:
-    """Stores `ledger` in a built `DPOptimizer`'s `privacy_ledger` variable.
-
-    Raises:
-        RuntimeError: the ledger has more rows than the variable holds.
-    """
-    rows = ledger.to_rows()
-    capacity = optimizer.privacy_ledger.shape[0]
-    if len(rows) > capacity:
-        raise RuntimeError(
-            f"The privacy ledger needs {len(rows)} rows but the optimizer stores "
-            f"{capacity}: the sampling rate or noise multiplier changed too often. "
-            "Change them per phase of a BatchSizeSchedule instead of per step."
-        )
-    table = np.zeros(optimizer.privacy_ledger.shape, np.float64)
-    table[: len(rows)] = rows
-    optimizer.privacy_ledger.assign(table)
-    optimizer.privacy_ledger_rows.assign(len(rows))
-
-
-def _number(variable) -> int:
-    return int(keras.ops.convert_to_numpy(variable))
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
-class DPOptimizer(keras.optimizers.Optimizer):
+class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer to perform DP-SGD with mega-batch accumulation.
 
     One *logical step* is `accumulation_steps` micro-batches (times the number
@@ -525,14 +296,6 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return None
 
     @property
-    def current_clip_norm(self):
-        """C of the current logical step: the `clip_norm` variable's value with
-        adaptive clipping (a tensor), else `l2_norm_clip`."""
-        if self.adaptive_clipping is None:
-            return self.l2_norm_clip
-        return tf.convert_to_tensor(self.clip_norm.value)
-
-    @property
     def seeded_noise(self) -> bool:
         """Whether the noise comes from an explicit seed (not for release)."""
         return self.seed is not None
@@ -542,24 +305,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         if self.built:
             return
-        state = _InMemoryState()
-        state.accumulators = [self._replica_sum_variable(v) for v in var_list]
-        state.micro_steps = self._in_memory_variable("micro_steps", (), "int64")
-        state.step_rows = self._in_memory_variable("step_rows", (), "int64")
-        state.nonfinite_examples = self._replica_sum_variable(
-            None, shape=(), dtype="int64", name="nonfinite_examples"
-        )
-        if self.adaptive_clipping is not None:
-            state.centred_count = self._replica_sum_variable(
-                None, shape=(), dtype="float64", name="centred_count")
-        if self.seed is None:
-            key = [secrets.randbits(63), secrets.randbits(63)]
-        else:
-            key = [self.seed, 0]
-        state.noise_key = self._in_memory_variable(
-            "noise_key", (2,), "int64", initializer=keras.initializers.Constant(key)
-        )
-        self._in_memory = state
+        self._build_in_memory_state(var_list)
         self.privacy_ledger = self.add_variable(
             shape=(LEDGER_CAPACITY, len(LEDGER_COLUMNS)),
             dtype="float64",
@@ -594,7 +340,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     shape, tf.constant(self.l2_norm_clip, tf.float64)))
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
-        elif [id(v) for v in self.inner_optimizer._trainable_variables] != [id(v) for v in var_list]:
+        elif [id(v) for v in _keras_compat.optimizer_trainable_variables(self.inner_optimizer)] != [id(v) for v in var_list]:
             raise ValueError(
                 "The inner optimizer was built for other variables than this model's "
                 "trainable variables. Wrap a fresh inner optimizer, or the inner "
@@ -605,168 +351,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         with tf.init_scope():
             self._continue_ledger_of(var_list)
 
-    # -- The ledger of the weights ---------------------------------------------
-
-    @property
-    def logical_steps_applied(self) -> int:
-        """Noisy updates these weights received: this optimizer's and those it took over."""
-        if not self.built:
-            return 0
-        return _number(self.carried_steps) + _number(self.iterations)
-
-    @property
-    def logical_steps_recorded(self) -> int:
-        """Logical steps in the ledger, plus those recorded as unaccounted or noiseless."""
-        if not self.built:
-            return 0
-        return (read_ledger(self).total_steps + _number(self.unaccounted_steps)
-                + _number(self.noiseless_steps))
-
-    @property
-    def unrecorded_steps(self) -> int:
-        """Applied logical steps that no ledger entry records (taken outside `fit`).
-
-        The private `fit` records every step it applies after each batch,
-        and a custom loop's `tf_megadp.PrivateStep` when its `record` runs;
-        steps applied by `train_on_batch` or a loop that calls `train_step`
-        itself stay unrecorded, and epsilon cannot be reported while there
-        are any.
-        """
-        return self.logical_steps_applied - self.logical_steps_recorded
-
-    def _has_history(self) -> bool:
-        return self.built and (self.logical_steps_applied > 0 or self.logical_steps_recorded > 0)
-
-    def _claim(self, variables) -> None:
-        """Marks `variables` as covered by this optimizer's ledger."""
-        holder = _LedgerOwner(self)
-        for variable in variables:
-            setattr(variable, _LEDGER_OWNER, holder)
-
-    def _continue_ledger_of(self, variables) -> None:
-        """Takes over the ledger of the DPOptimizer whose ledger covers `variables`.
-
-        The new optimizer continues exactly where the previous one stopped:
-        its ledger, the steps it could not account and those without noise,
-        and the count of steps applied (`carried_steps` plus this
-        optimizer's `iterations`). Wrapping the previous optimizer's inner
-        optimizer continues its state (moments, iterations) as well.
-        """
-        previous = _weights_owner(variables)
-        self._carried_from = None
-        if previous is not None and previous is not self and previous._has_history():
-            if previous.inner_optimizer is self.inner_optimizer:
-                carried = _number(previous.carried_steps)  # Its iterations continue.
-            elif _number(self.iterations) == 0:
-                carried = previous.logical_steps_applied
-            else:
-                raise PrivacyConfigurationError(
-                    f"The inner optimizer has already taken {_number(self.iterations)} "
-                    "steps that no privacy ledger recorded, and this model's weights "
-                    "carry the ledger of another DPOptimizer. Wrap a fresh inner "
-                    "optimizer, or the inner optimizer of the DPOptimizer that trained "
-                    "the model (model.optimizer.inner_optimizer) to continue its state."
-                )
-            write_ledger(self, read_ledger(previous))
-            self.carried_steps.assign(carried)
-            # Steps the previous optimizer applied outside fit were never
-            # recorded: they stay in the count of unaccounted steps.
-            self.unaccounted_steps.assign(
-                _number(previous.unaccounted_steps) + max(0, previous.unrecorded_steps))
-            self.noiseless_steps.assign(_number(previous.noiseless_steps))
-            self._carried_from = previous.logical_steps_applied
-        self._claim(variables)
-
-    def check_ledger_covers(self, variables) -> None:
-        """Checks, before a private step, that this optimizer's ledger covers `variables`.
-
-        Args:
-            variables: the model's trainable variables.
-
-        Raises:
-            PrivacyConfigurationError: another DPOptimizer trained them
-                after this one (for example the model was compiled with a
-                new DPOptimizer, trained, and compiled again with this one),
-                so this ledger misses its steps.
-        """
-        owner = _weights_owner(variables)
-        if owner is not None and owner is not self and owner._has_history() and (
-            owner.logical_steps_applied != self.logical_steps_applied
-            or read_ledger(owner) != read_ledger(self)
-        ):
-            raise PrivacyConfigurationError(
-                f"This model's weights were trained further by another DPOptimizer "
-                f"({owner.logical_steps_applied} logical steps in all, this optimizer "
-                f"records {self.logical_steps_applied}): its ledger misses those steps. "
-                "Compile with a fresh DPOptimizer (it takes the ledger of the weights "
-                "over), or restore the run with keras.models.load_model or "
-                "tf_megadp.restore_training_state."
-            )
-        self._claim(variables)
-
-    def _in_memory_variable(self, name, shape, dtype, initializer="zeros"):
-        """An optimizer variable that `variables`, saving and checkpoints never see."""
-        with keras.name_scope(self.name, caller=self):
-            return keras.Variable(
-                initializer=initializer, shape=shape, dtype=dtype, trainable=False,
-                aggregation="none", name=name,
-            )
-
-    def _replica_sum_variable(self, reference, shape=None, dtype=None, name="dp_accumulator"):
-        """An in-memory variable each replica updates locally; it reads as the sum.
-
-        Under a `tf.distribute` strategy every replica clips and accumulates
-        its own examples. A plain mirrored variable would make each replica
-        write its own copy; ON_READ/SUM keeps one local copy per replica and
-        reads as their sum.
-        """
-        colocate = contextlib.nullcontext()
-        if reference is not None:
-            shape, dtype = reference.shape, accumulation_dtype(reference.dtype)
-            name = f"{reference.path.replace('/', '_')}_{name}"
-            colocate = self._distribution_strategy.extended.colocate_vars_with(
-                reference.value
-            )
-        with colocate, keras.name_scope(self.name, caller=self):
-            return keras.Variable(
-                initializer="zeros", shape=shape, dtype=dtype, trainable=False,
-                aggregation="sum", synchronization="on_read", name=name,
-            )
-
-    @property
-    def micro_steps(self):
-        """Micro-batches accumulated in the current logical step (in memory only)."""
-        return self._in_memory.micro_steps
-
-    @property
-    def nonfinite_examples(self):
-        """Examples dropped for a non-finite gradient since the optimizer was built (in memory)."""
-        return self._in_memory.nonfinite_examples
-
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
-
-    def discard_partial_step(self) -> int:
-        """Drops the micro-batches accumulated since the last noisy update.
-
-        Nothing computed from them was released, so discarding them spends
-        no privacy, and no example of theirs can reach a later noisy sum.
-
-        Returns:
-            The number of micro-batches discarded.
-        """
-        if not self.built:
-            return 0
-        state = self._in_memory
-        discarded = int(state.micro_steps.numpy())
-        for accumulator in state.accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
-        if state.centred_count is not None:
-            state.centred_count.assign(0.0)
-        state.micro_steps.assign(0)
-        state.step_rows.assign(0)
-        return discarded
+        return _keras_compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     def load_own_variables(self, store):
         saved = len(store.keys())
@@ -789,7 +376,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             # ledger is the one of the weights loaded with it.
             self.discard_partial_step()
             self._carried_from = None
-            self._claim(self._trainable_variables)
+            self._claim(_keras_compat.optimizer_trainable_variables(self))
 
     @property
     def iterations(self):
@@ -845,11 +432,9 @@ class DPOptimizer(keras.optimizers.Optimizer):
         return self.schedule.phase_at(step).accumulation_steps
 
     def noise_multiplier_at(self, step: int) -> float:
-        if self.schedule is not None:
-            sigma = self.schedule.phase_at(step).noise_multiplier
-            if sigma is not None:
-                return float(sigma)
-        return self.noise_multiplier
+        if self.schedule is None:
+            return self.noise_multiplier
+        return noise_multiplier_of(self.schedule.phase_at(step), self.noise_multiplier)
 
     def batch_size_at(self, step: int, micro_batch_size: int | None = None,
                       num_replicas: int | None = None) -> float:
@@ -865,7 +450,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
             )
         if num_replicas is None:
             num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        return float(micro_batch_size * self.accumulation_steps * num_replicas)
+        return float(step_capacity(self.accumulation_steps, micro_batch_size, num_replicas))
 
     # -- The private update (graph) -------------------------------------------
 
@@ -878,16 +463,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
                 divisor,
                 tf.constant(self.noise_multiplier, tf.float32),
             )
-        phases = self.schedule.phases
-        ends = tf.constant(self.schedule.phase_ends[:-1], tf.int64)
-        index = tf.searchsorted(ends, tf.reshape(step, [1]), side="right")[0]
-        pick = lambda values, dtype: tf.gather(tf.constant(values, dtype), index)
-        return (
-            pick([p.accumulation_steps for p in phases], tf.int64),
-            pick([float(p.batch_size) for p in phases], tf.float32),
-            pick([self.noise_multiplier if p.noise_multiplier is None
-                  else float(p.noise_multiplier) for p in phases], tf.float32),
-        )
+        return self.schedule.phase_tensors(step, self.noise_multiplier)
 
     def _accumulate_clipped(self, token, gradient_sum, trainable_variables, micro_batch_size,
                             nonfinite, centred_count=None):
@@ -909,7 +485,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             self.build(trainable_variables)
         if self.schedule is not None:
-            self._check_schedule_layout(micro_batch_size)
+            _check_schedule_layout(self.schedule, micro_batch_size)
         state = self._in_memory
         for accumulator, gradient in zip(state.accumulators, gradient_sum):
             if gradient is not None:
@@ -926,14 +502,14 @@ class DPOptimizer(keras.optimizers.Optimizer):
                     "tf_megadp.PrivateStep.")
             if isinstance(micro_batch_size, int) and self.schedule is None and (
                     self.normalize_by is None):
-                self._check_adaptive_pair(float(micro_batch_size * self.accumulation_steps
-                                                * replicas))
+                _check_adaptive_pair(self.adaptive_clipping, self.noise_multiplier,
+                                     float(micro_batch_size * self.accumulation_steps * replicas))
             state.centred_count.assign_add(tf.cast(centred_count, tf.float64))
         step = tf.cast(self.iterations, tf.int64)
         accumulation_steps, divisor, noise_multiplier = self._phase_values(step)
         if divisor is None:
-            divisor = tf.cast(micro_batch_size, tf.float32) * tf.cast(
-                accumulation_steps * replicas, tf.float32)
+            divisor = tf.cast(step_capacity(
+                accumulation_steps, tf.cast(micro_batch_size, tf.int64), replicas), tf.float32)
         connected = [g is not None for g in gradient_sum]
 
         def noisy_update(step, divisor, noise_multiplier):
@@ -957,7 +533,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         def skip():
             return tf.constant(False)
 
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if _keras_compat.strategy_supports_no_merge_call():
             return tf.cond(
                 state.micro_steps >= accumulation_steps,
                 lambda: noisy_update(step, divisor, noise_multiplier),
@@ -983,116 +559,12 @@ class DPOptimizer(keras.optimizers.Optimizer):
             cross_replica, args=(accumulation_steps, step, divisor, noise_multiplier)
         )
 
-    def _check_schedule_layout(self, micro_batch_size):
-        """A logical step is k_t micro-steps of one m-sized micro-batch per replica.
-
-        A schedule planned for another micro-batch size or replica count
-        would make each logical step hold other examples than the sampler
-        drew and the accountant composed.
-        """
-        check_schedule_matches_strategy(self.schedule, tf.distribute.get_strategy())
-        if isinstance(micro_batch_size, int) and micro_batch_size != self.schedule.micro_batch_size:
-            raise PrivacyConfigurationError(
-                f"Each replica's micro-batch has {micro_batch_size} examples but the "
-                f"schedule was planned for micro_batch_size="
-                f"{self.schedule.micro_batch_size}. Feed micro-batches of that size "
-                "per replica, or rebuild the schedule."
-            )
-
-    def _check_adaptive_pair(self, batch_size: float) -> None:
-        """Refuses, before training, adaptive clipping whose count spends more than sigma."""
-        sigma = self.noise_multiplier
-        adaptive.gradient_noise_multiplier(
-            sigma, self.adaptive_clipping.count_stddev_for(batch_size, sigma))
-
-    def _step_key(self, step):
-        """The secret noise key of logical step `step` on this replica.
-
-        Each noise of the step folds in its own stream: 0..n-1 for the n
-        accumulators, n for adaptive clipping's count.
-        """
-        replica_context = tf.distribute.get_replica_context()
-        replica_id = 0 if replica_context is None else replica_context.replica_id_in_sync_group
-        key = tf.random.experimental.stateless_fold_in(self._in_memory.noise_key.value, step)
-        return tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
-
-    def _noisy_update(self, trainable_variables, connected, step, divisor, noise_multiplier):
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        # Each replica adds independent noise of variance sigma^2 C^2 / R, so the
-        # all-reduced SUM carries exactly N(0, sigma^2 C^2) per coordinate.
-        clip_norm = self.current_clip_norm
-        if tf.is_tensor(clip_norm):  # Adaptive clipping: this step's C.
-            clip_norm = tf.cast(clip_norm, noise_multiplier.dtype)
-        stddev = noise_multiplier * clip_norm / math.sqrt(replicas)
-        state = self._in_memory
-        key = self._step_key(step)
-        gradients, variables = [], []
-        for index, (accumulator, variable, is_connected) in enumerate(
-            zip(state.accumulators, trainable_variables, connected)
-        ):
-            if not is_connected:
-                continue
-            noise = tf.random.stateless_normal(
-                tf.shape(accumulator.value),
-                seed=tf.random.experimental.stateless_fold_in(key, index),
-                dtype=accumulator.dtype,
-            )
-            noisy_sum = accumulator.value + tf.cast(stddev, accumulator.dtype) * noise
-            gradients.append(tf.cast(noisy_sum / tf.cast(divisor, accumulator.dtype),
-                                     variable.dtype))
-            variables.append(variable)
-        self.inner_optimizer.apply(gradients, variables)
-        for accumulator in state.accumulators:
-            accumulator.assign(tf.zeros_like(accumulator.value))
-        state.micro_steps.assign(0)
-
-    def _record_applied_step(self, noise_multiplier, accumulation_steps, divisor,
-                             count_noise_multiplier):
-        """Appends the step just applied to `applied_steps`, as the graph used it.
-
-        Consecutive identical steps share a row. A full buffer stops
-        recording and sets the row count past capacity, which the ledger
-        keeper refuses (it drains the buffer after every batch, so only
-        `steps_per_execution` far above the capacity can fill it).
-        """
-        state = self._in_memory
-        row = tf.stack([
-            tf.constant(1.0, tf.float64),
-            tf.cast(noise_multiplier, tf.float64),
-            tf.cast(accumulation_steps, tf.float64),
-            tf.cast(state.step_rows.value, tf.float64),
-            tf.cast(divisor, tf.float64),
-            tf.cast(count_noise_multiplier, tf.float64),
-        ])
-        state.step_rows.assign(0)
-        count = self.applied_rows.value
-        table = self.applied_steps.value
-        last = tf.maximum(count - 1, 0)
-        same = tf.logical_and(
-            count > 0,
-            tf.logical_and(count <= _APPLIED_CAPACITY,
-                           tf.reduce_all(tf.gather(table, last)[1:] == row[1:])),
-        )
-
-        def merge():
-            return tf.tensor_scatter_nd_add(table, [[last, 0]], [1.0]), count
-
-        def append():
-            index = tf.minimum(count, _APPLIED_CAPACITY - 1)
-            updated = tf.tensor_scatter_nd_update(table, [[index]], [row])
-            full = count >= _APPLIED_CAPACITY
-            return tf.where(full, table, updated), count + 1
-
-        table, count = tf.cond(same, merge, append)
-        self.applied_steps.assign(table)
-        self.applied_rows.assign(count)
-
     # -- Serialization ---------------------------------------------------------
 
     def get_config(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "optimizer": serialization_lib.serialize_keras_object(self.inner_optimizer),
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "l2_norm_clip": self.l2_norm_clip,
             "noise_multiplier": self.noise_multiplier,
             "accumulation_steps": None if self.schedule else self.accumulation_steps,
@@ -1110,7 +582,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        config["optimizer"] = serialization_lib.deserialize_keras_object(
+        config["optimizer"] = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)

@@ -15,7 +15,7 @@ same settings (`backup_dir`, `save_freq`, `delete_checkpoint`), which:
 
 * restores the backup before Keras's `fit` starts, so the ledger keeper
   checks the restored ledger, and a tf_megadp sampler's dataset continues at
-  the restored logical step (`tf_megadp.sources.resumed_at`), each step
+  the restored logical step (`tf_megadp.data.sources.resumed_at`), each step
   drawn whole;
 * holds the run at a logical-step boundary: no backup holds a partial step
   (the optimizer saves none), and backups are written when a logical step

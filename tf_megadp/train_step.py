@@ -11,37 +11,29 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
-import os
 import warnings
 from typing import NamedTuple
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from tf_megadp import adaptive_clipping, distribute, map_independence, preemption, sources
-from tf_megadp.callbacks import EVALUATION_METRICS, LedgerKeeper, PrivacyCallback, run_notes
-from tf_megadp.checkpointing import record_custom_loop
+from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption
+from tf_megadp.data import map_independence, sources
+from tf_megadp.data.fit_inputs import _array_micro_batch_size, _fit_source
+from tf_megadp.callbacks import PrivacyCallback
+from tf_megadp.checkpointing import _atomic_save, _ledger_preserving_load, _ledger_preserving_save
 from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.files import atomic_write
+from tf_megadp.ledger_keeping import LedgerKeeper
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.run_state import EVALUATION_METRICS, is_private, mark_private, run_notes
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]
 
 # Layers whose training-mode output for one example depends on the others.
 _EXAMPLE_MIXING_LAYERS = (keras.layers.BatchNormalization,)
-
-_PRIVATE_FLAG = "_tf_megadp_private"
-
-
-def is_private(model: keras.Model) -> bool:
-    """Whether `make_private` has been applied to `model`."""
-    return bool(getattr(model, _PRIVATE_FLAG, False))
-
 
 def make_private(
     model: keras.Model,
@@ -58,7 +50,7 @@ def make_private(
     model must be compiled with a `DPOptimizer`; anything else raises.
 
     Every private `fit` keeps the privacy ledger from what it is fed (see
-    `tf_megadp.sources`): N is measured from arrays and from tf_megadp
+    `tf_megadp.data.sources`): N is measured from arrays and from tf_megadp
     samplers, and each applied step is recorded with the values the compiled
     step used. A logical step never spans two `fit` calls nor, for data that
     no sampler drew, two epochs: a partial logical step there is discarded
@@ -124,7 +116,7 @@ def make_private(
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
         model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
-    setattr(model, _PRIVATE_FLAG, True)
+    mark_private(model)
     return model
 
 
@@ -326,109 +318,6 @@ def _noted_evaluate(model: keras.Model, original_evaluate):
 
     return evaluate
 
-
-def _saved_dp_optimizer_variables(path) -> int:
-    """How many DPOptimizer variables a Keras weights or model file holds (0 if none)."""
-    import zipfile
-
-    import h5py
-
-    path = str(path)
-    try:
-        if path.endswith(".keras"):
-            with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as stream:
-                with h5py.File(stream, "r") as handle:
-                    return _dp_variable_count(handle)
-        with h5py.File(path, "r") as handle:
-            return _dp_variable_count(handle)
-    except (OSError, KeyError, zipfile.BadZipFile):
-        return 0  # Not a Keras weights file: Keras itself will say so.
-
-
-def _dp_variable_count(handle) -> int:
-    # A DPOptimizer saves its own variables and, as a child, its inner optimizer's.
-    group = handle.get("optimizer")
-    if group is None or "inner_optimizer" not in group:
-        return 0
-    return len(group.get("vars", {}))
-
-
-def _ledger_preserving_load(model: keras.Model, original_load):
-    @functools.wraps(original_load)
-    def load_weights(filepath, *args, **kwargs):
-        saved = _saved_dp_optimizer_variables(filepath)
-        optimizer = getattr(model, "optimizer", None)
-        if saved and isinstance(optimizer, DPOptimizer) and not optimizer.built and model.built:
-            # Keras skips the state of an unbuilt optimizer: build it, so
-            # that the ledger in the file is loaded with the weights.
-            optimizer.build(model.trainable_variables)
-        if saved and not (isinstance(optimizer, DPOptimizer) and optimizer.built
-                          and len(optimizer.variables) == saved):
-            raise PrivacyConfigurationError(
-                f"{filepath} holds a DPOptimizer's state, with the privacy ledger of "
-                "the steps already taken, but this model is not compiled with a "
-                "DPOptimizer of the same settings: Keras would load the weights and "
-                "drop that ledger, and epsilon would be under-reported. Compile with "
-                "the DPOptimizer first, then load_weights; or load the run with "
-                "keras.models.load_model or tf_megadp.restore_training_state."
-            )
-        return original_load(filepath, *args, **kwargs)
-
-    return load_weights
-
-
-def _atomic_save(original_save, model=None):
-    """`save` / `save_weights` through a temporary file renamed into place.
-
-    A run killed while `ModelCheckpoint` (or the user) writes a checkpoint
-    keeps the previous file whole instead of a truncated one. Given the
-    model, the steps a custom loop applied are recorded in its ledger first.
-    """
-
-    @functools.wraps(original_save)
-    def save(filepath, *args, **kwargs):
-        if model is not None:
-            record_custom_loop(model)
-        path = os.fspath(filepath)
-        if "://" in path or kwargs.get("overwrite", True) is False:
-            # Remote files have no atomic rename; overwrite=False asks first.
-            return original_save(filepath, *args, **kwargs)
-        kwargs["overwrite"] = True
-        atomic_write(path, lambda temporary: original_save(temporary, *args, **kwargs))
-
-    return save
-
-
-def _ledger_preserving_save(model: keras.Model, original_save):
-    atomic_save = _atomic_save(original_save, model)
-
-    @functools.wraps(original_save)
-    def save(filepath, *args, **kwargs):
-        # Keras replays only its own compile on load (keras-hub tasks override it).
-        compile_replayed = type(model).compile is keras.Model.compile
-        if isinstance(getattr(model, "optimizer", None), DPOptimizer) and not compile_replayed:
-            raise PrivacyConfigurationError(
-                f"{type(model).__name__} overrides compile, so keras.models.load_model "
-                "skips it and the DPOptimizer (its privacy ledger) would be lost on "
-                "load. Use tf_megadp.save_training_state(model, directory) to resume a "
-                "run and tf_megadp.export_model(model, path) to publish the model."
-            )
-        return atomic_save(filepath, *args, **kwargs)
-
-    return save
-
-
-def _is_array_input(x) -> bool:
-    if x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
-        return False
-    leaves = tf.nest.flatten(x)
-    return bool(leaves) and all(
-        hasattr(leaf, "shape") and hasattr(leaf, "dtype") and len(leaf.shape) > 0
-        and not isinstance(leaf, tf.data.Dataset)
-        for leaf in leaves
-    )
-
-
 def extend_schedule(
     model: keras.Model,
     phases,
@@ -478,96 +367,8 @@ def extend_schedule(
     model.train_function = None
     return schedule
 
-
-def _fit_source(arguments) -> sources.DataSource | None:
-    """What `fit` is fed, measured where it can be (see `tf_megadp.sources`)."""
-    x = arguments.get("x")
-    source = sources.source_of(x)
-    if source is None:
-        sources.refuse_repeated(x)
-    if source is not None or not _is_array_input(x):
-        return source
-    rows = int(tf.nest.flatten(x)[0].shape[0])
-    split = float(arguments.get("validation_split") or 0.0)
-    if split:
-        # Keras trains on the first floor(N * (1 - split)) rows.
-        rows = int(math.floor(rows * (1.0 - split)))
-    examples = _distinct_real_examples(x, arguments.get("y"), arguments.get("sample_weight"), rows)
-    counted = f"{examples} examples"
-    if examples != rows:
-        counted += (f" (the distinct rows with a non-zero sample weight, of {rows} rows: "
-                    "padding and repeated rows are not examples)")
-        warnings.warn(
-            f"The arrays passed to fit have {rows} rows but {examples} distinct examples: "
-            "rows whose sample weights are all zero (padding) and copies of a row are not "
-            "counted in N. If they are a sampler's output collected into arrays, feed "
-            "sampler.as_dataset() to fit instead: its steps are Poisson draws.",
-            UserWarning, stacklevel=3)
-    batch_size = _array_micro_batch_size(arguments)
-    order = "shuffled" if arguments.get("shuffle", True) else "in order"
-    return sources.DataSource(
-        sampling=sources.FIXED_SIZE_SAMPLING,
-        num_examples=examples,
-        num_examples_measured=True,
-        description=f"arrays passed to fit: {counted} in fixed-size batches "
-                    f"of {batch_size}, {order}",
-    )
-
-
-# Rows are hashed in blocks, so that measuring N never copies the whole data.
-_HASH_BLOCK_ROWS = 4096
-
-
-def _distinct_real_examples(x, y, sample_weight, rows: int) -> int:
-    """N of array inputs: distinct rows among the first `rows` with a non-zero weight.
-
-    A row whose sample weights are all zero is padding (it contributes
-    nothing to any step), and a copy of a row is the same example again (a
-    sampler's steps collected into arrays repeat the examples they drew).
-    Counting either would overstate N and understate epsilon. Rows are
-    compared through a 64-bit hash of all their values: a collision can
-    only merge two examples, which makes N smaller and epsilon larger, never
-    the reverse.
-    """
-    leaves = [np.asarray(leaf) for leaf in tf.nest.flatten((x, y, sample_weight))
-              if leaf is not None]
-    weights = [np.asarray(w) for w in tf.nest.flatten(sample_weight) if w is not None]
-    factors = {}  # per leaf: one odd multiplier per 8-byte word of a row
-    digests = []
-    for start in range(0, rows, _HASH_BLOCK_ROWS):
-        stop = min(start + _HASH_BLOCK_ROWS, rows)
-        real = np.ones(stop - start, bool)
-        if weights:
-            real[:] = False
-            for w in weights:
-                real |= np.any(w[start:stop].reshape(stop - start, -1) != 0, axis=1)
-        digest = np.zeros(stop - start, np.uint64)
-        for index, leaf in enumerate(leaves):
-            block = leaf[start:stop]
-            if block.dtype.kind == "O":
-                block = block.astype(str)
-            raw = np.ascontiguousarray(block).reshape(stop - start, -1).view(np.uint8)
-            words = np.pad(raw, [(0, 0), (0, -raw.shape[1] % 8)]).view(np.uint64)
-            if index not in factors:
-                factors[index] = np.random.default_rng(index).integers(
-                    0, 2**63, words.shape[1], dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-            # Wraps modulo 2**64 on purpose: a random linear hash of the row's words.
-            with np.errstate(over="ignore"):
-                digest = digest * np.uint64(0x9E3779B97F4A7C15) + (
-                    words * factors[index]).sum(axis=1, dtype=np.uint64)
-        digests.append(digest[real])
-    return int(np.unique(np.concatenate(digests)).size) if digests else 0
-
-
-def _array_micro_batch_size(arguments) -> int | None:
-    if not _is_array_input(arguments.get("x")):
-        return None
-    # Keras's default batch size for arrays.
-    return int(arguments.get("batch_size") or 32)
-
-
 def _check_no_example_mixing(model: keras.Model):
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in _keras_compat.flatten_layers(model):
         if isinstance(layer, _EXAMPLE_MIXING_LAYERS):
             raise PrivacyConfigurationError(
                 f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples "
@@ -639,7 +440,7 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     )
     real_examples = tf.reduce_sum(batch.is_real)
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
-    model._loss_tracker.update_state(mean_loss, sample_weight=real_examples)
+    _keras_compat.loss_tracker(model).update_state(mean_loss, sample_weight=real_examples)
     logs = model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
     if batch.mixing is not None:
         mixing = tf.cast(batch.mixing, tf.float32)

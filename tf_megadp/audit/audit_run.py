@@ -106,8 +106,12 @@ def one_run_audit_run(
     """
     import keras
 
-    import tf_megadp
     from tf_megadp.accounting import calibrate_noise_multiplier
+    from tf_megadp.callbacks import PrivacyCallback
+    from tf_megadp.data import PoissonSampler
+    from tf_megadp.optimizer import DPOptimizer
+    from tf_megadp.steps import BatchSizeSchedule, sampling_rate_of
+    from tf_megadp.train_step import make_private
     from tf_megadp.audit.input_canaries import InputCanaries, dirac_canaries, dirac_canary_signal
     from tf_megadp.audit.planted_bugs import PLANTED_BUGS
     from tf_megadp.audit.white_box import CanaryCoordinates, GradientCanaryAudit
@@ -129,10 +133,10 @@ def one_run_audit_run(
     else:
         learning_rate = 0.5 if learning_rate is None else learning_rate
     if micro_batch_size is None:
-        probe = tf_megadp.BatchSizeSchedule.constant(
+        probe = BatchSizeSchedule.constant(
             steps, batch_size, num_examples=total, micro_batch_size=batch_size)
         micro_batch_size = probe.capacity(probe.phases[0])  # one micro-batch per step
-    schedule = tf_megadp.BatchSizeSchedule.constant(
+    schedule = BatchSizeSchedule.constant(
         steps, batch_size, num_examples=total, micro_batch_size=micro_batch_size)
     if noise_multiplier is None:
         noise_multiplier = calibrate_noise_multiplier(target_epsilon, delta, schedule=schedule)
@@ -146,7 +150,7 @@ def one_run_audit_run(
     rows = np.arange(features, features + num_canaries)
     coordinates = CanaryCoordinates.on_rows(model.layers[0].kernel, rows)
     description, optimizer_class, strategy_class = (
-        PLANTED_BUGS[planted_bug] if planted_bug else ("none", tf_megadp.DPOptimizer, None))
+        PLANTED_BUGS[planted_bug] if planted_bug else ("none", DPOptimizer, None))
     base = strategy_class() if strategy_class else "vectorized"
     with warnings.catch_warnings():
         if seed is not None or noise_multiplier == 0:
@@ -156,7 +160,7 @@ def one_run_audit_run(
             audit = GradientCanaryAudit(model, schedule, coordinates, delta=delta,
                                         confidence=confidence, seed=seed)
             clipping = audit.clipping(base)
-            sampler = tf_megadp.PoissonSampler.from_arrays(x, y, schedule=schedule, seed=seed)
+            sampler = PoissonSampler.from_arrays(x, y, schedule=schedule, seed=seed)
         else:
             x_canary, y_canary = dirac_canaries(num_canaries, features + num_canaries, features)
             audit = InputCanaries(x_canary, y_canary, delta=delta, confidence=confidence,
@@ -164,9 +168,9 @@ def one_run_audit_run(
             x_all, y_all, w_all = audit.training_arrays(x, y)
             audit.with_white_box(model, schedule, coordinates, signal=dirac_canary_signal(3.0))
             clipping = audit.clipping(base)
-            sampler = tf_megadp.PoissonSampler.from_arrays(
+            sampler = PoissonSampler.from_arrays(
                 x_all, y_all, w_all, schedule=schedule, seed=seed)
-        tf_megadp.make_private(model)
+        make_private(model)
         model.compile(
             optimizer=optimizer_class(
                 keras.optimizers.SGD(learning_rate), l2_norm_clip=l2_norm_clip,
@@ -175,7 +179,7 @@ def one_run_audit_run(
             loss="mse",
             steps_per_execution=50,
         )
-        privacy = tf_megadp.PrivacyCallback(delta=delta)
+        privacy = PrivacyCallback(delta=delta)
         log(f"Audit run: {canaries} canaries (m={num_canaries}), N={total}, B={batch_size}, "
             f"T={steps}, sigma={noise_multiplier:.4f}, planted bug: {description}.")
         model.fit(sampler.as_dataset(), verbose=0, shuffle=False, callbacks=[privacy])
@@ -191,7 +195,7 @@ def one_run_audit_run(
         "num_examples": total,
         "batch_size": batch_size,
         "steps": steps,
-        "sampling_rate": batch_size / total,
+        "sampling_rate": sampling_rate_of(batch_size, total),
         "micro_batch_size": micro_batch_size,
         "planted_bug": planted_bug,
         "planted_bug_description": description,

@@ -46,7 +46,7 @@ from tf_megadp.audit.white_box import (
     _WhiteBoxScoring,
 )
 from tf_megadp.clipping import ClippingStrategy
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["InputCanaries", "dirac_canaries", "dirac_canary_signal", "example_losses", "masked_lm_canary_scores"]
 

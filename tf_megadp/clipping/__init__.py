@@ -6,7 +6,8 @@ to a strategy object.
 
 from tf_megadp.clipping import independence
 from tf_megadp.clipping.base import ClippedBatch, ClippingStrategy
-from tf_megadp.clipping.ghost import AutoClipping, GhostClipping
+from tf_megadp.clipping.auto import AutoClipping
+from tf_megadp.clipping.ghost import GhostClipping
 from tf_megadp.clipping.rules import Rule, register_ghost_rule, unregister_ghost_rule
 from tf_megadp.clipping.terms import Explicit, Gather, Outer, Term
 from tf_megadp.clipping.vectorized import VectorizedClipping

@@ -16,10 +16,8 @@ from typing import Any, Callable, NamedTuple
 
 import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from keras.src.losses import loss as keras_loss_module
-from tensorflow.python.ops import resource_variable_ops
 
+from tf_megadp import _keras_compat
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
@@ -195,7 +193,7 @@ def per_example_loss(model: keras.Model, x_i, y_i, y_pred_i, w_i) -> tf.Tensor:
             "The model has no loss to differentiate. Pass `loss=` to "
             "`model.compile()` (it is evaluated per example by the DP step)."
         )
-    loss = keras_loss_module.unscale_loss_for_distribution(loss)
+    loss = _keras_compat.unscale_loss_for_distribution(loss)
     if loss.shape.rank not in (0, None) and loss.shape.num_elements() != 1:
         raise PrivacyConfigurationError(
             f"The compiled loss returned shape {loss.shape} for a single "
@@ -239,7 +237,7 @@ def _randomness_key(model) -> _RandomnessKey:
         with tf.init_scope():
             # A plain resource variable, created outside any trace or
             # distribution strategy, like the independence check's flags.
-            holder.variable = resource_variable_ops.ResourceVariable(
+            holder.variable = _keras_compat.plain_resource_variable(
                 [secrets.randbits(63), secrets.randbits(63)], dtype=tf.int64,
                 trainable=False, name="in_step_randomness_key")
         holder.seeded = False
@@ -267,7 +265,7 @@ def set_randomness_seed(model, seed: int | None) -> None:
 
 def _seed_generators(model) -> list:
     generators = {}
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in _keras_compat.flatten_layers(model):
         for generator in getattr(layer, "_seed_generators", ()):
             generators[id(generator)] = generator
     return list(generators.values())
@@ -363,8 +361,8 @@ def stateless_loss(model, trainable_values, state_values, x_i, y_i, w_i):
     """
     mapping = list(zip(model.trainable_variables, trainable_values))
     mapping += list(zip(model.non_trainable_variables, state_values))
-    with keras_backend.StatelessScope(state_mapping=mapping):
-        if model._call_has_training_arg:
+    with keras.StatelessScope(state_mapping=mapping):
+        if _keras_compat.call_has_training_arg(model):
             y_pred_i = model(x_i, training=True)
         else:
             y_pred_i = model(x_i)
@@ -461,7 +459,7 @@ def refuse_layers_without_xla(model: keras.Model):
     which takes them off cuDNN.
     """
     layers = [f"'{layer.name}' ({type(layer).__name__})"
-              for layer in model._flatten_layers(include_self=True, recursive=True)
+              for layer in _keras_compat.flatten_layers(model)
               if getattr(layer, "supports_jit", True) is False
               and not isinstance(layer, keras.layers.RNN)]
     if layers:
@@ -548,7 +546,7 @@ def example_axis_guards(model: keras.Model):
             when traced, a normalization over the batch axis or a recurrent
             layer on sequences of unknown length.
     """
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    layers = list(_keras_compat.flatten_layers(model))
     mixing = [f"'{layer.name}' ({type(layer).__name__})" for layer in layers
               if isinstance(layer, _MIXING_AUGMENTATIONS)]
     if mixing:

@@ -24,17 +24,15 @@ import weakref
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from tensorflow.python.ops import resource_variable_ops
 
+from tf_megadp import _keras_compat
 from tf_megadp.clipping import base, independence, units
 from tf_megadp.clipping.ghost_rules import plan_rules
 from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
 from tf_megadp.clipping.terms import squared_norm_of_sum
-from tf_megadp.clipping.vectorized import VectorizedClipping
 from tf_megadp.errors import GhostClippingUnsupportedError
 
-__all__ = ["AutoClipping", "GhostClipping"]
+__all__ = ["GhostClipping"]
 
 
 class GhostClipping(base.ClippingStrategy):
@@ -233,13 +231,13 @@ class _CheckedSignatures:
         # distribution strategy: bookkeeping of this strategy, not model
         # state, and never saved (the key must not be).
         with tf.init_scope():
-            self.passed = resource_variable_ops.ResourceVariable(
+            self.passed = _keras_compat.plain_resource_variable(
                 tf.zeros([self.CAPACITY], tf.int32), trainable=False,
                 name="independence_checked")
-            self._key = resource_variable_ops.ResourceVariable(
+            self._key = _keras_compat.plain_resource_variable(
                 [secrets.randbits(63), secrets.randbits(63)], dtype=tf.int64,
                 trainable=False, name="independence_recheck_key")
-            self._calls = resource_variable_ops.ResourceVariable(
+            self._calls = _keras_compat.plain_resource_variable(
                 tf.constant(0, tf.int64), trainable=False, name="independence_calls")
         self.probability = probability
         self._eager_slots = {}
@@ -288,61 +286,11 @@ class _CheckedSignatures:
         self.passed.assign(tf.zeros_like(self.passed))
 
 
-class AutoClipping(GhostClipping):
-    """The `clipping="auto"` strategy: ghost norms where possible, exact elsewhere.
-
-    Layers with a ghost rule get ghost norms; every other layer gets exact
-    per-example gradients for its own variables only (`fallback="any"`). A
-    model that ghost clipping cannot attribute at all (weight regularizers,
-    `add_loss`, a weight read outside its layer, a layer applied off the
-    example axis: `GhostClippingUnsupportedError`) is clipped with
-    `VectorizedClipping` instead, with a warning naming the reason. Both
-    give each example's exact clipped gradient; only time and memory differ.
-    Errors that mean examples are mixed are raised, never worked around.
-
-    Example:
-    ```python
-    optimizer = tf_megadp.DPOptimizer(keras.optimizers.Adam(1e-3), l2_norm_clip=1.0,
-                                      noise_multiplier=1.1, clipping="auto")
-    ```
-    """
-
-    name = "auto"
-
-    # Args: as `GhostClipping`'s `jit_compile` and `recheck_probability`.
-    def __init__(self, jit_compile: bool = True,
-                 recheck_probability: float = independence.RECHECK_PROBABILITY):
-        super().__init__(fallback="any", jit_compile=jit_compile,
-                         recheck_probability=recheck_probability)
-        self._vectorized = weakref.WeakKeyDictionary()
-
-    def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
-                     automatic_stability=None, examples_per_unit=1):
-        """See `GhostClipping.clip_and_sum`; falls back per model as described above."""
-        vectorized = self._vectorized.get(model)
-        if vectorized is None:
-            try:
-                return super().clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                            automatic_stability, examples_per_unit)
-            except GhostClippingUnsupportedError as error:
-                warnings.warn(
-                    f"clipping='auto': ghost norms cannot attribute part of model "
-                    f"'{model.name}' to examples ({error}). This model is clipped with "
-                    "exact per-example gradients (clipping='vectorized') instead: the "
-                    "same clipped sums, more time and memory.",
-                    stacklevel=2,
-                )
-                vectorized = VectorizedClipping(jit_compile=self.jit_compile)
-                self._vectorized[model] = vectorized
-        return vectorized.clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                       automatic_stability, examples_per_unit)
-
-
 def _check_no_regularizers(model):
     # A weight regularizer's gradient reaches the variables directly, not
     # through any layer output, so no rule would see it.
     regularized = [v.path for v in model.trainable_variables if v.regularizer is not None]
-    regularized += [layer.name for layer in model._flatten_layers()
+    regularized += [layer.name for layer in _keras_compat.flatten_layers(model)
                     if getattr(layer, "activity_regularizer", None) is not None]
     if regularized:
         raise GhostClippingUnsupportedError(
@@ -373,7 +321,7 @@ def _forward(model, rules, x, y, sample_weight, apply_seed_updates=True):
             for rule in rules:
                 stack.enter_context(rule.installed(recorder))
             with scope:
-                if model._call_has_training_arg:
+                if _keras_compat.call_has_training_arg(model):
                     y_pred = model(x, training=True)
                 else:
                     y_pred = model(x)
@@ -426,8 +374,8 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
     mapping += list(zip(model.non_trainable_variables, states))
     taps = independence.LayerTaps(model, None, leading.shape[0])
     with base.example_axis_guards(model), base.secret_seed_draws(model):
-        with taps.installed(), keras_backend.StatelessScope(state_mapping=mapping):
-            if model._call_has_training_arg:
+        with taps.installed(), keras.StatelessScope(state_mapping=mapping):
+            if _keras_compat.call_has_training_arg(model):
                 model(x, training=True)
             else:
                 model(x)

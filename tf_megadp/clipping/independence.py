@@ -57,8 +57,8 @@ from typing import NamedTuple
 
 import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend
 
+from tf_megadp import _keras_compat
 from tf_megadp.clipping import base
 from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
 
@@ -92,7 +92,7 @@ _ELEMENTWISE_RANDOM = (
 
 def _elementwise_random(layer) -> bool:
     return (isinstance(layer, _ELEMENTWISE_RANDOM)
-            and type(layer).call.__module__.startswith("keras.src.layers."))
+            and _keras_compat.is_keras_own_call(layer))
 
 
 def _tensor_leaves(structure):
@@ -130,7 +130,7 @@ class LayerTaps:
     """
 
     def __init__(self, model, recorder=None, static_batch_size=None, transplant=None):
-        self.layers = list(model._flatten_layers(include_self=True, recursive=True))
+        self.layers = list(_keras_compat.flatten_layers(model))
         self.recorder = recorder
         self.static_batch_size = static_batch_size
         self.transplant = transplant
@@ -198,7 +198,7 @@ def without_elementwise_randomness(model):
     layers do to one element never depends on another example.
     """
     with contextlib.ExitStack() as stack:
-        for layer in model._flatten_layers(include_self=True, recursive=True):
+        for layer in _keras_compat.flatten_layers(model):
             if _elementwise_random(layer):
                 stack.enter_context(base.override_call(
                     layer, lambda inputs, *args, **kwargs: inputs))
@@ -246,7 +246,7 @@ def mixing_error(model, code: int, strategy: str = "ghost") -> PrivacyConfigurat
             "clipping='vectorized', which runs every example alone, or remove the "
             "operation. This micro-batch contributed nothing to the update."
         )
-    layers = list(model._flatten_layers(include_self=True, recursive=True))
+    layers = list(_keras_compat.flatten_layers(model))
     layer = layers[int(code) // 2]
     if int(code) == MODEL_MIXES:
         where = (f"the predictions of model '{model.name}' for some example differ "
@@ -401,9 +401,9 @@ def check_independence(model, batched: LayerTaps, x, trainable_values, state_val
             alone = LayerTaps(model, transplant=transplant)
             mapping = list(zip(model.trainable_variables, trainable_values))
             mapping += list(zip(model.non_trainable_variables, state_values))
-            with alone.installed(), keras_backend.StatelessScope(state_mapping=mapping):
+            with alone.installed(), keras.StatelessScope(state_mapping=mapping):
                 x_i = base.add_batch_axis(e["x"])
-                if model._call_has_training_arg:
+                if _keras_compat.call_has_training_arg(model):
                     model(x_i, training=True)
                 else:
                     model(x_i)

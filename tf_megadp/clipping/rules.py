@@ -18,9 +18,8 @@ from typing import Callable
 
 import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend
-from keras.src.backend.common import masking
 
+from tf_megadp import _keras_compat
 from tf_megadp.clipping import base
 from tf_megadp.clipping.terms import Explicit, Term, compute_dtype
 from tf_megadp.errors import GhostClippingUnsupportedError
@@ -84,9 +83,9 @@ class Recorder:
         probe = tf.zeros_like(tensor)
         index = self.watch(probe)
         probed = tensor + probe
-        mask = masking.get_keras_mask(tensor)
+        mask = _keras_compat.get_keras_mask(tensor)
         if mask is not None:
-            masking.set_keras_mask(probed, mask)
+            _keras_compat.set_keras_mask(probed, mask)
         return probed, index
 
     def has_batch_axis(self, tensor) -> bool:
@@ -148,7 +147,7 @@ class Recorder:
             self.violations.append(variable.path)
 
 
-class ReadCheckingScope(keras_backend.StatelessScope):
+class ReadCheckingScope(keras.StatelessScope):
     """A stateless scope that reports every trainable-variable read to a recorder.
 
     A trainable variable read outside the rule that accounts for it (e.g. a
@@ -236,7 +235,7 @@ class Rule:
 
     def __init__(self, layer):
         self.layer = layer
-        self.variables = list(layer._trainable_variables)
+        self.variables = list(_keras_compat.own_trainable_variables(layer))
 
     @classmethod
     def matches(cls, layer) -> bool:

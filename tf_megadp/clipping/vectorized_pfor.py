@@ -25,12 +25,8 @@ import contextlib
 
 import keras
 import tensorflow as tf
-from tensorflow.compiler.tf2xla.python import xla
-# pfor's registry of op converters is not public API; it is the only way
-# to teach `vectorized_map` an op. Registration is checked at import, so a
-# TensorFlow that moves it fails loudly here, not silently in a step.
-from tensorflow.python.ops.parallel_for import pfor as _pfor
 
+from tf_megadp import _keras_compat
 from tf_megadp.clipping import base
 
 __all__ = ["dropout_seed_states", "per_example_dropout", "register_converters"]
@@ -42,13 +38,13 @@ def _convert_xla_dynamic_update_slice(pfor_input):
     if indices_stacked:
         # Raising this error makes pfor fall back to its while_loop, as it
         # did before this converter existed (and warns, so the test sees it).
-        raise _pfor.ConversionNotImplementedError(
+        raise _keras_compat.pfor.ConversionNotImplementedError(
             "XlaDynamicUpdateSlice with per-example start indices")
     pfor_input.stack_inputs([0, 1])
     operand = pfor_input.stacked_input(0)
     update = pfor_input.stacked_input(1)
     start = tf.concat([tf.zeros([1], indices.dtype), indices], axis=0)
-    return _pfor.wrap(xla.dynamic_update_slice(operand, update, start), True)
+    return _keras_compat.pfor.wrap(_keras_compat.xla.dynamic_update_slice(operand, update, start), True)
 
 
 def register_converters():
@@ -56,9 +52,8 @@ def register_converters():
 
     An op TensorFlow itself has learned to convert keeps TensorFlow's converter.
     """
-    registry = _pfor._pfor_converter_registry
-    if "XlaDynamicUpdateSlice" not in registry:
-        _pfor.RegisterPFor("XlaDynamicUpdateSlice")(_convert_xla_dynamic_update_slice)
+    if not _keras_compat.pfor_converter_registered("XlaDynamicUpdateSlice"):
+        _keras_compat.pfor.RegisterPFor("XlaDynamicUpdateSlice")(_convert_xla_dynamic_update_slice)
 
 
 def _plain_dropouts(model):
@@ -66,7 +61,7 @@ def _plain_dropouts(model):
 
     A Dropout of rate 0 has no seed generator and draws nothing.
     """
-    return [layer for layer in model._flatten_layers(include_self=True, recursive=True)
+    return [layer for layer in _keras_compat.flatten_layers(model)
             if isinstance(layer, keras.layers.Dropout)
             and type(layer).call is keras.layers.Dropout.call
             and getattr(layer, "seed_generator", None) is not None]

@@ -16,6 +16,7 @@ import sys
 
 import keras
 
+from tf_megadp import _keras_compat
 from tf_megadp.clipping.ghost_rules import convolution, dense, einsum, embedding, normalization
 from tf_megadp.clipping.ghost_rules.fallback import fallback_rule
 from tf_megadp.clipping.rules import SMALL_LAYERS, Rule, rule_for
@@ -60,7 +61,7 @@ def plan_rules(model: keras.Model, fallback: str) -> list[Rule]:
             return
         seen.add(id(layer))
         rule = rule_for(layer)
-        if rule is None and layer._trainable_variables:
+        if rule is None and _keras_compat.own_trainable_variables(layer):
             if fallback == "any" or isinstance(layer, tuple(SMALL_LAYERS)):
                 rule = fallback_rule(layer)
             else:
@@ -69,7 +70,7 @@ def plan_rules(model: keras.Model, fallback: str) -> list[Rule]:
             rules.append(rule)
             if rule.covers_sublayers:
                 return
-        for child in layer._layers:
+        for child in _keras_compat.child_layers(layer):
             visit(child)
 
     visit(model)

@@ -7,8 +7,8 @@ Either covers the layer's whole subtree and records `Explicit` terms.
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
-from keras.src import backend as keras_backend
 
 from tf_megadp.clipping import base
 from tf_megadp.clipping.rules import Rule
@@ -226,7 +226,7 @@ def _dense_gradient_boundary(tensor):
     return boundary(tensor)
 
 
-class _OwnVariablesScope(keras_backend.StatelessScope):
+class _OwnVariablesScope(keras.StatelessScope):
     """Inside a per-example forward: reads of foreign trainable variables are refused."""
 
     def __init__(self, recorder, layer, variables, mapping):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import keras_hub
 import tensorflow as tf
 
+from tf_megadp import _keras_compat
 from tf_megadp.clipping.rules import (Rule, accept_without_rule, bias_gradient, builtin_rule,
                                       call_with_probed_activation, flat_tokens)
 from tf_megadp.clipping.terms import Gather, compute_dtype
@@ -64,7 +65,8 @@ class MaskedLMHeadRule(Rule):
 
         def finish(gradient_of):
             gradient = gradient_of(index)
-            return [] if gradient is None else [(layer._bias, bias_gradient(gradient, layer._bias))]
+            return [] if gradient is None else [(_keras_compat.keras_hub_bias(layer),
+                                            bias_gradient(gradient, _keras_compat.keras_hub_bias(layer)))]
 
         recorder.on_gradients(finish)
         return outputs

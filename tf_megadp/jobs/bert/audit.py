@@ -22,7 +22,7 @@ import numpy as np
 
 from tf_megadp.audit.runner import run_audit
 from tf_megadp.files import write_json_atomically
-from tf_megadp.jobs.bert import pretraining, text
+from tf_megadp.jobs.bert import pretraining, run_files, text, training
 from tf_megadp.jobs.bert.config import PretrainConfig
 
 __all__ = ["audit_pretraining_run", "load_run_model"]
@@ -30,7 +30,7 @@ __all__ = ["audit_pretraining_run", "load_run_model"]
 
 def _masked_batches(rows: np.ndarray, batcher: text.MaskedLMBatcher, batch_size: int,
                     seed: int) -> list:
-    x, y, w = pretraining.masked_rows(rows, batcher, seed)
+    x, y, w = training.masked_rows(rows, batcher, seed)
     return [
         ({key: value[start:start + batch_size] for key, value in x.items()},
          y[start:start + batch_size], w[start:start + batch_size])
@@ -60,7 +60,7 @@ def load_run_model(config: PretrainConfig, vocabulary_size: int, model_path: str
             model `config` describes (an audit of freshly initialized layers
             would understate what the run leaks).
     """
-    model = pretraining.build_model(config, vocabulary_size)
+    model = training.build_model(config, vocabulary_size)
     with warnings.catch_warnings():
         # Only the weights matter here: the release holds no optimizer state,
         # and keras-hub compiles its tasks with one.
@@ -71,7 +71,7 @@ def load_run_model(config: PretrainConfig, vocabulary_size: int, model_path: str
             model.load_weights(model_path)
         except (ValueError, UserWarning) as error:
             raise pretraining.PretrainError(
-                f"{model_path} does not hold the model its run's {pretraining.REPORT_NAME} "
+                f"{model_path} does not hold the model its run's {run_files.REPORT_NAME} "
                 f"describes (BERT-{config.model}, vocabulary {vocabulary_size}, sequence length "
                 f"{config.sequence_length}); audit the folder the run wrote, unchanged: "
                 f"{str(error).splitlines()[0]}"
@@ -106,12 +106,12 @@ def audit_pretraining_run(
         PretrainError: the folder is not a completed run, or its corpus is
             no longer in the cache.
     """
-    report_path = os.path.join(output_dir, pretraining.REPORT_NAME)
-    model_path = os.path.join(output_dir, pretraining.MODEL_NAME)
+    report_path = os.path.join(output_dir, run_files.REPORT_NAME)
+    model_path = os.path.join(output_dir, run_files.MODEL_NAME)
     if not (os.path.isfile(report_path) and os.path.isfile(model_path)):
         raise pretraining.PretrainError(
-            f"{output_dir} is not a completed pretraining run (it needs {pretraining.REPORT_NAME} "
-            f"and {pretraining.MODEL_NAME}); run `tf-megadp pretrain --output-dir {output_dir}` first."
+            f"{output_dir} is not a completed pretraining run (it needs {run_files.REPORT_NAME} "
+            f"and {run_files.MODEL_NAME}); run `tf-megadp pretrain --output-dir {output_dir}` first."
         )
     if num_members < 2:
         raise pretraining.PretrainError(f"num_members must be >= 2, got {num_members}.")
@@ -151,7 +151,7 @@ def audit_pretraining_run(
         heldout_mlm_accuracy=run["heldout_mlm_accuracy"],
         canaries_per_repetition=config.canaries,
     )
-    write_json_atomically(os.path.join(output_dir, pretraining.AUDIT_NAME), result)
+    write_json_atomically(os.path.join(output_dir, run_files.AUDIT_NAME), result)
     log(_summary(result, output_dir))
     return result
 

@@ -105,7 +105,9 @@ from typing import Any, NamedTuple
 
 from tf_megadp import accounting
 from tf_megadp.clipping.terms import outer_is_materialised
-from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta, load_run_config
+from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta
+from tf_megadp.jobs.bert.config_file import load_run_config
+from tf_megadp.steps import noise_multiplier_of, sampling_rate_of
 
 __all__ = [
     "InfeasiblePlanError",
@@ -412,10 +414,9 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             "batch_size": phase.batch_size,
             "accumulation_steps": phase.accumulation_steps,
             "capacity": capacity,
-            "sampling_rate": phase.batch_size / schedule.num_examples,
+            "sampling_rate": sampling_rate_of(phase.batch_size, schedule.num_examples),
             "truncation_probability": truncation,
-            "noise_multiplier": (sigma if phase.noise_multiplier is None
-                                 else float(phase.noise_multiplier)),
+            "noise_multiplier": noise_multiplier_of(phase, sigma),
             "flops_per_logical_step": flops,
             "seconds_per_logical_step": flops / peak,
         })

@@ -4,7 +4,7 @@ The pipeline: read documents (text files, JSONL, or the offline default corpus
 of Python docstrings), learn a WordPiece vocabulary, tokenize, pack the tokens
 into rows of exactly L ids laid out as BERT expects (``[CLS] tokens... [SEP]``
 then ``[PAD]``), and store the rows as memory-mapped shards with a manifest
-(`tf_megadp.sampling.write_token_shards`). The samplers draw rows from those
+(`tf_megadp.data.shards.write_token_shards`). The samplers draw rows from those
 shards; `MaskedLMBatcher` turns each micro-batch of rows into the inputs of
 `keras_hub.models.BertMaskedLM` with per-position sample weights.
 
@@ -18,24 +18,35 @@ protected only to the extent of group privacy over the sequences it touches.
 
 from __future__ import annotations
 
-import ast
-import glob as glob_lib
 import hashlib
-import importlib.util
 import json
-import math
 import os
-import re
 import sys
-import sysconfig
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from tf_megadp.files import atomic_write, sha256_of_file, write_bytes_atomically
+from tf_megadp.data.shards import MANIFEST_NAME, TokenShards, write_token_shards
+from tf_megadp.files import write_bytes_atomically
 from tf_megadp.jobs.bert.config import SEPARATORS
-from tf_megadp.sampling import MANIFEST_NAME, TokenShards, write_token_shards
+from tf_megadp.jobs.bert.corpus import (
+    _CLS,
+    _DEFAULT_PACKAGES,
+    _SEP,
+    _SKIPPED_FOLDERS,
+    _UNK,
+    SPECIAL_TOKENS,
+    CorpusError,
+    Progress,
+    _expand_sources,
+    _package_roots,
+    default_corpus_documents,
+    read_documents,
+    write_synthetic_corpus,
+)
+from tf_megadp.jobs.bert.masking import MaskedLMBatcher
+from tf_megadp.jobs.bert.units import save_unit_ids
 
 __all__ = [
     "CorpusError",
@@ -50,14 +61,6 @@ __all__ = [
     "MaskedLMBatcher",
 ]
 
-# BERT's special tokens, in the order keras-hub's WordPiece trainer reserves
-# them: [PAD] must be id 0 because padding rows and padding positions are zeros.
-SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
-_PAD, _CLS, _SEP, _UNK, _MASK = range(len(SPECIAL_TOKENS))
-_DEFAULT_PACKAGES = ("stdlib", "numpy", "keras", "tensorflow")
-# Folders whose docstrings are test scaffolding or duplicated tooling, not prose.
-_SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
-_MIN_DOCSTRING_CHARACTERS = 40
 _FORMAT_VERSION = 1
 # Documents longer than this are counted and tokenized in pieces cut at
 # whitespace (the words and tokens are the same: WordPiece never joins across
@@ -66,286 +69,6 @@ _TOKENIZE_PIECE_CHARACTERS = 1 << 16
 # Progress lines report every this share of the work.
 _PROGRESS_SHARE = 0.1
 
-Progress = Callable[[str], None]
-
-
-class CorpusError(ValueError):
-    """The corpus or the text settings cannot produce a usable training set.
-
-    The message names the file (and byte offset) or the setting to change.
-    """
-
-
-def _package_roots(packages: Sequence[str]) -> list[str]:
-    roots = []
-    for package in packages:
-        if package == "stdlib":
-            roots.append(sysconfig.get_paths()["stdlib"])
-            continue
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise CorpusError(
-                f"Package {package!r} is not installed; choose default-corpus "
-                f"packages among the installed ones (e.g. {_DEFAULT_PACKAGES})."
-            )
-        roots.append(list(spec.submodule_search_locations)[0])
-    return roots
-
-
-def _docstrings(path: str) -> Iterator[str]:
-    try:
-        with open(path, "rb") as handle:
-            tree = ast.parse(handle.read(), filename=path)
-    except (SyntaxError, ValueError, OSError):
-        # Some installed files are templates or target other Python versions.
-        return
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            text = ast.get_docstring(node, clean=True)
-            if text and len(text) >= _MIN_DOCSTRING_CHARACTERS:
-                yield text
-
-
-def default_corpus_documents(
-    max_characters: int = 2_000_000,
-    packages: Sequence[str] = _DEFAULT_PACKAGES,
-) -> list[str]:
-    """English documents that every installation has: docstrings of installed Python code.
-
-    Walks the Python standard library and the given installed packages in
-    sorted order, extracts module, class and function docstrings with `ast`
-    (without importing anything), drops short and duplicate ones, and stops
-    at `max_characters` split evenly over the packages. Nothing is downloaded
-    and no third-party text is stored in this repository.
-
-    Args:
-        max_characters: total size cap of the corpus.
-        packages: ``"stdlib"`` and/or importable package names.
-
-    Returns:
-        A list of docstrings, deterministic for a given installation.
-    """
-    if max_characters < 1:
-        raise CorpusError(f"max_characters must be >= 1, got {max_characters}.")
-    roots = _package_roots(packages)
-    budget = max_characters // len(roots)
-    seen: set[bytes] = set()
-    documents: list[str] = []
-    for root in roots:
-        used = 0
-        for folder, subfolders, files in os.walk(root):
-            subfolders[:] = sorted(d for d in subfolders if d not in _SKIPPED_FOLDERS)
-            for name in sorted(files):
-                if not name.endswith(".py"):
-                    continue
-                for text in _docstrings(os.path.join(folder, name)):
-                    key = hashlib.sha1(" ".join(text.split()).encode("utf-8")).digest()
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    documents.append(text)
-                    used += len(text)
-                    if used >= budget:
-                        break
-                if used >= budget:
-                    break
-            if used >= budget:
-                break
-    return documents
-
-
-def _expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
-    if isinstance(sources, (str, os.PathLike)):
-        sources = [sources]
-    paths: list[str] = []
-    for source in sources:
-        source = os.fspath(source)
-        if glob_lib.has_magic(source):
-            matches = sorted(glob_lib.glob(source, recursive=True))
-            if not matches:
-                raise CorpusError(f"The pattern {source!r} matches no file.")
-            paths.extend(matches)
-        elif os.path.isdir(source):
-            raise CorpusError(
-                f"{source} is a folder; pass its files or a glob such as '{source}/*.txt'."
-            )
-        else:
-            paths.append(source)
-    for path in paths:
-        if not os.path.isfile(path):
-            raise CorpusError(f"Corpus file {path} does not exist.")
-        if os.path.getsize(path) == 0:
-            raise CorpusError(f"Corpus file {path} is empty.")
-    return paths
-
-
-# A line break (LF or CRLF) ends a JSONL record or a line document; a run of
-# blank lines ends a paragraph.
-_LINE_SEPARATOR = re.compile(rb"\r?\n")
-_PARAGRAPH_SEPARATOR = re.compile(rb"(?:\r?\n[ \t]*){2,}")
-
-
-def _split_units(data: bytes, by_line: bool) -> list[tuple[int, bytes]]:
-    """(byte offset, bytes) of each document: lines, or blank-line paragraphs."""
-    separator = _LINE_SEPARATOR if by_line else _PARAGRAPH_SEPARATOR
-    units, start = [], 0
-    for match in separator.finditer(data):
-        units.append((start, data[start : match.start()]))
-        start = match.end()
-    units.append((start, data[start:]))
-    return units
-
-
-def _megabytes(size: int) -> str:
-    return f"{size / 1e6:.1f} MB"
-
-
-def read_documents(
-    sources: str | os.PathLike | Sequence[str | os.PathLike],
-    *,
-    jsonl_field: str = "text",
-    skip_undecodable: bool = False,
-    separator: str = "blank-line",
-    progress: Progress | None = None,
-    unit_field: str | None = None,
-) -> tuple[list[str], int] | tuple[list[str], int, list[str]]:
-    """Documents from text files, JSONL files, or globs of them.
-
-    Plain text: documents are separated by blank lines (``separator=
-    "blank-line"``) or each line is one document (``"line"``). ``.jsonl``
-    files: one JSON object per line, the document in `jsonl_field`.
-
-    Args:
-        sources: a path, a glob pattern, or a list of them.
-        jsonl_field: the JSONL field that holds the text.
-        unit_field: the JSONL field naming each document's privacy unit
-            (its author, account, ...), for user-level privacy; every
-            record must have it (a string or an integer), and every source
-            must be JSONL.
-        skip_undecodable: False raises `CorpusError` at the first byte that is
-            not UTF-8 (naming file and byte offset); True drops the documents
-            that contain such bytes and counts them.
-        separator: how plain-text files are cut into documents, one of
-            `SEPARATORS`.
-        progress: called with one line per file read (size and documents).
-
-    Returns:
-        (documents, number of documents skipped for bad bytes), and with
-        `unit_field` a third item: each document's unit id, as a string.
-    """
-    if separator not in SEPARATORS:
-        raise CorpusError(
-            f"separator must be one of {', '.join(SEPARATORS)}, got {separator!r}.")
-    documents: list[str] = []
-    units: list[str] = []
-    skipped = 0
-    for path in _expand_sources(sources):
-        jsonl = path.endswith(".jsonl")
-        if unit_field is not None and not jsonl:
-            raise CorpusError(
-                f"{path} is not JSONL: a privacy unit ({unit_field!r}) can only be read "
-                "from a field of .jsonl records. Convert the corpus to JSONL with a "
-                f"{unit_field!r} field on every record.")
-        with open(path, "rb") as handle:
-            data = handle.read()
-        before = len(documents)
-        for offset, raw in _split_units(data, jsonl or separator == "line"):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                if skip_undecodable:
-                    skipped += 1
-                    continue
-                raise CorpusError(
-                    f"{path}: byte {offset + error.start} is not valid UTF-8 "
-                    f"({raw[error.start:error.start + 4]!r}). Fix the file, or pass "
-                    "skip_undecodable=True to drop such documents."
-                ) from None
-            if jsonl:
-                if not text.strip():
-                    continue
-                try:
-                    record = json.loads(text)
-                except json.JSONDecodeError as error:
-                    raise CorpusError(
-                        f"{path}: the line at byte {offset} is not JSON ({error.msg})."
-                    ) from None
-                if not isinstance(record, dict) or not isinstance(record.get(jsonl_field), str):
-                    raise CorpusError(
-                        f"{path}: the line at byte {offset} has no string field "
-                        f"{jsonl_field!r}; set jsonl_field to the field holding the text."
-                    )
-                text = record[jsonl_field]
-                if unit_field is not None:
-                    unit = record.get(unit_field)
-                    if isinstance(unit, bool) or not isinstance(unit, (str, int)):
-                        raise CorpusError(
-                            f"{path}: the line at byte {offset} has no string or integer "
-                            f"field {unit_field!r} (its privacy unit); every record needs one.")
-            if text.strip():
-                documents.append(text.strip())
-                if unit_field is not None:
-                    units.append(str(unit))
-        if progress:
-            progress(f"  read {path}: {_megabytes(len(data))}, "
-                     f"{len(documents) - before:,} documents")
-    if not documents:
-        raise CorpusError(f"No non-empty document in {sources!r}.")
-    return (documents, skipped) if unit_field is None else (documents, skipped, units)
-
-
-def write_synthetic_corpus(
-    path: str | os.PathLike,
-    size_bytes: int,
-    *,
-    separator: str = "blank-line",
-    seed: int = 0,
-) -> int:
-    """Writes generated English-like text: a corpus of a chosen size, no third-party text.
-
-    Words are made of random syllables and drawn with Zipf-like frequencies,
-    sentences of 5-20 words, documents of 1-8 sentences, so that a WordPiece
-    vocabulary has frequent words and rare ones to split, as in real text.
-    For exercising the pipeline at scale (tests, benchmarks); a model learns
-    only the word statistics from it.
-
-    Args:
-        path: the file to write (UTF-8).
-        size_bytes: stop once the file holds at least this many bytes.
-        separator: documents separated by a blank line or one per line
-            (`SEPARATORS`).
-        seed: the generator's seed; the same seed writes the same file.
-
-    Returns:
-        The number of documents written.
-    """
-    if separator not in SEPARATORS:
-        raise CorpusError(
-            f"separator must be one of {', '.join(SEPARATORS)}, got {separator!r}.")
-    rng = np.random.default_rng(seed)
-    syllables = [c + v for c in "bcdfghklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")]
-    lexicon = sorted({"".join(rng.choice(syllables, size=int(rng.integers(1, 4))))
-                      for _ in range(20_000)})
-    rng.shuffle(lexicon)
-    frequencies = 1.0 / np.arange(1, len(lexicon) + 1) ** 1.1
-    frequencies /= frequencies.sum()
-    gap = "\n" if separator == "line" else "\n\n"
-    written = documents = 0
-    with open(path, "w", encoding="utf-8") as handle:
-        while written < size_bytes:
-            # Draw words in blocks: one call per document keeps this fast.
-            counts = rng.integers(5, 21, size=int(rng.integers(1, 9)))
-            words = rng.choice(len(lexicon), size=int(counts.sum()), p=frequencies)
-            sentences, start = [], 0
-            for count in counts:
-                sentence = " ".join(lexicon[w] for w in words[start:start + count])
-                sentences.append(sentence[0].upper() + sentence[1:] + ".")
-                start += count
-            document = " ".join(sentences) + gap
-            handle.write(document)
-            written += len(document.encode("utf-8"))
-            documents += 1
-    return documents
 
 
 # Documents (or pieces) per batch when counting words and tokenizing: small
@@ -355,14 +78,12 @@ _TEXT_BATCH = 256
 
 def _words_dataset(documents: Sequence[str], lowercase: bool, batch_size: int):
     import tensorflow as tf
-    # The exact split WordPieceTokenizer applies before matching word pieces,
-    # so the learned pieces are the ones the tokenizer will look for.
-    from keras_hub.src.tokenizers.word_piece_tokenizer import pretokenize
+    from tf_megadp._keras_compat import keras_hub_pretokenize
 
     return (
         tf.data.Dataset.from_tensor_slices(list(documents))
         .batch(batch_size)
-        .map(lambda text: pretokenize(text, lowercase, False, True, True))
+        .map(lambda text: keras_hub_pretokenize(text, lowercase))
     )
 
 
@@ -607,44 +328,6 @@ def _pack_by_unit(tokens: list[np.ndarray], units: Sequence[str], sequence_lengt
     return rows, row_units
 
 
-UNITS_FILE = "units.npy"
-
-
-def save_unit_ids(directory: str | os.PathLike, unit_ids: np.ndarray) -> dict[str, Any]:
-    """Writes each row's privacy-unit index next to shards; returns the manifest fields.
-
-    Unit indices number the distinct ids (never the ids themselves, which
-    may be names or account numbers): the file says which rows belong
-    together, nothing about who wrote them. Write it before the shards'
-    manifest, which marks the folder complete.
-    """
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, UNITS_FILE)
-    atomic_write(path, lambda temporary: np.save(temporary, np.asarray(unit_ids, np.int64)))
-    return {"units_file": UNITS_FILE, "units_sha256": sha256_of_file(path),
-            "num_units": int(np.unique(unit_ids).size)}
-
-
-def load_unit_ids(shards: TokenShards) -> np.ndarray:
-    """Each row's privacy-unit index, saved by `prepare_corpus(unit_field=...)`.
-
-    Raises:
-        CorpusError: the shards hold no units, or the file does not match the manifest.
-    """
-    name = shards.manifest.get("units_file")
-    if name is None:
-        raise CorpusError(
-            f"The shards in {shards.directory} carry no privacy units: prepare the corpus "
-            "with a unit field (--privacy-unit FIELD).")
-    path = os.path.join(shards.directory, name)
-    if not os.path.isfile(path) or sha256_of_file(path) != shards.manifest.get("units_sha256"):
-        raise CorpusError(f"{path} is missing or does not match its manifest: rebuild the corpus.")
-    units = np.load(path, allow_pickle=False)
-    if units.shape != (len(shards),):
-        raise CorpusError(f"{path} holds {units.shape[0]} units for {len(shards)} rows.")
-    return units
-
-
 def _inputs_checksum(
     sources: str | os.PathLike | Sequence[str | os.PathLike] | None,
     max_characters: int,
@@ -740,7 +423,7 @@ def prepare_corpus(
             document's privacy unit (`read_documents`). No row then holds
             text of two units (the documents of each unit are packed
             together, `packing` within the unit), and each row's unit index
-            is saved next to the shards (`load_unit_ids`).
+            is saved next to the shards (`units.load_unit_ids`).
 
     Returns:
         The `TokenShards`. If `output_dir` already holds shards built from the
@@ -748,7 +431,7 @@ def prepare_corpus(
 
     Example:
     ```python
-    shards = tf_megadp.prepare_corpus("runs/corpus", max_characters=1_000_000)
+    shards = prepare_corpus("runs/corpus", max_characters=1_000_000)
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=shards.vocabulary_size, max_sequence_length=shards.sequence_length,
         num_layers=2, num_heads=2, hidden_dim=128, intermediate_dim=512)
@@ -907,158 +590,3 @@ def load_vocabulary(shards: TokenShards) -> list[str]:
     path = os.path.join(shards.directory, shards.manifest["vocabulary_file"])
     with open(path, encoding="utf-8") as handle:
         return handle.read().split("\n")[:-1]
-
-
-class MaskedLMBatcher:
-    """Turns a micro-batch of token rows into `BertMaskedLM` training inputs.
-
-    Use it as the `map_fn` of a sampler's `as_dataset`. It selects
-    `mask_rate` of each row's real tokens (never [PAD], [CLS], [SEP]; at most
-    `max_predictions`) uniformly at random, replaces 80 % of them by [MASK],
-    10 % by a random token, and leaves 10 % unchanged: BERT's masking, as
-    `keras_hub.layers.MaskedLMMaskGenerator` does it.
-
-    Its randomness is the sampler's: `as_dataset` passes every micro-batch
-    the secret key of its logical step (`key`, drawn from the sampler's OS
-    entropy, the same for every micro-batch of the step). Each row's draws
-    are keyed by that key and the row's own content (its 64-bit
-    fingerprint), never by its position: an example gets the same masks
-    wherever the draw places it, so adding or removing one example changes
-    no other example's masks, and the clipped sum moves by at most C.
-    Every draw is stateless, so the masks do not depend on thread timing
-    or on the order the pipeline runs the calls. A seeded sampler (tests
-    only, marked not for release) makes the masks reproducible.
-
-    Args:
-        vocabulary_size: V of the model.
-        sequence_length: L of the rows.
-        mask_rate: fraction of real tokens to predict.
-        max_predictions: P, the static number of predicted positions per row,
-            in [1, L]; default ceil(mask_rate * L).
-        mask_token_rate: share of selected tokens replaced by [MASK].
-        random_token_rate: share replaced by a random token.
-
-    Call arguments:
-        rows: int32 [M, L] token ids ([PAD] = 0).
-        weights: float32 [M], 0 for padding examples.
-        key: int64 [2], the key of the logical step (a sampler's `as_dataset`
-            passes it). Equal rows masked with the same key get the same
-            masks; a fixed evaluation set uses a fixed, public key.
-
-    Returns:
-        `(x, y, sample_weight)`: x = {"token_ids", "segment_ids",
-        "padding_mask", "mask_positions"}, y = mask_ids int32 [M, P],
-        sample_weight = float32 [M, P] (1 for a predicted position of a real
-        example, 0 otherwise; all zeros for padding examples).
-    """
-
-    def __init__(
-        self,
-        vocabulary_size: int,
-        sequence_length: int,
-        *,
-        mask_rate: float = 0.15,
-        max_predictions: int | None = None,
-        mask_token_rate: float = 0.8,
-        random_token_rate: float = 0.1,
-    ):
-        if not 0 < mask_rate < 1:
-            raise ValueError(f"mask_rate must be in (0, 1), got {mask_rate}.")
-        if vocabulary_size <= _MASK:
-            raise ValueError(
-                f"vocabulary_size must exceed the special token ids (> {_MASK}), "
-                f"got {vocabulary_size}."
-            )
-        if not (0 <= mask_token_rate and 0 <= random_token_rate
-                and mask_token_rate + random_token_rate <= 1):
-            raise ValueError(
-                "mask_token_rate and random_token_rate must be non-negative with a sum "
-                f"of at most 1, got {mask_token_rate} and {random_token_rate}.")
-        max_predictions = max_predictions or math.ceil(mask_rate * sequence_length)
-        if not 1 <= max_predictions <= sequence_length:
-            raise ValueError(
-                f"max_predictions must be in [1, sequence_length={sequence_length}], "
-                f"got {max_predictions}.")
-        self.vocabulary_size = vocabulary_size
-        self.sequence_length = sequence_length
-        self.mask_rate = mask_rate
-        self.max_predictions = max_predictions
-        self.mask_token_rate = mask_token_rate
-        self.random_token_rate = random_token_rate
-
-    @classmethod
-    def from_shards(cls, shards: TokenShards, **kwargs: Any) -> "MaskedLMBatcher":
-        """A batcher with V and L read from the shards' manifest."""
-        return cls(shards.vocabulary_size, shards.sequence_length, **kwargs)
-
-    def _draws(self, rows, key):
-        """Per row: selection scores [L], replacement draws [P], random tokens [P].
-
-        Row i's draws come from `key` folded with the fingerprint of row i's
-        tokens: a function of the example, not of where it sits.
-        """
-        import tensorflow as tf
-
-        length, predictions = self.sequence_length, self.max_predictions
-        fingerprints = tf.bitcast(tf.fingerprint(rows), tf.int64)
-        key = tf.cast(key, tf.int64)
-
-        def one_row(fingerprint):
-            seed = tf.random.experimental.stateless_fold_in(key, fingerprint)
-            selection, replacement, token = tf.unstack(
-                tf.random.experimental.stateless_split(seed, 3))
-            return (tf.random.stateless_uniform([length], selection),
-                    tf.random.stateless_uniform([predictions], replacement),
-                    tf.random.stateless_uniform([predictions], token, minval=0,
-                                                maxval=self.vocabulary_size, dtype=tf.int32))
-
-        return tf.map_fn(one_row, fingerprints,
-                         fn_output_signature=(tf.float32, tf.float32, tf.int32))
-
-    def __call__(self, rows, weights, *, key):
-        import tensorflow as tf
-
-        rows = tf.convert_to_tensor(rows, tf.int32)
-        length, predictions = self.sequence_length, self.max_predictions
-        uniform, draw, random_tokens = self._draws(rows, key)
-        selectable = (tf.not_equal(rows, _PAD) & tf.not_equal(rows, _CLS)
-                      & tf.not_equal(rows, _SEP))
-        count = tf.reduce_sum(tf.cast(selectable, tf.int32), axis=1)
-        chosen = tf.minimum(
-            tf.cast(tf.math.ceil(tf.cast(count, tf.float32) * self.mask_rate), tf.int32),
-            predictions)
-        # The `chosen` selectable positions of lowest score: a uniform subset
-        # (scores of unselectable positions, 2, rank after every real one).
-        scores = tf.where(selectable, uniform, 2.0)
-        _, ranked = tf.math.top_k(-scores, k=predictions)
-        valid = tf.range(predictions)[None, :] < chosen[:, None]
-        # Positions ascending, the padding slots (position 0, weight 0) last.
-        positions = tf.sort(tf.where(valid, ranked, length), axis=1)
-        positions = tf.where(valid, positions, 0)
-        mask_ids = tf.where(valid, tf.gather(rows, positions, batch_dims=1), 0)
-
-        shown = tf.where(draw < self.mask_token_rate, _MASK,
-                         tf.where(draw < self.mask_token_rate + self.random_token_rate,
-                                  random_tokens, mask_ids))
-        # Each row's valid positions are distinct: one one-hot sum places them.
-        placed = tf.one_hot(positions, length, dtype=tf.int32) * tf.cast(valid, tf.int32)[..., None]
-        is_selected = tf.reduce_sum(placed, axis=1) > 0
-        token_ids = tf.where(is_selected, tf.reduce_sum(placed * shown[..., None], axis=1), rows)
-
-        real = tf.not_equal(rows, _PAD)
-        # A padding example has no real token; letting it attend to position 0
-        # keeps its (zero-weight) loss finite, so 0 * loss stays 0, not NaN.
-        is_padding = tf.equal(weights, 0.0)
-        first = tf.range(length) == 0
-        padding_mask = tf.logical_or(real, tf.logical_and(first[None, :], is_padding[:, None]))
-        x = {
-            "token_ids": token_ids,
-            "segment_ids": tf.zeros_like(rows, tf.int32),
-            # int32, BertBackbone's own input dtype: under a tf.distribute
-            # strategy Keras averages the first batch across replicas to
-            # build the model, which no all-reduce can do for bool.
-            "padding_mask": tf.cast(padding_mask, tf.int32),
-            "mask_positions": positions,
-        }
-        sample_weight = tf.cast(valid, tf.float32) * tf.cast(weights, tf.float32)[:, None]
-        return x, mask_ids, sample_weight

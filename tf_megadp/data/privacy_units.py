@@ -34,19 +34,15 @@ from typing import Any, Iterator, Self
 import dp_accounting
 import numpy as np
 
-from tf_megadp.accounting import _entry_event, ledger_from_schedule
+from tf_megadp.accounting.events import entry_event
+from tf_megadp.accounting.ledger import ledger_from_schedule
+from tf_megadp.data.base import StepDraw
+from tf_megadp.data.samplers import PoissonSampler
+from tf_megadp.data.shards import TokenShards
+from tf_megadp.data.sources import DataSource
+from tf_megadp.data.stores import _ArrayStore, _IndexableStore, _RecordStore, _TokenShardStore
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.sampling import (
-    PoissonSampler,
-    StepDraw,
-    TokenShards,
-    _ArrayStore,
-    _IndexableStore,
-    _RecordStore,
-    _TokenShardStore,
-)
-from tf_megadp.schedules import BatchSizeSchedule
-from tf_megadp.sources import DataSource
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["PrivacyUnitSampler", "units_of"]
 
@@ -326,7 +322,7 @@ class PrivacyUnitSampler(PoissonSampler):
         """
         ledger = ledger_from_schedule(self.schedule, noise_multiplier, steps=steps)
         return dp_accounting.ComposedDpEvent(
-            [_entry_event(entry, self.num_units) for entry in ledger])
+            [entry_event(entry, self.num_units) for entry in ledger])
 
     # -- Micro-batches -------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.schedules: one schedule, read alike by sampler, optimizer, accountant."""
+"""Specification of tf_megadp.steps: one schedule, read alike by sampler, optimizer, accountant."""
 
 import math
 from fractions import Fraction
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from tf_megadp.schedules import BatchSizeSchedule, Phase
+from tf_megadp.steps import BatchSizeSchedule, Phase
 
 
 def exact_tail(n, q, capacity):
@@ -135,7 +135,7 @@ class TestOneSourceOfTruth:
 
     @pytest.fixture(scope="class")
     def setup(self, tmp_path_factory):
-        from tf_megadp.sampling import PoissonSampler, TokenShards, write_token_shards
+        from tf_megadp.data import PoissonSampler, TokenShards, write_token_shards
 
         directory = tmp_path_factory.mktemp("shards")
         write_token_shards(directory, [np.ones((400, 4), np.int64)], sequence_length=4, vocabulary_size=8, checksum="t")
@@ -165,7 +165,7 @@ class TestOneSourceOfTruth:
         assert ledger.entries[1].noise_multiplier == 1.5  # the phase without its own sigma
 
     def test_sampled_step_sizes_follow_each_phase(self, setup):
-        from tf_megadp.sampling import PoissonSampler
+        from tf_megadp.data import PoissonSampler
 
         schedule, sampler = setup
         for index, phase in enumerate(schedule.phases):
@@ -179,7 +179,7 @@ class TestOneSourceOfTruth:
         import keras
 
         from tf_megadp.optimizer import DPOptimizer
-        from tf_megadp.sampling import PoissonSampler
+        from tf_megadp.data import PoissonSampler
         from tf_megadp.train_step import make_private
 
         schedule, sampler = setup
@@ -203,3 +203,78 @@ class TestOneSourceOfTruth:
         ks = [schedule.phase_at(step).accumulation_steps for step in range(schedule.total_steps)]
         expected = [step + 1 if micro == k - 1 else step for step, k in enumerate(ks) for micro in range(k)]
         assert seen == expected
+
+
+class TestOneNumberForEachQuantity:
+    """Acceptance of issue 29: the sampler, `compute_epsilon`, the CLI and the accountant
+    derive a run's steps from epochs in one function, so they count the same steps and
+    report the same epsilon. Before, the sampler rounded `epochs * N / B` in binary
+    floating point and the accountant in decimals: epochs 1.1 of N = 100, B = 10 drew
+    12 steps and accounted 11."""
+
+    @staticmethod
+    def sampler(kind, epochs, num_examples, batch_size, micro_batch_size, num_replicas):
+        import tf_megadp
+
+        cls = {"poisson": tf_megadp.PoissonSampler, "shuffle": tf_megadp.ShuffleSampler}[kind]
+        x = np.zeros((num_examples, 1), np.float32)
+        return cls.from_arrays(
+            x, np.zeros(num_examples), batch_size=batch_size, epochs=epochs,
+            micro_batch_size=micro_batch_size, num_replicas=num_replicas, shared_secret=2**64 + 1)
+
+    @staticmethod
+    def draws(count, seed):
+        rng = np.random.default_rng(seed)
+        for _ in range(count):
+            num_examples = int(rng.integers(10, 2_000))
+            batch_size = int(rng.integers(1, num_examples // 2 + 1))
+            # Decimal epochs as users type them (1.1, 0.35, 2.7): where binary round-off bites.
+            epochs = round(float(rng.uniform(0.05, 3.0)), int(rng.integers(1, 3)))
+            yield epochs, num_examples, batch_size, int(rng.integers(1, 33)), int(rng.integers(1, 3))
+
+    @pytest.mark.parametrize("kind", ["poisson", "shuffle"])
+    def test_sampler_and_accountant_count_the_same_steps(self, kind, recwarn):
+        from tf_megadp.accounting import PrivacyAccountant
+
+        cases = [(1.1, 100, 10, 4, 1), (1.15, 400, 20, 8, 2), *self.draws(300, seed=29)]
+        for epochs, num_examples, batch_size, m, replicas in cases:
+            if kind == "shuffle" and epochs * (num_examples // batch_size) < 1:
+                continue
+            sampler = self.sampler(kind, epochs, num_examples, batch_size, m, replicas)
+            planned = PrivacyAccountant.for_run(
+                1e-6, num_examples=num_examples, batch_size=batch_size, epochs=epochs,
+                noise_multiplier=1.0, sampling=kind, accountant="rdp")
+            assert sampler.schedule.total_steps == planned.steps, (epochs, num_examples, batch_size)
+
+    @pytest.mark.parametrize("kind", ["poisson", "shuffle"])
+    def test_sampler_compute_epsilon_cli_and_accountant_agree(self, kind, capsys, recwarn):
+        import json
+
+        from tf_megadp import cli
+        from tf_megadp.accounting import PrivacyAccountant, compute_epsilon, ledger_from_schedule
+
+        cases = [(1.1, 100, 10, 4, 1), *self.draws(4, seed=2029)]
+        for epochs, num_examples, batch_size, m, replicas in cases:
+            if kind == "shuffle" and epochs * (num_examples // batch_size) < 1:
+                continue
+            sampler = self.sampler(kind, epochs, num_examples, batch_size, m, replicas)
+            schedule = sampler.schedule
+            delta = 0.5 / num_examples
+            truncation = schedule.capacity(schedule.phases[0]) if kind == "poisson" else None
+            # What the run will record, phase by phase, from the sampler's own schedule.
+            ledger = ledger_from_schedule(schedule, 1.3, sampling=kind)
+            spent = PrivacyAccountant(num_examples, delta, accountant="rdp", ledger=ledger)
+            run = dict(num_examples=num_examples, batch_size=batch_size, epochs=epochs,
+                       noise_multiplier=1.3, sampling=kind, max_batch_size=truncation,
+                       accountant="rdp")
+            planned = compute_epsilon(delta=delta, **run)
+            assert PrivacyAccountant.for_run(delta, **run).ledger == ledger
+            flags = ["epsilon", "--num-examples", str(num_examples), "--batch-size",
+                     str(batch_size), "--epochs", repr(epochs), "--noise-multiplier", "1.3",
+                     "--delta", repr(delta), "--sampling", kind, "--accountant", "rdp", "--json"]
+            if truncation:
+                flags += ["--max-batch-size", str(truncation)]
+            assert cli.main(flags) == 0
+            report = json.loads(capsys.readouterr().out)
+            assert report["steps"] == spent.steps == schedule.total_steps
+            assert report["epsilon"] == planned == spent.epsilon(), (epochs, num_examples, batch_size)

@@ -30,7 +30,7 @@ import secrets
 from typing import Any
 
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.schedules import BatchSizeSchedule
+from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = [
     "DataSource", "attach_source", "mark_distributed", "refuse_repeated", "resumed_at",

@@ -1,22 +1,164 @@
-"""Batch-size schedules: one description of the logical steps for everyone.
+"""The steps of a run: one description of the logical steps for everyone.
+
+`BatchSizeSchedule.phase_tensors(step)` gives the compiled step its phase's
+k, B and sigma as tensors, from the same phases the sampler and the
+accountant read.
 
 A `BatchSizeSchedule` is the single source of truth for how big each logical
 step is. The Poisson sampler reads its sampling rate q_t, the `DPOptimizer`
 reads its accumulation steps k_t and its divisor B_t, and the accountant
 composes one subsampled Gaussian event per phase from the same numbers. Passing
 one object to all three is what keeps them from disagreeing.
+
+Each number of a step is computed by exactly one function here, which the
+sampler, the optimizer, the callbacks, the accountant, the CLI and the BERT
+job call (never retype):
+
+* `sampling_rate_of`: q = B / N (and `check_batch_fits`: B <= N);
+* `step_capacity`: the static slots of a logical step, k * m * R;
+* `steps_for_epochs`: the logical steps of E passes over the data;
+* `noise_multiplier_of`: sigma of a phase, or the optimizer's default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import json
 import math
 from typing import Any, Iterable, Sequence
 
+import numpy as np
 from scipy import stats
 
-__all__ = ["Phase", "BatchSizeSchedule"]
+from tf_megadp._validate import check_num_examples, check_positive_int
+from tf_megadp.errors import PrivacyConfigurationError
+
+__all__ = [
+    "Phase",
+    "BatchSizeSchedule",
+    "check_batch_fits",
+    "noise_multiplier_of",
+    "sampling_rate_of",
+    "step_capacity",
+    "steps_for_epochs",
+]
+
+
+def sampling_rate_of(batch_size: int | float, num_examples: int) -> float:
+    """q = B / N, the probability that one example joins a step of expected size B.
+
+    Args:
+        batch_size: B, the expected logical batch (for a fixed-size step,
+            the rows it held).
+        num_examples: N.
+
+    Returns:
+        q, a float.
+
+    Example:
+    ```python
+    sampling_rate_of(256, 60_000)   # 0.004266...
+    ```
+    """
+    return batch_size / num_examples
+
+
+def check_batch_fits(batch_size: int, num_examples: int, where: str = "") -> None:
+    """Refuses an expected batch B larger than N: q = B / N would exceed 1.
+
+    Args:
+        batch_size: B.
+        num_examples: N.
+        where: what the batch belongs to, for the message (e.g. "Phase 2 has ").
+
+    Raises:
+        ValueError: B > N.
+    """
+    if batch_size > num_examples:
+        raise ValueError(
+            f"{where}batch_size {batch_size} is larger than num_examples {num_examples}, so "
+            "the expected batch exceeds the data: the sampling rate would exceed 1 "
+            "(q = B / N). Use a smaller batch_size."
+        )
+
+
+def step_capacity(accumulation_steps: int, micro_batch_size: int, num_replicas: int = 1) -> int:
+    """k * m * R: the static example slots of one logical step.
+
+    Args:
+        accumulation_steps: k, micro-batches per logical step.
+        micro_batch_size: m, rows per replica and micro-batch.
+        num_replicas: R.
+
+    Returns:
+        The capacity, an int (a tensor where any argument is one).
+    """
+    return accumulation_steps * micro_batch_size * num_replicas
+
+
+def noise_multiplier_of(phase: "Phase", default: float | None) -> float | None:
+    """sigma of `phase`: its own noise multiplier, or `default` where it sets none."""
+    return default if phase.noise_multiplier is None else float(phase.noise_multiplier)
+
+
+def steps_for_epochs(
+    epochs: float, *, num_examples: int, batch_size: int, sampling: str = "poisson"
+) -> int:
+    """Logical steps of `epochs` passes over N examples at (expected) batch B.
+
+    One epoch of Poisson steps is N / B steps in expectation (each example
+    joins each step with probability q = B / N), as in tensorflow-privacy's
+    `compute_dp_sgd_privacy` and Opacus; the count is rounded up, so the
+    accounted run is never shorter than the one asked for. A shuffled epoch
+    is floor(N / B) full batches (the leftover examples are skipped), and
+    E epochs are floor(E * floor(N / B)) steps. `epochs` is read as the
+    decimal the user wrote (0.3 epochs of N = 1000, B = 100 is 3 steps, not 4
+    from binary round-off), so the sampler, the accountant and the CLI count
+    the same steps.
+
+    Args:
+        epochs: passes over the data, a finite number > 0.
+        num_examples: N.
+        batch_size: expected logical batch B.
+        sampling: ``"poisson"`` or ``"shuffle"``.
+
+    Returns:
+        The number of logical steps, an int >= 1.
+
+    Raises:
+        PrivacyConfigurationError: `epochs` is not a finite number > 0, or
+            a shuffled run of `epochs` is less than one step.
+
+    Example:
+    ```python
+    steps_for_epochs(3, num_examples=60_000, batch_size=256)      # 704
+    steps_for_epochs(1.1, num_examples=100, batch_size=10)        # 11
+    ```
+    """
+    if (
+        isinstance(epochs, bool)
+        or not isinstance(epochs, (int, float, np.integer, np.floating))
+        or not math.isfinite(epochs)
+        or epochs <= 0
+    ):
+        raise PrivacyConfigurationError(
+            f"epochs must be a finite number > 0, got {epochs!r}; or pass steps= instead."
+        )
+    num_examples = check_num_examples(num_examples)
+    batch_size = check_positive_int("batch_size", batch_size)
+    decimal_epochs = fractions.Fraction(repr(float(epochs)))
+    if sampling == "shuffle":
+        steps = math.floor(decimal_epochs * (num_examples // batch_size))
+        if steps < 1:
+            raise PrivacyConfigurationError(
+                f"epochs={epochs} of {num_examples // batch_size} full batches per epoch "
+                "is less than one step; raise epochs."
+            )
+        return steps
+    if sampling != "poisson":
+        raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {sampling!r}.")
+    return max(1, math.ceil(decimal_epochs * num_examples / batch_size))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +237,8 @@ class BatchSizeSchedule:
         for index, phase in enumerate(phases):
             if not isinstance(phase, Phase):
                 raise TypeError(f"phases[{index}] is {phase!r}, not a Phase.")
-            if phase.batch_size > num_examples:
-                raise ValueError(
-                    f"Phase {index} has batch_size {phase.batch_size} > "
-                    f"num_examples {num_examples}: the sampling rate would exceed 1."
-                )
-            capacity = phase.accumulation_steps * micro_batch_size * num_replicas
+            check_batch_fits(phase.batch_size, num_examples, f"Phase {index} has ")
+            capacity = step_capacity(phase.accumulation_steps, micro_batch_size, num_replicas)
             if capacity < phase.batch_size:
                 raise ValueError(
                     f"Phase {index}: accumulation_steps * micro_batch_size * "
@@ -153,7 +291,7 @@ class BatchSizeSchedule:
         slots_per_micro_step = micro_batch_size * num_replicas
         phases = []
         for (steps, batch_size), sigma in zip(pairs, sigmas):
-            q = min(1.0, batch_size / num_examples)
+            q = min(1.0, sampling_rate_of(batch_size, num_examples))
             needed = int(stats.binom.isf(truncation_probability, num_examples, q))
             needed = max(needed, batch_size)
             accumulation_steps = max(1, math.ceil(needed / slots_per_micro_step))
@@ -243,7 +381,7 @@ class BatchSizeSchedule:
 
     def capacity(self, phase: Phase) -> int:
         """Static example slots of one logical step of `phase`."""
-        return phase.accumulation_steps * self.micro_batch_size * self.num_replicas
+        return step_capacity(phase.accumulation_steps, self.micro_batch_size, self.num_replicas)
 
     def phase_index(self, step: int) -> int:
         """Index of the phase that logical step `step` (0-based) belongs to.
@@ -260,13 +398,37 @@ class BatchSizeSchedule:
     def phase_at(self, step: int) -> Phase:
         return self._phases[self.phase_index(step)]
 
+    def phase_tensors(self, step, noise_multiplier: float | None):
+        """(k, B, sigma) of logical step `step` (a tensor), for the compiled step.
+
+        Args:
+            step: the logical step, an int64 scalar tensor.
+            noise_multiplier: sigma of the phases that set none.
+
+        Returns:
+            (accumulation steps int64, batch size float32, noise multiplier
+            float32), each a scalar tensor; steps past the end stay in the
+            last phase, as `phase_at`.
+        """
+        import tensorflow as tf
+
+        phases = self.phases
+        ends = tf.constant(self.phase_ends[:-1], tf.int64)
+        index = tf.searchsorted(ends, tf.reshape(step, [1]), side="right")[0]
+        pick = lambda values, dtype: tf.gather(tf.constant(values, dtype), index)
+        return (
+            pick([p.accumulation_steps for p in phases], tf.int64),
+            pick([float(p.batch_size) for p in phases], tf.float32),
+            pick([noise_multiplier_of(p, noise_multiplier) for p in phases], tf.float32),
+        )
+
     def sampling_rate(self, step: int) -> float:
         """q_t = B_t / N for logical step `step`."""
-        return self.phase_at(step).batch_size / self.num_examples
+        return sampling_rate_of(self.phase_at(step).batch_size, self.num_examples)
 
     def truncation_probability(self, phase: Phase) -> float:
         """P[Binomial(N, q) > capacity] for one Poisson step of `phase`."""
-        q = phase.batch_size / self.num_examples
+        q = sampling_rate_of(phase.batch_size, self.num_examples)
         return float(stats.binom.sf(self.capacity(phase), self.num_examples, q))
 
     def examples_processed(self) -> int:

@@ -1,0 +1,76 @@
+"""Privacy accounting: what a DP-SGD run spent, as (epsilon, delta).
+
+Every logical step of DP-SGD is one subsampled Gaussian mechanism: each of the
+N training examples joins the step's batch with probability q_t = B_t / N, the
+clipped gradients are summed and Gaussian noise of standard deviation
+sigma_t * C is added once. The guarantee covers one training example (one
+sequence) under add/remove-one adjacency.
+
+This package turns a run into `dp_accounting` events and asks an accountant for
+epsilon at a given delta. A run is described by a `PrivacyLedger`: a list of
+phases of identical logical steps (steps, q, sigma, truncation, sampling kind),
+the same numbers the `DPOptimizer` stores in its `privacy_ledger` variable, so
+a checkpoint carries what the run has spent.
+
+Sampling kinds:
+
+* ``"poisson"``: every example joins every step independently with
+  probability q. If the sampler truncates a step at a static maximum batch
+  (`max_batch_size > 0`), the step is a `TruncatedSubsampledGaussianDpEvent`.
+  When truncation is rare, a coupling bound accounts it at the cost of the
+  untruncated step (and works with RDP); otherwise dp_accounting's exact PLD
+  of the truncated mechanism is used (see `engines._TruncationAwareAccountant`).
+* ``"shuffle"``: fixed-size batches from a shuffled dataset. No accountant in
+  dp_accounting covers them; they are reported *as if* Poisson-sampled, with a
+  warning, because that understates the real privacy loss (Chua et al., 2024,
+  "How Private are DP-SGD Implementations?"). The honest alternative is Poisson
+  sampling.
+
+Two accountants are registered (`register_accountant`): ``"pld"`` (privacy
+loss distributions, the default: essentially exact, 0.3-5 s per evaluation)
+and ``"rdp"`` (Renyi DP, about 0.1 s, 6-135 % looser). See docs/privacy.md
+for the measurements.
+
+The package, by concept: `events` (sampling kinds and their DpEvents),
+`ledger` (the ledger, its row format, a planned run's ledger), `engines`
+(the accountant registry and the cached epsilon), `accountant`
+(`PrivacyAccountant`, budget search), `calibration` (`compute_epsilon`,
+`calibrate_noise_multiplier`) and `report` (the published report).
+"""
+
+from tf_megadp.accounting.accountant import PrivacyAccountant
+from tf_megadp.accounting.calibration import calibrate_noise_multiplier, compute_epsilon
+from tf_megadp.accounting.engines import (
+    DEFAULT_ACCOUNTANT,
+    accountant_names,
+    register_accountant,
+)
+from tf_megadp.accounting.events import (
+    SamplingKind,
+    register_sampling_kind,
+    sampling_kinds,
+)
+from tf_megadp.accounting.ledger import (
+    LEDGER_COLUMNS,
+    LedgerEntry,
+    PrivacyLedger,
+    ledger_from_schedule,
+)
+from tf_megadp.steps import steps_for_epochs
+
+__all__ = [
+    "DEFAULT_ACCOUNTANT",
+    "accountant_names",
+    "register_accountant",
+    "SamplingKind",
+    "register_sampling_kind",
+    "sampling_kinds",
+    "LEDGER_COLUMNS",
+    "LedgerEntry",
+    "PrivacyLedger",
+    "PrivacyAccountant",
+    "ledger_from_schedule",
+    "steps_for_epochs",
+    "compute_epsilon",
+    "calibrate_noise_multiplier",
+]

@@ -1,0 +1,386 @@
+"""The privacy ledger: the logical steps a run has taken, as phases of identical steps.
+
+The same numbers the `DPOptimizer` stores in its `privacy_ledger` variable
+(one row per phase, `LEDGER_COLUMNS`), so a checkpoint carries what the run
+has spent; `ledger_from_schedule` and `ledger_for_run` describe a planned run
+the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Iterable, Iterator, Sequence
+
+import numpy as np
+
+from tf_megadp import adaptive_clipping
+from tf_megadp._validate import check_num_examples as _check_num_examples
+from tf_megadp.accounting.events import sampling_kind, sampling_kind_of_code
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.steps import (
+    BatchSizeSchedule,
+    check_batch_fits,
+    noise_multiplier_of,
+    sampling_rate_of,
+    steps_for_epochs,
+)
+
+__all__ = ["LEDGER_COLUMNS", "LedgerEntry", "PrivacyLedger", "ledger_from_schedule", "ledger_for_run"]
+
+LEDGER_COLUMNS = (
+    "steps",
+    "sampling_rate",
+    "noise_multiplier",
+    "max_batch_size",
+    "sampling_kind",
+    "count_noise_multiplier",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LedgerEntry:
+    """A run of identical logical steps, as the accountant sees them.
+
+    Args:
+        steps: number of logical steps (>= 0).
+        sampling_rate: q = B / N, the probability that one example joins a
+            step; in (0, 1].
+        noise_multiplier: sigma, the noise standard deviation divided by the
+            clipping norm; > 0.
+        max_batch_size: the static maximum at which a Poisson step is
+            truncated, or 0 for an untruncated Poisson step.
+        sampling: ``"poisson"`` or ``"shuffle"``.
+        count_noise_multiplier: with adaptive clipping, the noise
+            multiplier of the count of unclipped examples each step also
+            releases (its noise over its sensitivity 1/2; see
+            `tf_megadp.adaptive_clipping`), and `noise_multiplier` is the
+            gradient's; 0 when the step releases the gradient only.
+    """
+
+    steps: int
+    sampling_rate: float
+    noise_multiplier: float
+    max_batch_size: int = 0
+    sampling: str = "poisson"
+    count_noise_multiplier: float = 0.0
+
+    def __post_init__(self):
+        if isinstance(self.steps, bool) or not isinstance(
+            self.steps, (int, np.integer)
+        ):
+            raise ValueError(f"steps must be an integer, got {self.steps!r}.")
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}.")
+        q = float(self.sampling_rate)
+        if not math.isfinite(q) or q <= 0.0:
+            raise ValueError(
+                f"sampling_rate must be in (0, 1], got {self.sampling_rate!r}."
+            )
+        if q > 1.0:
+            raise ValueError(
+                f"sampling_rate q = B / N = {q:g} is larger than 1: the batch size "
+                "cannot exceed the number of examples. Check num_examples and "
+                "batch_size."
+            )
+        sigma = float(self.noise_multiplier)
+        if not math.isfinite(sigma) or sigma <= 0.0:
+            raise ValueError(
+                f"noise_multiplier must be a finite number > 0 for a private run, "
+                f"got {self.noise_multiplier!r}. With noise_multiplier = 0 the run "
+                "is not differentially private (epsilon is infinite)."
+            )
+        if (
+            isinstance(self.max_batch_size, bool)
+            or not isinstance(self.max_batch_size, (int, np.integer))
+            or self.max_batch_size < 0
+        ):
+            raise ValueError(
+                "max_batch_size must be an integer >= 0 (0 = no truncation), got "
+                f"{self.max_batch_size!r}."
+            )
+        if not sampling_kind(self.sampling).truncates and self.max_batch_size:
+            raise ValueError(
+                f"max_batch_size only applies to Poisson sampling; {self.sampling} "
+                "batches have a fixed size. Pass max_batch_size=0."
+            )
+        count = float(self.count_noise_multiplier)
+        if not math.isfinite(count) or count < 0.0:
+            raise ValueError(
+                "count_noise_multiplier must be a finite number >= 0 (0: no count), got "
+                f"{self.count_noise_multiplier!r}.")
+        # Normalise numpy scalars so that entries compare and serialise alike.
+        object.__setattr__(self, "count_noise_multiplier", count)
+        object.__setattr__(self, "steps", int(self.steps))
+        object.__setattr__(self, "sampling_rate", q)
+        object.__setattr__(self, "noise_multiplier", sigma)
+        object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
+
+    @property
+    def equivalent_noise_multiplier(self) -> float:
+        """The one Gaussian multiplier the step's releases (gradient, count) amount to."""
+        return adaptive_clipping.equivalent_noise_multiplier(
+            self.noise_multiplier, self.count_noise_multiplier)
+
+    def same_mechanism(self, other: "LedgerEntry") -> bool:
+        """Whether `other` describes steps identical to these (any count)."""
+        return dataclasses.replace(self, steps=0) == dataclasses.replace(
+            other, steps=0
+        )
+
+    def to_row(self) -> list[float]:
+        """The entry as one row of the optimizer's `privacy_ledger` variable."""
+        return [
+            float(self.steps),
+            self.sampling_rate,
+            self.noise_multiplier,
+            float(self.max_batch_size),
+            float(sampling_kind(self.sampling).code),
+            self.count_noise_multiplier,
+        ]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> "LedgerEntry":
+        """Inverse of `to_row`."""
+        if len(row) != len(LEDGER_COLUMNS):
+            raise ValueError(
+                f"A ledger row has {len(LEDGER_COLUMNS)} columns {LEDGER_COLUMNS}, "
+                f"got {len(row)}."
+            )
+        steps, q, sigma, max_batch_size, kind, count = (float(value) for value in row)
+        return cls(
+            steps=int(steps),
+            sampling_rate=q,
+            noise_multiplier=sigma,
+            max_batch_size=int(max_batch_size),
+            sampling=sampling_kind_of_code(kind).name,
+            count_noise_multiplier=count,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class PrivacyLedger:
+    """The logical steps a run has taken, as phases of identical steps.
+
+    Consecutive identical steps are merged into one `LedgerEntry`, so a run
+    that follows a `BatchSizeSchedule` has one entry per phase.
+
+    Args:
+        entries: the entries in training order.
+
+    Example:
+    ```python
+    ledger = PrivacyLedger()
+    ledger.record(100, sampling_rate=0.01, noise_multiplier=1.1)
+    ledger.record(50, sampling_rate=0.01, noise_multiplier=1.1)
+    len(ledger), ledger.total_steps     # (1, 150)
+    ```
+    """
+
+    def __init__(self, entries: Iterable[LedgerEntry] = ()):
+        self._entries: list[LedgerEntry] = []
+        for entry in entries:
+            self.append(entry)
+
+    @property
+    def entries(self) -> tuple[LedgerEntry, ...]:
+        return tuple(self._entries)
+
+    @property
+    def total_steps(self) -> int:
+        return sum(entry.steps for entry in self._entries)
+
+    def append(self, entry: LedgerEntry) -> None:
+        """Adds `entry`, merging it into the last entry if the steps match."""
+        if not isinstance(entry, LedgerEntry):
+            raise TypeError(f"Expected a LedgerEntry, got {entry!r}.")
+        if entry.steps == 0:
+            return
+        if self._entries and self._entries[-1].same_mechanism(entry):
+            last = self._entries[-1]
+            self._entries[-1] = dataclasses.replace(
+                last, steps=last.steps + entry.steps
+            )
+        else:
+            self._entries.append(entry)
+
+    def record(
+        self,
+        steps: int,
+        *,
+        sampling_rate: float,
+        noise_multiplier: float,
+        max_batch_size: int = 0,
+        sampling: str = "poisson",
+    ) -> None:
+        """Records `steps` identical logical steps; see `LedgerEntry`."""
+        self.append(
+            LedgerEntry(steps, sampling_rate, noise_multiplier, max_batch_size, sampling)
+        )
+
+    def copy(self) -> "PrivacyLedger":
+        return PrivacyLedger(self._entries)
+
+    def to_rows(self) -> np.ndarray:
+        """The ledger as a float64 array of shape (len(self), len(LEDGER_COLUMNS))."""
+        return np.array(
+            [entry.to_row() for entry in self._entries], dtype=np.float64
+        ).reshape(len(self._entries), len(LEDGER_COLUMNS))
+
+    @classmethod
+    def from_rows(cls, rows: np.ndarray | Sequence[Sequence[float]]) -> "PrivacyLedger":
+        """Inverse of `to_rows`; pass only the rows in use."""
+        return cls(LedgerEntry.from_row(row) for row in np.asarray(rows, np.float64))
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [entry.to_dict() for entry in self._entries]
+
+    @classmethod
+    def from_list(cls, entries: Iterable[dict[str, Any]]) -> "PrivacyLedger":
+        try:
+            return cls(LedgerEntry(**entry) for entry in entries)
+        except TypeError as error:
+            raise ValueError(
+                f"A ledger entry needs the fields {LEDGER_COLUMNS[:3]} and may have "
+                f"max_batch_size and sampling: {error}"
+            ) from error
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[LedgerEntry]:
+        return iter(self._entries)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PrivacyLedger) and self._entries == other._entries
+
+    def __repr__(self) -> str:
+        return f"PrivacyLedger({self._entries!r})"
+
+
+def ledger_from_schedule(
+    schedule: BatchSizeSchedule,
+    noise_multiplier: float | None = None,
+    *,
+    sampling: str = "poisson",
+    steps: int | None = None,
+) -> PrivacyLedger:
+    """The ledger of a run that follows `schedule`.
+
+    Poisson steps are truncated at the schedule's static capacity
+    (`schedule.capacity(phase)`), as the tf_megadp Poisson sampler does.
+
+    Args:
+        schedule: the `BatchSizeSchedule`.
+        noise_multiplier: sigma for phases that do not set their own.
+        sampling: ``"poisson"`` or ``"shuffle"``.
+        steps: number of logical steps to take; defaults to
+            `schedule.total_steps`. Steps past the end stay in the last phase.
+
+    Returns:
+        A `PrivacyLedger` with one entry per phase.
+    """
+    if not isinstance(schedule, BatchSizeSchedule):
+        raise TypeError(f"schedule must be a BatchSizeSchedule, got {schedule!r}.")
+    total = schedule.total_steps if steps is None else steps
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}.")
+    ledger = PrivacyLedger()
+    remaining = total
+    for index, phase in enumerate(schedule.phases):
+        last = index == len(schedule.phases) - 1
+        count = remaining if last else min(remaining, phase.steps)
+        if count == 0:
+            break
+        sigma = noise_multiplier_of(phase, noise_multiplier)
+        if sigma is None:
+            raise ValueError(
+                f"Phase {index} of the schedule sets no noise_multiplier; pass "
+                "noise_multiplier for phases that do not set their own."
+            )
+        ledger.record(
+            count,
+            sampling_rate=sampling_rate_of(phase.batch_size, schedule.num_examples),
+            noise_multiplier=sigma,
+            max_batch_size=schedule.capacity(phase) if sampling_kind(sampling).truncates else 0,
+            sampling=sampling,
+        )
+        remaining -= count
+    return ledger
+
+
+
+
+def ledger_for_run(
+    *,
+    schedule: BatchSizeSchedule | None,
+    num_examples: int | None,
+    batch_size: int | None,
+    steps: int | None,
+    noise_multiplier: float | None,
+    sampling: str,
+    max_batch_size: int | None,
+    epochs: float | None = None,
+) -> tuple[int, PrivacyLedger]:
+    """(N, ledger) from either a schedule or plain constant-batch settings."""
+    sampling_kind(sampling)  # Refuses an unknown kind before anything else.
+    if epochs is not None:
+        if schedule is not None:
+            raise PrivacyConfigurationError(
+                "epochs= describes a constant-batch run, but a BatchSizeSchedule "
+                "sets the steps of each phase itself: drop epochs (pass steps= to "
+                "stop early) or describe the run by num_examples, batch_size and "
+                "epochs without a schedule."
+            )
+        if steps is not None:
+            raise PrivacyConfigurationError(
+                f"Pass steps or epochs, not both (got steps={steps!r}, "
+                f"epochs={epochs!r}): one of them fixes the number of logical steps."
+            )
+    if schedule is not None:
+        if batch_size is not None or max_batch_size is not None:
+            raise ValueError(
+                "Pass either a schedule or batch_size/max_batch_size, not both: the "
+                "schedule sets the batch size and the truncation of every phase."
+            )
+        if num_examples is not None and num_examples != schedule.num_examples:
+            raise ValueError(
+                f"num_examples {num_examples} differs from the schedule's "
+                f"num_examples {schedule.num_examples}."
+            )
+        return schedule.num_examples, ledger_from_schedule(
+            schedule, noise_multiplier, sampling=sampling, steps=steps
+        )
+    missing = [
+        name
+        for name, value in (
+            ("num_examples", num_examples),
+            ("batch_size", batch_size),
+            ("steps (or epochs)", steps if epochs is None else epochs),
+            ("noise_multiplier", noise_multiplier),
+        )
+        if value is None
+    ]
+    if missing:
+        raise ValueError(
+            f"Without a schedule, pass {', '.join(missing)} (or pass a "
+            "BatchSizeSchedule)."
+        )
+    num_examples = _check_num_examples(num_examples)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+    check_batch_fits(batch_size, num_examples)
+    if epochs is not None:
+        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size,
+                                 sampling=sampling)
+    ledger = PrivacyLedger()
+    ledger.record(
+        steps,
+        sampling_rate=sampling_rate_of(batch_size, num_examples),
+        noise_multiplier=noise_multiplier,
+        max_batch_size=max_batch_size or 0,
+        sampling=sampling,
+    )
+    return num_examples, ledger

@@ -1,0 +1,61 @@
+"""The publishable privacy report of a run: what it spent, how it was accounted, with what."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tf_megadp._version import __version__
+from tf_megadp.accounting.events import sampling_kind
+
+__all__ = ["REPORT_FORMAT", "check_report_format", "privacy_report"]
+
+REPORT_FORMAT = "tf_megadp.privacy_report/1"
+
+
+def privacy_report(accountant: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report of a `PrivacyAccountant`'s run (which imports this module); see its `report`."""
+    kinds = sorted({entry.sampling for entry in accountant.ledger})
+    truncated = any(entry.max_batch_size for entry in accountant.ledger)
+    warnings_ = [sampling_kind(kind).warning for kind in kinds if sampling_kind(kind).warning]
+    if accountant.delta > 1.0 / accountant.num_examples:
+        warnings_.append(f"delta = {accountant.delta:g} is larger than 1/N.")
+    return {
+        "format": REPORT_FORMAT,
+        "privacy_unit": "one training example (sequence)",
+        "neighbouring_relation": "add_or_remove_one",
+        "accountant": accountant.accountant,
+        "epsilon": accountant.epsilon(),
+        "delta": accountant.delta,
+        "num_examples": accountant.num_examples,
+        "steps": accountant.steps,
+        "sampling": {
+            "kinds": kinds,
+            "truncated": truncated,
+            "accounted_as": "truncated_poisson" if truncated else "poisson",
+        },
+        "ledger": accountant.ledger.to_list(),
+        "settings": dict(settings or {}),
+        "warnings": warnings_,
+        "versions": {
+            "tf_megadp": __version__,
+            "dp_accounting": _dp_accounting_version(),
+        },
+    }
+
+
+def check_report_format(report: dict[str, Any]) -> None:
+    """Raises a ValueError unless `report` is a tf_megadp privacy report."""
+    if report.get("format") != REPORT_FORMAT:
+        raise ValueError(
+            f"Not a tf_megadp privacy report (format {report.get('format')!r}, "
+            f"expected {REPORT_FORMAT!r})."
+        )
+
+
+def _dp_accounting_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("dp-accounting")
+    except metadata.PackageNotFoundError:
+        return "unknown"

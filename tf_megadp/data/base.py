@@ -1,0 +1,524 @@
+"""The sampler machinery every sampler shares: secret randomness, phases, static micro-batches, tf.data.
+
+A sampler subclass draws the examples of one logical step (`draw`), builds
+the schedule `from_arrays`/`from_records` use (`_schedule_for`), names its
+sampling kind and gives the `dp_accounting` event of one of its steps
+(`step_event`), registered once with `tf_megadp.accounting.events`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import inspect
+import math
+import numbers
+from typing import Any, Callable, Iterator, Self
+
+import numpy as np
+
+from tf_megadp.data.entropy import non_negative_integer, sampling_entropy
+from tf_megadp.data.map_independence import checked_map
+from tf_megadp.data.shards import TokenShards
+from tf_megadp.data.sources import DataSource, attach_source
+from tf_megadp.data.stores import _ArrayStore, _IndexableStore, _RecordStore, _TokenShardStore
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.secret import Secret
+from tf_megadp.steps import BatchSizeSchedule, check_batch_fits, step_capacity
+
+__all__ = ["StepDraw"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDraw:
+    """The examples of one logical step.
+
+    Attributes:
+        step: the logical step (0-based, as `optimizer.iterations`).
+        indices: sorted row numbers that enter the step (at most capacity).
+        sampled_size: rows sampled before truncation (b for Poisson).
+        capacity: static slots of the step, k_t * m * R.
+    """
+
+    step: int
+    indices: np.ndarray
+    sampled_size: int
+    capacity: int
+
+    @property
+    def truncated(self) -> bool:
+        return self.sampled_size > self.capacity
+
+
+def _takes_keyword_only(function: Callable[..., Any], name: str) -> bool:
+    """Whether `function` has a keyword-only parameter `name`."""
+    try:
+        parameter = inspect.signature(function).parameters.get(name)
+    except (TypeError, ValueError):  # no signature to read
+        return False
+    return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def _tensor_spec(shape: tuple[int, ...], dtype: np.dtype):
+    import tensorflow as tf
+
+    return tf.TensorSpec(shape, tf.string if dtype.kind in "US" else tf.as_dtype(dtype))
+
+
+class _Sampler(abc.ABC):
+    """Shared machinery: secret randomness, phases, static micro-batches, tf.data."""
+
+    sampling_kind: str = ""
+
+    def __init__(
+        self,
+        shards: TokenShards,
+        schedule: BatchSizeSchedule,
+        *,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+    ):
+        if isinstance(shards, TokenShards):
+            store: _RecordStore = _TokenShardStore(shards)
+        elif isinstance(shards, _RecordStore):
+            store = shards  # from from_arrays / from_records
+        else:
+            raise TypeError(
+                f"{type(self).__name__} takes a TokenShards; got {type(shards).__name__}. "
+                f"For arrays use {type(self).__name__}.from_arrays(x, y, ...), for a "
+                f"collection of examples {type(self).__name__}.from_records(records, ...)."
+            )
+        if not isinstance(schedule, BatchSizeSchedule):
+            raise TypeError(f"schedule must be a BatchSizeSchedule, got {schedule!r}.")
+        if schedule.num_examples != store.num_examples:
+            # The accountant's N comes from the schedule; a mismatch would
+            # report the wrong sampling rate.
+            raise PrivacyConfigurationError(
+                f"schedule.num_examples = {schedule.num_examples} but the data has "
+                f"{store.num_examples:,} {store.noun}. Build the schedule with "
+                f"num_examples=len(shards) (N = {store.num_examples}), or let "
+                "from_arrays/from_records build it from batch_size and epochs."
+            )
+        start_step = non_negative_integer("start_step", start_step)
+        end_step = schedule.total_steps if end_step is None else end_step
+        end_step = non_negative_integer("end_step", end_step)
+        if start_step > end_step:
+            raise ValueError(
+                f"Need 0 <= start_step <= end_step, got start_step={start_step}, "
+                f"end_step={end_step}."
+            )
+        self._store = store
+        self.shards = store.shards if isinstance(store, _TokenShardStore) else None
+        self.schedule = schedule
+        self.start_step = start_step
+        self.end_step = end_step
+        self.micro_batch_rows = step_capacity(1, schedule.micro_batch_size, schedule.num_replicas)
+        self._consumed = False
+        entropy, self.seeded = sampling_entropy(seed, shared_secret)
+        # The only copy of the sampling randomness, in a holder that neither
+        # vars(), repr, pickles nor the DataSource show. Set last, so that no
+        # traceback of a failed constructor has it in a frame's locals.
+        self._entropy = Secret(entropy)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        x: Any,
+        y: Any,
+        sample_weight: Any = None,
+        *,
+        batch_size: int | None = None,
+        epochs: float | None = None,
+        micro_batch_size: int | None = None,
+        num_replicas: int | None = None,
+        truncation_probability: float | None = None,
+        schedule: BatchSizeSchedule | None = None,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+    ) -> Self:
+        """A sampler over in-memory arrays: one example is one row of every array.
+
+        Either give `batch_size`, `epochs` and `micro_batch_size` (the sampler
+        builds the schedule, N measured from the arrays) or an explicit
+        `schedule`. Hand `sampler.schedule` to `DPOptimizer(schedule=...)`.
+
+        Args:
+            x: a NumPy array (or memmap, or anything `np.asarray` takes) or a
+                dict/tuple/list nest of them, each with N rows.
+            y: labels, an array or nest of arrays with N rows.
+            sample_weight: optional per-example (or per-token) weights with N
+                rows; they are kept for real rows and zero on padding rows.
+            batch_size: the expected logical batch size B (q = B / N).
+            epochs: passes over the data, E > 0 (may be fractional); the run
+                has ceil(E * N / B) logical steps.
+            micro_batch_size: m, the static per-replica micro-batch size.
+            num_replicas: R (default 1): each element is a global micro-batch
+                of m * R rows.
+            truncation_probability: Poisson only: per-step bound on
+                P[b > capacity] used to size k (default 1e-9).
+            schedule: an explicit `BatchSizeSchedule` instead of the four
+                settings above.
+            seed, shared_secret, start_step, end_step: as in the constructor.
+
+        Returns:
+            The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
+
+        Example:
+        ```python
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x_train, y_train, batch_size=256, epochs=3, micro_batch_size=32)
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.Adam(1e-3), l2_norm_clip=1.0,
+                                          noise_multiplier=1.1, schedule=sampler.schedule)
+        ```
+        """
+        store = _ArrayStore(x, y, sample_weight)
+        schedule = cls._resolve_schedule(
+            store.num_examples, schedule, batch_size, epochs, micro_batch_size,
+            num_replicas, truncation_probability,
+        )
+        return cls(
+            store, schedule, seed=seed, shared_secret=shared_secret,
+            start_step=start_step, end_step=end_step,
+        )
+
+    @classmethod
+    def from_records(
+        cls,
+        records: Any,
+        *,
+        batch_size: int | None = None,
+        epochs: float | None = None,
+        micro_batch_size: int | None = None,
+        num_replicas: int | None = None,
+        truncation_probability: float | None = None,
+        schedule: BatchSizeSchedule | None = None,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+    ) -> Self:
+        """A sampler over any indexable collection of examples, read lazily.
+
+        `records` needs `len(records)` (N) and `records[i]` returning example
+        i as `(x_i, y_i)` or `(x_i, y_i, sample_weight_i)`, where x_i is an
+        array or a dict/tuple of arrays. All records must have the same
+        structure, shapes and dtypes as record 0. Only sampled records are read.
+
+        Args:
+            records: e.g. a list of `(x_i, y_i)` pairs or a class reading
+                examples from disk. Not a `keras.utils.PyDataset` (its items
+                are batches).
+            batch_size, epochs, micro_batch_size, num_replicas,
+            truncation_probability, schedule, seed, shared_secret, start_step,
+            end_step: as in `from_arrays`.
+
+        Returns:
+            The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
+
+        Example:
+        ```python
+        pairs = [(image, label) for image, label in my_examples]
+        sampler = tf_megadp.PoissonSampler.from_records(
+            pairs, batch_size=256, epochs=3, micro_batch_size=32)
+        ```
+        """
+        store = _IndexableStore(records)
+        schedule = cls._resolve_schedule(
+            store.num_examples, schedule, batch_size, epochs, micro_batch_size,
+            num_replicas, truncation_probability,
+        )
+        return cls(
+            store, schedule, seed=seed, shared_secret=shared_secret,
+            start_step=start_step, end_step=end_step,
+        )
+
+    @classmethod
+    def _resolve_schedule(
+        cls, num_examples, schedule, batch_size, epochs, micro_batch_size,
+        num_replicas, truncation_probability,
+    ) -> BatchSizeSchedule:
+        settings = {
+            "batch_size": batch_size, "epochs": epochs, "micro_batch_size": micro_batch_size,
+            "num_replicas": num_replicas, "truncation_probability": truncation_probability,
+        }
+        given = [name for name, value in settings.items() if value is not None]
+        if schedule is not None:
+            if given:
+                raise ValueError(
+                    f"Pass either schedule= or batch_size/epochs/micro_batch_size, not "
+                    f"both (got schedule and {', '.join(given)})."
+                )
+            return schedule
+        missing = [n for n in ("batch_size", "epochs", "micro_batch_size") if settings[n] is None]
+        if missing:
+            raise TypeError(
+                f"{cls.__name__} needs batch_size, epochs and micro_batch_size to build "
+                f"its schedule (missing: {', '.join(missing)}), or an explicit schedule=."
+            )
+        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (
+            0 < epochs < math.inf
+        ):
+            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
+        check_batch_fits(batch_size, num_examples)
+        return cls._schedule_for(
+            num_examples, batch_size, float(epochs), micro_batch_size,
+            1 if num_replicas is None else num_replicas, truncation_probability,
+        )
+
+    @classmethod
+    @abc.abstractmethod
+    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
+                      truncation_probability) -> BatchSizeSchedule:
+        """The schedule `from_arrays`/`from_records` build from batch_size and epochs."""
+
+    # -- Randomness ------------------------------------------------------------
+
+    def _rng(self, *key: int) -> np.random.Generator:
+        # One independent stream per (kind of draw, step): the draws of a step
+        # depend only on (entropy, step), so hosts sharing a secret draw the
+        # same steps, and drawing a step twice gives the same examples.
+        sequence = np.random.SeedSequence(self._entropy.value, spawn_key=key)
+        return np.random.Generator(np.random.PCG64(sequence))
+
+    def __reduce_ex__(self, protocol):
+        # Pickling (or copying) would write the secret randomness to a file,
+        # or clone a stream that must be consumed once.
+        raise TypeError(
+            f"A {type(self).__name__} holds secret sampling randomness and cannot be "
+            "pickled or copied. To resume, create a new sampler with "
+            "start_step=int(optimizer.iterations): it draws fresh, equally private steps."
+        )
+
+    def __repr__(self) -> str:
+        randomness = "seeded (not private)" if self.seeded else "secret"
+        return (
+            f"<{self.description}: steps [{self.start_step}, {self.end_step}) of "
+            f"{self.schedule!r}, {randomness} randomness>"
+        )
+
+    # -- What the accountant is told -------------------------------------------
+
+    @property
+    def description(self) -> str:
+        """One line for logs and the privacy report, e.g. "PoissonSampler over 1,280 token rows"."""
+        return f"{type(self).__name__} over {self._store.num_examples:,} {self._store.noun}"
+
+    @property
+    def source(self) -> DataSource:
+        """The `DataSource` attached to this sampler's datasets (no secret in it)."""
+        return DataSource(
+            sampling=self.sampling_kind,
+            num_examples=self._store.num_examples,
+            num_examples_measured=True,
+            description=self.description,
+            schedule=self.schedule,
+            start_step=self.start_step,
+            seeded=self.seeded,
+            end_step=self.end_step,
+        )
+
+    # -- Micro-batches -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def draw(self, step: int) -> StepDraw:
+        """The examples of logical step `step`."""
+
+    @property
+    def total_micro_steps(self) -> int:
+        """Micro-batches from start_step to end_step (a logical step is drawn whole)."""
+        return self._micro_steps(self.start_step, self.end_step)
+
+    def _micro_steps(self, first_step: int, end_step: int) -> int:
+        """Micro-batches of logical steps first_step .. end_step - 1."""
+        return sum(self.schedule.phase_at(step).accumulation_steps
+                   for step in range(first_step, end_step))
+
+    def step_micro_batches(self, draw: StepDraw) -> Iterator[Any]:
+        """Splits a step into its k_t static micro-batches of M = m * R rows.
+
+        Yields:
+            For token shards, `(rows int32 [M, L], weights float32 [M])`; for
+            arrays and records, `(x, y, sample_weight)`. Padding rows are all
+            zeros with weight 0.
+        """
+        size = self.micro_batch_rows
+        # Read per micro-batch, so memory is O(m * R) rows however big the step.
+        for start in range(0, draw.capacity, size):
+            chosen = draw.indices[start : start + size]
+            rows = np.full(size, -1, np.int64)
+            rows[: chosen.size] = chosen
+            yield self._padded_element(rows)
+
+    def _padded_element(self, rows: np.ndarray) -> Any:
+        """The element whose row j is example `rows[j]`, or padding (zeros, weight 0) where -1."""
+        real = rows >= 0
+        padded = []
+        for (shape, dtype), values in zip(self._store.leaves, self._store.read(rows[real])):
+            # Strings keep their own width (a narrower one would cut them).
+            block = np.zeros((rows.size, *shape), values.dtype if dtype.kind in "US" else dtype)
+            block[real] = values
+            padded.append(block)
+        return self._store.arrange(padded, real.astype(np.float32))
+
+    def micro_batches(self) -> Iterator[Any]:
+        """All micro-batches from `start_step`, in training order.
+
+        A sampler can be consumed once: replaying its draws would reuse the
+        same random batches, which the accountant does not cover.
+        """
+        for _, element in self._micro_batches_by_step():
+            yield element
+
+    def _micro_batches_by_step(self) -> Iterator[tuple[int, Any]]:
+        """(logical step, micro-batch) for every micro-batch, consuming the sampler."""
+        if self._consumed:
+            raise RuntimeError(
+                "This sampler's batches were already consumed. Create a new sampler "
+                "with start_step=int(optimizer.iterations) to continue (it draws "
+                "fresh steps); never replay draws. With Keras, fit(dataset) once, or "
+                "fit(dataset, epochs=E, steps_per_epoch=sampler.total_micro_steps // E)."
+            )
+        self._consumed = True
+        for step in range(self.start_step, self.end_step):
+            for element in self.step_micro_batches(self.draw(step)):
+                yield step, element
+
+    def _pipeline_elements(self) -> Iterator[tuple[Any, np.ndarray, bool]]:
+        """Every micro-batch, with its step's key and whether the `map_fn` check runs on it.
+
+        The check runs on the first micro-batch of the dataset and on each
+        later one with the model check's `RECHECK_PROBABILITY`, decided by
+        the sampler's secret: no example can time its mixing to unchecked
+        ones.
+        """
+        from tf_megadp.clipping.independence import RECHECK_PROBABILITY
+
+        step = key = choices = None
+        for position, (current, element) in enumerate(self._micro_batches_by_step()):
+            if current != step:
+                step, key, choices = current, self._step_key(current), self._rng(3, current)
+            yield element, key, position == 0 or choices.random() < RECHECK_PROBABILITY
+
+    def _step_key(self, step: int) -> np.ndarray:
+        """The key of logical step `step` for a `map_fn`'s stateless draws: int64 [2].
+
+        Drawn from the sampler's secret (its own stream, independent of the
+        draws), so a `map_fn`'s randomness is as secret as the sampling and,
+        like the draws, the same on every host sharing the secret.
+        """
+        return self._rng(2, step).integers(0, 2**63, size=2, dtype=np.int64)
+
+    def as_dataset(
+        self,
+        map_fn: Callable[..., Any] | None = None,
+        *,
+        parallel_map: bool = False,
+        prefetch: int | None = None,
+    ):
+        """The micro-batches as a `tf.data.Dataset` with static shapes, carrying its `DataSource`.
+
+        Pass the returned dataset to `fit` as it is: `fit` reads its
+        `DataSource` (`tf_megadp.data.sources.source_of`) and refuses a dataset
+        derived from it (`cache`, `repeat`, `map`, `take`, ...), which could
+        replay or mix the draws. Per-micro-batch processing goes in `map_fn`.
+
+        Args:
+            map_fn: optional function applied to each element (its parts as
+                arguments), e.g. the BERT job's `MaskedLMBatcher` on token
+                rows, which returns `(x, y, sample_weight)`. Without it,
+                token shards give `(rows int32 [M, L], weights float32 [M])`
+                and arrays/records give `(x, y, sample_weight)`.
+                A `map_fn` that draws random numbers (masking, augmentation)
+                takes a keyword-only parameter `key` (as `MaskedLMBatcher`):
+                it is passed the secret key of each micro-batch's logical
+                step, int64 [2], drawn from the sampler's own secret (OS
+                entropy; reproducible only for a seeded sampler, which the
+                report marks), the same for every micro-batch of the step.
+                Draw with stateless ops keyed by it and by the example's own
+                content (e.g. `tf.fingerprint` of its row), never by its
+                position: then an example's randomness does not depend on
+                the others, the results depend on neither thread timing nor
+                the order the calls run in, and nothing public (a
+                `keras.utils.set_random_seed` seed) predicts them.
+            parallel_map: run `map_fn` on several micro-batches at once.
+                Only for a `map_fn` without stateful random ops: those hand
+                out their numbers in the order the calls happen to run, so
+                a parallel map makes a seeded run's results depend on thread
+                timing. The default maps in order; `prefetch` still
+                overlaps it with training.
+            prefetch: micro-batches to prepare ahead (default: AUTOTUNE).
+
+        Returns:
+            A `tf.data.Dataset` of `total_micro_steps` elements that can be
+            iterated once (see `micro_batches`).
+
+        Example:
+        ```python
+        dataset = sampler.as_dataset()
+        model.fit(dataset)   # one pass consumes every micro-batch
+        ```
+        """
+        import tensorflow as tf
+
+        rows = self.micro_batch_rows
+        signature = self._store.arrange(
+            [_tensor_spec((rows, *shape), dtype) for shape, dtype in self._store.leaves],
+            tf.TensorSpec([rows], tf.float32),
+        )
+        if map_fn is None:
+            dataset = tf.data.Dataset.from_generator(self.micro_batches,
+                                                     output_signature=signature)
+        else:
+            # The key and the check flag ride along each element as data,
+            # never as constants of the dataset graph, so each micro-batch
+            # gets its own however the map is scheduled.
+            dataset = tf.data.Dataset.from_generator(
+                self._pipeline_elements,
+                output_signature=(signature, tf.TensorSpec([2], tf.int64),
+                                  tf.TensorSpec([], tf.bool)))
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
+        if map_fn is not None:
+            keyed = _takes_keyword_only(map_fn, "key")
+
+            def call(element, key):
+                return map_fn(*element, key=key) if keyed else map_fn(*element)
+
+            function = checked_map(call, rows)
+            if parallel_map:
+                dataset = dataset.map(function, num_parallel_calls=tf.data.AUTOTUNE,
+                                      deterministic=True)
+            else:
+                dataset = dataset.map(function)
+        dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
+
+        def resume(step: int):
+            return self._continued_at(step).as_dataset(
+                map_fn, parallel_map=parallel_map, prefetch=prefetch)
+
+        return attach_source(dataset, self.source, resume=resume)
+
+    def _continued_at(self, step: int) -> Self:
+        """This sampler from logical step `step` on: same data, schedule, end and randomness.
+
+        Used when a preemption backup restores the run at `step`
+        (`tf_megadp.data.sources.resumed_at`). The steps from `step` on were
+        never applied to the restored weights, so drawing them (again) is
+        what an uninterrupted run would have done.
+        """
+        if not self.start_step <= step <= self.end_step:
+            raise PrivacyConfigurationError(
+                f"The run is at logical step {step}, outside this sampler's steps "
+                f"[{self.start_step}, {self.end_step}]: it cannot continue it. Build the "
+                "sampler the run was started with."
+            )
+        continued = object.__new__(type(self))
+        continued.__dict__.update(self.__dict__)
+        continued.start_step = step
+        continued._consumed = False
+        return continued

@@ -1,0 +1,345 @@
+"""Samplers that build logical batches from token shards, arrays or indexable records.
+
+The accountant assumes Poisson sampling: in every logical step each of the N
+examples joins the batch independently with probability q_t. `PoissonSampler`
+does exactly that, in two exact stages: the step size b ~ Binomial(N, q_t),
+then a uniformly random b-subset of the N examples. The same sampler reads
+from a small "record store": memory-mapped token shards (the constructor),
+in-memory arrays (`PoissonSampler.from_arrays`) or any collection with
+`len` and `records[i]` (`PoissonSampler.from_records`). Examples are read by
+random access, so a step costs memory in proportion to its batch, never to N.
+
+Accelerators need static shapes, so every step is emitted as exactly k_t
+micro-batches of M = m * R rows (the schedule's capacity), the unused slots
+filled with all-zero rows of weight 0. A step that samples more than capacity
+examples keeps a uniformly random subset of capacity: that is the truncated
+Poisson mechanism, which the accountant covers with
+`TruncatedSubsampledGaussianDpEvent(max_batch_size=schedule.capacity(phase))`.
+The schedule sizes capacity so that this almost never happens; when it does,
+the sampler counts it and warns.
+
+The DP guarantee holds only while the draws stay secret, so every sampler
+takes its randomness from OS entropy by default and keeps it in memory only
+(a `tf_megadp.secret.Secret`, which no `vars()`, repr or pickle shows); an explicit `seed=` warns and marks the run as seeded, and
+`shared_secret=` lets several hosts draw the same steps. Every dataset a
+sampler returns carries its `tf_megadp.data.sources.DataSource`.
+
+`ShuffleSampler` gives fixed-size batches from shuffled epochs for users who
+want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
+2024): see its docstring.
+
+Each sampler owns the `dp_accounting` event of its steps (`step_event`),
+registered below as its sampling kind (`tf_megadp.accounting.events`): a new
+sampler is one class here plus its registration and its row in
+tests/test_accounting.py. The shared machinery is in `tf_megadp.data.base`,
+the stores in `tf_megadp.data.stores` and `tf_megadp.data.shards`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import dp_accounting
+import numpy as np
+
+from tf_megadp import adaptive_clipping
+from tf_megadp.accounting.events import SamplingKind, register_sampling_kind
+from tf_megadp.data.base import StepDraw, _Sampler
+from tf_megadp.data.entropy import warn_at_caller
+from tf_megadp.data.shards import TokenShards
+from tf_megadp.steps import BatchSizeSchedule, Phase, steps_for_epochs
+
+__all__ = ["PoissonSampler", "ShuffleSampler", "SHUFFLE_WARNING"]
+
+# Exact uniform subsets are drawn block by block so that no step allocates
+# anything proportional to N (a permutation of 1e9 rows would be 8 GB).
+_SUBSET_BLOCK = 1 << 20
+
+
+def _uniform_subset(rng: np.random.Generator, population: int, size: int) -> np.ndarray:
+    """A uniformly random `size`-subset of range(population), sorted.
+
+    Exact for any population: the number of chosen rows in each block of a
+    uniform subset is multivariate hypergeometric, and given those counts the
+    rows within each block are a uniform subset of the block. Memory is
+    O(size + block), never O(population).
+    """
+    if population <= _SUBSET_BLOCK:
+        chosen = rng.choice(population, size=size, replace=False, shuffle=False)
+        return np.sort(chosen.astype(np.int64))
+    num_blocks = math.ceil(population / _SUBSET_BLOCK)
+    block_sizes = np.full(num_blocks, _SUBSET_BLOCK, dtype=np.int64)
+    block_sizes[-1] = population - _SUBSET_BLOCK * (num_blocks - 1)
+    counts = rng.multivariate_hypergeometric(block_sizes, size, method="marginals")
+    parts = []
+    for block, (block_size, count) in enumerate(zip(block_sizes, counts)):
+        if count:
+            local = rng.choice(int(block_size), size=int(count), replace=False, shuffle=False)
+            parts.append(np.sort(local.astype(np.int64)) + block * _SUBSET_BLOCK)
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
+
+
+class PoissonSampler(_Sampler):
+    """Exact Poisson sampling of logical batches, emitted as static micro-batches.
+
+    For logical step t with rate q_t = schedule.sampling_rate(t), the step size
+    is b ~ Binomial(N, q_t) and its examples are a uniform b-subset of the N:
+    together, every example joins every step independently with probability
+    q_t. The step becomes k_t micro-batches of m * R rows; padding rows are
+    zeros with weight 0. If b exceeds the capacity k_t * m * R, a uniform
+    subset of capacity examples is kept (truncated Poisson sampling,
+    accounted with `max_batch_size = schedule.capacity(phase)`);
+    `truncated_steps` counts such steps and each one raises a warning.
+
+    The same sampler serves token shards (this constructor), in-memory arrays
+    (`from_arrays`) and indexable collections of examples (`from_records`).
+
+    Randomness is secret by default: 128 bits of OS entropy, held only in a
+    `tf_megadp.secret.Secret` (never in an attribute `vars()` shows, the repr,
+    a pickle or the `DataSource`). The DP guarantee holds only while the draws stay secret.
+    `seed=` makes the draws reproducible, for tests and debugging: it warns,
+    and the privacy report marks the run as seeded. Several hosts that must
+    draw the same steps pass the same `shared_secret` (drawn from OS entropy
+    and shared in memory, e.g. by `tf_megadp.distribute.shared_sampling_secret`).
+    To resume, create a new sampler with `start_step=int(optimizer.iterations)`:
+    it draws fresh steps, as private as the ones they replace. Randomness is
+    expanded by NumPy's PCG64, which is not a cryptographic generator.
+
+    Args:
+        shards: the corpus, a `TokenShards`; N = len(shards) must equal
+            `schedule.num_examples`.
+        schedule: the `BatchSizeSchedule` shared with the optimizer and accountant.
+        seed: a non-negative int for reproducible, non-private draws (warns).
+        shared_secret: an int of at least 2**32 drawn from OS entropy and
+            shared between hosts; cannot be combined with `seed`.
+        start_step: first logical step to draw (`int(optimizer.iterations)`
+            on resume).
+        end_step: logical step to stop before; default `schedule.total_steps`.
+
+    Example:
+    ```python
+    shards = tf_megadp.TokenShards("corpus/")
+    schedule = tf_megadp.BatchSizeSchedule.for_poisson(
+        [(50, 256), (50, 1024)], num_examples=len(shards), micro_batch_size=32)
+    sampler = tf_megadp.PoissonSampler(shards, schedule)
+    dataset = sampler.as_dataset(map_fn)   # e.g. the BERT job's MaskedLMBatcher
+    ```
+    """
+
+    sampling_kind = "poisson"
+
+    @staticmethod
+    def step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
+        """One step: Poisson-sampled Gaussian, truncated at `entry.max_batch_size` if set.
+
+        When truncation is rare, the accountant accounts a truncated step by a
+        coupling bound at the cost of the untruncated one (and works with RDP);
+        otherwise dp_accounting's exact PLD of the truncated mechanism is used
+        (see `tf_megadp.accounting.engines._TruncationAwareAccountant`).
+        """
+        if entry.max_batch_size:
+            # dp_accounting's truncated event holds one Gaussian: the equivalent
+            # one of the step's releases (see `adaptive_clipping.as_single_gaussian`).
+            return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+                dataset_size=num_examples,
+                sampling_probability=entry.sampling_rate,
+                truncated_batch_size=entry.max_batch_size,
+                noise_multiplier=entry.equivalent_noise_multiplier,
+            )
+        return dp_accounting.PoissonSampledDpEvent(
+            entry.sampling_rate,
+            adaptive_clipping.step_mechanism(entry.noise_multiplier,
+                                             entry.count_noise_multiplier),
+        )
+
+    def __init__(
+        self,
+        shards: TokenShards,
+        schedule: BatchSizeSchedule,
+        *,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+    ):
+        super().__init__(
+            shards,
+            schedule,
+            seed=seed,
+            shared_secret=shared_secret,
+            start_step=start_step,
+            end_step=end_step,
+        )
+        self.steps_drawn = 0
+        self.truncated_steps = 0
+        self.truncated_examples = 0
+
+    @classmethod
+    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
+                      truncation_probability) -> BatchSizeSchedule:
+        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size)
+        return BatchSizeSchedule.for_poisson(
+            [(steps, batch_size)],
+            num_examples=num_examples,
+            micro_batch_size=micro_batch_size,
+            num_replicas=num_replicas,
+            truncation_probability=(
+                1e-9 if truncation_probability is None else truncation_probability
+            ),
+        )
+
+    def draw(self, step: int) -> StepDraw:
+        """The examples of logical step `step` (the same on every call and host).
+
+        Args:
+            step: logical step, 0-based.
+
+        Returns:
+            A `StepDraw`.
+        """
+        phase = self.schedule.phase_at(step)
+        capacity = self.schedule.capacity(phase)
+        population = self.schedule.num_examples
+        rng = self._rng(0, step)
+        size = int(rng.binomial(population, self.schedule.sampling_rate(step)))
+        indices = _uniform_subset(rng, population, size)
+        if size > capacity:
+            keep = rng.choice(size, size=capacity, replace=False, shuffle=False)
+            indices = indices[np.sort(keep)]
+            self.truncated_steps += 1
+            self.truncated_examples += size - capacity
+            warn_at_caller(
+                f"Poisson step {step} sampled {size} examples, more than its capacity "
+                f"{capacity}; kept a uniform subset of {capacity} (truncated steps so "
+                f"far: {self.truncated_steps}). The accountant covers this through "
+                f"max_batch_size={capacity}; if it recurs, build the schedule with a "
+                "smaller truncation_probability.",
+                RuntimeWarning,
+            )
+        self.steps_drawn += 1
+        return StepDraw(step, indices, size, capacity)
+
+
+class ShuffleSampler(_Sampler):
+    """Fixed-size batches from shuffled epochs. NOT what Poisson accounting assumes.
+
+    Each epoch is a fresh random permutation of the examples; logical step t
+    takes the next B_t = phase.batch_size of it (a step never straddles two
+    epochs: the leftover examples of an epoch are skipped). Every example
+    appears exactly once per epoch, so the batches are neither independent
+    across steps nor of random size. Accountants (including tf_megadp's) can
+    only report such a run *as if* it were Poisson-sampled, which understates
+    its real privacy loss (Chua et al., 2024, "How Private are DP-SGD
+    Implementations?"). Prefer `PoissonSampler`; use this one to compare. Its
+    datasets carry `sampling="shuffle"`, so the report says so.
+
+    Randomness follows the same rule as `PoissonSampler` (secret by default,
+    `seed=` warns, `shared_secret=` for several hosts). A resumed sampler
+    reshuffles the interrupted epoch with its fresh randomness. Holds one
+    permutation (4 bytes per example below 2**32 examples). `from_arrays` and
+    `from_records` build a schedule of E * floor(N / B) steps.
+
+    Args:
+        shards, schedule, seed, shared_secret, start_step, end_step: as in
+            `PoissonSampler`.
+    """
+
+    sampling_kind = "shuffle"
+
+    @staticmethod
+    def step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
+        """One step, as if Poisson-sampled: no accountant covers shuffling (see `SHUFFLE_WARNING`)."""
+        return dp_accounting.PoissonSampledDpEvent(
+            entry.sampling_rate,
+            adaptive_clipping.step_mechanism(entry.noise_multiplier,
+                                             entry.count_noise_multiplier),
+        )
+
+    def __init__(
+        self,
+        shards: TokenShards,
+        schedule: BatchSizeSchedule,
+        *,
+        seed: int | None = None,
+        shared_secret: int | None = None,
+        start_step: int = 0,
+        end_step: int | None = None,
+    ):
+        super().__init__(
+            shards,
+            schedule,
+            seed=seed,
+            shared_secret=shared_secret,
+            start_step=start_step,
+            end_step=end_step,
+        )
+        warn_at_caller(
+            "ShuffleSampler: fixed-size shuffled batches do not satisfy the Poisson "
+            "sampling assumption of DP-SGD accounting; the reported epsilon "
+            "understates the privacy loss (Chua et al., 2024). Use PoissonSampler "
+            "for a guarantee that matches the number.",
+            UserWarning,
+        )
+        self._epoch = -1
+        self._permutation: np.ndarray | None = None
+        # (step, epoch, offset) of the next step's first row; steps are drawn in
+        # order, so positions advance incrementally from here.
+        self._cursor = (0, 0, 0)
+
+    @classmethod
+    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
+                      truncation_probability) -> BatchSizeSchedule:
+        if truncation_probability is not None:
+            raise ValueError("ShuffleSampler never truncates: drop truncation_probability.")
+        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size,
+                                 sampling="shuffle")
+        slots = micro_batch_size * num_replicas
+        return BatchSizeSchedule(
+            [Phase(steps, batch_size, math.ceil(batch_size / slots))],
+            num_examples=num_examples,
+            micro_batch_size=micro_batch_size,
+            num_replicas=num_replicas,
+        )
+
+    def _position(self, step: int) -> tuple[int, int]:
+        """(epoch, offset in that epoch's permutation) of the first row of `step`."""
+        at, epoch, offset = self._cursor if self._cursor[0] <= step else (0, 0, 0)
+        population = self.schedule.num_examples
+        while True:
+            size = self.schedule.phase_at(at).batch_size
+            if offset + size > population:
+                epoch, offset = epoch + 1, 0
+            if at == step:
+                self._cursor = (step, epoch, offset)
+                return epoch, offset
+            offset += size
+            at += 1
+
+    def draw(self, step: int) -> StepDraw:
+        """The examples of step `step`: B_t consecutive entries of its epoch's permutation."""
+        phase = self.schedule.phase_at(step)
+        epoch, offset = self._position(step)
+        if epoch != self._epoch:
+            population = self.schedule.num_examples
+            dtype = np.uint32 if population < 1 << 32 else np.int64
+            permutation = np.arange(population, dtype=dtype)
+            self._rng(1, epoch).shuffle(permutation)
+            self._epoch, self._permutation = epoch, permutation
+        chosen = self._permutation[offset : offset + phase.batch_size]
+        indices = np.sort(chosen.astype(np.int64))
+        return StepDraw(step, indices, phase.batch_size, self.schedule.capacity(phase))
+
+
+SHUFFLE_WARNING = (
+    "Shuffled fixed-size batches are accounted as if they were Poisson-sampled. "
+    "This UNDERSTATES the real privacy loss: shuffling does not give the "
+    "amplification that the accountant assumes (Chua et al., 2024, 'How Private "
+    "are DP-SGD Implementations?'). Report the epsilon as a Poisson-sampling "
+    "estimate, or train with Poisson sampling (the tf_megadp Poisson sampler) to "
+    "get a guarantee that matches the number."
+)
+
+# The ledger codes are stored in checkpoints: they never change.
+register_sampling_kind(SamplingKind("poisson", 0, PoissonSampler.step_event, truncates=True))
+register_sampling_kind(SamplingKind("shuffle", 1, ShuffleSampler.step_event,
+                                    warning=SHUFFLE_WARNING))

@@ -1,0 +1,464 @@
+"""Recording a DP run's privacy spend: `LedgerRecorder` and the `LedgerKeeper` callback.
+
+`LedgerKeeper` is added by the private `fit` itself, first in the list, so
+no user can forget it: after every batch its `LedgerRecorder` turns the
+steps the compiled step applied (`DPOptimizer.applied_steps`, written in the
+graph with the values that step used) into privacy-ledger entries, adding
+what only the data can tell, N and how each step chose its examples
+(`tf_megadp.data.sources.DataSource`). A custom loop's
+`tf_megadp.PrivateStep` records with the same `LedgerRecorder`. The ledger
+lives in the optimizer's `privacy_ledger` variable, so `model.save`,
+`ModelCheckpoint`, `keras.callbacks.BackupAndRestore` and
+`tf_megadp.save_training_state` carry the spend and a resumed run continues
+it. It also ends partial logical steps where an example could otherwise
+enter one noisy sum twice.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import keras
+import numpy as np
+
+from tf_megadp import _keras_compat, adaptive_clipping
+from tf_megadp.accounting import LedgerEntry, PrivacyLedger
+from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer_ledger import APPLIED_STEP_COLUMNS, _number, read_ledger, write_ledger
+from tf_megadp.run_state import EVALUATION_METRICS, _dp_optimizer, run_notes
+from tf_megadp.steps import sampling_rate_of, step_capacity
+
+__all__ = ["LedgerKeeper", "LedgerRecorder"]
+
+_FIXED_SIZE_WARNING = (
+    "{description}: these are fixed-size batches, not Poisson draws, so each "
+    "logical step holds a fixed number of examples. The epsilon reported for them is "
+    "the Poisson-sampling estimate, NOT a proven guarantee (shuffled "
+    "fixed-size batches can be much less private; Chua et al., 2024). For a "
+    "guarantee, feed tf_megadp.PoissonSampler.from_arrays(x, y, ...).as_dataset()."
+)
+
+
+class LedgerRecorder:
+    """Records every applied logical step in the privacy ledger, with N and the sampling.
+
+    One recorder serves every way of training: the private `fit` runs one
+    as a Keras callback (`LedgerKeeper`), and a custom training loop's
+    `tf_megadp.PrivateStep` owns one. What it checks before the first step
+    (`begin`), each with an error that names the fix:
+
+    * N: measured from the data when it can be; a stated
+      `PrivacyCallback(num_examples=...)` must agree with it;
+    * a sampler's dataset: its schedule is the optimizer's and it starts at
+      the optimizer's logical step;
+    * `require_poisson_sampling`: no data that no sampler drew.
+
+    Args:
+        source: the `DataSource` of the data, or None when it has no
+            measurable size.
+        stated_num_examples: N as the user stated it, if they did.
+        require_poisson_sampling: refuse fixed-size batches.
+        micro_batch_size: the micro-batch size of array inputs.
+        nothing_to_train: the fit was asked for no epoch (`initial_epoch >=
+            epochs`, as for a run that `keras.callbacks.BackupAndRestore`
+            restored at its end): an exhausted or empty sampler is then no
+            error.
+        validation: `fit` was given validation data (its metrics are
+            released outside epsilon).
+        model: the private model (a callback is given it by Keras instead).
+    """
+
+    def __init__(
+        self,
+        source: DataSource | None,
+        stated_num_examples: int | None = None,
+        *,
+        require_poisson_sampling: bool = False,
+        micro_batch_size: int | None = None,
+        nothing_to_train: bool = False,
+        validation: bool = False,
+        model: keras.Model | None = None,
+    ):
+        self._model = model
+        self.source = source
+        self.nothing_to_train = nothing_to_train
+        self.validation = validation
+        self.stated_num_examples = stated_num_examples
+        self.require_poisson_sampling = require_poisson_sampling
+        self.micro_batch_size = micro_batch_size
+        self.num_examples: int | None = None
+        self.ledger = PrivacyLedger()
+        self._last_rows: float | None = None
+
+    # -- What the run is -------------------------------------------------------
+
+    @property
+    def model(self) -> keras.Model:
+        return self._model
+
+    @property
+    def sampling(self) -> str:
+        return self.source.sampling if self.source is not None else FIXED_SIZE_SAMPLING
+
+    @property
+    def num_examples_measured(self) -> bool:
+        return self.source is not None and self.source.num_examples_measured
+
+    def data_report(self) -> dict[str, Any]:
+        """The data's part of the privacy report."""
+        if self.source is not None:
+            report = self.source.report()
+        else:
+            report = {
+                "sampling": FIXED_SIZE_SAMPLING,
+                "description": "data of unknown size; N stated by the user",
+                "num_examples_measured": False,
+                "seeded_sampling": False,
+                "privacy_unit": "example",
+                "examples_per_unit": 1,
+            }
+        report["poisson_guarantee"] = self.sampling == "poisson"
+        return report
+
+    def _resolve_num_examples(self) -> int | None:
+        stated = self.stated_num_examples
+        if self.source is None:
+            return stated
+        measured = self.source.num_examples
+        if stated is not None and stated != measured:
+            kind = "measured" if self.source.num_examples_measured else "stated"
+            raise PrivacyConfigurationError(
+                f"num_examples={stated} was stated (PrivacyCallback or "
+                f"PrivateStep.begin) but the data has {measured} examples ({kind}: "
+                f"{self.source.description}). Remove num_examples: N is measured from "
+                "the data."
+            )
+        return measured
+
+    # -- The run's start -----------------------------------------------------------
+
+    def begin(self) -> None:
+        """Everything checked and prepared before the first private step of a run.
+
+        Builds the optimizer (which takes over the ledger of the weights it
+        trains, see `DPOptimizer.build`), checks that its ledger covers the
+        model's weights and is complete, discards a partial step left by an
+        earlier call, and checks the data against the optimizer. Each
+        failure raises before any step runs.
+        """
+        optimizer = _dp_optimizer(self.model)
+        if not optimizer.built:
+            optimizer.build(self.model.trainable_variables)
+        optimizer.check_ledger_covers(self.model.trainable_variables)
+        if optimizer._carried_from:
+            warnings.warn(
+                f"Compiled with a new DPOptimizer: the {optimizer._carried_from} logical "
+                "steps of the previous one stay in the privacy ledger.",
+                UserWarning,
+                stacklevel=3,
+            )
+        optimizer._carried_from = None
+        discarded = optimizer.discard_partial_step()
+        if discarded:
+            warnings.warn(
+                f"Discarded {discarded} micro-batches of a logical step left "
+                "unfinished by an earlier fit call or loop: a logical step never spans "
+                "two fit calls or two runs of a loop (an example could enter its noisy "
+                "sum twice). They were never released and cost no privacy.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if _number(optimizer.applied_rows):
+            # Steps applied outside fit (train_on_batch, custom loops): their
+            # data is unknown here, so their privacy cannot be accounted.
+            steps = int(optimizer.applied_steps.numpy()[: _number(optimizer.applied_rows), 0].sum())
+            optimizer.unaccounted_steps.assign_add(steps)
+            optimizer.applied_rows.assign(0)
+        self.num_examples = self._resolve_num_examples()
+        if self.num_examples == 0:
+            raise PrivacyConfigurationError(
+                "The data holds no example: every row has a zero sample weight (padding "
+                "is not an example). Pass the real examples, with non-zero sample weights."
+            )
+        self._check_source(optimizer)
+        self.ledger = read_ledger(optimizer)
+        self._check_consistent(optimizer)
+        self.model._tf_megadp_keeper = self
+        notes = run_notes(self.model)
+        notes.begin_fit(self.model)
+        if self.validation:
+            notes.release(EVALUATION_METRICS)
+
+    # -- Checks --------------------------------------------------------------------
+
+    def _check_source(self, optimizer: DPOptimizer) -> None:
+        source = self.source
+        if self.require_poisson_sampling and self.sampling != "poisson":
+            description = source.description if source else "this data"
+            raise PrivacyConfigurationError(
+                f"make_private(require_poisson_sampling=True) refuses {description}: "
+                "no tf_megadp Poisson sampler drew it, so its epsilon would not be a "
+                "proven guarantee. Feed tf_megadp.PoissonSampler(...).as_dataset() "
+                "(or PoissonSampler.from_arrays for arrays)."
+            )
+        _check_privacy_unit(source, optimizer)
+        schedule = optimizer.schedule
+        if source is not None and source.schedule is not None:
+            iterations = _number(optimizer.iterations)
+            if (schedule is not None and iterations >= schedule.total_steps
+                    and not self.nothing_to_train):
+                raise PrivacyConfigurationError(
+                    f"The optimizer's schedule is exhausted: all {schedule.total_steps} "
+                    "logical steps of it were applied, so no sampler of it has steps "
+                    "left to draw. To train further, extend the run: schedule = "
+                    "tf_megadp.extend_schedule(model, [(steps, batch_size)]), then fit "
+                    "a sampler built with schedule=schedule, "
+                    f"start_step={iterations}. The ledger continues."
+                )
+            if schedule != source.schedule:
+                raise PrivacyConfigurationError(
+                    f"The sampler draws steps of {source.schedule} but the optimizer "
+                    f"follows {schedule}: each step would hold other examples than the "
+                    "accountant composes. Build the DPOptimizer with "
+                    "schedule=sampler.schedule."
+                )
+            if source.start_step != iterations:
+                raise PrivacyConfigurationError(
+                    f"The sampler starts at logical step {source.start_step} but the "
+                    f"optimizer is at step {iterations}. Create the sampler with "
+                    "start_step=int(optimizer.iterations)."
+                )
+            if source.end_step == source.start_step and not self.nothing_to_train:
+                raise PrivacyConfigurationError(
+                    f"The sampler's dataset is empty: it draws the logical steps "
+                    f"[{source.start_step}, {source.end_step}). Build the sampler with an "
+                    "end_step after its start_step (by default, the end of its schedule)."
+                )
+        elif schedule is not None and self.num_examples is not None and (
+                schedule.num_examples != self.num_examples):
+            raise PrivacyConfigurationError(
+                f"The optimizer's schedule was planned for num_examples="
+                f"{schedule.num_examples} but the data has {self.num_examples} "
+                "examples. Build the schedule with the data's size."
+            )
+        if self.sampling != "poisson":
+            description = source.description if source else "Data of unknown size"
+            warnings.warn(_FIXED_SIZE_WARNING.format(description=description),
+                          UserWarning, stacklevel=3)
+
+    def _check_consistent(self, optimizer: DPOptimizer) -> None:
+        recorded, applied = optimizer.logical_steps_recorded, optimizer.logical_steps_applied
+        if recorded != applied:
+            raise PrivacyConfigurationError(
+                f"The optimizer's privacy ledger records {recorded} logical steps but "
+                f"{applied} were applied: the optimizer state was restored only in "
+                "part. Restore the optimizer and its ledger together (model.save / "
+                "load_model, or tf_megadp.save_training_state / "
+                "restore_training_state)."
+            )
+
+    def _end_partial_step(self, boundary: str) -> None:
+        discarded = _dp_optimizer(self.model).discard_partial_step()
+        if discarded:
+            warnings.warn(
+                f"Discarded the last {discarded} micro-batches: they did not complete "
+                f"a logical step before the end of {boundary}, and a logical step "
+                "must not span it. They were never released and cost no privacy.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    # -- Turning applied steps into ledger entries -------------------------------
+
+    def drain(self) -> None:
+        """Moves the steps the compiled step applied into the ledger."""
+        self._record_rows(self._take_applied_rows())
+
+    def _take_applied_rows(self) -> np.ndarray:
+        """The rows (`APPLIED_STEP_COLUMNS`) the compiled step wrote since the last drain.
+
+        They leave the optimizer's buffer: the caller records them.
+        """
+        optimizer = _dp_optimizer(self.model)
+        count = _number(optimizer.applied_rows)
+        if not count:
+            return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
+        capacity = optimizer.applied_steps.shape[0]
+        if count > capacity:
+            raise PrivacyConfigurationError(
+                f"More than {capacity} differently configured logical steps ran "
+                "between two ledger updates, beyond what the step can record. Lower "
+                "steps_per_execution (fit), or call PrivateStep.record() more often "
+                "(a custom loop)."
+            )
+        table = optimizer.applied_steps.numpy()[:count]
+        optimizer.applied_rows.assign(0)
+        return table
+
+    def _record_rows(self, table: np.ndarray) -> None:
+        """Turns applied-step rows into ledger entries and stores the ledger."""
+        if not len(table):
+            return
+        optimizer = _dp_optimizer(self.model)
+        step = (self.ledger.total_steps + _number(optimizer.unaccounted_steps)
+                + _number(optimizer.noiseless_steps) - _number(optimizer.carried_steps))
+        for values in table:
+            row = dict(zip(APPLIED_STEP_COLUMNS, values.tolist()))
+            steps = int(row["steps"])
+            self._record(optimizer, step, steps, row)
+            step += steps
+        write_ledger(optimizer, self.ledger)
+        self._check_consistent(optimizer)
+        adaptive_clipping.note_clip_norm(optimizer)
+
+    def _record(self, optimizer: DPOptimizer, first_step: int, steps: int, row: dict) -> None:
+        self._last_rows = row["rows"]
+        planned_sigma = optimizer.noise_multiplier_at(first_step)
+        if optimizer.adaptive_clipping is not None and not _noise_as_planned(row, planned_sigma):
+            # Before anything else: a step whose N is unknown is refused too.
+            raise PrivacyConfigurationError(
+                f"Logical step {first_step} released the gradient with noise multiplier "
+                f"{row['noise_multiplier']} and the count of unclipped examples with "
+                f"{row['count_noise_multiplier']}, which do not amount to the planned noise "
+                f"multiplier {planned_sigma}. With adaptive clipping, the count's noise "
+                "multiplier 2 * count_stddev must exceed sigma: raise "
+                "AdaptiveClipping(count_stddev=...) or the batch size.")
+        if row["noise_multiplier"] == 0:
+            optimizer.noiseless_steps.assign_add(steps)
+            return
+        if self.num_examples is None:
+            optimizer.unaccounted_steps.assign_add(steps)
+            return
+        for step in range(first_step, first_step + steps):
+            self.ledger.append(self._entry(optimizer, step, row))
+
+    def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
+        sigma, count_sigma = row["noise_multiplier"], row["count_noise_multiplier"]
+        planned_sigma = optimizer.noise_multiplier_at(step)
+        if self.sampling == "poisson":
+            schedule = self.source.schedule
+            phase = schedule.phase_at(step)
+            used = (row["accumulation_steps"], row["rows"], row["divisor"])
+            planned = (phase.accumulation_steps, schedule.capacity(phase), phase.batch_size)
+            if not np.allclose(used, planned, rtol=1e-6) or not _noise_as_planned(
+                    row, planned_sigma):
+                raise PrivacyConfigurationError(
+                    f"Logical step {step} used (accumulation steps, rows, divisor, sigma) "
+                    f"= {used + (sigma,)} but the sampler planned "
+                    f"{planned + (planned_sigma,)}. Feed the "
+                    "sampler's micro-batches unchanged, with the optimizer built from "
+                    "schedule=sampler.schedule."
+                )
+            return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
+                               schedule.capacity(phase), "poisson", count_sigma)
+        return self._fixed_size_entry(row["rows"], sigma, count_sigma)
+
+    def _fixed_size_entry(self, rows: float, sigma: float,
+                          count_sigma: float = 0.0) -> LedgerEntry:
+        if rows > self.num_examples:
+            raise PrivacyConfigurationError(
+                f"A logical step held {int(rows)} rows but the data has "
+                f"{self.num_examples} examples: some example entered one noisy sum "
+                "twice (a logical step spanning a pass over the data). Lower "
+                "accumulation_steps or the batch size so that a logical step fits in "
+                "one epoch."
+            )
+        return LedgerEntry(1, sampling_rate_of(rows, self.num_examples), sigma, 0,
+                           FIXED_SIZE_SAMPLING, count_sigma)
+
+    def next_entry(self, step: int) -> LedgerEntry | None:
+        """The ledger entry logical step `step` will get, when it can be known."""
+        optimizer = _dp_optimizer(self.model)
+        sigma = optimizer.noise_multiplier_at(step)
+        if self.num_examples is None or sigma == 0:
+            return None
+        if self.sampling == "poisson":
+            schedule = self.source.schedule
+            phase = schedule.phase_at(step)
+            return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
+                               schedule.capacity(phase), "poisson")
+        rows = self._last_rows
+        if rows is None and self.micro_batch_size is not None:
+            replicas = _keras_compat.optimizer_strategy(optimizer).num_replicas_in_sync
+            rows = step_capacity(optimizer.accumulation_steps_at(step), self.micro_batch_size,
+                                 replicas)
+        if rows is None:
+            return None
+        return self._fixed_size_entry(min(rows, self.num_examples), sigma)
+
+
+def _check_privacy_unit(source: DataSource | None, optimizer: DPOptimizer) -> None:
+    """The optimizer clips the units the data lays out: k rows per unit, or one example.
+
+    Clipping single examples of k-row unit slots would let one unit move the
+    sum by k C while epsilon is reported per unit; clipping k-row groups of
+    data that holds no units would group unrelated examples.
+    """
+    unit = source.privacy_unit if source is not None else "example"
+    k = source.examples_per_unit if source is not None else 1
+    if optimizer.examples_per_unit != k:
+        raise PrivacyConfigurationError(
+            f"The data lays out privacy units of {k} rows ({unit!r}) but the optimizer "
+            f"clips units of examples_per_unit={optimizer.examples_per_unit} rows: a "
+            "unit's contribution would not be bounded by C as the accountant assumes. "
+            "Build the DPOptimizer with examples_per_unit=sampler.examples_per_unit "
+            "(1 for data without privacy units)."
+        )
+
+
+def _noise_as_planned(row: dict, planned_sigma: float) -> bool:
+    """Whether a step's noise (gradient and, with adaptive clipping, count) is one
+    Gaussian of the planned sigma; an impossible pair was recorded as NaN."""
+    return math.isclose(adaptive_clipping.equivalent_noise_multiplier(
+        row["noise_multiplier"], row["count_noise_multiplier"]), planned_sigma, rel_tol=1e-6)
+
+
+class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
+    """The private `fit`'s `LedgerRecorder`, as a Keras callback.
+
+    The private `fit` (see `tf_megadp.make_private`) puts one first in the
+    callback list; there is no need to create one. It begins at the start
+    of training, records after every batch, and ends partial logical steps
+    where an example could otherwise enter one noisy sum twice: at the end
+    of every epoch of data that no sampler drew, and at the end of `fit`.
+
+    Args: as `LedgerRecorder` (Keras gives it the model).
+    """
+
+    def __init__(self, *args, **kwargs):
+        keras.callbacks.Callback.__init__(self)
+        LedgerRecorder.__init__(self, *args, **kwargs)
+
+    def on_train_begin(self, logs=None):
+        self.begin()
+        self._batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._batches += 1
+        self.drain()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.drain()
+        if self.sampling != "poisson":
+            # The next epoch is a new pass over the data: a logical step that
+            # continued into it could hold an example twice.
+            self._end_partial_step("an epoch")
+
+    def on_train_end(self, logs=None):
+        self.drain()
+        self._end_partial_step("a fit call")
+        # After Keras's finalize (an EMA average is in the weights by now).
+        run_notes(self.model).end_fit(self.model)
+        if (self.sampling == "poisson" and not self._batches and not self.model.stop_training
+                and not self.nothing_to_train):
+            raise PrivacyConfigurationError(
+                "fit consumed no micro-batch of the sampler's dataset. Under a "
+                "tf.distribute strategy Keras reads one batch to build an unbuilt model "
+                "and restarts the data, which a sampler refuses (its draws are read "
+                "once). Build the model before fit (e.g. call it once on a batch of the "
+                "right shapes, or model.build(...)), then pass a fresh sampler's dataset."
+            )

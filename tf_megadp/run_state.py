@@ -1,0 +1,188 @@
+"""What a DP run keeps on its model: whether it is private, its ledger, and its run notes."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+
+import keras
+import numpy as np
+
+from tf_megadp.accounting import PrivacyLedger
+from tf_megadp.errors import PrivacyConfigurationError
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer_ledger import _number, _weights_owner, read_ledger
+
+__all__ = ["EVALUATION_METRICS", "RELEASED_OUTSIDE_EPSILON", "is_private", "mark_private", "model_ledger", "read_ledger", "run_notes", "weights_digest"]
+
+# What a private Keras run publishes that epsilon does not cover.
+RELEASED_OUTSIDE_EPSILON = (
+    "training loss and metrics on training batches (exact batch statistics, in "
+    "logs, History, CSV and TensorBoard)",
+    "nonfinite_examples, when make_private(log_nonfinite_examples=True)",
+    "step timings and the number of steps taken",
+    "truncated-step counts of the Poisson sampler",
+)
+
+# Released by a run that evaluates: validation during fit, model.evaluate.
+EVALUATION_METRICS = (
+    "validation and evaluation metrics (val_loss and val_<metric> in logs, History, "
+    "CSV and TensorBoard; what model.evaluate returns): exact statistics of the "
+    "evaluated data, computed outside the DP step, so not covered by epsilon unless "
+    "that data is public"
+)
+
+
+_PRIVATE_FLAG = "_tf_megadp_private"
+
+
+def is_private(model: keras.Model) -> bool:
+    """Whether `make_private` has been applied to `model`."""
+    return bool(getattr(model, _PRIVATE_FLAG, False))
+
+
+def mark_private(model: keras.Model) -> None:
+    """Marks `model` as made private (`make_private` does, once it has checked the model)."""
+    setattr(model, _PRIVATE_FLAG, True)
+
+
+def model_ledger(model: keras.Model) -> PrivacyLedger:
+    """The privacy ledger of every noisy update `model`'s weights received, or a refusal.
+
+    The ledger is the one of the `DPOptimizer` that last trained (or
+    loaded) the weights, which is `model.optimizer` unless the model was
+    compiled again since. It must hold every logical step that optimizer
+    applied: a reported epsilon is never stale.
+
+    Args:
+        model: a model trained with `tf_megadp.make_private` and a `DPOptimizer`.
+
+    Returns:
+        The complete ledger (steps without noise are not in it: see
+        `DPOptimizer.noiseless_steps`, which make epsilon infinite).
+
+    Raises:
+        PrivacyConfigurationError: steps were applied outside `fit` (with
+            `train_on_batch` or a loop calling `train_step`) and are in no
+            ledger, or were taken on data of unknown size without a stated N.
+
+    Example:
+    ```python
+    model = keras.models.load_model("run.keras")
+    tf_megadp.PrivacyAccountant(N, 1e-5, ledger=tf_megadp.model_ledger(model)).epsilon()
+    ```
+    """
+    optimizer = _ledger_optimizer(model)
+    missing = optimizer.unrecorded_steps
+    if missing:
+        raise PrivacyConfigurationError(
+            f"{missing} of the {optimizer.logical_steps_applied} logical steps applied to "
+            "this model's weights are in no privacy ledger: they were taken outside "
+            "fit (train_on_batch, or a loop calling train_step), where the data and "
+            "its sampling are unknown, or by a tf_megadp.PrivateStep whose record() "
+            "has not run since, so any epsilon would leave them out. Train with fit "
+            "or a PrivateStep (and call its record()); to report an honest epsilon, "
+            "restore a checkpoint taken before those steps."
+        )
+    unaccounted = _number(optimizer.unaccounted_steps)
+    if unaccounted:
+        raise PrivacyConfigurationError(
+            f"{unaccounted} logical steps of this model were taken on data whose "
+            "size was unknown (or outside fit, e.g. train_on_batch), so their "
+            "privacy cannot be accounted. Train with a PrivacyCallback from the "
+            "first step (with num_examples=N for data of unknown size)."
+        )
+    return read_ledger(optimizer)
+
+
+def _ledger_optimizer(model) -> DPOptimizer:
+    """The DPOptimizer whose ledger covers `model`'s weights (`model.optimizer` but after a recompile)."""
+    return _weights_owner(model.trainable_variables) or _dp_optimizer(model)
+
+
+def _dp_optimizer(model) -> DPOptimizer:
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, DPOptimizer):
+        raise PrivacyConfigurationError(
+            "Private training needs a model compiled with tf_megadp.DPOptimizer "
+            f"(and made private with tf_megadp.make_private); got {optimizer!r}."
+        )
+    return optimizer
+
+
+class _RunNotes:
+    """What a private model's runs did outside the noisy steps, kept on the model in memory.
+
+    A plain object (not trackable), so Keras saving never writes it.
+
+    Attributes:
+        released: items added to the report's `released_outside_epsilon`
+            (e.g. `EVALUATION_METRICS` once the model was evaluated).
+        weights_digest: digest of the trainable weights at the end of the
+            last private `fit` (None before the first one).
+        in_fit: a private `fit` is running (its steps change the weights).
+        weights_changed: the trainable weights changed between private
+            `fit` calls, outside any private step (a non-private model
+            sharing a layer, `set_weights`, ...): sticky, the run is marked.
+    """
+
+    def __init__(self):
+        self.released: list[str] = []
+        self.weights_digest: bytes | None = None
+        self.in_fit = False
+        self.weights_changed = False
+
+    def begin_fit(self, model) -> None:
+        """A private fit starts: compares the weights with the last one's end."""
+        self.check_weights(model)
+        self.in_fit = True
+
+    def end_fit(self, model) -> None:
+        """A private fit ended (also by an error): its steps changed the weights."""
+        self.in_fit = False
+        self.weights_digest = weights_digest(model)
+
+    def check_weights(self, model, warn: bool = True) -> bool:
+        """Whether the weights changed outside the private steps (now or before).
+
+        Args:
+            model: the private model.
+            warn: warn (loudly) when they did.
+        """
+        if not (self.in_fit or self.weights_digest is None or self.weights_changed):
+            self.weights_changed = weights_digest(model) != self.weights_digest
+        if self.weights_changed and warn:
+            warnings.warn(_WEIGHTS_CHANGED_WARNING, UserWarning, stacklevel=3)
+        return self.weights_changed
+
+    def release(self, item: str) -> None:
+        """Records that the run published `item`, outside epsilon."""
+        if item not in self.released:
+            self.released.append(item)
+
+
+_WEIGHTS_CHANGED_WARNING = (
+    "The trainable weights of this private model changed since its last private fit, "
+    "outside any private step (e.g. a non-private model sharing a layer was trained, "
+    "or set_weights/load_weights). Epsilon does NOT cover that change: if it was "
+    "computed from the private data, the model is not differentially private. The "
+    "privacy report marks the run (weights_changed_outside_private_steps)."
+)
+
+
+def weights_digest(model) -> bytes:
+    """A digest of every trainable weight's value (exact: any changed bit changes it)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for variable in model.trainable_variables:
+        digest.update(variable.path.encode())
+        digest.update(np.ascontiguousarray(keras.ops.convert_to_numpy(variable)).tobytes())
+    return digest.digest()
+
+
+def run_notes(model) -> _RunNotes:
+    """The `_RunNotes` of a private model (created on first use)."""
+    notes = getattr(model, "_tf_megadp_run_notes", None)
+    if notes is None:
+        notes = _RunNotes()
+        model._tf_megadp_run_notes = notes
+    return notes

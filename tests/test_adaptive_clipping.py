@@ -18,7 +18,7 @@ from scipy import stats
 
 import tf_megadp
 from tf_megadp import AdaptiveClipping, LedgerEntry, PrivacyAccountant, PrivacyConfigurationError
-from tf_megadp import adaptive_clipping, clipping
+from tf_megadp import adaptive_clipping, cli, clipping
 from tests import reference
 
 STRATEGIES = sorted(clipping._STRATEGIES)  # every registered strategy
@@ -510,24 +510,11 @@ def test_invalid_adaptive_settings_raise(kwargs):
 # -- The command line ------------------------------------------------------------------
 
 
-@pytest.fixture
-def cli_main():
-    """`tf_megadp.cli.main`, with the absl logger level it sets restored afterwards."""
-    import logging
-
-    from tf_megadp import cli
-
-    logger = logging.getLogger("absl")
-    level = logger.level
-    yield cli.main
-    logger.setLevel(level)
-
-
-def test_cli_epsilon_accounts_the_count_with_the_gradient(capsys, cli_main):
+def test_cli_epsilon_accounts_the_count_with_the_gradient(capsys):
     run = ["epsilon", "--num-examples", "60000", "--batch-size", "1000", "--steps", "300",
            "--delta", "1e-5", "--accountant", "rdp", "--json"]
     gradient, count = andrew_noise_multipliers(1.0, 50.0)
-    assert cli_main(run + ["--noise-multiplier", str(gradient), "--count-stddev", "50"]) == 0
+    assert cli.main(run + ["--noise-multiplier", str(gradient), "--count-stddev", "50"]) == 0
     pair = json.loads(capsys.readouterr().out)
     assert pair["ledger"][0]["count_noise_multiplier"] == count
     event = dp_accounting.SelfComposedDpEvent(
@@ -536,16 +523,15 @@ def test_cli_epsilon_accounts_the_count_with_the_gradient(capsys, cli_main):
         rdp.RdpAccountant().compose(event).get_epsilon(1e-5), rel=1e-9)
 
 
-def test_cli_calibrate_gives_the_gradients_multiplier_and_refuses_a_small_count(capsys,
-                                                                               cli_main):
+def test_cli_calibrate_gives_the_gradients_multiplier_and_refuses_a_small_count(capsys):
     run = ["calibrate", "--num-examples", "60000", "--batch-size", "1000", "--steps", "300",
            "--delta", "1e-5", "--accountant", "rdp", "--target-epsilon", "2", "--json"]
-    assert cli_main(run + ["--count-stddev", "50"]) == 0
+    assert cli.main(run + ["--count-stddev", "50"]) == 0
     report = json.loads(capsys.readouterr().out)
     section = report["adaptive_clipping"]
     assert (section["gradient_noise_multiplier"], section["count_noise_multiplier"]) == (
         pytest.approx(andrew_noise_multipliers(report["noise_multiplier"], 50.0), rel=1e-12))
-    assert cli_main(run + ["--count-stddev", "0.3"]) == 2
+    assert cli.main(run + ["--count-stddev", "0.3"]) == 2
     assert "count_stddev" in capsys.readouterr().err
 
 

@@ -1,6 +1,7 @@
 """Specification of the `tf-megadp` command line (epsilon, calibrate)."""
 
 import json
+import logging
 import os
 import pathlib
 import re
@@ -108,6 +109,17 @@ def test_calibrate_prints_no_absl_warnings(capsys):
                            "1000", "--batch-size", "100", "--steps", "50", "--delta", "1e-5",
                            "--accountant", "rdp")
     assert status == 0 and "converge" not in err and "converge" not in out
+
+
+def test_main_leaves_the_absl_logger_as_it_found_it(capsys):
+    # The unconverged-order records are dropped by the accounting's own filter
+    # while it runs; main must not change the level of a logger the host owns.
+    logger = logging.getLogger("absl")
+    level, filters = logger.level, list(logger.filters)
+    status, _, _ = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
+                       "--accountant", "rdp")
+    assert status == 0
+    assert (logger.level, logger.filters) == (level, filters)
 
 
 def test_shuffle_is_reported_with_the_warning_on_stderr(capsys):

@@ -30,7 +30,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import logging  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
@@ -487,9 +486,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 2 on bad arguments.
     """
-    # dp_accounting's RDP logs (through absl) each order it cannot evaluate;
-    # the other orders still bound epsilon, so this is noise for a CLI user.
-    logging.getLogger("absl").setLevel(logging.ERROR)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

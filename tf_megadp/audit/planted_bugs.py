@@ -38,11 +38,9 @@ class HalvedNoiseDPOptimizer(DPOptimizer):
 class DoubleCountingDPOptimizer(DPOptimizer):
     """BROKEN: every clipped sum is accumulated twice. For audit tests only."""
 
-    def _accumulate_clipped(self, token, gradient_sum, trainable_variables, micro_batch_size,
-                            nonfinite):
+    def _accumulate_clipped(self, token, gradient_sum, *args, **kwargs):
         doubled = [None if g is None else 2.0 * g for g in gradient_sum]
-        return super()._accumulate_clipped(token, doubled, trainable_variables, micro_batch_size,
-                                           nonfinite)
+        return super()._accumulate_clipped(token, doubled, *args, **kwargs)
 
 
 class UnclippedFirstExample(base.ClippingStrategy):

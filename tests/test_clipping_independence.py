@@ -318,6 +318,7 @@ def test_custom_randomness_is_refused_and_named_as_such():
         GhostClipping(fallback="any", jit_compile=False).clip_and_sum(model, x, y, None, 1.0)
 
 
+@pytest.mark.slow  # a BERT compiled with XLA: about 30 CPU-seconds (CI time, issue 26)
 def test_tiny_bert_with_dropout_passes_under_xla():
     model = reference.tiny_bert(dropout=0.1)
     x, y, w = reference.bert_batch(4)

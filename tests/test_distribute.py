@@ -55,7 +55,7 @@ def _free_ports(count):
 
 @pytest.fixture(scope="module")
 def scenario_results(tmp_path_factory):
-    """Runs every scenario set at once: 2 replicas, 4 replicas, two workers.
+    """Runs the default scenario sets at once: 2 replicas, two workers, the job on 1 and 2.
 
     The interpreters spend most of their time tracing Python, one core each,
     so running them side by side roughly halves the wall time on two cores.
@@ -63,13 +63,30 @@ def scenario_results(tmp_path_factory):
     ports = ",".join(str(p) for p in _free_ports(2))
     return _run_scenarios(tmp_path_factory.mktemp("distributed"), {
         "replicas2": ["replicas", "2"],
-        "replicas4": ["replicas", "4"],
         "worker0": ["worker", "0", ports],
         "worker1": ["worker", "1", ports],
         "job1": ["job", "1"],
         "job2": ["job", "2"],
+    })
+
+
+@pytest.fixture(scope="module")
+def four_replica_results(tmp_path_factory):
+    """The same checks and the job on 4 replicas (`pytest -m slow`: two more
+    interpreters, about 150 CPU-seconds; 2 replicas already split every step)."""
+    return _run_scenarios(tmp_path_factory.mktemp("distributed4"), {
+        "replicas4": ["replicas", "4"],
         "job4": ["job", "4"],
     })
+
+
+def _scenario(request, name):
+    """A scenario set's result; four-replica sets from their own (slow) fixture."""
+    fixture = "four_replica_results" if name.endswith("4") else "scenario_results"
+    return _result(request.getfixturevalue(fixture), name)
+
+
+_FOUR_IS_SLOW = [2, pytest.param(4, marks=pytest.mark.slow)]
 
 
 def _run_scenarios(directory, commands):
@@ -108,9 +125,9 @@ def _result(results, name):
     return results[name]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda r: f"{r}_replicas")
-def replicated(request, scenario_results):
-    return _result(scenario_results, f"replicas{request.param}")
+@pytest.fixture(scope="module", params=_FOUR_IS_SLOW, ids=lambda r: f"{r}_replicas")
+def replicated(request):
+    return _scenario(request, f"replicas{request.param}")
 
 
 @pytest.fixture(scope="module")
@@ -344,9 +361,9 @@ class TestMultiWorker:
             np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda r: f"job_on_{r}_replicas")
-def job_on_replicas(request, scenario_results):
-    return _result(scenario_results, f"job{request.param}")
+@pytest.fixture(scope="module", params=_FOUR_IS_SLOW, ids=lambda r: f"job_on_{r}_replicas")
+def job_on_replicas(request):
+    return _scenario(request, f"job{request.param}")
 
 
 class TestTheJobCommandOnCpuReplicas:

@@ -210,6 +210,8 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     canaries = None
     if config.canaries:
         train, canaries, _ = canary_split(config, train)
+        # The canaries are training sequences too (never with a privacy unit).
+        population = len(train)
     if chief:
         distribute.barrier(strategy)
     if max(phase[1] for phase in phases) > population:

@@ -92,8 +92,8 @@ class _PrivacyReporting:
                 "tf_megadp.PrivacyAccountant(N, delta, ledger=tf_megadp.model_ledger(model))."
             )
         ledger = model_ledger(self.model)
-        if _number(_ledger_optimizer(self.model).noiseless_steps):
-            return math.inf
+        if ledger.infinite_epsilon_steps:
+            return math.inf  # The accountant refuses steps without noise; they spend all.
         return self._accountant.epsilon(ledger)
 
     @property
@@ -150,10 +150,6 @@ class _PrivacyReporting:
             notes.append("trainable weights changed outside the private steps (between "
                          "private fits): that change is NOT covered by epsilon; not for "
                          "release unless it came from public data only.")
-        if _number(optimizer.noiseless_steps):
-            report["epsilon"] = math.inf
-            notes.append(f"{_number(optimizer.noiseless_steps)} logical steps had no "
-                         "noise: the run is NOT differentially private.")
         if optimizer.seeded_noise:
             notes.append("seeded noise: not for release (DPOptimizer(seed=...)).")
         if data["seeded_sampling"]:
@@ -216,8 +212,8 @@ class _PrivacyReporting:
 
     def _next_step_fits(self, step: int) -> bool:
         """Whether logical step `step` keeps epsilon within the budget."""
-        if _number(self._optimizer.noiseless_steps):
-            return False
+        if self._keeper.ledger.infinite_epsilon_steps:
+            return False  # Epsilon is infinite already: no budget is left.
         entry = self._keeper.next_entry(step)
         if entry is None:
             return True  # Known after the first step, which the budget then checks.

@@ -453,7 +453,7 @@ class PrivateStep:
                 "twice. Call step.end_pass() at the end of every pass, or make a pass a "
                 "whole number of logical steps")
         if problem is not None:
-            optimizer.unaccounted_steps.assign_add(steps)
+            self.recorder.record_unaccounted(steps)
             self._sync(micro_steps)
             raise PrivacyConfigurationError(
                 f"{steps} logical steps cannot be accounted and are in no privacy "

@@ -25,6 +25,7 @@ import numpy as np
 
 from tf_megadp import _keras_compat, adaptive_clipping
 from tf_megadp.accounting import LedgerEntry, PrivacyLedger
+from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED, SamplingKind, sampling_kind
 from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
@@ -105,6 +106,11 @@ class LedgerRecorder:
         return self.source.sampling if self.source is not None else FIXED_SIZE_SAMPLING
 
     @property
+    def kind(self) -> SamplingKind:
+        """The registered sampling kind of the data: what the keeper asks of its steps."""
+        return sampling_kind(self.sampling)
+
+    @property
     def num_examples_measured(self) -> bool:
         return self.source is not None and self.source.num_examples_measured
 
@@ -121,7 +127,7 @@ class LedgerRecorder:
                 "privacy_unit": "example",
                 "examples_per_unit": 1,
             }
-        report["poisson_guarantee"] = self.sampling == "poisson"
+        report["poisson_guarantee"] = self.kind.proven_guarantee
         return report
 
     def _resolve_num_examples(self) -> int | None:
@@ -176,7 +182,7 @@ class LedgerRecorder:
             # Steps applied outside fit (train_on_batch, custom loops): their
             # data is unknown here, so their privacy cannot be accounted.
             steps = int(optimizer.applied_steps.numpy()[: _number(optimizer.applied_rows), 0].sum())
-            optimizer.unaccounted_steps.assign_add(steps)
+            self.record_unaccounted(steps)
             optimizer.applied_rows.assign(0)
         self.num_examples = self._resolve_num_examples()
         if self.num_examples == 0:
@@ -197,7 +203,7 @@ class LedgerRecorder:
 
     def _check_source(self, optimizer: DPOptimizer) -> None:
         source = self.source
-        if self.require_poisson_sampling and self.sampling != "poisson":
+        if self.require_poisson_sampling and not self.kind.proven_guarantee:
             description = source.description if source else "this data"
             raise PrivacyConfigurationError(
                 f"make_private(require_poisson_sampling=True) refuses {description}: "
@@ -245,7 +251,7 @@ class LedgerRecorder:
                 f"{schedule.num_examples} but the data has {self.num_examples} "
                 "examples. Build the schedule with the data's size."
             )
-        if self.sampling != "poisson":
+        if not self.kind.proven_guarantee:
             description = source.description if source else "Data of unknown size"
             warnings.warn(_FIXED_SIZE_WARNING.format(description=description),
                           UserWarning, stacklevel=3)
@@ -273,6 +279,22 @@ class LedgerRecorder:
             )
 
     # -- Turning applied steps into ledger entries -------------------------------
+
+    def record_unaccounted(self, steps: int) -> None:
+        """Records `steps` applied logical steps whose data is unknown, as `UNACCOUNTED` steps.
+
+        They join the optimizer's ledger as it stands (which may have been
+        restored since this recorder read it), so no step is lost and every
+        report refuses from now on.
+
+        Args:
+            steps: how many logical steps.
+        """
+        optimizer = _dp_optimizer(self.model)
+        ledger = read_ledger(optimizer)
+        ledger.append(LedgerEntry.steps_only(steps, UNACCOUNTED))
+        write_ledger(optimizer, ledger)
+        self.ledger = ledger
 
     def drain(self) -> None:
         """Moves the steps the compiled step applied into the ledger."""
@@ -304,8 +326,9 @@ class LedgerRecorder:
         if not len(table):
             return
         optimizer = _dp_optimizer(self.model)
-        step = (self.ledger.total_steps + _number(optimizer.unaccounted_steps)
-                + _number(optimizer.noiseless_steps) - _number(optimizer.carried_steps))
+        # The ledger holds every step recorded, of every kind; the steps that
+        # earlier optimizers applied are not this one's iterations.
+        step = self.ledger.total_steps - _number(optimizer.carried_steps)
         for values in table:
             row = dict(zip(APPLIED_STEP_COLUMNS, values.tolist()))
             steps = int(row["steps"])
@@ -328,10 +351,10 @@ class LedgerRecorder:
                 "multiplier 2 * count_stddev must exceed sigma: raise "
                 "AdaptiveClipping(count_stddev=...) or the batch size.")
         if row["noise_multiplier"] == 0:
-            optimizer.noiseless_steps.assign_add(steps)
+            self.ledger.append(LedgerEntry.steps_only(steps, NOISELESS))
             return
         if self.num_examples is None:
-            optimizer.unaccounted_steps.assign_add(steps)
+            self.ledger.append(LedgerEntry.steps_only(steps, UNACCOUNTED))
             return
         for step in range(first_step, first_step + steps):
             self.ledger.append(self._entry(optimizer, step, row))
@@ -339,7 +362,8 @@ class LedgerRecorder:
     def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
         sigma, count_sigma = row["noise_multiplier"], row["count_noise_multiplier"]
         planned_sigma = optimizer.noise_multiplier_at(step)
-        if self.sampling == "poisson":
+        kind = self.kind
+        if kind.follows_schedule:
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
             used = (row["accumulation_steps"], row["rows"], row["divisor"])
@@ -354,7 +378,8 @@ class LedgerRecorder:
                     "schedule=sampler.schedule."
                 )
             return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
-                               schedule.capacity(phase), "poisson", count_sigma)
+                               schedule.capacity(phase) if kind.truncates else 0, kind.name,
+                               count_sigma)
         return self._fixed_size_entry(row["rows"], sigma, count_sigma)
 
     def _fixed_size_entry(self, rows: float, sigma: float,
@@ -368,7 +393,7 @@ class LedgerRecorder:
                 "one epoch."
             )
         return LedgerEntry(1, sampling_rate_of(rows, self.num_examples), sigma, 0,
-                           FIXED_SIZE_SAMPLING, count_sigma)
+                           self.sampling, count_sigma)
 
     def next_entry(self, step: int) -> LedgerEntry | None:
         """The ledger entry logical step `step` will get, when it can be known."""
@@ -376,11 +401,12 @@ class LedgerRecorder:
         sigma = optimizer.noise_multiplier_at(step)
         if self.num_examples is None or sigma == 0:
             return None
-        if self.sampling == "poisson":
+        kind = self.kind
+        if kind.follows_schedule:
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
             return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
-                               schedule.capacity(phase), "poisson")
+                               schedule.capacity(phase) if kind.truncates else 0, kind.name)
         rows = self._last_rows
         if rows is None and self.micro_batch_size is not None:
             replicas = _keras_compat.optimizer_strategy(optimizer).num_replicas_in_sync
@@ -443,7 +469,7 @@ class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.drain()
-        if self.sampling != "poisson":
+        if self.kind.ends_step_at_pass:
             # The next epoch is a new pass over the data: a logical step that
             # continued into it could hold an example twice.
             self._end_partial_step("an epoch")
@@ -453,7 +479,7 @@ class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
         self._end_partial_step("a fit call")
         # After Keras's finalize (an EMA average is in the weights by now).
         run_notes(self.model).end_fit(self.model)
-        if (self.sampling == "poisson" and not self._batches and not self.model.stop_training
+        if (self.kind.follows_schedule and not self._batches and not self.model.stop_training
                 and not self.nothing_to_train):
             raise PrivacyConfigurationError(
                 "fit consumed no micro-batch of the sampler's dataset. Under a "

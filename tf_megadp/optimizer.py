@@ -316,12 +316,6 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         )
         # Ledger steps taken by earlier optimizers of the same model.
         self.carried_steps = self.add_variable(shape=(), dtype="int64", name="carried_steps")
-        # Steps whose privacy cannot be accounted (data of unknown size, or
-        # applied outside fit) and steps without noise: epsilon cannot be
-        # reported, or is infinite, once there are any.
-        self.unaccounted_steps = self.add_variable(
-            shape=(), dtype="int64", name="unaccounted_steps")
-        self.noiseless_steps = self.add_variable(shape=(), dtype="int64", name="noiseless_steps")
         self.applied_steps = self.add_variable(
             shape=(_APPLIED_CAPACITY, len(APPLIED_STEP_COLUMNS)),
             dtype="float64",

@@ -14,7 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp.accounting import PrivacyLedger
+from tf_megadp.accounting import LedgerEntry, PrivacyLedger
+from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "read_ledger", "write_ledger"]
@@ -136,11 +137,10 @@ class LedgerOfWeights:
 
     @property
     def logical_steps_recorded(self) -> int:
-        """Logical steps in the ledger, plus those recorded as unaccounted or noiseless."""
+        """Logical steps in the ledger, of every kind (noiseless and unaccounted ones too)."""
         if not self.built:
             return 0
-        return (read_ledger(self).total_steps + _number(self.unaccounted_steps)
-                + _number(self.noiseless_steps))
+        return read_ledger(self).total_steps
 
     @property
     def unrecorded_steps(self) -> int:
@@ -167,8 +167,8 @@ class LedgerOfWeights:
         """Takes over the ledger of the DPOptimizer whose ledger covers `variables`.
 
         The new optimizer continues exactly where the previous one stopped:
-        its ledger, the steps it could not account and those without noise,
-        and the count of steps applied (`carried_steps` plus this
+        its ledger (with the steps it could not account and those without
+        noise), and the count of steps applied (`carried_steps` plus this
         optimizer's `iterations`). Wrapping the previous optimizer's inner
         optimizer continues its state (moments, iterations) as well.
         """
@@ -187,13 +187,12 @@ class LedgerOfWeights:
                     "optimizer, or the inner optimizer of the DPOptimizer that trained "
                     "the model (model.optimizer.inner_optimizer) to continue its state."
                 )
-            write_ledger(self, read_ledger(previous))
-            self.carried_steps.assign(carried)
+            ledger = read_ledger(previous)
             # Steps the previous optimizer applied outside fit were never
-            # recorded: they stay in the count of unaccounted steps.
-            self.unaccounted_steps.assign(
-                _number(previous.unaccounted_steps) + max(0, previous.unrecorded_steps))
-            self.noiseless_steps.assign(_number(previous.noiseless_steps))
+            # recorded: they join the ledger as unaccounted steps.
+            ledger.append(LedgerEntry.steps_only(max(0, previous.unrecorded_steps), UNACCOUNTED))
+            write_ledger(self, ledger)
+            self.carried_steps.assign(carried)
             self._carried_from = previous.logical_steps_applied
         self._claim(variables)
 

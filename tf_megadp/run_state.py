@@ -9,9 +9,10 @@ import keras
 import numpy as np
 
 from tf_megadp.accounting import PrivacyLedger
+from tf_megadp.accounting.events import refusal_error
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import _number, _weights_owner, read_ledger
+from tf_megadp.optimizer_ledger import _weights_owner, read_ledger
 
 __all__ = ["EVALUATION_METRICS", "RELEASED_OUTSIDE_EPSILON", "is_private", "mark_private", "model_ledger", "read_ledger", "run_notes", "weights_digest"]
 
@@ -58,13 +59,17 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
         model: a model trained with `tf_megadp.make_private` and a `DPOptimizer`.
 
     Returns:
-        The complete ledger (steps without noise are not in it: see
-        `DPOptimizer.noiseless_steps`, which make epsilon infinite).
+        The complete ledger, of every step applied. Steps without noise are
+        in it as ``"noiseless"`` entries: they make epsilon infinite, which
+        `PrivacyCallback` and `PrivacyReport` state and a
+        `PrivacyAccountant` refuses to compute.
 
     Raises:
         PrivacyConfigurationError: steps were applied outside `fit` (with
             `train_on_batch` or a loop calling `train_step`) and are in no
-            ledger, or were taken on data of unknown size without a stated N.
+            ledger, or the ledger holds steps that no epsilon may leave out
+            (``"unaccounted"``: taken on data of unknown size without a
+            stated N, or whose data the recorder could not know).
 
     Example:
     ```python
@@ -84,15 +89,11 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
             "or a PrivateStep (and call its record()); to report an honest epsilon, "
             "restore a checkpoint taken before those steps."
         )
-    unaccounted = _number(optimizer.unaccounted_steps)
-    if unaccounted:
-        raise PrivacyConfigurationError(
-            f"{unaccounted} logical steps of this model were taken on data whose "
-            "size was unknown (or outside fit, e.g. train_on_batch), so their "
-            "privacy cannot be accounted. Train with a PrivacyCallback from the "
-            "first step (with num_examples=N for data of unknown size)."
-        )
-    return read_ledger(optimizer)
+    ledger = read_ledger(optimizer)
+    refused = ledger.unreportable_steps()
+    if refused is not None:
+        raise refusal_error(*refused)
+    return ledger
 
 
 def _ledger_optimizer(model) -> DPOptimizer:

@@ -172,7 +172,10 @@ def make_private_with_epsilon(
     from tf_megadp.accounting import calibrate_noise_multiplier
 
     source = getattr(sampler, "source", None)
-    if source is None or source.sampling != "poisson" or source.start_step != 0:
+    # Calibration plans the whole schedule, so the steps must follow it, and
+    # the epsilon it targets must be a guarantee, not an estimate.
+    if (source is None or not (source.kind.follows_schedule and source.kind.proven_guarantee)
+            or source.start_step != 0):
         raise PrivacyConfigurationError(
             "make_private_with_epsilon calibrates the noise for a whole run of "
             "Poisson draws: pass a tf_megadp Poisson sampler that starts at step 0 "
@@ -180,7 +183,8 @@ def make_private_with_epsilon(
             f"epochs=..., micro_batch_size=...)), got {sampler!r}."
         )
     sigma = calibrate_noise_multiplier(
-        target_epsilon, delta, schedule=source.schedule, accountant=accountant)
+        target_epsilon, delta, schedule=source.schedule, sampling=source.sampling,
+        accountant=accountant)
     make_private(model)
     model.compile(
         optimizer=DPOptimizer(optimizer, l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,

@@ -4,8 +4,16 @@ A ledger entry names how its steps drew their examples: its sampling kind.
 Each kind is one `SamplingKind`, registered once by the sampler that draws
 such steps (`tf_megadp.data.samplers`: "poisson" and "shuffle"), with the
 event of one step, its code in the optimizer's ledger rows, whether its steps
-may be truncated, and the warning its epsilon carries. A kind without an
+may be truncated, the warning its epsilon carries, and what the ledger keeper
+needs to know of its steps (whether they follow the sampler's schedule, end
+at a new pass over the data, give a proven guarantee). A kind without an
 event is refused by the accountant, never accounted as Poisson by default.
+
+Two kinds belong to the ledger itself, not to a sampler: `NOISELESS` (steps
+applied with noise multiplier 0, which make epsilon infinite) and
+`UNACCOUNTED` (steps whose data is unknown). Their entries record a count of
+steps only, so the ledger holds every step the weights received, and the
+accountant refuses them, each with its own message.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ import dp_accounting
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
+    "NOISELESS",
+    "UNACCOUNTED",
     "SamplingKind",
+    "refusal_error",
     "entry_event",
     "register_sampling_kind",
     "sampling_kind",
@@ -41,6 +52,23 @@ class SamplingKind:
         truncates: whether its steps may be truncated at `max_batch_size`.
         warning: what the epsilon of such steps does not cover, raised once
             per accountant and published in the report; None if nothing.
+        follows_schedule: the steps are a sampler's draws of its
+            `BatchSizeSchedule`: each step's q_t and capacity are the
+            schedule's, which the ledger keeper checks every step against.
+            Otherwise a step's q is the rows it held over N.
+        proven_guarantee: the epsilon of such steps is a proven guarantee
+            (not an estimate); `require_poisson_sampling` accepts only these.
+        ends_step_at_pass: a new pass over the data (a `fit` epoch) must end
+            a partial logical step, or the step could hold an example twice;
+            False for kinds whose steps are drawn whole by a sampler.
+        steps_only: entries of this kind record a count of steps only
+            (sampling rate, noise multiplier, truncation and count noise all
+            0): the ledger kinds that no sampler draws.
+        infinite_epsilon: the steps were released without noise, so epsilon
+            is infinite: reports say so and a budget is spent, where the
+            steps of another refused kind make every report refuse.
+        refusal: why the accountant refuses such steps and what to do,
+            formatted with `steps` (their count); None for the generic text.
 
     Example:
     ```python
@@ -53,6 +81,12 @@ class SamplingKind:
     step_event: Callable[[Any, int], dp_accounting.DpEvent] | None
     truncates: bool = False
     warning: str | None = None
+    follows_schedule: bool = False
+    proven_guarantee: bool = False
+    ends_step_at_pass: bool = True
+    steps_only: bool = False
+    infinite_epsilon: bool = False
+    refusal: str | None = None
 
 
 _KINDS: dict[str, SamplingKind] = {}
@@ -76,8 +110,13 @@ def register_sampling_kind(kind: SamplingKind) -> SamplingKind:
 
 
 def sampling_kinds() -> tuple[str, ...]:
-    """The registered kinds' names, by code."""
-    return tuple(sorted(_KINDS, key=lambda name: _KINDS[name].code))
+    """The registered kinds that say how a step draws its examples, by code.
+
+    The ledger's own steps-only kinds (`NOISELESS`, `UNACCOUNTED`) are left
+    out: no run can be planned or drawn with them.
+    """
+    return tuple(sorted((name for name, kind in _KINDS.items() if not kind.steps_only),
+                        key=lambda name: _KINDS[name].code))
 
 
 def sampling_kind(name: str) -> SamplingKind:
@@ -98,6 +137,29 @@ def sampling_kind_of_code(code: float) -> SamplingKind:
     raise ValueError(f"Unknown sampling kind code {code} in a ledger row.")
 
 
+def refusal_error(name: str, steps: int) -> PrivacyConfigurationError:
+    """The error that refuses `steps` steps of kind `name`, which has no accounting rule.
+
+    Args:
+        name: a registered kind whose `step_event` is None.
+        steps: how many of its steps are refused.
+
+    Returns:
+        A `PrivacyConfigurationError` with the kind's own `refusal` text, or
+        the generic one for a kind registered without it.
+    """
+    kind = sampling_kind(name)
+    if kind.refusal is not None:
+        return PrivacyConfigurationError(kind.refusal.format(steps=steps))
+    accounted = [other for other in sampling_kinds() if _KINDS[other].step_event]
+    return PrivacyConfigurationError(
+        f"No accounting rule for sampling kind {name!r}: tf_megadp "
+        f"accounts only {accounted} ('shuffle' as Poisson, with a warning). "
+        "Draw the batches with tf_megadp.PoissonSampler, or record the steps "
+        "with sampling='shuffle'."
+    )
+
+
 def entry_event(entry: Any, num_examples: int) -> dp_accounting.DpEvent:
     """The `dp_accounting` event of `entry`'s steps (`entry` a `LedgerEntry`, which imports this module).
 
@@ -105,16 +167,41 @@ def entry_event(entry: Any, num_examples: int) -> dp_accounting.DpEvent:
     must not be accounted as Poisson by default, which could understate what
     it spends.
 
+    Args:
+        entry: the `LedgerEntry`.
+        num_examples: N.
+
+    Returns:
+        Its steps' event, self-composed `entry.steps` times.
+
     Raises:
-        PrivacyConfigurationError: `entry.sampling` has no accounting rule.
+        PrivacyConfigurationError: `entry.sampling` has no accounting rule
+            (with the kind's own message).
     """
     step_event = sampling_kind(entry.sampling).step_event
     if step_event is None:
-        accounted = [name for name in sampling_kinds() if _KINDS[name].step_event]
-        raise PrivacyConfigurationError(
-            f"No accounting rule for sampling kind {entry.sampling!r}: tf_megadp "
-            f"accounts only {accounted} ('shuffle' as Poisson, with a warning). "
-            "Draw the batches with tf_megadp.PoissonSampler, or record the steps "
-            "with sampling='shuffle'."
-        )
+        raise refusal_error(entry.sampling, entry.steps)
     return dp_accounting.SelfComposedDpEvent(step_event(entry, num_examples), entry.steps)
+
+
+# The ledger's own kinds. Their codes are stored in checkpoints and never
+# change; they are negative so that samplers keep the codes from 0 up.
+NOISELESS = "noiseless"
+UNACCOUNTED = "unaccounted"
+register_sampling_kind(SamplingKind(
+    NOISELESS, -1, step_event=None, steps_only=True, infinite_epsilon=True,
+    refusal=(
+        "{steps} logical steps were applied with noise_multiplier 0: they released "
+        "exact gradients, so epsilon is infinite and the run is NOT differentially "
+        "private. No accountant bounds them. Train with noise_multiplier > 0 (or "
+        "calibrate it: tf_megadp.calibrate_noise_multiplier); to report a finite "
+        "epsilon, restore a checkpoint taken before those steps.")))
+register_sampling_kind(SamplingKind(
+    UNACCOUNTED, -2, step_event=None, steps_only=True,
+    refusal=(
+        "{steps} logical steps of this model were taken on data whose size was "
+        "unknown (or outside fit, e.g. train_on_batch, or by a PrivateStep whose data "
+        "was not the one it was given), so their privacy cannot be accounted. Train "
+        "with a PrivacyCallback from the first step (with num_examples=N for data of "
+        "unknown size), or a PrivateStep fed its own data; to report an epsilon, "
+        "restore a checkpoint taken before those steps.")))

@@ -45,12 +45,16 @@ class LedgerEntry:
     Args:
         steps: number of logical steps (>= 0).
         sampling_rate: q = B / N, the probability that one example joins a
-            step; in (0, 1].
+            step; in (0, 1] (0 for a steps-only kind).
         noise_multiplier: sigma, the noise standard deviation divided by the
-            clipping norm; > 0.
+            clipping norm; > 0 (0 for a steps-only kind).
         max_batch_size: the static maximum at which a Poisson step is
             truncated, or 0 for an untruncated Poisson step.
-        sampling: ``"poisson"`` or ``"shuffle"``.
+        sampling: a registered kind (`tf_megadp.accounting.events`):
+            ``"poisson"`` or ``"shuffle"``, or one of the ledger's
+            steps-only kinds ``"noiseless"`` (steps without noise) and
+            ``"unaccounted"`` (steps on unknown data), which the accountant
+            refuses and `LedgerEntry.steps_only` builds.
         count_noise_multiplier: with adaptive clipping, the noise
             multiplier of the count of unclipped examples each step also
             releases (its noise over its sensitivity 1/2; see
@@ -72,6 +76,43 @@ class LedgerEntry:
             raise ValueError(f"steps must be an integer, got {self.steps!r}.")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}.")
+        if sampling_kind(self.sampling).steps_only:
+            self._check_steps_only()
+        else:
+            self._check_mechanism()
+        # Normalise numpy scalars so that entries compare and serialise alike.
+        object.__setattr__(self, "count_noise_multiplier", float(self.count_noise_multiplier))
+        object.__setattr__(self, "steps", int(self.steps))
+        object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
+        object.__setattr__(self, "noise_multiplier", float(self.noise_multiplier))
+        object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
+
+    @classmethod
+    def steps_only(cls, steps: int, sampling: str) -> "LedgerEntry":
+        """`steps` steps of a steps-only kind (`events.NOISELESS`, `events.UNACCOUNTED`).
+
+        Args:
+            steps: how many logical steps.
+            sampling: the kind.
+
+        Returns:
+            The entry, with every number but `steps` 0.
+        """
+        return cls(steps, 0.0, 0.0, 0, sampling)
+
+    def _check_steps_only(self) -> None:
+        """A steps-only kind's entry has no mechanism: any number but steps would be invented."""
+        numbers = (self.sampling_rate, self.noise_multiplier, self.max_batch_size,
+                   self.count_noise_multiplier)
+        if any(float(value) != 0.0 for value in numbers):
+            raise ValueError(
+                f"A {self.sampling!r} ledger entry records a count of steps only; its "
+                "sampling_rate, noise_multiplier, max_batch_size and "
+                f"count_noise_multiplier are 0, got {numbers}. Use "
+                f"LedgerEntry.steps_only(steps, {self.sampling!r}).")
+
+    def _check_mechanism(self) -> None:
+        """The numbers of a subsampled Gaussian step: q in (0, 1], sigma > 0, truncation."""
         q = float(self.sampling_rate)
         if not math.isfinite(q) or q <= 0.0:
             raise ValueError(
@@ -109,12 +150,6 @@ class LedgerEntry:
             raise ValueError(
                 "count_noise_multiplier must be a finite number >= 0 (0: no count), got "
                 f"{self.count_noise_multiplier!r}.")
-        # Normalise numpy scalars so that entries compare and serialise alike.
-        object.__setattr__(self, "count_noise_multiplier", count)
-        object.__setattr__(self, "steps", int(self.steps))
-        object.__setattr__(self, "sampling_rate", q)
-        object.__setattr__(self, "noise_multiplier", sigma)
-        object.__setattr__(self, "max_batch_size", int(self.max_batch_size))
 
     @property
     def equivalent_noise_multiplier(self) -> float:
@@ -190,7 +225,31 @@ class PrivacyLedger:
 
     @property
     def total_steps(self) -> int:
+        """Every logical step recorded, of every kind (noiseless and unaccounted too)."""
         return sum(entry.steps for entry in self._entries)
+
+    @property
+    def infinite_epsilon_steps(self) -> int:
+        """Steps of kinds released without noise (`SamplingKind.infinite_epsilon`): epsilon is infinite."""
+        return sum(entry.steps for entry in self._entries
+                   if sampling_kind(entry.sampling).infinite_epsilon)
+
+    def unreportable_steps(self) -> tuple[str, int] | None:
+        """The first kind in the ledger whose steps make any epsilon a lie, and its steps.
+
+        A kind the accountant refuses (no `step_event`) and whose epsilon is
+        not simply infinite: no report may state an epsilon while such
+        steps are in the ledger.
+
+        Returns:
+            (kind name, its steps in the whole ledger), or None.
+        """
+        counts: dict[str, int] = {}
+        for entry in self._entries:
+            kind = sampling_kind(entry.sampling)
+            if kind.step_event is None and not kind.infinite_epsilon:
+                counts[entry.sampling] = counts.get(entry.sampling, 0) + entry.steps
+        return next(iter(counts.items()), None)
 
     def append(self, entry: LedgerEntry) -> None:
         """Adds `entry`, merging it into the last entry if the steps match."""

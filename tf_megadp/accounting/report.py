@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from tf_megadp._version import __version__
@@ -17,6 +18,12 @@ def privacy_report(accountant: Any, settings: dict[str, Any] | None = None) -> d
     kinds = sorted({entry.sampling for entry in accountant.ledger})
     truncated = any(entry.max_batch_size for entry in accountant.ledger)
     warnings_ = [sampling_kind(kind).warning for kind in kinds if sampling_kind(kind).warning]
+    # Steps without noise: the accountant refuses them, and the report states
+    # what they spent, an infinite epsilon.
+    noiseless = accountant.ledger.infinite_epsilon_steps
+    if noiseless:
+        warnings_.append(f"{noiseless} logical steps had no noise: the run is NOT "
+                         "differentially private.")
     if accountant.delta > 1.0 / accountant.num_examples:
         warnings_.append(f"delta = {accountant.delta:g} is larger than 1/N.")
     return {
@@ -24,7 +31,7 @@ def privacy_report(accountant: Any, settings: dict[str, Any] | None = None) -> d
         "privacy_unit": "one training example (sequence)",
         "neighbouring_relation": "add_or_remove_one",
         "accountant": accountant.accountant,
-        "epsilon": accountant.epsilon(),
+        "epsilon": math.inf if noiseless else accountant.epsilon(),
         "delta": accountant.delta,
         "num_examples": accountant.num_examples,
         "steps": accountant.steps,

@@ -340,6 +340,8 @@ SHUFFLE_WARNING = (
 )
 
 # The ledger codes are stored in checkpoints: they never change.
-register_sampling_kind(SamplingKind("poisson", 0, PoissonSampler.step_event, truncates=True))
+register_sampling_kind(SamplingKind("poisson", 0, PoissonSampler.step_event, truncates=True,
+                                    follows_schedule=True, proven_guarantee=True,
+                                    ends_step_at_pass=False))
 register_sampling_kind(SamplingKind("shuffle", 1, ShuffleSampler.step_event,
                                     warning=SHUFFLE_WARNING))

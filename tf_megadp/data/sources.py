@@ -29,6 +29,7 @@ import dataclasses
 import secrets
 from typing import Any
 
+from tf_megadp.accounting.events import SamplingKind, sampling_kind, sampling_kinds
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.steps import BatchSizeSchedule
 
@@ -49,8 +50,10 @@ class DataSource:
     """How the logical steps of a run choose their examples.
 
     Attributes:
-        sampling: ``"poisson"`` (a tf_megadp sampler drew every step) or
-            ``"shuffle"`` (fixed-size batches that no sampler drew).
+        sampling: the registered sampling kind of its steps: ``"poisson"``
+            (a tf_megadp sampler drew every step), ``"shuffle"`` (fixed-size
+            batches), or a kind a new sampler registered; what the ledger
+            keeper does with the steps is the kind's (`SamplingKind`).
         num_examples: N, the number of privacy units.
         num_examples_measured: True when N was counted from the data, False
             when the user stated it.
@@ -80,18 +83,26 @@ class DataSource:
     examples_per_unit: int = 1
 
     def __post_init__(self):
-        if self.sampling not in ("poisson", FIXED_SIZE_SAMPLING):
+        kind = sampling_kind(self.sampling)  # A ValueError for an unregistered kind.
+        if kind.steps_only:
             raise ValueError(
-                f"DataSource.sampling must be 'poisson' or {FIXED_SIZE_SAMPLING!r}, "
-                f"got {self.sampling!r}."
-            )
-        if self.sampling == "poisson" and self.schedule is None:
-            raise ValueError("A Poisson DataSource needs the sampler's schedule.")
+                f"DataSource.sampling {self.sampling!r} is one of the ledger's own kinds, "
+                "which record steps only; a DataSource says how steps draw their examples: "
+                f"one of {sampling_kinds()}.")
+        if kind.follows_schedule and self.schedule is None:
+            raise ValueError(
+                f"A {self.sampling!r} DataSource needs the sampler's schedule: its steps "
+                "follow it.")
         if self.schedule is not None and self.schedule.num_examples != self.num_examples:
             raise ValueError(
                 f"DataSource.num_examples={self.num_examples} differs from its "
                 f"schedule's num_examples={self.schedule.num_examples}."
             )
+
+    @property
+    def kind(self) -> SamplingKind:
+        """The registered `SamplingKind` of its steps."""
+        return sampling_kind(self.sampling)
 
     def report(self) -> dict[str, Any]:
         """The source as it appears in the privacy report."""

@@ -8,6 +8,7 @@ accountant, independently of the module's own event construction.
 import json
 import logging
 import math
+import re
 import warnings
 
 import dp_accounting
@@ -436,8 +437,56 @@ ACCOUNTANT_ROWS = {
 }
 
 
+# One row per kind of the ledger itself (steps-only, no sampler draws it): its
+# permanent code, what its refusal says, and whether its epsilon is infinite
+# (reports state it) rather than unknown (reports refuse).
+REFUSED_ROWS = {
+    "noiseless": (-1, "applied with noise_multiplier 0.*Train with noise_multiplier > 0", True),
+    "unaccounted": (-2, "cannot be accounted.*Train with a PrivacyCallback", False),
+}
+
+
 def test_every_sampling_kind_has_a_test_row():
     assert set(accounting.sampling_kinds()) == set(SAMPLING_ROWS)
+    assert set(events._KINDS) == set(SAMPLING_ROWS) | set(REFUSED_ROWS)
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSED_ROWS))
+def test_each_ledger_kind_records_steps_only_and_is_refused_with_its_own_message(kind):
+    code, message, infinite = REFUSED_ROWS[kind]
+    registered = events.sampling_kind(kind)
+    assert (registered.code, registered.steps_only, registered.step_event) == (code, True, None)
+    assert registered.infinite_epsilon == infinite
+    entry = LedgerEntry.steps_only(5, kind)
+    assert LedgerEntry.from_row(entry.to_row()) == entry
+    with pytest.raises(ValueError, match="records a count of steps only"):
+        LedgerEntry(5, 0.1, 1.0, sampling=kind)
+    ledger = PrivacyLedger([LedgerEntry(3, 0.1, 1.0), entry])
+    assert ledger.total_steps == 8
+    account = PrivacyAccountant(1_000, 1e-4, accountant="rdp", ledger=ledger)
+    for refused in (account.epsilon, account.dp_event):
+        with pytest.raises(PrivacyConfigurationError, match="^5 logical steps.*" + message):
+            refused()
+    # The other refused kinds' messages are not this one's.
+    for other, (_, other_message, _) in REFUSED_ROWS.items():
+        if other != kind:
+            with pytest.raises(PrivacyConfigurationError) as raised:
+                account.epsilon()
+            assert not re.search(other_message, str(raised.value))
+    # No sampler, no plan: a run cannot be drawn or planned with this kind.
+    assert kind not in accounting.sampling_kinds()
+    with pytest.raises(ValueError, match="records a count of steps only"):
+        compute_epsilon(num_examples=1_000, batch_size=10, steps=5, noise_multiplier=1.0,
+                        delta=1e-4, sampling=kind)
+    if infinite:
+        assert ledger.infinite_epsilon_steps == 5 and ledger.unreportable_steps() is None
+        report = account.report()
+        assert report["epsilon"] == math.inf
+        assert "5 logical steps had no noise" in " ".join(report["warnings"])
+    else:
+        assert ledger.infinite_epsilon_steps == 0 and ledger.unreportable_steps() == (kind, 5)
+        with pytest.raises(PrivacyConfigurationError, match=message):
+            account.report()
 
 
 @pytest.mark.parametrize("kind", sorted(SAMPLING_ROWS))

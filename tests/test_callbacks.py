@@ -8,6 +8,7 @@ issue #14 ("Found") has a test that reproduces it.
 """
 
 import csv
+import dataclasses
 import json
 import math
 import warnings
@@ -23,7 +24,9 @@ import tf_megadp
 import tf_megadp.ledger_keeping
 import tf_megadp.run_state
 from tf_megadp import BatchSizeSchedule, Phase, PrivacyCallback, PrivacyConfigurationError
+from tf_megadp.accounting import PrivacyAccountant, PrivacyLedger, events
 from tf_megadp.data.sources import DataSource, attach_source
+from tf_megadp.optimizer_ledger import read_ledger
 
 MICRO_BATCH = 8
 ACCUMULATION = 2
@@ -717,3 +720,32 @@ def test_the_old_positional_order_is_refused():
 def test_delta_above_one_over_n_warns():
     with pytest.warns(UserWarning, match="larger than 1/N"):
         PrivacyCallback(0.05, num_examples=100)
+
+
+class _TwinSampler(tf_megadp.PoissonSampler):
+    """A new sampler: one class and its kind's registration; nothing in the keeper changes."""
+
+    sampling_kind = "poisson_twin"
+
+
+def test_a_newly_registered_sampling_kind_flows_through_the_ledger_keeper(data, monkeypatch):
+    # Issue 29: the keeper branched on sampling == "poisson", so a new sampler
+    # needed edits there (and DataSource accepted only "poisson" and "shuffle").
+    twin = dataclasses.replace(events.sampling_kind("poisson"), name="poisson_twin", code=7)
+    monkeypatch.setitem(events._KINDS, "poisson_twin", twin)
+    x, y = data
+    sampler = _TwinSampler.from_arrays(x, y, batch_size=BATCH, epochs=1,
+                                       micro_batch_size=MICRO_BATCH, seed=3)
+    model = private_model(schedule=sampler.schedule)
+    callback = PrivacyCallback(DELTA, accountant="rdp")
+    model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+    ledger = read_ledger(model.optimizer)
+    assert {entry.sampling for entry in ledger} == {"poisson_twin"}
+    assert ledger.total_steps == sampler.schedule.total_steps
+    assert all(entry.max_batch_size for entry in ledger)  # It truncates, as it registered.
+    report = callback.report()
+    assert report["data"]["poisson_guarantee"] and report["sampling"]["kinds"] == ["poisson_twin"]
+    # Its event is Poisson's, so its epsilon is that of the same steps as "poisson".
+    as_poisson = PrivacyLedger([dataclasses.replace(entry, sampling="poisson") for entry in ledger])
+    assert callback.epsilon == PrivacyAccountant(N, DELTA, accountant="rdp",
+                                                 ledger=as_poisson).epsilon()

@@ -350,6 +350,8 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         return _keras_compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     def load_own_variables(self, store):
+        # An earlier release's layout is migrated, never loaded in part.
+        store = self._migrated_store(store)
         saved = len(store.keys())
         if saved and saved != len(self.variables):
             # Keras would skip them with a warning: the ledger of the steps

@@ -259,7 +259,7 @@ def custom_loop_checks(strategy, replicas, result):
         "update": [(v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)],
         "identical_across_replicas": replicas_identical(
             strategy, list(model.trainable_variables) + list(model.optimizer.inner_optimizer.variables)),
-        "ledger": [(entry.sampling, entry.steps) for entry in tf_megadp.model_ledger(model)],
+        "ledger": [[entry.sampling, entry.steps] for entry in tf_megadp.model_ledger(model)],
     }
 
 

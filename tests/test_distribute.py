@@ -207,7 +207,7 @@ class TestCustomLoopOnReplicas:
             np.testing.assert_allclose(mine, single, rtol=1e-5, atol=1e-7)
         assert loop["identical_across_replicas"]
         # sigma = 0: every step is recorded, as a step without noise (no accounted step).
-        assert loop["ledger"] == [("noiseless", scenarios.LOGICAL_STEPS)]
+        assert loop["ledger"] == [["noiseless", scenarios.LOGICAL_STEPS]]  # Through JSON.
 
     def test_seeded_noise_on_the_same_draws_gives_fits_weights_and_epsilon(self, replicated):
         layout = replicated["accounting"][0]

@@ -25,6 +25,11 @@ Sampling kinds:
   warning, because that understates the real privacy loss (Chua et al., 2024,
   "How Private are DP-SGD Implementations?"). The honest alternative is Poisson
   sampling.
+* ``"noiseless"`` and ``"unaccounted"``: the ledger's own kinds, which record
+  a count of steps only (`LedgerEntry.steps_only`): steps applied with noise
+  multiplier 0 (epsilon is infinite) and steps whose data is unknown. The
+  accountant refuses both, each with its own message, so the ledger holds
+  every step the weights received and no epsilon leaves one out.
 
 Two accountants are registered (`register_accountant`): ``"pld"`` (privacy
 loss distributions, the default: essentially exact, 0.3-5 s per evaluation)

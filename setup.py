@@ -41,7 +41,7 @@ setup(
         "matplotlib>=3.9",
     ],
     extras_require={
-        "dev": ["pytest>=9.2,<9.3"],
+        "dev": ["pytest>=9.2,<9.3", "pytest-xdist>=3.8,<3.9"],
     },
     entry_points={"console_scripts": ["tf-megadp=tf_megadp_cli:main"]},
 )

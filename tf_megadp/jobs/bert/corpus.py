@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import collections
 import glob as glob_lib
 import hashlib
 import importlib.util
@@ -61,11 +62,30 @@ def _docstrings(path: str) -> Iterator[str]:
     except (SyntaxError, ValueError, OSError):
         # Some installed files are templates or target other Python versions.
         return
-    for node in ast.walk(tree):
+    for node in _statements_breadth_first(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             text = ast.get_docstring(node, clean=True)
             if text and len(text) >= _MIN_DOCSTRING_CHARACTERS:
                 yield text
+
+
+# Nodes that can hold statements; expressions never do (a lambda has no docstring).
+_STATEMENT_HOLDERS = (ast.mod, ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _statements_breadth_first(tree: ast.AST) -> Iterator[ast.AST]:
+    """`ast.walk`'s order, restricted to the nodes that can hold a docstring.
+
+    Skipping expressions visits about a tenth of the nodes: learning the
+    default vocabulary spent half its time walking them. The order of the
+    definitions is `ast.walk`'s, so the corpus is unchanged.
+    """
+    queue = collections.deque([tree])
+    while queue:
+        node = queue.popleft()
+        queue.extend(child for child in ast.iter_child_nodes(node)
+                     if isinstance(child, _STATEMENT_HOLDERS))
+        yield node
 
 
 def default_corpus_documents(

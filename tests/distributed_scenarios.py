@@ -7,6 +7,7 @@ first initialises, so every scenario set runs in its own interpreter:
     python tests/distributed_scenarios.py worker INDEX PORT0,PORT1 OUT.json
 
     python tests/distributed_scenarios.py job_worker INDEX PORT0,PORT1 OUT.json   (slow test)
+    python tests/distributed_scenarios.py private_resume R OUT.json               (slow test)
 
 Each writes its measurements as JSON; the assertions live in the test file.
 The data, models and single-device runs are defined here once so that the
@@ -654,51 +655,79 @@ def run_job(replicas, out_path):
     """The pico job from its command line on R replicas (R = 1: one device).
 
     sigma = 0 with the job's test-only seeds (same draws and masks for every
-    R): the trained weights, to compare across R. For R = 2 also a private
-    run (secret draws, sigma 1) interrupted after one step and resumed: its
-    ledger, data and epsilon (the resume path is the same code for every
-    R > 1, and two more job runs on four replicas cost a minute of CI).
+    R): the trained weights, to compare across R. On two replicas the run
+    is interrupted after one step and resumed, so the comparison with the
+    uninterrupted one-device run also proves the resume exact; its ledger
+    and data are returned. The same resume with secret draws and sigma 1
+    (`run_private_resume`) is a slow scenario.
     """
     import pathlib
     import tempfile
 
     import keras
 
-    from tf_megadp import cli
     from tf_megadp.jobs.bert import pretraining
     from tests.test_pretraining import write_corpus
-
-    def config(argv):
-        args = cli.build_parser().parse_args(argv)
-        return cli.run_config_from_args(args, None)
 
     result = {"replicas": replicas}
     with tempfile.TemporaryDirectory() as tmp_dir:
         folder = pathlib.Path(tmp_dir)
         corpus = write_corpus(folder)
         seeded = pretraining._TestingSeeds(sampling_seed=11, noise_seed=12, noise_multiplier=0.0)
-        report = pretraining.run_pretraining(
-            config(job_argv(folder, corpus, replicas, folder / "seeded")),
-            log=lambda *_: None, testing=seeded)
+        if replicas == 2:
+            result["resumed"] = _interrupted_and_resumed(folder, corpus, replicas,
+                                                         folder / "seeded", testing=seeded)
+            report = result["resumed"].pop("report")
+        else:
+            report = pretraining.run_pretraining(
+                _job_config(job_argv(folder, corpus, replicas, folder / "seeded")),
+                log=lambda *_: None, testing=seeded)
         model = keras.models.load_model(folder / "seeded" / "model.keras", compile=False)
         result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
         result["seeded"] = {key: report[key] for key in ("logical_steps", "schedule")}
-        if replicas == 2:
-            first = pretraining.run_pretraining(
-                config(job_argv(folder, corpus, replicas, folder / "resumed",
-                                "--stop-after-steps", "1")), log=lambda *_: None)
-            final = pretraining.run_pretraining(
-                config(job_argv(folder, corpus, replicas, folder / "resumed", "--resume")),
-                log=lambda *_: None)
-            with open(folder / "resumed" / "privacy.json", encoding="utf-8") as stream:
-                privacy = json.load(stream)
-            result["resumed"] = {
-                "first_steps": first["logical_steps"], "completed": final["completed"],
-                "resumed_from": final["resumed_from_step"],
-                **{key: final[key] for key in ("epsilon", "delta", "noise_multiplier",
-                                               "logical_steps", "schedule", "num_examples")},
-                "ledger": privacy["ledger"], "steps": privacy["steps"], "data": privacy["data"]}
     write_json_atomically(out_path, result)
+
+
+def run_private_resume(replicas, out_path):
+    """The private job (secret draws, sigma 1) on R replicas, interrupted and resumed."""
+    import pathlib
+    import tempfile
+
+    from tests.test_pretraining import write_corpus
+
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        folder = pathlib.Path(tmp_dir)
+        resumed = _interrupted_and_resumed(folder, write_corpus(folder), replicas,
+                                           folder / "resumed")
+    resumed.pop("report")
+    write_json_atomically(out_path, {"replicas": replicas, "resumed": resumed})
+
+
+def _job_config(argv):
+    from tf_megadp import cli
+
+    return cli.run_config_from_args(cli.build_parser().parse_args(argv), None)
+
+
+def _interrupted_and_resumed(folder, corpus, replicas, output, testing=None):
+    """The job stopped after its first step, then resumed: what its ledger says."""
+    from tf_megadp.jobs.bert import pretraining
+
+    first = pretraining.run_pretraining(
+        _job_config(job_argv(folder, corpus, replicas, output, "--stop-after-steps", "1")),
+        log=lambda *_: None, testing=testing)
+    final = pretraining.run_pretraining(
+        _job_config(job_argv(folder, corpus, replicas, output, "--resume")),
+        log=lambda *_: None, testing=testing)
+    with open(output / "privacy.json", encoding="utf-8") as stream:
+        privacy = json.load(stream)
+    return {
+        "first_steps": first["logical_steps"], "completed": final["completed"],
+        "resumed_from": final["resumed_from_step"],
+        **{key: final[key] for key in ("epsilon", "delta", "noise_multiplier",
+                                       "logical_steps", "schedule", "num_examples")},
+        "ledger": privacy["ledger"], "steps": privacy["steps"], "data": privacy["data"],
+        "report": final}
 
 
 if __name__ == "__main__":
@@ -706,6 +735,8 @@ if __name__ == "__main__":
         run_replicas(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "job":
         run_job(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "private_resume":
+        run_private_resume(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "worker":
         run_worker(int(sys.argv[2]), [int(p) for p in sys.argv[3].split(",")], sys.argv[4])
     elif sys.argv[1] == "job_worker":

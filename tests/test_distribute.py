@@ -71,18 +71,21 @@ def scenario_results(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four_replica_results(tmp_path_factory):
-    """The same checks and the job on 4 replicas (`pytest -m slow`: two more
-    interpreters, about 150 CPU-seconds; 2 replicas already split every step)."""
-    return _run_scenarios(tmp_path_factory.mktemp("distributed4"), {
+def slow_scenario_results(tmp_path_factory):
+    """The same checks and the job on 4 replicas, and the private job's
+    resume on 2 (`pytest -m slow`: three more interpreters, about 220
+    CPU-seconds; 2 replicas already split every step, and the sigma = 0
+    job resumes on 2 replicas in CI)."""
+    return _run_scenarios(tmp_path_factory.mktemp("distributed_slow"), {
         "replicas4": ["replicas", "4"],
         "job4": ["job", "4"],
+        "private_resume2": ["private_resume", "2"],
     })
 
 
 def _scenario(request, name):
-    """A scenario set's result; four-replica sets from their own (slow) fixture."""
-    fixture = "four_replica_results" if name.endswith("4") else "scenario_results"
+    """A scenario set's result; four-replica sets from the slow fixture."""
+    fixture = "slow_scenario_results" if name.endswith("4") else "scenario_results"
     return _result(request.getfixturevalue(fixture), name)
 
 
@@ -387,8 +390,22 @@ class TestTheJobCommandOnCpuReplicas:
         for distributed, reference in zip(job_on_replicas["weights"], single["weights"]):
             np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
 
-    def test_an_interrupted_private_run_resumes_and_accounts_every_step(self, scenario_results):
+    def test_an_interrupted_run_resumes_exactly_and_records_every_step(self, scenario_results):
+        # Its weights equal the uninterrupted one-device run's (the test above).
         run = _result(scenario_results, "job2")["resumed"]
+        assert (run["first_steps"], run["resumed_from"]) == (1, 1)
+        assert run["completed"] and run["logical_steps"] == scenarios.JOB_STEPS
+        assert run["data"]["sampling"] == "poisson" and run["data"]["num_examples_measured"]
+        # sigma = 0 (test-only seeds): every step is in the ledger, as noiseless.
+        assert sum(entry["steps"] for entry in run["ledger"]) == scenarios.JOB_STEPS
+        assert {entry["sampling"] for entry in run["ledger"]} == {"noiseless"}
+        assert run["epsilon"] == float("inf")
+
+    @pytest.mark.slow
+    def test_an_interrupted_private_run_resumes_and_accounts_every_step(
+            self, slow_scenario_results):
+        """Slow: the private job's pair of runs on 2 replicas, about 70 CPU-seconds."""
+        run = _result(slow_scenario_results, "private_resume2")["resumed"]
         assert (run["first_steps"], run["resumed_from"]) == (1, 1)
         assert run["completed"] and run["logical_steps"] == scenarios.JOB_STEPS
         schedule = tf_megadp.BatchSizeSchedule.from_dict(run["schedule"])

@@ -400,6 +400,10 @@ class _StepOutcome(NamedTuple):
     applied: tf.Tensor
 
 
+# Not converted by autograph: the step's control flow is written with tf.cond
+# (as every backend-neutral Keras layer's is), and converting the hundreds of
+# functions it reaches cost seconds of CPU on every trace.
+@tf.autograph.experimental.do_not_convert
 def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False) -> _StepOutcome:
     """One micro-batch of the DP step: the one implementation `fit` and `PrivateStep` run.
 

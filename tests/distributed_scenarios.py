@@ -7,6 +7,8 @@ first initialises, so every scenario set runs in its own interpreter:
     python tests/distributed_scenarios.py worker INDEX PORT0,PORT1 OUT.json
 
     python tests/distributed_scenarios.py job_worker INDEX PORT0,PORT1 OUT.json   (slow test)
+    python tests/distributed_scenarios.py job R OUT.json
+    python tests/distributed_scenarios.py job_resumed R OUT.json                  (slow test)
     python tests/distributed_scenarios.py private_resume R OUT.json               (slow test)
 
 Each writes its measurements as JSON; the assertions live in the test file.
@@ -651,15 +653,16 @@ def job_on_worker(index, shared, strategy):
     return result
 
 
-def run_job(replicas, out_path):
-    """The pico job from its command line on R replicas (R = 1: one device).
+def run_job(replicas, out_path, resumed=False):
+    """The pico job from its command line on R replicas, then on one device.
 
     sigma = 0 with the job's test-only seeds (same draws and masks for every
-    R): the trained weights, to compare across R. On two replicas the run
-    is interrupted after one step and resumed, so the comparison with the
-    uninterrupted one-device run also proves the resume exact; its ledger
-    and data are returned. The same resume with secret draws and sigma 1
-    (`run_private_resume`) is a slow scenario.
+    R): the trained weights of both, to compare. Both runs share one
+    process and one corpus cache (the vocabulary is learned once); R
+    replicas first, since TensorFlow splits the CPU before its first op.
+    With `resumed` the R-replica run is interrupted after one step and
+    resumed (a slow scenario), so the comparison also proves the resume
+    exact; its ledger and data are returned.
     """
     import pathlib
     import tempfile
@@ -669,23 +672,26 @@ def run_job(replicas, out_path):
     from tf_megadp.jobs.bert import pretraining
     from tests.test_pretraining import write_corpus
 
-    result = {"replicas": replicas}
+    seeded = pretraining._TestingSeeds(sampling_seed=11, noise_seed=12, noise_multiplier=0.0)
+    results = {}
     with tempfile.TemporaryDirectory() as tmp_dir:
         folder = pathlib.Path(tmp_dir)
         corpus = write_corpus(folder)
-        seeded = pretraining._TestingSeeds(sampling_seed=11, noise_seed=12, noise_multiplier=0.0)
-        if replicas == 2:
-            result["resumed"] = _interrupted_and_resumed(folder, corpus, replicas,
-                                                         folder / "seeded", testing=seeded)
-            report = result["resumed"].pop("report")
-        else:
-            report = pretraining.run_pretraining(
-                _job_config(job_argv(folder, corpus, replicas, folder / "seeded")),
-                log=lambda *_: None, testing=seeded)
-        model = keras.models.load_model(folder / "seeded" / "model.keras", compile=False)
-        result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
-        result["seeded"] = {key: report[key] for key in ("logical_steps", "schedule")}
-    write_json_atomically(out_path, result)
+        for count in (replicas, 1):
+            output = folder / f"seeded{count}"
+            result = results[str(count)] = {"replicas": count}
+            if resumed and count == replicas:
+                result["resumed"] = _interrupted_and_resumed(folder, corpus, count, output,
+                                                             testing=seeded)
+                report = result["resumed"].pop("report")
+            else:
+                report = pretraining.run_pretraining(
+                    _job_config(job_argv(folder, corpus, count, output)),
+                    log=lambda *_: None, testing=seeded)
+            model = keras.models.load_model(output / "model.keras", compile=False)
+            result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
+            result["seeded"] = {key: report[key] for key in ("logical_steps", "schedule")}
+    write_json_atomically(out_path, results)
 
 
 def run_private_resume(replicas, out_path):
@@ -735,6 +741,8 @@ if __name__ == "__main__":
         run_replicas(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "job":
         run_job(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "job_resumed":
+        run_job(int(sys.argv[2]), sys.argv[3], resumed=True)
     elif sys.argv[1] == "private_resume":
         run_private_resume(int(sys.argv[2]), sys.argv[3])
     elif sys.argv[1] == "worker":

@@ -197,8 +197,10 @@ def bert():
     return model, (x, y, w), clip, naive_unit_clipping(model, x, y, w, BERT_K, clip)
 
 
-@pytest.mark.parametrize("strategy", [VectorizedClipping, GhostClipping],
-                         ids=["vectorized", "ghost"])
+# The vectorized BERT case is slow (CI time, issue 26): the small models of
+# this file run unit clipping under both strategies.
+@pytest.mark.parametrize("strategy", [pytest.param(VectorizedClipping, marks=pytest.mark.slow),
+                                      GhostClipping], ids=["vectorized", "ghost"])
 def test_bert_clipped_sum_equals_the_naive_per_unit_reference(bert, strategy):
     model, (x, y, w), clip, (norms, want) = bert
     batch = strategy().clip_and_sum(model, x, y, w, clip, examples_per_unit=BERT_K)

@@ -55,7 +55,7 @@ def _free_ports(count):
 
 @pytest.fixture(scope="module")
 def scenario_results(tmp_path_factory):
-    """Runs the default scenario sets at once: 2 replicas, two workers, the job on 1 and 2.
+    """Runs the default scenario sets at once: 2 replicas, two workers, the job on 2 and 1.
 
     The interpreters spend most of their time tracing Python, one core each,
     so running them side by side roughly halves the wall time on two cores.
@@ -65,20 +65,20 @@ def scenario_results(tmp_path_factory):
         "replicas2": ["replicas", "2"],
         "worker0": ["worker", "0", ports],
         "worker1": ["worker", "1", ports],
-        "job1": ["job", "1"],
         "job2": ["job", "2"],
     })
 
 
 @pytest.fixture(scope="module")
 def slow_scenario_results(tmp_path_factory):
-    """The same checks and the job on 4 replicas, and the private job's
-    resume on 2 (`pytest -m slow`: three more interpreters, about 220
-    CPU-seconds; 2 replicas already split every step, and the sigma = 0
-    job resumes on 2 replicas in CI)."""
+    """The same checks and the job on 4 replicas, and the job's resumes on
+    2 (`pytest -m slow`: four more interpreters, about 300 CPU-seconds;
+    2 replicas already split every step, and CI resumes the job on one
+    device in tests/test_pretraining.py)."""
     return _run_scenarios(tmp_path_factory.mktemp("distributed_slow"), {
         "replicas4": ["replicas", "4"],
         "job4": ["job", "4"],
+        "job_resumed2": ["job_resumed", "2"],
         "private_resume2": ["private_resume", "2"],
     })
 
@@ -360,14 +360,16 @@ class TestMultiWorker:
         # Written once, by the chief, into the folder both workers were given.
         for name in ("model.keras", "privacy.json", "report.json", "history.csv", "checkpoint"):
             assert name in chief["files"]
-        single = _result(scenario_results, "job1")
+        single = _result(scenario_results, "job2")["1"]
         for distributed, reference in zip(chief["weights"], single["weights"]):
             np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module", params=_FOUR_IS_SLOW, ids=lambda r: f"job_on_{r}_replicas")
 def job_on_replicas(request):
-    return _scenario(request, f"job{request.param}")
+    """(the job on R replicas, the same job on one device), from one process."""
+    results = _scenario(request, f"job{request.param}")
+    return results[str(request.param)], results["1"]
 
 
 class TestTheJobCommandOnCpuReplicas:
@@ -379,9 +381,8 @@ class TestTheJobCommandOnCpuReplicas:
     # iterations of one stateful random op, so the seeded masks followed
     # thread timing. The masking is now stateless, keyed by (seed,
     # micro-batch index); tests/test_pretraining.py pins that property.
-    def test_sigma_zero_weights_equal_the_single_device_run(self, job_on_replicas,
-                                                             scenario_results):
-        single = _result(scenario_results, "job1")
+    def test_sigma_zero_weights_equal_the_single_device_run(self, job_on_replicas):
+        job_on_replicas, single = job_on_replicas
         assert job_on_replicas["seeded"]["logical_steps"] == scenarios.JOB_STEPS
         schedule = tf_megadp.BatchSizeSchedule.from_dict(job_on_replicas["seeded"]["schedule"])
         assert schedule.num_replicas == job_on_replicas["replicas"]
@@ -390,9 +391,16 @@ class TestTheJobCommandOnCpuReplicas:
         for distributed, reference in zip(job_on_replicas["weights"], single["weights"]):
             np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
 
-    def test_an_interrupted_run_resumes_exactly_and_records_every_step(self, scenario_results):
-        # Its weights equal the uninterrupted one-device run's (the test above).
-        run = _result(scenario_results, "job2")["resumed"]
+    @pytest.mark.slow
+    def test_an_interrupted_run_resumes_exactly_and_records_every_step(
+            self, slow_scenario_results):
+        """Slow (two job runs on 2 replicas and one on one device, about 110
+        CPU-seconds); CI resumes the job on one device (tests/test_pretraining.py)."""
+        results = _result(slow_scenario_results, "job_resumed2")
+        run, single = results["2"]["resumed"], results["1"]
+        # The resumed run's weights equal the uninterrupted one-device run's.
+        for distributed, reference in zip(results["2"]["weights"], single["weights"]):
+            np.testing.assert_allclose(distributed, reference, rtol=1e-5, atol=1e-6)
         assert (run["first_steps"], run["resumed_from"]) == (1, 1)
         assert run["completed"] and run["logical_steps"] == scenarios.JOB_STEPS
         assert run["data"]["sampling"] == "poisson" and run["data"]["num_examples_measured"]

@@ -360,14 +360,18 @@ def verdict(case, strategy):
     return EXACT
 
 
-# The recurrent and keras-hub transformer rows cost 10-16 CPU-seconds each,
-# and four rows repeat a rule family that a cheaper row checks in CI (Conv3D:
+# The recurrent and keras-hub transformer rows cost 10-16 CPU-seconds each;
+# eight rows repeat what a cheaper row checks in CI: a rule family (Conv3D:
 # Conv1D and Conv2D; GroupQueryAttention: MultiHeadAttention; Group and RMS
-# normalization: LayerNormalization): `pytest -m slow` (CI time, issue 26).
-# Their verdicts stay in EXPECTED and in the docs table.
+# normalization: LayerNormalization; TimeDistributed(Dense): Dense) or a
+# layer without weights beside Dense layers (UnitNormalization, Rescaling,
+# RotaryEmbedding):
+# `pytest -m slow` (CI time, issue 26). Their verdicts stay in EXPECTED and
+# in the docs table.
 _SLOW_ROWS = {"SimpleRNN", "GRU", "LSTM", "Bidirectional(LSTM)", "keras_hub TransformerEncoder",
               "keras_hub TransformerDecoder", "Conv3D", "GroupQueryAttention",
-              "GroupNormalization", "RMSNormalization"}
+              "GroupNormalization", "RMSNormalization", "UnitNormalization",
+              "TimeDistributed(Dense)", "Rescaling (preprocessing)", "keras_hub RotaryEmbedding"}
 
 
 @pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")

@@ -127,7 +127,9 @@ def _kill_loop(mode, folder, kills, rng):
 def test_runs_killed_at_random_points_end_as_if_never_interrupted(tmp_path, uninterrupted):
     # Both loops run at once, one child each: the CI machine has two cores.
     outcome, threads = {}, []
-    for mode, kills, seed in (("poisson", 3, 0), ("arrays", 1, 1)):
+    # Two kills of the Poisson run: a resume that itself resumes (CI time,
+    # issue 26; the job's three-kill test is `slow`, tests/test_pretraining.py).
+    for mode, kills, seed in (("poisson", 2, 0), ("arrays", 1, 1)):
         folder = tmp_path / mode
         folder.mkdir()
         threads.append(threading.Thread(target=_run_with_kills,

@@ -124,12 +124,15 @@ def _kill_loop(mode, folder, kills, rng):
         return json.loads((folder / "result.json").read_text()), killed
 
 
+POISSON_KILLS = 2
+
+
 def test_runs_killed_at_random_points_end_as_if_never_interrupted(tmp_path, uninterrupted):
     # Both loops run at once, one child each: the CI machine has two cores.
     outcome, threads = {}, []
     # Two kills of the Poisson run: a resume that itself resumes (CI time,
     # issue 26; the job's three-kill test is `slow`, tests/test_pretraining.py).
-    for mode, kills, seed in (("poisson", 2, 0), ("arrays", 1, 1)):
+    for mode, kills, seed in (("poisson", POISSON_KILLS, 0), ("arrays", 1, 1)):
         folder = tmp_path / mode
         folder.mkdir()
         threads.append(threading.Thread(target=_run_with_kills,
@@ -143,7 +146,7 @@ def test_runs_killed_at_random_points_end_as_if_never_interrupted(tmp_path, unin
             raise result
 
     poisson, poisson_kills = outcome["poisson"]
-    assert len(poisson_kills) == 3
+    assert len(poisson_kills) == POISSON_KILLS
     assert poisson["steps"] == 8
     assert_honest(poisson)
     assert_same_weights(poisson, uninterrupted["poisson"])

@@ -268,10 +268,3 @@ def test_private_keras_and_tensorflow_api_is_used_in_one_file_only():
              if module != "tf_megadp._keras_compat" and (uses := _private_api_uses(path))}
     assert found == {}
     assert _private_api_uses(os.path.join(PACKAGE, "_keras_compat.py"))  # the check can fail
-
-
-def test_no_module_is_over_600_lines():
-    # Small modules, one concept each: the BERT job's count too.
-    long = {module: lines for module, path in _modules()
-            if (lines := len(open(path, encoding="utf-8").read().splitlines())) > 600}
-    assert long == {}

@@ -4,10 +4,13 @@ Nothing here uses tf_megadp: each example runs its own forward pass under its
 own GradientTape, exactly as the DP-SGD definition reads.
 """
 
+import math
+
 import keras
 import numpy as np
 import tensorflow as tf
 import keras_hub
+from scipy import stats
 
 
 def example(structure, i):
@@ -83,3 +86,54 @@ def bert_batch(n, vocabulary_size=50, sequence_length=8, masks=3, seed=0):
     w = (rng.random((n, masks)) < 0.8).astype("float32")
     w[:, 0] = 1.0
     return x, y, w
+
+
+def assert_std_is(values, expected_std, alpha=1e-6):
+    """Two-sided chi-square test of a zero-mean normal sample's variance."""
+    statistic = np.sum((values / expected_std) ** 2)
+    p_low = stats.chi2.cdf(statistic, df=values.size)
+    assert alpha / 2 < p_low < 1 - alpha / 2, (
+        f"sample std {values.std():.6g} vs expected {expected_std:.6g} "
+        f"(chi-square cdf {p_low:.3g}, n={values.size})"
+    )
+
+
+# -- Replayed steps (issue 37) --------------------------------------------------
+#
+# A step run twice from the same restored weights, on examples whose loss is
+# zero (every clipped gradient exactly zero), moves the weights of an
+# SGD(learning_rate=1) model by -noise / B each time: the difference of the two
+# updates is the difference of the two noises, nothing else.
+
+ROLLBACK_INPUTS = 64  # A Dense(64) on 64 inputs: 4,160 noisy coordinates.
+
+
+def rollback_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((ROLLBACK_INPUTS,)),
+                             keras.layers.Dense(ROLLBACK_INPUTS)])
+
+
+def zero_loss(y_true, y_pred):
+    """A loss of zero whatever the prediction: every clipped gradient is zero."""
+    return keras.ops.sum(y_pred * 0.0, axis=-1)
+
+
+def rollback_examples(n):
+    """n distinct examples (identical rows would be one example)."""
+    x = np.arange(n * ROLLBACK_INPUTS, dtype="float32").reshape(n, ROLLBACK_INPUTS) / n
+    return x, np.zeros((n, ROLLBACK_INPUTS), "float32")
+
+
+def flat(arrays):
+    return np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays])
+
+
+def assert_replayed_noise_is_fresh(first, second, noise_std):
+    """The two runs of one step differ by two independent noises: std sqrt(2) sigma C / B.
+
+    On code that replays the noise they are bit-identical (difference 0).
+    """
+    difference = flat(second) - flat(first)
+    assert np.any(difference != 0), "the replayed step drew exactly the noise of its first run"
+    assert_std_is(difference, math.sqrt(2) * noise_std)

@@ -20,6 +20,7 @@ import tensorflow as tf
 from dp_accounting import rdp
 
 import tf_megadp
+from tests import reference
 from tf_megadp import PrivacyConfigurationError, PrivacyReport, PrivateStep
 
 N = 48
@@ -329,6 +330,49 @@ def test_a_checkpoint_restored_under_a_running_step_needs_begin_again(data, tmp_
     steps = sampler.schedule.total_steps
     epsilon = PrivacyReport(step, DELTA, accountant="rdp").epsilon
     assert poisson_epsilon(steps) <= epsilon <= poisson_epsilon(steps, delta=DELTA / 2)
+
+
+def test_a_step_replayed_from_a_restored_checkpoint_draws_new_noise(tmp_path):
+    """Issue 37: restore step.checkpoint() to step 1, begin a new sampler there, train step 2.
+
+    Before, the replayed step drew its first run's noise bit for bit (the key
+    outlived the restore), so the difference of the two releases was the
+    noise-free difference of their sums. Every gradient is zero here, so the
+    two updates differ by their noise alone.
+    """
+    x, y = reference.rollback_examples(16)
+    clip, sigma = 0.5, 2.0
+
+    def sampler(start_step):
+        return tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=4, epochs=1, micro_batch_size=4, start_step=start_step)
+
+    first_sampler = sampler(0)
+    phase = first_sampler.schedule.phases[0]
+    step = PrivateStep(reference.rollback_model(), tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=clip, noise_multiplier=sigma,
+        schedule=first_sampler.schedule), loss=reference.zero_loss)
+    train = tf.function(step.run)
+
+    def one_logical_step(batches):
+        for _ in range(phase.accumulation_steps):
+            train(next(batches))
+
+    step.begin(first_sampler)
+    checkpoint = step.checkpoint()
+    batches = iter(first_sampler.as_dataset())
+    one_logical_step(batches)
+    path = checkpoint.write(str(tmp_path / "step1"))
+    one_logical_step(batches)
+    step.record()
+    first = weights(step.model)
+    checkpoint.read(path)
+    replay = sampler(1)
+    step.begin(replay)
+    one_logical_step(iter(replay.as_dataset()))
+    assert step.logical_step == 2
+    divisor = phase.batch_size
+    reference.assert_replayed_noise_is_fresh(first, weights(step.model), sigma * clip / divisor)
 
 
 def test_the_custom_loop_example_trains_resumes_and_reports(capsys, tmp_path):

@@ -6,11 +6,11 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from scipy import stats
 
 import tf_megadp
 from tf_megadp import BatchSizeSchedule, Phase, PrivacyConfigurationError
 from tests import reference
+from tests.reference import assert_std_is
 
 CLIP, SIGMA, DIVISOR = 0.5, 2.0, 10.0
 
@@ -54,16 +54,6 @@ def noise_update(*, seed, accumulation_steps=1, micro_batch=2, dtype="float32"):
     accumulator_dtypes = {v.dtype for v in optimizer._in_memory.accumulators}
     assert accumulator_dtypes == {"float64" if dtype == "float64" else "float32"}
     return np.concatenate([(a - b).ravel() for a, b in zip(reference.weights(model), before)])
-
-
-def assert_std_is(values, expected_std, alpha=1e-6):
-    """Two-sided chi-square test of a zero-mean normal sample's variance."""
-    statistic = np.sum((values / expected_std) ** 2)
-    p_low = stats.chi2.cdf(statistic, df=values.size)
-    assert alpha / 2 < p_low < 1 - alpha / 2, (
-        f"sample std {values.std():.6g} vs expected {expected_std:.6g} "
-        f"(chi-square cdf {p_low:.3g}, n={values.size})"
-    )
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +199,69 @@ def _private_dense(seed=3):
     return model
 
 
+class TestReplayedSteps:
+    """Issue 37: a step run again after `load_weights` in the same process draws fresh noise.
+
+    The noise of a step was drawn from (key, step) and the key outlives a
+    restore, so the step after the loaded file drew its first run's noise
+    again, bit for bit: two releases whose difference is the difference of
+    their noise-free sums. Now every noise and every dropout mask of the
+    replayed step is new; a run that is not rolled back draws as before.
+    """
+
+    def _private(self, noise_multiplier=SIGMA, model=None):
+        model = reference.rollback_model() if model is None else model
+        optimizer = tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=noise_multiplier,
+            normalize_by=DIVISOR)
+        tf_megadp.make_private(model)
+        model.compile(optimizer=optimizer, loss=reference.zero_loss)
+        return model
+
+    @staticmethod
+    def _step_twice_from_a_file(model, x, y, path):
+        """Trains a step, saves, trains one more, loads the file, trains it again."""
+        model.fit(x, y, batch_size=len(x), verbose=0)
+        model.save_weights(path)
+        model.fit(x, y, batch_size=len(x), verbose=0)
+        first = reference.weights(model)
+        model.load_weights(path)
+        model.fit(x, y, batch_size=len(x), verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 2
+        return first, reference.weights(model)
+
+    def test_a_step_after_load_weights_draws_new_noise(self, tmp_path):
+        x, y = reference.rollback_examples(2)
+        first, second = self._step_twice_from_a_file(
+            self._private(), x, y, str(tmp_path / "step1.weights.h5"))
+        reference.assert_replayed_noise_is_fresh(first, second, SIGMA * CLIP / DIVISOR)
+
+    @pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
+    def test_a_step_after_its_variables_are_assigned_back_draws_new_dropout_masks(self):
+        # Keras files and checkpoints do not hold a SeedGenerator's state, but
+        # an in-memory rollback that assigns back every variable of the model
+        # and its optimizer does. Without noise, the updates differ only
+        # where the masks differ.
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16),
+                                  keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+        tf_megadp.make_private(model)
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=100.0, noise_multiplier=0.0,
+            normalize_by=DIVISOR, clipping="vectorized"), loss="mse")
+        x, y = _twelve_examples()
+        model.fit(x, y + 1.0, batch_size=len(x), verbose=0)
+        variables = model.variables + model.optimizer.variables
+        snapshot = [v.numpy() for v in variables]
+        model.fit(x, y + 1.0, batch_size=len(x), verbose=0)
+        first = reference.weights(model)
+        for variable, value in zip(variables, snapshot):
+            variable.assign(value)
+        model.fit(x, y + 1.0, batch_size=len(x), verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 2
+        assert not np.allclose(reference.flat(first), reference.flat(reference.weights(model)))
+
+
 class TestPersistence:
     def test_a_mid_step_save_resumes_at_the_step_boundary(self, tmp_path):
         rng = np.random.default_rng(0)
@@ -331,13 +384,15 @@ def _recovered_sum(update, key, divisor):
     """The attack: regenerate step 0's noise from `key` and remove it from the update.
 
     The update of SGD(learning_rate=1) is -(clipped sum + sigma C z) / B, and
-    the DP step draws z from the key folded with the step (0), the replica
-    (0) and the variable's index.
+    the DP step draws z from the key folded with the step (0), the draw
+    generation (0: the step is not a replay), the replica (0) and the
+    variable's index.
     """
     import tensorflow as tf
 
-    step = replica = tf.constant(0, tf.int64)
+    step = generation = replica = tf.constant(0, tf.int64)
     folded = tf.random.experimental.stateless_fold_in(tf.constant(key, tf.int64), step)
+    folded = tf.random.experimental.stateless_fold_in(folded, generation)
     folded = tf.random.experimental.stateless_fold_in(folded, replica)
     recovered = []
     for index, delta in enumerate(update):

@@ -30,7 +30,7 @@ import pytest
 from dp_accounting import rdp
 
 import tf_megadp
-from tests import preempted_run
+from tests import preempted_run, reference
 from tf_megadp import PrivacyConfigurationError
 
 REPOSITORY = pathlib.Path(__file__).resolve().parent.parent
@@ -205,3 +205,41 @@ def _poisson_dense(sampler):
     model.compile(optimizer=tf_megadp.DPOptimizer(
         keras.optimizers.SGD(0.1), 1.0, 1.0, schedule=sampler.schedule, seed=1), loss="mse")
     return model
+
+
+def test_a_step_trained_again_after_an_in_process_crash_draws_new_noise(tmp_path):
+    """Issue 37: fit with BackupAndRestore raises after step 2 and is called again.
+
+    The backup is of step 1 (the end of epoch 0), so the second fit trains
+    step 2 again from the same weights. Before, it drew its first run's
+    noise bit for bit (the key outlived the restore). Every gradient is zero
+    here, so the two updates differ by their noise alone.
+    """
+    clip, sigma = 0.5, 2.0
+    x, y = reference.rollback_examples(2)
+    model = tf_megadp.make_private(reference.rollback_model())
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=clip, noise_multiplier=sigma,
+        normalize_by=len(x)), loss=reference.zero_loss)
+    seen = {}
+
+    class CrashAtStep2(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 2:
+                seen.setdefault("first", reference.weights(self.model))
+                raise preempted_run.Crash("preempted inside epoch 1, after logical step 2")
+
+    class Step2(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 2:
+                seen["second"] = reference.weights(self.model)
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(preempted_run.Crash):
+        model.fit(x, y, batch_size=len(x), epochs=2, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(backup, save_freq="epoch"), CrashAtStep2()])
+    model.fit(x, y, batch_size=len(x), epochs=2, verbose=0, callbacks=[
+        keras.callbacks.BackupAndRestore(backup, save_freq="epoch"), Step2()])
+    assert int(model.optimizer.iterations.numpy()) == 2
+    reference.assert_replayed_noise_is_fresh(seen["first"], seen["second"],
+                                             sigma * clip / len(x))

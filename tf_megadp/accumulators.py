@@ -5,6 +5,19 @@ SUM); the noisy update reads their sum once per logical step, adds Gaussian
 noise from the secret key and hands it to the inner optimizer. The noise key
 and the accumulators live in `_InMemoryState`, which neither Keras saving
 nor `tf.train.Checkpoint` can see.
+
+The noise of logical step t is drawn from (key, t, generation, replica,
+variable). The generation is a draw counter that also lives only in memory
+and only grows: a logical step that starts at or below the last step whose
+noise this optimizer drew (a rollback in the same process: a restored
+`tf.train.Checkpoint`, `load_weights`, a `BackupAndRestore` resume) opens a
+new generation. Within a generation noisy steps strictly increase, so no
+(t, generation) pair, and no noise sample, is drawn twice in a process,
+whatever is restored; an uninterrupted run stays in generation 0, so a
+seeded run resumed in a new process draws the same noise as one never
+interrupted. The private step folds the same generation into the keys of
+the model's in-step randomness (dropout), which the restored seed-generator
+states would otherwise replay.
 """
 
 from __future__ import annotations
@@ -49,6 +62,10 @@ class _InMemoryState:
         return "<DPOptimizer in-memory state: noise key and accumulators, not shown>"
 
     noise_key: Any = None
+    # The draw generation and the last logical step whose noise it drew (-1:
+    # none yet). Never saved, never restored: a rollback cannot lower them.
+    draw_generation: Any = None
+    last_drawn_step: Any = None
     accumulators: list = dataclasses.field(default_factory=list)
     micro_steps: Any = None
     step_rows: Any = None
@@ -79,6 +96,9 @@ class Accumulators:
         state.noise_key = self._in_memory_variable(
             "noise_key", (2,), "int64", initializer=keras.initializers.Constant(key)
         )
+        state.draw_generation = self._in_memory_variable("draw_generation", (), "int64")
+        state.last_drawn_step = self._in_memory_variable(
+            "last_drawn_step", (), "int64", initializer=keras.initializers.Constant(-1))
         self._in_memory = state
 
     @property
@@ -149,8 +169,34 @@ class Accumulators:
         state.step_rows.assign(0)
         return discarded
 
-    def _step_key(self, step):
-        """The secret noise key of logical step `step` on this replica.
+    def draw_generation(self, starts_step):
+        """The draw generation of the current logical step; opens a new one on a replay.
+
+        Called by the private step before a micro-batch's forward pass
+        (`starts_step`: whether it is the first of its logical step) and by
+        the noisy update (`starts_step` True). A step at or below the last
+        one whose noise was drawn is a replay of the steps after a restored
+        state: the generation grows, so that neither its noise nor its
+        in-step randomness repeats a draw. Every replica sees the same
+        steps, so all open the same generation.
+
+        Args:
+            starts_step: bool scalar tensor (or Python bool).
+
+        Returns:
+            The generation, an int64 scalar tensor.
+        """
+        state = self._in_memory
+        step = tf.cast(self.iterations, tf.int64)
+        replay = tf.logical_and(tf.convert_to_tensor(starts_step, tf.bool),
+                                step <= state.last_drawn_step.value)
+        state.last_drawn_step.assign(
+            tf.where(replay, tf.constant(-1, tf.int64), state.last_drawn_step.value))
+        state.draw_generation.assign_add(tf.cast(replay, tf.int64))
+        return tf.convert_to_tensor(state.draw_generation.value)
+
+    def _step_key(self, step, generation):
+        """The secret noise key of logical step `step` in draw `generation` on this replica.
 
         Each noise of the step folds in its own stream: 0..n-1 for the n
         accumulators, n for adaptive clipping's count.
@@ -158,9 +204,11 @@ class Accumulators:
         replica_context = tf.distribute.get_replica_context()
         replica_id = 0 if replica_context is None else replica_context.replica_id_in_sync_group
         key = tf.random.experimental.stateless_fold_in(self._in_memory.noise_key.value, step)
+        key = tf.random.experimental.stateless_fold_in(key, generation)
         return tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
 
-    def _noisy_update(self, trainable_variables, connected, step, divisor, noise_multiplier):
+    def _noisy_update(self, trainable_variables, connected, step, generation, divisor,
+                      noise_multiplier):
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         # Each replica adds independent noise of variance sigma^2 C^2 / R, so the
         # all-reduced SUM carries exactly N(0, sigma^2 C^2) per coordinate.
@@ -169,7 +217,7 @@ class Accumulators:
             clip_norm = tf.cast(clip_norm, noise_multiplier.dtype)
         stddev = noise_multiplier * clip_norm / math.sqrt(replicas)
         state = self._in_memory
-        key = self._step_key(step)
+        key = self._step_key(step, generation)
         gradients, variables = [], []
         for index, (accumulator, variable, is_connected) in enumerate(
             zip(state.accumulators, trainable_variables, connected)
@@ -189,3 +237,4 @@ class Accumulators:
         for accumulator in state.accumulators:
             accumulator.assign(tf.zeros_like(accumulator.value))
         state.micro_steps.assign(0)
+        state.last_drawn_step.assign(step)

@@ -513,13 +513,17 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             if self.adaptive_clipping is not None:
                 noise_multiplier, count_multiplier, count_stddev = adaptive.step_noise_multipliers(
                     self.adaptive_clipping, noise_multiplier, divisor)
+            # A state restored inside the step (without its micro-step counter)
+            # is caught here: the noise never repeats a drawn step's.
+            generation = self.draw_generation(True)
             # Every noise of the step (gradient and count) uses this step's C.
-            self._noisy_update(trainable_variables, connected, step, divisor, noise_multiplier)
+            self._noisy_update(trainable_variables, connected, step, generation, divisor,
+                               noise_multiplier)
             if self.adaptive_clipping is not None:
                 adaptive.release_count_and_update(
                     self.adaptive_clipping, self.clip_norm, state.centred_count.value,
                     count_stddev, divisor, tf.random.experimental.stateless_fold_in(
-                        self._step_key(step), len(state.accumulators)),
+                        self._step_key(step, generation), len(state.accumulators)),
                     tf.distribute.get_strategy().num_replicas_in_sync)
                 state.centred_count.assign(0.0)
             self._record_applied_step(noise_multiplier, accumulation_steps, divisor,

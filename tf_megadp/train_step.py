@@ -423,7 +423,13 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     if not model.trainable_weights:
         raise ValueError("The model has no trainable weights to train privately.")
     # Traced once per compiled step: a seeded (test) optimizer seeds dropout too.
-    base.set_randomness_seed(model, optimizer.seed)
+    base.set_randomness_seed(model, optimizer.seed, owner=optimizer)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
+    # Before the forward pass: a logical step replayed after a rollback draws
+    # its dropout masks (and later its noise) in a new generation.
+    base.set_draw_generation(
+        model, optimizer.draw_generation(tf.equal(optimizer.micro_steps.value, 0)))
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     micro_batch_size = tf.nest.flatten(x)[0].shape[0]
     if micro_batch_size is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import secrets
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import keras
@@ -30,6 +31,7 @@ __all__ = [
     "override_call",
     "per_example_loss",
     "secret_seed_draws",
+    "set_draw_generation",
     "set_randomness_seed",
 ]
 
@@ -215,13 +217,16 @@ def per_example_loss(model: keras.Model, x_i, y_i, y_pred_i, w_i) -> tf.Tensor:
 # draw's seed is instead a keyed function of the generator's state, with a
 # key held in memory only: the states stay public counters, the draws are
 # secret and i.i.d. across rows, and the coupling that gives each example
-# its own draw bounds the sensitivity by C.
+# its own draw bounds the sensitivity by C. A rollback in the same process
+# restores the generator states, so the draw generation of the optimizer
+# (which only grows, in memory) is folded in as well: a replayed step draws
+# new masks (issue 37).
 
 
 class _RandomnessKey:
     """The in-memory key of a model's in-step randomness (never a trackable, never saved)."""
 
-    __slots__ = ("variable", "seeded")
+    __slots__ = ("variable", "seeded", "generation", "owner")
 
     def __repr__(self) -> str:
         return "<in-step randomness key: not shown>"
@@ -240,27 +245,44 @@ def _randomness_key(model) -> _RandomnessKey:
             holder.variable = _keras_compat.plain_resource_variable(
                 [secrets.randbits(63), secrets.randbits(63)], dtype=tf.int64,
                 trainable=False, name="in_step_randomness_key")
+            holder.generation = _keras_compat.plain_resource_variable(
+                tf.constant(0, tf.int64), trainable=False, name="in_step_draw_generation")
         holder.seeded = False
+        holder.owner = None
         object.__setattr__(model, "_tf_megadp_randomness_key", holder)
     return holder
 
 
-def set_randomness_seed(model, seed: int | None) -> None:
+def set_randomness_seed(model, seed: int | None, owner: Any = None) -> None:
     """Keys the model's in-step randomness by `seed` (tests only), or by OS entropy.
 
-    The private step calls it with the `DPOptimizer`'s `seed`: a seeded run
-    (marked "seeded noise: not for release") is reproducible, dropout
-    included; an unseeded one draws a fresh key from OS entropy whenever
-    the previous key came from a seed.
+    The private step calls it with the `DPOptimizer`'s `seed` and the
+    optimizer itself (`owner`): a seeded run (marked "seeded noise: not for
+    release") is reproducible, dropout included; an unseeded one draws a
+    fresh key from OS entropy whenever the previous key came from a seed or
+    served another optimizer, whose draw generations (see
+    `set_draw_generation`) are not this one's.
     """
     holder = _randomness_key(model)
     with tf.init_scope():
         if seed is not None:
             holder.variable.assign(tf.constant([seed, 0x5EED], tf.int64))
-        elif holder.seeded:
+        elif holder.seeded or (holder.owner is not None and holder.owner() is not owner):
             holder.variable.assign(tf.constant([secrets.randbits(63), secrets.randbits(63)],
                                                tf.int64))
     holder.seeded = seed is not None
+    holder.owner = None if owner is None else weakref.ref(owner)
+
+
+def set_draw_generation(model, generation) -> None:
+    """Folds the optimizer's draw `generation` (a tensor) into the model's in-step draws.
+
+    The private step calls it before each micro-batch's forward pass: a
+    logical step replayed after a rollback (its seed-generator states
+    restored with the weights) is in a new generation, so it draws new
+    masks instead of the ones of its first run.
+    """
+    _randomness_key(model).generation.assign(tf.cast(generation, tf.int64))
 
 
 def _seed_generators(model) -> list:
@@ -282,22 +304,23 @@ def secret_seed_draws(model):
     layer's `SeedGenerator` (integer seeds, `tf.random` stateful ops) is
     not covered.
     """
-    key = _randomness_key(model).variable
+    holder = _randomness_key(model)
     with contextlib.ExitStack() as stack:
         for generator in _seed_generators(model):
-            stack.enter_context(_keyed_next(generator, key))
+            stack.enter_context(_keyed_next(generator, holder.variable, holder.generation))
         yield
 
 
 @contextlib.contextmanager
-def _keyed_next(generator, key):
+def _keyed_next(generator, key, generation):
     previous = generator.__dict__.get("next", _MISSING)
     original = generator.next
 
     def keyed(ordered=True):
         state = original(ordered)
         folded = tf.random.experimental.stateless_fold_in(
-            tf.convert_to_tensor(key), tf.cast(state[0], tf.int64))
+            tf.convert_to_tensor(key), tf.convert_to_tensor(generation))
+        folded = tf.random.experimental.stateless_fold_in(folded, tf.cast(state[0], tf.int64))
         folded = tf.random.experimental.stateless_fold_in(folded, tf.cast(state[1], tf.int64))
         return tf.cast(folded, state.dtype)
 

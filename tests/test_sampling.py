@@ -526,6 +526,32 @@ class TestSecretRandomness:
         for spelling in secret_spellings(secret):
             assert spelling not in repr(host_a)
 
+    def test_steps_drawn_again_after_an_in_process_resume_are_new_draws(self, small):
+        """Issue 37: a fit that crashed after step 4 resumes at step 2 in the same process.
+
+        Before, the continued sampler drew steps 2.. exactly as the first
+        run had: the same Poisson batches (and map_fn keys) under fresh
+        noise, two releases the accountant treats as independent draws. A
+        new sampler (a new process) still draws what the first run drew.
+        """
+        shards, _ = small
+        secret = secrets.randbits(128)
+        k = self.SCHEDULE.phases[0].accumulation_steps
+
+        def steps(dataset):
+            elements = [np.concatenate([np.asarray(part).reshape(len(part), -1)
+                                        for part in element], axis=1) for element in dataset]
+            return [np.concatenate(elements[i:i + k]) for i in range(0, len(elements), k)]
+
+        dataset = PoissonSampler(shards, self.SCHEDULE, shared_secret=secret).as_dataset()
+        first = steps(dataset)
+        again = steps(resumed_at(dataset, 2))
+        elsewhere = steps(resumed_at(
+            PoissonSampler(shards, self.SCHEDULE, shared_secret=secret).as_dataset(), 2))
+        assert len(first) == 5 and len(again) == len(elsewhere) == 3
+        assert all(np.array_equal(a, b) for a, b in zip(elsewhere, first[2:]))
+        assert all(not np.array_equal(a, b) for a, b in zip(again, first[2:]))
+
     def test_seed_and_shared_secret_together_or_a_guessable_secret_are_refused(self, small):
         shards, _ = small
         with pytest.raises(PrivacyConfigurationError, match="not both"):

@@ -50,6 +50,30 @@ class StepDraw:
         return self.sampled_size > self.capacity
 
 
+class _DrawGenerations:
+    """Which generation of a sampler's per-step streams the next draws use (in memory only).
+
+    A sampler and its continuations (`_continued_at`, after a preemption
+    backup restored the run in the same process) share one: a step drawn
+    at or below the last step already drawn is a replay, and opens a new
+    generation, so that its Poisson draw, its `map_fn` key and its check
+    choices are new (identical draws with fresh noise are two releases the
+    accountant treats as independent). A new sampler, as in a new process,
+    starts at generation 0 and draws what the first run drew.
+    """
+
+    __slots__ = ("generation", "_last_step")
+
+    def __init__(self):
+        self.generation = 0
+        self._last_step = -1
+
+    def begin(self, step: int) -> None:
+        if step <= self._last_step:
+            self.generation += 1
+        self._last_step = step
+
+
 def _takes_keyword_only(function: Callable[..., Any], name: str) -> bool:
     """Whether `function` has a keyword-only parameter `name`."""
     try:
@@ -116,6 +140,7 @@ class _Sampler(abc.ABC):
         self.end_step = end_step
         self.micro_batch_rows = step_capacity(1, schedule.micro_batch_size, schedule.num_replicas)
         self._consumed = False
+        self._generations = _DrawGenerations()
         entropy, self.seeded = sampling_entropy(seed, shared_secret)
         # The only copy of the sampling randomness, in a holder that neither
         # vars(), repr, pickles nor the DataSource show. Set last, so that no
@@ -280,11 +305,20 @@ class _Sampler(abc.ABC):
     # -- Randomness ------------------------------------------------------------
 
     def _rng(self, *key: int) -> np.random.Generator:
-        # One independent stream per (kind of draw, step): the draws of a step
-        # depend only on (entropy, step), so hosts sharing a secret draw the
-        # same steps, and drawing a step twice gives the same examples.
+        # One independent stream per key: the draws depend only on (entropy,
+        # key), so hosts sharing a secret draw the same steps.
         sequence = np.random.SeedSequence(self._entropy.value, spawn_key=key)
         return np.random.Generator(np.random.PCG64(sequence))
+
+    def _step_rng(self, kind: int, step: int, *more: int) -> np.random.Generator:
+        """The stream of one kind of draw of logical step `step`, in the current generation.
+
+        Generation 0 (every step of a run that is not replayed in the same
+        process) keeps the key (kind, step, ...); a replayed step's streams
+        also fold in its generation (see `_DrawGenerations`).
+        """
+        generation = self._generations.generation
+        return self._rng(kind, step, *more, *((generation,) if generation else ()))
 
     def __reduce_ex__(self, protocol):
         # Pickling (or copying) would write the secret randomness to a file,
@@ -386,6 +420,7 @@ class _Sampler(abc.ABC):
             )
         self._consumed = True
         for step in range(self.start_step, self.end_step):
+            self._generations.begin(step)
             for element in self.step_micro_batches(self.draw(step)):
                 yield step, element
 
@@ -402,7 +437,7 @@ class _Sampler(abc.ABC):
         step = key = choices = None
         for position, (current, element) in enumerate(self._micro_batches_by_step()):
             if current != step:
-                step, key, choices = current, self._step_key(current), self._rng(3, current)
+                step, key, choices = current, self._step_key(current), self._step_rng(3, current)
             yield element, key, position == 0 or choices.random() < RECHECK_PROBABILITY
 
     def _step_key(self, step: int) -> np.ndarray:
@@ -412,7 +447,7 @@ class _Sampler(abc.ABC):
         draws), so a `map_fn`'s randomness is as secret as the sampling and,
         like the draws, the same on every host sharing the secret.
         """
-        return self._rng(2, step).integers(0, 2**63, size=2, dtype=np.int64)
+        return self._step_rng(2, step).integers(0, 2**63, size=2, dtype=np.int64)
 
     def as_dataset(
         self,
@@ -508,8 +543,10 @@ class _Sampler(abc.ABC):
 
         Used when a preemption backup restores the run at `step`
         (`tf_megadp.data.sources.resumed_at`). The steps from `step` on were
-        never applied to the restored weights, so drawing them (again) is
-        what an uninterrupted run would have done.
+        never applied to the restored weights, so drawing them is what an
+        uninterrupted run would have done. Steps this process drew already
+        (the run crashed after them and `fit` was called again) are drawn
+        afresh: the continuation shares this sampler's draw generations.
         """
         if not self.start_step <= step <= self.end_step:
             raise PrivacyConfigurationError(

@@ -336,7 +336,7 @@ class PrivacyUnitSampler(PoissonSampler):
         k = self.examples_per_unit
         if members.size <= k:
             return members
-        choice = self._rng(_EXAMPLE_CHOICE, step, unit).choice(
+        choice = self._step_rng(_EXAMPLE_CHOICE, step, unit).choice(
             members.size, size=k, replace=False, shuffle=False)
         return members[np.sort(choice)]
 

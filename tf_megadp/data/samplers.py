@@ -191,6 +191,9 @@ class PoissonSampler(_Sampler):
     def draw(self, step: int) -> StepDraw:
         """The examples of logical step `step` (the same on every call and host).
 
+        A step this sampler's run draws again in the same process (resumed
+        from a backup after a crash) is drawn afresh (`_continued_at`).
+
         Args:
             step: logical step, 0-based.
 
@@ -200,7 +203,7 @@ class PoissonSampler(_Sampler):
         phase = self.schedule.phase_at(step)
         capacity = self.schedule.capacity(phase)
         population = self.schedule.num_examples
-        rng = self._rng(0, step)
+        rng = self._step_rng(0, step)
         size = int(rng.binomial(population, self.schedule.sampling_rate(step)))
         indices = _uniform_subset(rng, population, size)
         if size > capacity:

@@ -19,8 +19,10 @@ What is saved and what is not is a privacy decision, not a convenience:
   mid-step state (the accumulators hold the exact, un-noised clipped sum,
   and adaptive clipping's the exact count of unclipped examples).
   A restored optimizer therefore resumes at a logical-step boundary with a
-  fresh key; the discarded partial step was never released, so it cost no
-  privacy, and fresh noise is as private as the old.
+  fresh key (a new process) or, restored in the same process, in a new draw
+  generation for every step it repeats (`tf_megadp.accumulators`): no noise
+  is drawn twice. The discarded partial step was never released, so it cost
+  no privacy, and fresh noise is as private as the old.
 
 Privacy spent is a property of the trained weights, not of one optimizer
 object: a `DPOptimizer` marks the model variables it trains (or whose

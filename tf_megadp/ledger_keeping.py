@@ -193,6 +193,7 @@ class LedgerRecorder:
         self._check_source(optimizer)
         self.ledger = read_ledger(optimizer)
         self._check_consistent(optimizer)
+        adaptive_clipping.check_updates_finite(optimizer, self.model.trainable_variables)
         self.model._tf_megadp_keeper = self
         notes = run_notes(self.model)
         notes.begin_fit(self.model)

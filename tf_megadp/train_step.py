@@ -17,7 +17,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption
+from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption, weights_origin
 from tf_megadp.data import map_independence, sources
 from tf_megadp.data.fit_inputs import _array_micro_batch_size, _fit_source
 from tf_megadp.callbacks import PrivacyCallback
@@ -115,6 +115,10 @@ def make_private(
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
         model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
+        model.set_weights = weights_origin.set_weights_guard(
+            model, type(model).set_weights.__get__(model))
+    # Weights set after this point need a declaration before a first private fit.
+    weights_origin.note_starting_weights(model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     mark_private(model)
     return model

@@ -41,7 +41,7 @@ from tf_megadp.accounting import PrivacyLedger
 from tf_megadp.accounting.report import check_report_format
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import _weights_owner, read_ledger, write_ledger
+from tf_megadp.optimizer_ledger import write_ledger
 
 __all__ = ["check_starting_weights", "continue_from_release", "declare_public_weights",
            "note_ledger_loaded", "note_release", "note_starting_weights", "origin_report",
@@ -113,16 +113,24 @@ def set_weights_guard(model: keras.Model, original_set_weights):
 
 def note_release(model: keras.Model, path: str) -> None:
     """`export_model` wrote `model` to `path`: remember its weights if they spent privacy."""
-    optimizer = _weights_owner(model.trainable_variables) or getattr(model, "optimizer", None)
-    if isinstance(optimizer, DPOptimizer) and optimizer.logical_steps_applied > 0:
+    if _steps_of_weights(model, build=False):
         _RELEASES[weights_fingerprint(model)] = path
 
 
-def _steps_of_weights(model) -> int:
-    """The logical steps the weights' ledger holds or their optimizers applied."""
-    optimizer = _weights_owner(model.trainable_variables) or getattr(model, "optimizer", None)
-    if not isinstance(optimizer, DPOptimizer) or not optimizer.built:
+def _steps_of_weights(model, build: bool = True) -> int:
+    """The logical steps the weights' ledger holds or their optimizers applied.
+
+    With `build`, the model's `DPOptimizer` is built first if it is not:
+    building takes over the ledger of an earlier optimizer of the same
+    weights (an unbuilt one counts 0 otherwise).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if not isinstance(optimizer, DPOptimizer):
         return 0
+    if not optimizer.built:
+        if not (build and _built(model)):
+            return 0
+        optimizer.build(model.trainable_variables)
     return max(optimizer.logical_steps_applied, optimizer.logical_steps_recorded)
 
 
@@ -262,8 +270,6 @@ def continue_from_release(model: keras.Model, report_path: str | os.PathLike) ->
             "weights were exported (PrivacyCallback.save_report right after "
             "export_model), or continue the run from its training checkpoint.")
     ledger = PrivacyLedger.from_list(report["ledger"])
-    if not optimizer.built:
-        optimizer.build(model.trainable_variables)
     write_ledger(optimizer, ledger)
     # The release's steps were applied to these weights by its optimizer.
     optimizer.carried_steps.assign(ledger.total_steps)

@@ -66,6 +66,12 @@ def make_private(
     atomically, and its `load_weights` builds the `DPOptimizer` first, so
     that the ledger in the file is loaded with the weights.
 
+    The weights the model holds now (its initialisation, or public weights
+    loaded before this call) start its ledger. Weights set into it later
+    (`set_weights`, `load_weights` of a file without a ledger) are refused
+    by a first private fit until `tf_megadp.declare_public_weights` or
+    `tf_megadp.continue_from_release` names them.
+
     The same object is returned, so `model = make_private(model)` and
     `make_private(model)` are equivalent. Saved models do not remember the
     opt-in: call `make_private` again after `keras.models.load_model`

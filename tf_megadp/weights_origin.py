@@ -69,21 +69,28 @@ def _origin(model) -> _WeightsOrigin:
 
 
 def weights_fingerprint(model: keras.Model) -> str:
-    """A hex digest of the trainable weights' values, dtypes and shapes, in order.
+    """A hex digest of the floating-point weights' values, dtypes and shapes, in order.
 
-    Names are left out, so a fresh copy of an architecture (whose layer
+    Every weight of the model, trainable or not, so that freezing a layer
+    changes nothing; integer state (random seed generators) is left out.
+    Names are left out too, so a fresh copy of an architecture (whose layer
     names differ) holding the same weights has the same fingerprint.
     """
     digest = hashlib.blake2b(digest_size=16)
-    for variable in model.trainable_variables:
+    for variable in _float_weights(model):
         value = np.ascontiguousarray(keras.ops.convert_to_numpy(variable))
         digest.update(f"{value.dtype}{value.shape}".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
 
 
+def _float_weights(model) -> list:
+    return [variable for variable in model.weights
+            if keras.backend.is_float_dtype(variable.dtype)]
+
+
 def _built(model) -> bool:
-    return bool(model.built and model.trainable_variables)
+    return bool(model.built and _float_weights(model))
 
 
 def note_starting_weights(model: keras.Model) -> None:

@@ -450,6 +450,93 @@ def test_the_config_round_trips():
         optimizer.adaptive_clipping = None
 
 
+# -- C stays in its range, and a diverging run stops ----------------------------------
+
+
+def diverging_run(**adaptive):
+    """eta = 5000: one step's count moves C by a factor exp(2500) (inf) or exp(-2500) (0).
+
+    Two logical steps of 8 rows; targets 30 times the inputs' scale give
+    every example a norm above C = 1 (C grows; then, at C_max, below it).
+    Returns (model, C after each step, privacy callback,
+    the error that stopped fit or None).
+    """
+    model = small_model()
+    compiled(model, l2_norm_clip=1.0, noise_multiplier=1.0, seed=0,
+             adaptive_clipping=AdaptiveClipping(learning_rate=5000.0, count_stddev=0.6,
+                                                **adaptive))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = (30.0 * rng.normal(size=(16, 2))).astype("float32")
+    privacy = tf_megadp.PrivacyCallback(delta=1e-3, accountant="rdp")
+    clips = []
+    trace = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: clips.append(float(logs["clip_norm"])))
+    try:
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[privacy, trace])
+    except PrivacyConfigurationError as error:
+        return model, clips, privacy, error
+    return model, clips, privacy, None
+
+
+def test_a_clip_norm_that_runs_to_inf_or_0_is_held_at_its_bounds_with_one_warning():
+    # Before (issue 37), on 3 such steps: C = nan after the first step (inf,
+    # then inf * 0), the weights non-finite, and epsilon 3.47 still reported;
+    # with a loss whose norms are all 0, C = 0.0 without a word.
+    with pytest.warns(UserWarning, match="reached max_clip_norm=1000") as caught:
+        model, clips, privacy, error = diverging_run()
+    assert error is None
+    # The initial C * 1000 after the first step; from there every norm is
+    # below C, and C falls to the initial C / 1000 (not 0): bound to bound.
+    assert clips == pytest.approx([1e3, 1e-3], rel=1e-6)
+    assert all(np.isfinite(w).all() for w in model.get_weights())
+    assert sum("reached max_clip_norm" in str(w.message) for w in caught) == 1
+    section = privacy.report()["settings"]["adaptive_clipping"]
+    assert section["clip_norm_bounds"] == [1e-3, 1e3]
+
+
+def test_an_update_that_leaves_the_weights_nonfinite_stops_the_run_and_its_steps_count():
+    # C = 1e300 is allowed and finite, but the next step's noise sigma C
+    # overflows float32: the weights become inf.
+    with pytest.warns(UserWarning, match="max_clip_norm"):
+        model, clips, privacy, error = diverging_run(max_clip_norm=1e300)
+    trajectory = privacy.report()["settings"]["adaptive_clipping"]["trajectory"]
+    assert trajectory[0] == [1, 1e300]  # held at the user's bound after the first step
+    assert error is not None and "learning_rate" in str(error)
+    assert "ledger counts every step applied" in str(error)
+    assert not all(np.isfinite(w).all() for w in model.get_weights())
+    applied = model.optimizer.logical_steps_applied
+    assert applied == 2  # stopped after the step that diverged, not at the end
+    assert tf_megadp.model_ledger(model).total_steps == applied
+    assert privacy.report()["steps"] == applied
+    # The weights are still non-finite: the next fit refuses before its first step.
+    with pytest.raises(PrivacyConfigurationError, match="non-finite"):
+        model.fit(np.zeros((8, 3), "float32"), np.zeros((8, 2), "float32"), batch_size=8,
+                  verbose=0)
+    assert model.optimizer.logical_steps_applied == applied
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_clip_norm": 0.0}, "min_clip_norm must be a finite number > 0"),
+    ({"max_clip_norm": -1.0}, "max_clip_norm must be a finite number > 0"),
+    ({"max_clip_norm": float("inf")}, "max_clip_norm must be finite"),
+    ({"min_clip_norm": float("nan")}, "min_clip_norm must be finite"),
+    ({"min_clip_norm": 2.0, "max_clip_norm": 1.0}, "swap them"),
+])
+def test_clip_norm_bounds_that_are_not_finite_positive_and_ordered_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptiveClipping(**kwargs)
+
+
+def test_an_initial_clip_norm_outside_the_range_is_refused():
+    with pytest.raises(PrivacyConfigurationError, match=r"outside adaptive clipping's range"):
+        tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, normalize_by=64.0,
+                              adaptive_clipping=AdaptiveClipping(min_clip_norm=2.0))
+    assert AdaptiveClipping().clip_norm_bounds(0.5) == (0.5e-3, 0.5e3)
+    assert AdaptiveClipping.from_dict({"target_quantile": 0.5, "learning_rate": 0.2,
+                                       "count_stddev": None}) == AdaptiveClipping()
+
+
 # -- Refusals --------------------------------------------------------------------------
 
 

@@ -1,16 +1,20 @@
 """Specification of `save_training_state` / `restore_training_state`."""
 
+import json
 import re
 import warnings
 import zipfile
 
+import dp_accounting
 import h5py
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from dp_accounting import rdp
 
 import tf_megadp
+from tf_megadp import PrivacyConfigurationError
 from tf_megadp import checkpointing
 from tf_megadp.checkpointing import restore_training_state, save_training_state
 from tf_megadp.optimizer_ledger import write_ledger
@@ -282,3 +286,104 @@ def test_a_tf_checkpoint_of_an_earlier_release_keeps_its_counters_steps(tmp_path
     step = tf_megadp.PrivateStep(model, optimizer, loss="mse")
     step.checkpoint().read(path)
     assert _same_entries(tf_megadp.read_ledger(optimizer), ledger)
+
+
+# -- A release's weights continue only with its ledger ------------------------------
+
+
+def _continuation_data():
+    rng = np.random.default_rng(4)
+    return (rng.normal(size=(64, 3)).astype("float32"),
+            rng.normal(size=(64, 2)).astype("float32"))
+
+
+def _fit(model, x, y):
+    privacy = tf_megadp.PrivacyCallback(delta=1e-3, accountant="rdp")
+    model.fit(x, y, batch_size=2, shuffle=False, verbose=0, callbacks=[privacy])
+    return privacy
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """16 logical steps (64 rows, 2 micro-batches of 2 a step), exported with their report."""
+    folder = tmp_path_factory.mktemp("release")
+    x, y = _continuation_data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = private_model()
+        privacy = _fit(run, x, y)
+        tf_megadp.export_model(run, folder / "release.keras")
+        privacy.save_report(folder / "release.privacy.json")
+    assert privacy.ledger.total_steps == 16
+    return run, folder
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_weights_of_a_release_set_into_a_fresh_private_model_need_its_ledger(release):
+    # Before (issue 37): set_weights of the 16-step release into a fresh
+    # private model, 2 more steps on the same data: the report said 2 of 18.
+    run, folder = release
+    x, y = _continuation_data()
+    fresh = private_model(seed=1)
+    fresh.set_weights(run.get_weights())
+    with pytest.raises(PrivacyConfigurationError, match="continue_from_release"):
+        _fit(fresh, x[:8], y[:8])
+    assert int(fresh.optimizer.iterations.numpy()) == 0  # refused before any step
+    # Loaded from the export file in this process: refused too.
+    loaded = tf_megadp.make_private(keras.models.load_model(folder / "release.keras"))
+    loaded.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.Adam(0.1), 1.0, 1.0, accumulation_steps=2, seed=3), loss="mse")
+    with pytest.raises(PrivacyConfigurationError, match="continue_from_release"):
+        _fit(loaded, x[:8], y[:8])
+    # The report of other weights does not describe these.
+    other = json.loads((folder / "release.privacy.json").read_text())
+    other["weights_fingerprint"] = "0" * 32
+    (folder / "other.privacy.json").write_text(json.dumps(other))
+    with pytest.raises(PrivacyConfigurationError, match="report of other weights"):
+        tf_megadp.continue_from_release(fresh, folder / "other.privacy.json")
+    with pytest.raises(PrivacyConfigurationError, match="not public weights"):
+        tf_megadp.declare_public_weights(fresh, source="a release, mislabelled")
+
+    # With the release's report, epsilon composes its 16 steps and these 2.
+    taken = tf_megadp.continue_from_release(fresh, folder / "release.privacy.json")
+    assert taken.total_steps == 16
+    privacy = _fit(fresh, x[:8], y[:8])
+    assert privacy.ledger.total_steps == tf_megadp.model_ledger(fresh).total_steps == 18
+    report = privacy.report()
+    assert report["steps"] == 18
+    assert report["initial_weights"]["origin"] == "release"
+    # Against dp_accounting: 16 steps of q = 4 / 64, then 2 of q = 4 / 8 (sigma 1).
+    composed = dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+            q, dp_accounting.GaussianDpEvent(1.0)), steps) for q, steps in ((4 / 64, 16),
+                                                                            (4 / 8, 2))])
+    assert privacy.epsilon == pytest.approx(
+        rdp.RdpAccountant().compose(composed).get_epsilon(1e-3), rel=1e-9)
+    # A ledger that counts steps takes no declaration.
+    with pytest.raises(PrivacyConfigurationError, match="already carry a privacy ledger"):
+        tf_megadp.continue_from_release(fresh, folder / "release.privacy.json")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_weights_set_from_outside_are_declared_public_and_initial_ones_need_nothing(tmp_path):
+    x, y = _continuation_data()
+    public = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    public.save_weights(tmp_path / "public.weights.h5")
+    model = private_model(seed=1)
+    model.load_weights(tmp_path / "public.weights.h5")  # a file without a ledger
+    with pytest.raises(PrivacyConfigurationError, match="declare_public_weights"):
+        _fit(model, x[:8], y[:8])
+    tf_megadp.declare_public_weights(model, source="public.weights.h5, trained on public data")
+    privacy = _fit(model, x[:8], y[:8])
+    assert privacy.ledger.total_steps == 2
+    assert privacy.report()["initial_weights"]["source"].startswith("public.weights.h5")
+    # Weights loaded before make_private need no declaration (nor does a
+    # model's own initialisation: every other test).
+    keras.utils.set_random_seed(5)
+    before = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    before.load_weights(tmp_path / "public.weights.h5")
+    tf_megadp.make_private(before)
+    before.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.Adam(0.1), 1.0, 1.0, accumulation_steps=2, seed=3), loss="mse")
+    privacy = _fit(before, x[:8], y[:8])
+    assert privacy.ledger.total_steps == 2 and privacy.report()["initial_weights"] is None

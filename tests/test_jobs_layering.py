@@ -180,6 +180,7 @@ LAYERS = [
     ("optimizer_settings", "accumulators", "optimizer_ledger"),
     ("optimizer",),
     ("run_state",),
+    ("weights_origin",),
     ("ledger_keeping",),
     ("callbacks",),
     ("checkpointing",),

@@ -7,7 +7,8 @@ import warnings
 import pytest
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
-SECTIONS = ("Train", "Checkpoint", "Preempt", "Resume", "Continue", "Extend", "Release")
+SECTIONS = ("Train", "Checkpoint", "Preempt", "Resume", "Continue", "Extend", "Release",
+            "Continue a release")
 
 
 def snippets():
@@ -42,5 +43,8 @@ def test_the_snippets_run_and_keep_the_ledger(tmp_path, monkeypatch):
     assert [(e.steps, e.sampling_rate) for e in namespace["extended"].ledger] == [
         (4, 64 / 256), (4, 128 / 256)]
     assert namespace["report"]["steps"] == 8
+    # Continue a release: its 8 steps, then 4 of 64 rows on the arrays.
+    assert namespace["again"].ledger.total_steps == 8 + 4
+    assert namespace["again"].report()["initial_weights"]["origin"] == "release"
     assert int(namespace["preempted"].optimizer.iterations) == 8
     assert (tmp_path / "release.keras").exists() and (tmp_path / "privacy.json").exists()

@@ -14,6 +14,7 @@ preparation is checked in the default run.
 import json
 import math
 import pickle
+import re
 import warnings
 
 import dp_accounting
@@ -156,6 +157,24 @@ class TestSampler:
         assert source.report()["privacy_unit"] == "author"
         assert source.report()["examples_per_unit"] == K
         assert "8 privacy units (author)" in source.description
+
+    def test_ids_of_mixed_types_are_refused_naming_the_ids_that_clash(self):
+        # Issue 37: np.asarray([1, "1", 2, 3]) is the strings ["1", "1", "2", "3"],
+        # so the user 1 and the user "1" became one unit: U = 3 where there are 4.
+        x, y = np.zeros((4, 4), "float32"), np.zeros((4, 2), "float32")
+        settings = dict(examples_per_unit=1, batch_size=2, epochs=1, micro_batch_size=2)
+        for ids, named in (([1, "1", 2, 3], "1 (int) and '1' (str)"),
+                           ((7, 8, "a", b"b"), "7 (int), 'a' (str), b'b' (bytes)"),
+                           ([True, 1, 2, 3], "True (bool)")):
+            with pytest.raises(TypeError, match=re.escape(named)):
+                PrivacyUnitSampler.from_arrays(x, y, unit_ids=ids, **settings)
+        with pytest.raises(TypeError, match=re.escape("1 (int) and '1' (str)")):
+            tf_megadp.data.privacy_units.units_of([1, "1", 2, 3], 4)
+        # One type, as Python values or numpy ids: 4 units.
+        for ids in ([1, 11, 2, 3], ["1", "11", "2", "3"], np.array([1, 11, 2, 3]),
+                    [np.int64(1), 11, 2, 3]):
+            sampler = PrivacyUnitSampler.from_arrays(x, y, unit_ids=ids, **settings)
+            assert sampler.num_units == 4
 
     def test_records_and_token_shards(self, tmp_path):
         x, y, ids = skewed_data()

@@ -49,6 +49,7 @@ from tf_megadp.privacy_report import PrivacyReport
 from tf_megadp.run_state import model_ledger, read_ledger
 from tf_megadp.steps import BatchSizeSchedule, Phase
 from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
+from tf_megadp.weights_origin import continue_from_release, declare_public_weights
 
 # name -> (module, attribute or None for the module itself), imported on first access.
 _LAZY = {
@@ -84,6 +85,8 @@ __all__ = [
     "audit",
     "calibrate_noise_multiplier",
     "compute_epsilon",
+    "continue_from_release",
+    "declare_public_weights",
     "distribute",
     "export_model",
     "extend_schedule",

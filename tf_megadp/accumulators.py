@@ -72,6 +72,8 @@ class _InMemoryState:
     nonfinite_examples: Any = None
     # Adaptive clipping's un-noised centred count of unclipped examples.
     centred_count: Any = None
+    # Adaptive clipping's noisy updates that left the weights or C non-finite.
+    nonfinite_updates: Any = None
 
 
 class Accumulators:
@@ -89,6 +91,7 @@ class Accumulators:
         if self.adaptive_clipping is not None:
             state.centred_count = self._replica_sum_variable(
                 None, shape=(), dtype="float64", name="centred_count")
+            state.nonfinite_updates = self._in_memory_variable("nonfinite_updates", (), "int64")
         if self.seed is None:
             key = [secrets.randbits(63), secrets.randbits(63)]
         else:

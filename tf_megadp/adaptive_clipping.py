@@ -25,6 +25,19 @@ sampling is shared. The accountant composes the two Gaussians inside the
 sampling event of the step (`step_mechanism`), so the reported epsilon is
 the one of sigma.
 
+C is held in a range [C_min, C_max] (`AdaptiveClipping(min_clip_norm=,
+max_clip_norm=)`, by default 1/1000 and 1000 times the initial C):
+
+    C_{t+1} = min(C_max, max(C_min, C_t * exp(-eta * (b_t - gamma))))
+
+The clamp is post-processing of the noised count b_t with public constants,
+so it costs no privacy. Without it a large eta drove C to infinity (the next
+step's noise, sigma C, made the weights non-finite while epsilon was still
+reported) or to 0 (every gradient clipped to nothing) without a word. A C
+held at a bound warns once; an update that leaves the weights (or C)
+non-finite stops the run at the next ledger update, after the ledger has
+counted every step that was applied.
+
 C_t is optimizer state: a `DPOptimizer` variable saved with every
 checkpoint (it is a function of noisy releases only, so saving it spends
 nothing); the count's un-noised accumulator lives in memory only, like the
@@ -35,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import dp_accounting
@@ -46,6 +60,7 @@ from tf_megadp.errors import PrivacyConfigurationError
 __all__ = [
     "AdaptiveClipping",
     "COUNT_SENSITIVITY",
+    "DEFAULT_CLIP_NORM_RANGE",
     "DEFAULT_COUNT_STDDEV_FRACTION",
     "equivalent_noise_multiplier",
     "gradient_noise_multiplier",
@@ -57,6 +72,8 @@ __all__ = [
 COUNT_SENSITIVITY = 0.5
 # Andrew et al.'s default noise on the count: the expected batch size / 20.
 DEFAULT_COUNT_STDDEV_FRACTION = 1.0 / 20.0
+# How far C may move from the initial C by default, either way (a factor).
+DEFAULT_CLIP_NORM_RANGE = 1000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +99,22 @@ class AdaptiveClipping:
             recommend (0, an exact count, when noise_multiplier=0). The
             count's noise multiplier is 2 s (its sensitivity is 1/2) and
             must exceed sigma; 0 is allowed only for a non-private run.
+        min_clip_norm: C_min > 0, the smallest C the rule may reach. None
+            (default): the initial C (`l2_norm_clip`) / 1000.
+        max_clip_norm: C_max > C_min, the largest C. None (default): the
+            initial C * 1000.
+
+    Why 1000 either way: the initial C is the user's guess of the norms'
+    scale, and Andrew et al.'s rule reaches the quantile from a guess that
+    is off by orders of magnitude (C moves by up to a factor exp(eta) per
+    step). A C that must move further than 1000 times from the guess either
+    follows a guess that was far off (restart from a better l2_norm_clip)
+    or diverges because eta is too large; both stop at the bound with a
+    warning instead of running to infinity, where the noise sigma C
+    overflows and the weights become non-finite, or to 0, where every
+    gradient is clipped to nothing. Six orders of magnitude stay far inside
+    float32's range for the noise and the sums. Holding C in the range is
+    post-processing of the noisy count: it costs no privacy.
 
     Example:
     ```python
@@ -96,6 +129,8 @@ class AdaptiveClipping:
     target_quantile: float = 0.5
     learning_rate: float = 0.2
     count_stddev: float | None = None
+    min_clip_norm: float | None = None
+    max_clip_norm: float | None = None
 
     def __post_init__(self):
         quantile = _number("target_quantile", self.target_quantile)
@@ -111,6 +146,43 @@ class AdaptiveClipping:
             if stddev < 0.0:
                 raise ValueError(f"count_stddev must be >= 0 or None, got {self.count_stddev!r}.")
             object.__setattr__(self, "count_stddev", stddev)
+        for name in ("min_clip_norm", "max_clip_norm"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            bound = _number(name, value)
+            if bound <= 0.0:
+                raise ValueError(
+                    f"{name} must be a finite number > 0 or None (default: the initial C "
+                    f"{'/' if name == 'min_clip_norm' else '*'} {DEFAULT_CLIP_NORM_RANGE:g}), "
+                    f"got {value!r}.")
+            object.__setattr__(self, name, bound)
+        if (self.min_clip_norm is not None and self.max_clip_norm is not None
+                and self.min_clip_norm >= self.max_clip_norm):
+            raise ValueError(
+                f"min_clip_norm={self.min_clip_norm:g} must be below max_clip_norm="
+                f"{self.max_clip_norm:g}: swap them, or leave one at None (its default "
+                "is relative to the initial C).")
+
+    def clip_norm_bounds(self, initial_clip_norm: float) -> tuple[float, float]:
+        """(C_min, C_max) for a run whose initial C is `initial_clip_norm`.
+
+        Raises:
+            PrivacyConfigurationError: the initial C lies outside the range.
+        """
+        initial = float(initial_clip_norm)
+        low = (initial / DEFAULT_CLIP_NORM_RANGE if self.min_clip_norm is None
+               else self.min_clip_norm)
+        high = (initial * DEFAULT_CLIP_NORM_RANGE if self.max_clip_norm is None
+                else self.max_clip_norm)
+        if not low <= initial <= high:
+            raise PrivacyConfigurationError(
+                f"The initial clip norm l2_norm_clip={initial:g} lies outside adaptive "
+                f"clipping's range [{low:g}, {high:g}] (min_clip_norm, max_clip_norm). "
+                "Choose a range that holds l2_norm_clip, or leave the bounds at None "
+                f"(the initial C / {DEFAULT_CLIP_NORM_RANGE:g} and * "
+                f"{DEFAULT_CLIP_NORM_RANGE:g}).")
+        return low, high
 
     def count_stddev_for(self, batch_size: float, noise_multiplier: float) -> float:
         """s of a step of expected batch size `batch_size` and multiplier sigma.
@@ -266,11 +338,18 @@ def step_noise_multipliers(config: AdaptiveClipping, noise_multiplier, divisor):
     return tf.cast(gradient, tf.float32), tf.cast(count_multiplier, tf.float32), stddev
 
 
-def updated_clip_norm(config: AdaptiveClipping, clip_norm, noisy_centred_count, divisor):
-    """C_{t+1} = C_t exp(-eta (b_t - gamma)), b_t = noisy centred count / B + 1/2."""
+def updated_clip_norm(config: AdaptiveClipping, clip_norm, noisy_centred_count, divisor,
+                      bounds: tuple[float, float]):
+    """C_{t+1} = C_t exp(-eta (b_t - gamma)) held in `bounds`, b_t = noisy centred count / B + 1/2.
+
+    The clamp is post-processing of the noisy count (no privacy cost); a NaN
+    stays NaN, for the ledger keeper to stop the run.
+    """
     clip_norm = tf.cast(clip_norm, tf.float64)
     fraction = noisy_centred_count / tf.cast(divisor, tf.float64) + 0.5
-    return clip_norm * tf.exp(-config.learning_rate * (fraction - config.target_quantile))
+    moved = clip_norm * tf.exp(-config.learning_rate * (fraction - config.target_quantile))
+    low, high = (tf.constant(bound, tf.float64) for bound in bounds)
+    return tf.where(tf.math.is_nan(moved), moved, tf.minimum(tf.maximum(moved, low), high))
 
 
 def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
@@ -290,25 +369,80 @@ def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
 
 
 def release_count_and_update(config: AdaptiveClipping, clip_norm_variable, centred_sum, stddev,
-                             divisor, key, replicas: int) -> None:
-    """Releases the step's noisy count (`noisy_count`) and moves C with it."""
+                             divisor, key, replicas: int, bounds: tuple[float, float]) -> None:
+    """Releases the step's noisy count (`noisy_count`) and moves C with it, within `bounds`."""
     noisy = noisy_count(centred_sum, stddev, key, replicas)
     clip_norm_variable.assign(tf.cast(
-        updated_clip_norm(config, clip_norm_variable.value, noisy, divisor),
+        updated_clip_norm(config, clip_norm_variable.value, noisy, divisor, bounds),
         clip_norm_variable.dtype))
+
+
+def all_finite(clip_norm, variables) -> tf.Tensor:
+    """Whether C and every variable are finite after a step (a scalar bool, in the graph)."""
+    checks = [tf.reduce_all(tf.math.is_finite(tf.cast(clip_norm, tf.float64)))]
+    checks += [tf.reduce_all(tf.math.is_finite(variable.value)) for variable in variables]
+    return tf.reduce_all(tf.stack(checks))
 
 
 # -- The report ------------------------------------------------------------------
 
 
 def note_clip_norm(optimizer) -> None:
-    """Appends (logical step, C) to the optimizer's trajectory when C moved on (Python)."""
+    """Appends (logical step, C) to the optimizer's trajectory when C moved on (Python).
+
+    Warns once per optimizer when C sits at a bound of its range.
+
+    Raises:
+        PrivacyConfigurationError: an update left the weights or C
+            non-finite (the caller has recorded its steps in the ledger).
+    """
     if getattr(optimizer, "adaptive_clipping", None) is None or not optimizer.built:
         return
     step = optimizer.logical_steps_applied
     trajectory = optimizer.clip_norm_trajectory
+    clip_norm = float(optimizer.clip_norm.numpy())
     if not trajectory or trajectory[-1][0] != step:
-        trajectory.append((step, float(optimizer.clip_norm.numpy())))
+        trajectory.append((step, clip_norm))
+    check_updates_finite(optimizer)
+    low, high = optimizer.adaptive_clipping.clip_norm_bounds(optimizer.l2_norm_clip)
+    if clip_norm in (low, high) and not getattr(optimizer, "_warned_clip_norm_bound", False):
+        optimizer._warned_clip_norm_bound = True
+        name = "max_clip_norm" if clip_norm == high else "min_clip_norm"
+        warnings.warn(
+            f"Adaptive clipping's C reached {name}={clip_norm:g} at logical step {step} "
+            "and is held there (no privacy cost: it is post-processing of the noisy "
+            f"count). The {optimizer.adaptive_clipping.target_quantile:g} quantile of the "
+            "norms may lie beyond it: start from an l2_norm_clip nearer the norms, widen "
+            f"AdaptiveClipping({name}=...), or lower AdaptiveClipping(learning_rate=...) "
+            "if C jumps from bound to bound.", UserWarning, stacklevel=2)
+
+
+def check_updates_finite(optimizer, variables=None) -> None:
+    """Refuses to go on after a step that left the weights or C non-finite.
+
+    Args:
+        optimizer: the adaptively clipped `DPOptimizer`.
+        variables: also check these variables' values here (Python, once
+            before a run); otherwise only the count the graph kept.
+
+    Raises:
+        PrivacyConfigurationError: naming the fix.
+    """
+    if getattr(optimizer, "adaptive_clipping", None) is None or not optimizer.built:
+        return
+    clip_norm = float(optimizer.clip_norm.numpy())
+    diverged = optimizer.take_nonfinite_updates() > 0
+    if variables is not None:
+        diverged = diverged or not math.isfinite(clip_norm) or not all(
+            np.isfinite(np.asarray(variable)).all() for variable in variables)
+    if diverged:
+        raise PrivacyConfigurationError(
+            f"A noisy update of this adaptively clipped run left the weights or the clip "
+            f"norm non-finite (C = {clip_norm:g}); training stops. The privacy ledger "
+            "counts every step applied, this one included. Lower the learning rate of "
+            "the optimizer or AdaptiveClipping(learning_rate=...), or narrow "
+            "AdaptiveClipping(max_clip_norm=...); then restore a checkpoint from before "
+            "the divergence (its ledger continues) or start from fresh weights.")
 
 
 def report_section(optimizer) -> dict[str, Any] | None:
@@ -320,6 +454,7 @@ def report_section(optimizer) -> dict[str, Any] | None:
     section["count_sensitivity"] = COUNT_SENSITIVITY
     section["initial_clip_norm"] = optimizer.l2_norm_clip
     section["clip_norm"] = float(optimizer.clip_norm.numpy()) if optimizer.built else None
+    section["clip_norm_bounds"] = list(config.clip_norm_bounds(optimizer.l2_norm_clip))
     section["trajectory"] = [list(point) for point in optimizer.clip_norm_trajectory]
     section["note"] = (
         "C moves towards the target quantile of the per-example norms after every logical "

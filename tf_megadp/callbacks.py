@@ -16,7 +16,7 @@ from typing import Any
 
 import keras
 
-from tf_megadp import adaptive_clipping
+from tf_megadp import adaptive_clipping, weights_origin
 from tf_megadp._validate import check_delta
 from tf_megadp.accounting import DEFAULT_ACCOUNTANT, LedgerEntry, PrivacyAccountant, PrivacyLedger
 from tf_megadp.accounting.engines import check_accountant
@@ -145,6 +145,9 @@ class _PrivacyReporting:
         run = run_notes(self.model)
         report["released_outside_epsilon"] = list(RELEASED_OUTSIDE_EPSILON) + run.released
         report["weights_changed_outside_private_steps"] = run.check_weights(self.model, warn=False)
+        # What continue_from_release checks a release's report against.
+        report["weights_fingerprint"] = weights_origin.weights_fingerprint(self.model)
+        report["initial_weights"] = weights_origin.origin_report(self.model)
         notes = report["warnings"]
         if report["weights_changed_outside_private_steps"]:
             notes.append("trainable weights changed outside the private steps (between "

@@ -37,6 +37,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_megadp import weights_origin
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, write_json_atomically
 from tf_megadp.optimizer import DPOptimizer
@@ -174,7 +175,11 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
 
     The file holds no optimizer variables, no compile configuration (so no
     clipping, noise or seed settings) and no training state; it is what a
-    DP run may publish. Written atomically. A private model whose trainable
+    DP run may publish. Written atomically. A private fit that starts an
+    empty ledger on the exported weights refuses, in this process, until
+    `tf_megadp.continue_from_release` composes the release's ledger (pass it
+    the report saved with the release, which names the weights by their
+    `weights_fingerprint`). A private model whose trainable
     weights changed outside its private steps (between private fits) is
     written with a loud warning: epsilon does not cover that change.
 
@@ -207,6 +212,8 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
     finally:
         model.optimizer = optimizer
         model.compiled = compiled
+    # A private fit that starts an empty ledger on these weights refuses.
+    weights_origin.note_release(model, path)
 
 
 # -- Keras save and load of a private model keep the ledger ------------------------
@@ -257,7 +264,12 @@ def _ledger_preserving_load(model: keras.Model, original_load):
                 "the DPOptimizer first, then load_weights; or load the run with "
                 "keras.models.load_model or tf_megadp.restore_training_state."
             )
-        return original_load(filepath, *args, **kwargs)
+        if not saved:  # Weights from outside a DP run: the ones they replace started it.
+            weights_origin.note_starting_weights(model)
+        loaded = original_load(filepath, *args, **kwargs)
+        if saved:
+            weights_origin.note_ledger_loaded(model)
+        return loaded
 
     return load_weights
 

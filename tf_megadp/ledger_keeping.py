@@ -23,7 +23,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from tf_megadp import _keras_compat, adaptive_clipping
+from tf_megadp import _keras_compat, adaptive_clipping, weights_origin
 from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED, SamplingKind, sampling_kind
 from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
@@ -193,6 +193,8 @@ class LedgerRecorder:
         self._check_source(optimizer)
         self.ledger = read_ledger(optimizer)
         self._check_consistent(optimizer)
+        adaptive_clipping.check_updates_finite(optimizer, self.model.trainable_variables)
+        weights_origin.check_starting_weights(self.model)
         self.model._tf_megadp_keeper = self
         notes = run_notes(self.model)
         notes.begin_fit(self.model)

@@ -213,7 +213,8 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be None or an int, got {seed!r}.")
         adaptive_clipping = _check_adaptive_clipping(
-            adaptive_clipping, per_example_scaling, noise_multiplier, schedule, normalize_by)
+            adaptive_clipping, per_example_scaling, noise_multiplier, schedule, normalize_by,
+            l2_norm_clip)
         if seed is not None:
             warnings.warn(
                 f"DPOptimizer(seed={seed}) makes the noise reproducible: anyone who "
@@ -301,6 +302,19 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
     def seeded_noise(self) -> bool:
         """Whether the noise comes from an explicit seed (not for release)."""
         return self.seed is not None
+
+    def take_nonfinite_updates(self) -> int:
+        """Adaptively clipped updates that left the weights or C non-finite since the last call.
+
+        Counted in the graph, in memory only; reading resets the count.
+        """
+        if self.adaptive_clipping is None or not self.built:
+            return 0
+        counter = self._in_memory.nonfinite_updates
+        count = int(counter.numpy())
+        if count:
+            counter.assign(0)
+        return count
 
     # -- Keras plumbing -------------------------------------------------------
 
@@ -526,8 +540,13 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                     self.adaptive_clipping, self.clip_norm, state.centred_count.value,
                     count_stddev, divisor, tf.random.experimental.stateless_fold_in(
                         self._step_key(step, generation), len(state.accumulators)),
-                    tf.distribute.get_strategy().num_replicas_in_sync)
+                    tf.distribute.get_strategy().num_replicas_in_sync,
+                    self.adaptive_clipping.clip_norm_bounds(self.l2_norm_clip))
                 state.centred_count.assign(0.0)
+                # Read by the ledger keeper, which stops the run once the
+                # step is in the ledger.
+                finite = adaptive.all_finite(self.clip_norm.value, trainable_variables)
+                state.nonfinite_updates.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
             self._record_applied_step(noise_multiplier, accumulation_steps, divisor,
                                       count_multiplier)
             return tf.constant(True)

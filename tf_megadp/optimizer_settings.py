@@ -87,7 +87,7 @@ def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
 
 
 def _check_adaptive_clipping(config, per_example_scaling, noise_multiplier, schedule,
-                             normalize_by) -> adaptive.AdaptiveClipping | None:
+                             normalize_by, l2_norm_clip) -> adaptive.AdaptiveClipping | None:
     """The `AdaptiveClipping` of a DPOptimizer, refused where it cannot hold.
 
     Every (sigma, expected batch) pair known before training is checked
@@ -105,6 +105,7 @@ def _check_adaptive_clipping(config, per_example_scaling, noise_multiplier, sche
             "adaptive_clipping with per_example_scaling='automatic': automatic clipping "
             "normalizes every gradient to norm C, so C only rescales the update and has no "
             "quantile to follow. Use per_example_scaling='clip' with adaptive clipping.")
+    config.clip_norm_bounds(l2_norm_clip)  # The initial C lies in C's range.
     if schedule is not None:
         for phase in schedule.phases:
             sigma = noise_multiplier_of(phase, noise_multiplier)

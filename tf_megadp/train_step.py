@@ -17,7 +17,7 @@ from typing import NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption
+from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption, weights_origin
 from tf_megadp.data import map_independence, sources
 from tf_megadp.data.fit_inputs import _array_micro_batch_size, _fit_source
 from tf_megadp.callbacks import PrivacyCallback
@@ -65,6 +65,12 @@ def make_private(
     sampler's steps. The model's `save` and `save_weights` write
     atomically, and its `load_weights` builds the `DPOptimizer` first, so
     that the ledger in the file is loaded with the weights.
+
+    The weights the model holds now (its initialisation, or public weights
+    loaded before this call) start its ledger. Weights set into it later
+    (`set_weights`, `load_weights` of a file without a ledger) are refused
+    by a first private fit until `tf_megadp.declare_public_weights` or
+    `tf_megadp.continue_from_release` names them.
 
     The same object is returned, so `model = make_private(model)` and
     `make_private(model)` are equivalent. Saved models do not remember the
@@ -115,6 +121,10 @@ def make_private(
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
         model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
         model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
+        model.set_weights = weights_origin.set_weights_guard(
+            model, type(model).set_weights.__get__(model))
+    # Weights set after this point need a declaration before a first private fit.
+    weights_origin.note_starting_weights(model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     mark_private(model)
     return model

@@ -68,9 +68,11 @@ def units_of(unit_ids: Any, num_examples: int) -> tuple[np.ndarray, np.ndarray, 
         units in sorted id order.
 
     Raises:
-        ValueError: the ids are not one per example, or not comparable.
+        ValueError: the ids are not one per example.
+        TypeError: the ids are not all integers or all strings (bytes): numpy
+            would turn the user 1 and the user "1" into the one id "1".
     """
-    ids = np.asarray(unit_ids)
+    ids = _unit_id_array(unit_ids)
     if ids.ndim != 1 or ids.shape[0] != num_examples:
         raise ValueError(
             f"unit_ids must hold one privacy-unit id per example: shape [{num_examples}], "
@@ -86,6 +88,48 @@ def units_of(unit_ids: Any, num_examples: int) -> tuple[np.ndarray, np.ndarray, 
     counts = np.bincount(inverse, minlength=unique.size)
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return order, starts, unique
+
+
+# The Python types a unit id may have, by the name an error shows; bool is
+# refused (numpy reads True as the id 1).
+_ID_TYPES = (("bool", (bool, np.bool_)), ("int", (numbers.Integral,)), ("str", (str,)),
+             ("bytes", (bytes,)))
+
+
+def _unit_id_array(unit_ids: Any) -> np.ndarray:
+    """The ids as one numpy array of one type, or a TypeError that names the ids that clash.
+
+    A numpy array of integers or strings is taken as it is. The ids of a list,
+    a tuple or an object array are checked one by one first: `np.asarray`
+    would convert mixed ints and strings to strings (and bools to ints)
+    without a word, merging the distinct units 1 and "1" into one.
+    """
+    if isinstance(unit_ids, np.ndarray) and unit_ids.dtype != object:
+        return unit_ids
+    values = unit_ids.tolist() if isinstance(unit_ids, np.ndarray) else list(unit_ids)
+    first_of_type: dict[str, Any] = {}
+    types_by_key: dict[str, dict[str, Any]] = {}
+    for value in values:
+        kind = next((name for name, types in _ID_TYPES if isinstance(value, types)), None)
+        if kind is None:
+            raise TypeError(
+                f"unit_ids must be integers or strings (a user or account id), got "
+                f"{value!r} ({type(value).__name__}).")
+        first_of_type.setdefault(kind, value)
+        # The id numpy would make of it in an array of mixed types.
+        key = value.decode("utf-8", "replace") if kind == "bytes" else (
+            value if kind == "str" else str(int(value)))
+        types_by_key.setdefault(key, {}).setdefault(kind, value)
+    if len(first_of_type) > 1 or "bool" in first_of_type:
+        clashes = [" and ".join(f"{value!r} ({kind})" for kind, value in kinds.items())
+                   for kinds in types_by_key.values() if len(kinds) > 1][:5]
+        found = ("; ".join(clashes) + " would become one unit" if clashes else
+                 ", ".join(f"{value!r} ({kind})" for kind, value in first_of_type.items()))
+        raise TypeError(
+            f"unit_ids mix id types ({found}): as one array they would be converted to "
+            "one type, and distinct units could merge (U too small). Give every unit id "
+            "the same type, e.g. [str(i) for i in unit_ids], and no bools.")
+    return np.asarray(values)
 
 
 class _UnitStore(_RecordStore):
@@ -277,7 +321,7 @@ class PrivacyUnitSampler(PoissonSampler):
             raise TypeError(f"PrivacyUnitSampler got unexpected settings {unknown}.")
         # The schedule counts units: N = U, B = expected units per step.
         schedule = cls._resolve_schedule(
-            int(np.unique(np.asarray(unit_ids)).size),
+            int(units_of(unit_ids, examples.num_examples)[2].size),
             *(settings.get(name) for name in _SCHEDULE_SETTINGS))
         return cls(examples, schedule, unit_ids=unit_ids, examples_per_unit=examples_per_unit,
                    privacy_unit=privacy_unit,

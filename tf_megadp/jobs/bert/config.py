@@ -21,7 +21,8 @@ from typing import Any, Sequence
 
 from tf_megadp.accounting import accountant_names
 
-__all__ = ["DP_LEARNING_RATE", "LEARNING_RATE_SCALINGS", "NON_PRIVATE_LEARNING_RATE", "MODEL_PRESETS", "PER_EXAMPLE_SCALINGS", "PRECISIONS",
+__all__ = ["DP_LEARNING_RATE", "LEARNING_RATE_SCALINGS", "MODEL_PRESETS",
+           "NON_PRIVATE_LEARNING_RATE", "PER_EXAMPLE_SCALINGS", "PRECISIONS",
            "SEPARATORS", "Hardware", "PretrainConfig", "PretrainError",
            "default_delta", "parse_schedule"]
 

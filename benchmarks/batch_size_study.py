@@ -16,6 +16,13 @@ Three studies, each a list of `tf-megadp pretrain` runs on the same corpus
   adaptive clipping (Andrew et al. 2021, target quantile 0.5) started at
   C = 1 and at C = 0.1, at the same epsilon; the table adds C at every
   evaluation (docs/benchmarks.md, "Adaptive clipping").
+- ``nonprivate-lr``: the job's non-private baseline at several learning
+  rates, from which its default is chosen (docs/benchmarks.md, "The
+  non-private baseline's learning rate").
+
+A "/ non-private" ratio is printed only against a baseline run that
+learned (report.json's `learned`, tf_megadp.jobs.bert.baselines): a
+baseline stuck at the unigram plateau would flatter every DP row.
 
 Each run writes its own folder under --runs-dir/<study>/<row>; a row whose
 report.json exists is not run again. Then the markdown tables of
@@ -39,6 +46,8 @@ import json
 import os
 import subprocess
 import sys
+
+from tf_megadp.jobs.bert.baselines import BaselineDidNotLearnError, accuracy_ratio
 
 EPSILON = 5.36
 
@@ -115,6 +124,13 @@ STUDIES = {
                                    **_old_default(300) | {"warmup_steps": 25, "eval_every": 25,
                                                           "learning_rate": 0.008}),
     },
+    # The non-private baseline's own default (issue 41): the job's defaults
+    # (300 x 256, warmup 25, evaluations every 25) at several learning rates.
+    "nonprivate-lr": {
+        f"lr-{rate:g}": _row(f"non-private, learning rate {rate:g}", "300x256", False,
+                             learning_rate=rate)
+        for rate in (0.002, 0.003, 0.004, 0.006)
+    },
     # The shipped defaults (lr 8e-3, 300 x 256, epsilon 5.36) with C fixed or adaptive.
     "adaptive": {
         "fixed-c1": _row("C = 1 fixed (the default)", "300x256"),
@@ -169,6 +185,16 @@ def first_reaching(report: dict, accuracy: float) -> tuple[int, float] | None:
     return None
 
 
+def _ratio(report: dict, baseline: dict | None) -> str:
+    """The '/ non-private' cell: none without a baseline, or against one that did not learn."""
+    if baseline is None:
+        return "-"
+    try:
+        return f"{accuracy_ratio(report, baseline):.2f}"
+    except BaselineDidNotLearnError:
+        return "none (baseline did not learn)"
+
+
 def table(runs_dir: str, study: str) -> str:
     """The markdown table of one study, from the runs' report.json files."""
     reports = {name: load(runs_dir, study, name) for name in STUDIES[study]}
@@ -188,7 +214,7 @@ def table(runs_dir: str, study: str) -> str:
         if report is None:
             continue
         accuracy = report["heldout_mlm_accuracy"]
-        ratio = f"{accuracy / baseline['heldout_mlm_accuracy']:.2f}" if baseline else "-"
+        ratio = _ratio(report, baseline)
         schedule = " + ".join(row["schedule"].split(","))
         epsilon = f"{report['epsilon']:.3f}" if report["private"] else "inf"
         delta = f"{report['delta']:.3g}" if report["private"] else "-"
@@ -207,6 +233,11 @@ def table(runs_dir: str, study: str) -> str:
     unigram = next((r["unigram_baseline_accuracy"] for r in reports.values() if r), None)
     if unigram is not None:
         lines.append(f"\nUnigram baseline (always the most frequent token): {unigram:.4f}.")
+    if baseline is not None:
+        try:
+            accuracy_ratio(baseline, baseline)
+        except BaselineDidNotLearnError as error:
+            lines.append(f"\nNo ratio to the non-private baseline: {error}")
     if study == "steps" and reports.get("growing"):
         target = reports["growing"]["heldout_mlm_accuracy"]
         lines.append(f"\nFirst evaluation at or above the growing schedule's final accuracy "

@@ -222,6 +222,35 @@ def test_every_command_in_docs_tpu_runs_in_a_test_or_is_marked(capsys):
     assert seen == {"plan": 5, "cpu": 2}
 
 
+class TestTheLearningRate:
+    """Issue 41: the non-private baseline has its own default; the run says where its rate came from."""
+
+    def test_each_kind_of_run_has_its_default_and_a_given_rate_wins(self, tmp_path):
+        from tf_megadp.jobs.bert.config import DP_LEARNING_RATE, NON_PRIVATE_LEARNING_RATE
+
+        assert parsed("pretrain").learning_rate_choice() == (DP_LEARNING_RATE, "DP default")
+        assert parsed("pretrain", "--non-private").learning_rate_choice() == (
+            NON_PRIVATE_LEARNING_RATE, "non-private default")
+        # At the DP rate the baseline collapsed to the unigram plateau (docs/results.md).
+        assert NON_PRIVATE_LEARNING_RATE < DP_LEARNING_RATE
+        assert parsed("pretrain", "--non-private", "--learning-rate", "0.008"
+                      ).learning_rate_choice() == (0.008, "given")
+        # A run file's rate is given too (the shipped BERT-Large file sets 1e-3).
+        assert parsed("pretrain", "--config", SHIPPED).learning_rate_choice() == (1e-3, "given")
+
+    def test_the_plan_states_the_rate_the_run_will_use(self, planned_pico, capsys):
+        root, corpus, cache, n = planned_pico
+        raw = yaml.safe_load(open(pico_file(root, corpus, cache, root / "unused", n),
+                                  encoding="utf-8"))
+        del raw["training"]["optimizer"]["learning_rate"]
+        path = root / "default-rate.yaml"
+        path.write_text(yaml.safe_dump(raw), encoding="utf-8")
+        assert cli.main(["plan", str(path), "--json"]) == 0
+        from tf_megadp.jobs.bert.config import DP_LEARNING_RATE
+
+        assert json.loads(capsys.readouterr().out)["optimizer"]["learning_rate"] == DP_LEARNING_RATE
+
+
 class TestRecipeOptions:
     """Weight averaging, automatic clipping and batch-scaled learning rates as run fields."""
 

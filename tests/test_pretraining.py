@@ -115,6 +115,13 @@ class Captured:
 # gradients: a checkpoint must carry both across the interruption.
 RECIPE = dict(ema_momentum=0.5, per_example_scaling="automatic")
 
+# Long enough for the job's model to leave the unigram plateau on the test
+# corpus at the non-private default learning rate, with a held-out split
+# large enough that the noise margin is 2 points of accuracy (measured at
+# 2e-3: 0.075 unigram, 0.094 threshold; 0.104 at step 100, 0.168 at 150).
+LEARNING_RUN = dict(model="nano", steps=150, batch_size=64, micro_batch_size=128, eval_every=50,
+                    heldout_fraction=0.3)
+
 
 @pytest.fixture(scope="module")
 def resumed_capture(workspace):
@@ -139,13 +146,20 @@ def resumed_run(resumed_capture):
 
 @pytest.fixture(scope="module")
 def second_run(workspace):
-    """The same job started again (one step), its randomness captured."""
+    """The same job started again (one step), its randomness and log captured.
+
+    At learning rate 0 (the draws do not depend on it): a run that cannot
+    learn, for the unigram-baseline verdict.
+    """
     root, corpus, cache = workspace
     output = root / "again"
     with pytest.MonkeyPatch.context() as monkeypatch:
         captured = Captured(monkeypatch)
-        run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=1,
-                                    checkpoint_every=0, eval_every=1), log=lambda *_: None)
+        captured.log = []
+        captured.report = run_pretraining(
+            tiny_config(corpus, cache, output, steps=1, checkpoint_every=0, eval_every=1,
+                        learning_rate=0.0),
+            log=captured.log.append)
     return output, captured
 
 
@@ -359,6 +373,45 @@ def _assert_same_epsilon_as_uninterrupted(report):
         delta=report["delta"], schedule=schedule, noise_multiplier=1.0, accountant="rdp")
     assert report["completed"] and report["logical_steps"] == schedule.total_steps
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+class TestTheUnigramBaseline:
+    """Issue 41: a run that ends on the unigram plateau says so; the rate and its source are reported."""
+
+    def test_a_run_forced_not_to_learn_is_flagged(self, second_run):
+        from tf_megadp.jobs.bert.baselines import NOT_LEARNED_MESSAGE
+
+        output, captured = second_run
+        on_disk = json.loads((output / "report.json").read_text())
+        assert on_disk["completed"] and on_disk["learning_rate"] == 0.0
+        assert on_disk["learning_rate_source"] == "given"
+        assert on_disk["learned"] is False
+        assert on_disk["heldout_mlm_accuracy"] <= on_disk["learned_threshold"]
+        assert on_disk["learned_threshold"] > on_disk["unigram_baseline_accuracy"] > 0
+        assert on_disk["heldout_masked_positions"] > 0
+        assert NOT_LEARNED_MESSAGE in "\n".join(captured.log)
+
+    def test_the_report_says_which_rate_and_where_it_came_from(self, resumed_capture):
+        from tf_megadp.jobs.bert.config import DP_LEARNING_RATE
+
+        first, report, output, captured = resumed_capture
+        assert report["learning_rate"] == DP_LEARNING_RATE == report["config"]["learning_rate"]
+        assert report["learning_rate_source"] == "DP default"
+        assert report["learned"] in (True, False)
+        assert f"Learning rate {DP_LEARNING_RATE:g} (DP default)" in "\n".join(captured.log)
+
+    # A whole non-private run long enough to leave the unigram plateau
+    # (~60 s on the 2-core machine): slow (CI time, issue 26).
+    @pytest.mark.slow
+    def test_the_non_private_default_learns_on_the_test_corpus(self, workspace, tmp_path):
+        root, corpus, cache = workspace
+        report = run_pretraining(
+            tiny_config(corpus, cache, tmp_path / "run", non_private=True, noise_multiplier=None,
+                        checkpoint_every=0, **LEARNING_RUN),
+            log=lambda *_: None)
+        assert report["learning_rate_source"] == "non-private default"
+        assert report["learned"] is True, report["history"]
+        assert report["heldout_mlm_accuracy"] > report["learned_threshold"]
 
 
 class TestPreemption:

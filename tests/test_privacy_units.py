@@ -398,10 +398,20 @@ def test_a_corpus_with_units_packs_no_row_across_units_and_keeps_each_rows_unit(
         text.read_documents([corpus], unit_field="user")
 
 
+def test_the_banners_name_n_in_units_and_the_sequences_apart():
+    from tf_megadp.jobs.bert.units import describe_population
+
+    # The issue's run: 1,189 authors writing 33,503 sequences; N is the authors.
+    assert describe_population("author", 1189, 33503) == (
+        "N = 1,189 privacy units ('author'; 33,503 training sequences)")
+    assert describe_population(None, 19886, 19886) == (
+        "N = 19,886 training sequences (the privacy unit)")
+
+
 @pytest.mark.slow  # a whole job (XLA compilations of a BERT): 30-60 s on the 2-core machine
 def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
     from tf_megadp.jobs.bert import text
-    from tf_megadp.jobs.bert.units import load_unit_ids
+    from tf_megadp.jobs.bert.units import describe_population, load_unit_ids
     from tf_megadp.jobs.bert.pretraining import (PretrainConfig, PretrainError, prepare_data,
                                                  run_pretraining)
 
@@ -416,9 +426,18 @@ def test_the_job_trains_at_user_level_and_its_report_accounts_units(tmp_path):
         batch_size=8, steps=2, eval_every=2, target_epsilon=None, noise_multiplier=1.0,
         accountant="rdp", warmup_steps=1, verbose=0,
         privacy_unit="author", examples_per_unit=2)
-    report = run_pretraining(PretrainConfig(**settings), log=lambda *_: None)
+    log = []
+    report = run_pretraining(PretrainConfig(**settings), log=log.append)
     _, train, _ = prepare_data(PretrainConfig(**settings))
     units = load_unit_ids(train)
+    # Issue 41: every banner and the summary count N in units, the sequences apart.
+    population = describe_population("author", report["num_examples"], len(train))
+    assert population.startswith(f"N = {report['num_examples']:,} privacy units ('author'")
+    printed = "\n".join(log)
+    assert f"Corpus: N = {report['num_examples']:,} privacy units ('author')" in printed
+    assert f"Training BERT-pico (1 layers, hidden 32) on {population}" in printed
+    assert f"trained on              {population}" in printed
+    assert f"N={len(train)}" not in printed and f"N = {len(train):,}" not in printed
     assert report["privacy_unit"] == "author" and report["examples_per_unit"] == 2
     assert report["num_examples"] == np.unique(units).size <= len(sizes)
     assert report["training_sequences"] == len(train) > report["num_examples"]

@@ -21,7 +21,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     overrides the field of the `--config` file (or of the defaults), a
     missing one leaves it. See `run_config_from_args`.
     """
-    from tf_megadp.jobs.bert.config import (LEARNING_RATE_SCALINGS, PER_EXAMPLE_SCALINGS,
+    from tf_megadp.jobs.bert.config import (DP_LEARNING_RATE, LEARNING_RATE_SCALINGS,
+                                            NON_PRIVATE_LEARNING_RATE, PER_EXAMPLE_SCALINGS,
                                             SEPARATORS)
     from tf_megadp.jobs.bert.pretraining import MODEL_PRESETS, PRECISIONS, PretrainConfig
 
@@ -66,7 +67,9 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--precision", choices=list(PRECISIONS), default=hidden,
                        help="dtype policy: mixed_bfloat16 computes in bfloat16, keeps "
                             "variables, norms, accumulators, noise and logits in float32")
-    model.add_argument("--learning-rate", type=float, default=hidden)
+    model.add_argument("--learning-rate", type=float, default=hidden,
+                       help=f"peak AdamW learning rate (default {DP_LEARNING_RATE:g}; "
+                            f"{NON_PRIVATE_LEARNING_RATE:g} with --non-private)")
     model.add_argument("--warmup-steps", type=int, default=hidden)
     model.add_argument("--weight-decay", type=float, default=hidden)
     model.add_argument("--learning-rate-scaling", choices=list(LEARNING_RATE_SCALINGS),

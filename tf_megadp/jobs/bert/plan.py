@@ -456,7 +456,7 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
         "precision": config.precision,
         "replicas": hardware.replicas,
         "clipping": config.clipping,
-        "optimizer": {"name": "adamw", "learning_rate": config.learning_rate,
+        "optimizer": {"name": "adamw", "learning_rate": config.learning_rate_choice()[0],
                       "weight_decay": config.weight_decay, "beta_1": config.beta_1,
                       "beta_2": config.beta_2, "warmup_steps": config.warmup_steps},
         "schedule": schedule.to_dict(),

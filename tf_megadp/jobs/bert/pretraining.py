@@ -154,6 +154,10 @@ def run_pretraining(config: PretrainConfig, *, log=print,
         testing: tests only (`_TestingSeeds`); never set it for a real run.
     """
     config.validate()
+    # The run trains with (and its checkpoint keeps) a number; where the
+    # number came from goes to the report.
+    learning_rate, learning_rate_source = config.learning_rate_choice()
+    config = dataclasses.replace(config, learning_rate=learning_rate)
     phases = config.phases()
     started = time.time()
     if config.vocabulary_from_training_corpus:
@@ -244,7 +248,8 @@ def run_pretraining(config: PretrainConfig, *, log=print,
 
             save_canaries(os.path.join(output_dir, CANARIES_NAME), canaries)
         return _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
-                      strategy, output_dir, started, log, testing)
+                      strategy, output_dir, started, log, testing,
+                      learning_rate_source=learning_rate_source)
     except BaseException:
         if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
             shutil.rmtree(output_dir, ignore_errors=True)

@@ -42,7 +42,9 @@ RELEASED_OUTSIDE_EPSILON = (
     "on and not protected by DP (publish it only if that text may be published)",
     "unigram baseline accuracy: the most frequent token of the training split, "
     "counted exactly",
-    "num_examples and heldout_examples: the exact numbers of sequences",
+    "num_examples, training_sequences, heldout_examples and heldout_masked_positions: "
+    "exact counts (of privacy units, training and held-out sequences, held-out masked "
+    "positions)",
     "wall_time_s, train_time_s, examples_per_s: timings",
     "truncated_steps: how many Poisson steps overflowed their capacity",
     "the vocabulary (vocab.txt), when vocabulary.public is false",
@@ -76,6 +78,33 @@ def _config_dict(config: PretrainConfig) -> dict[str, Any]:
     return values
 
 
+def _learning_lines(report: dict[str, Any]) -> list[str]:
+    """The summary's verdict against the unigram baseline, its learning rate and its N."""
+    from tf_megadp.jobs.bert.baselines import NOT_LEARNED_MESSAGE, STANDARD_ERRORS
+    from tf_megadp.jobs.bert.units import describe_population
+
+    threshold = (f"{report['learned_threshold']:.4f}: the unigram baseline + "
+                 f"{STANDARD_ERRORS:g} standard errors over "
+                 f"{report['heldout_masked_positions']:,.0f} held-out masked positions")
+    if report["learned"] is None:
+        verdict = "not evaluated"
+    elif report["learned"]:
+        verdict = f"yes (above {threshold})"
+    elif report["completed"]:
+        verdict = f"NO: {NOT_LEARNED_MESSAGE} (not above {threshold})"
+    else:
+        total = sum(phase["steps"] for phase in report["schedule"]["phases"])
+        verdict = (f"not yet (step {report['logical_steps']} of {total}; "
+                   f"not above {threshold})")
+    population = describe_population(
+        None if report["privacy_unit"] == "sequence" else report["privacy_unit"],
+        report["num_examples"], report["training_sequences"])
+    return [f"learned                 {verdict}",
+            f"learning rate           {report['learning_rate']:g} "
+            f"({report['learning_rate_source']})",
+            f"trained on              {population}"]
+
+
 def _summary(report: dict[str, Any], output_dir: str) -> str:
     lines = [
         "",
@@ -83,6 +112,7 @@ def _summary(report: dict[str, Any], output_dir: str) -> str:
         f"held-out MLM accuracy   {report['heldout_mlm_accuracy']:.4f}"
         f"   (unigram baseline {report['unigram_baseline_accuracy']:.4f})",
     ]
+    lines += _learning_lines(report)
     if report["private"]:
         lines.append(
             f"privacy                 epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}"

@@ -227,13 +227,14 @@ def _compile_kwargs(private: bool):
 
 
 def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
-           strategy, output_dir, started, log, testing=None):
+           strategy, output_dir, started, log, testing=None, learning_rate_source="given"):
     import keras
 
     import tf_megadp
     from tf_megadp import data, distribute
     from tf_megadp.jobs.bert import text
-    from tf_megadp.jobs.bert.units import load_unit_ids
+    from tf_megadp.jobs.bert.baselines import learning_verdict
+    from tf_megadp.jobs.bert.units import describe_population, load_unit_ids
     from tf_megadp.checkpointing import export_model
 
     # Public randomness only (initialisation, the held-out masks): the
@@ -397,8 +398,10 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
 
     layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
     log(
-        f"Training BERT-{config.model} ({layers} layers, hidden {hidden}) on N={len(train)} "
-        f"sequences of {train.sequence_length} tokens; held-out {len(heldout)}.\n"
+        f"Training BERT-{config.model} ({layers} layers, hidden {hidden}) on "
+        f"{describe_population(config.privacy_unit, schedule.num_examples, len(train))}, "
+        f"{train.sequence_length} tokens each; held-out {len(heldout):,} sequences.\n"
+        f"Learning rate {config.learning_rate:g} ({learning_rate_source}).\n"
         f"Schedule: {schedule}; "
         + (f"sigma={sigma:.4f}, C={config.l2_norm_clip}, delta={delta:.3g}, planned "
            f"epsilon={planned_epsilon:.3f}." if private else "NON-PRIVATE baseline (no clipping, no noise).")
@@ -432,7 +435,10 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     epsilon = float(privacy.epsilon) if privacy else math.inf
     report = {
         "heldout_mlm_accuracy": accuracy,
-        "unigram_baseline_accuracy": unigram,
+        # learned, unigram_baseline_accuracy, learned_threshold, heldout_masked_positions
+        **learning_verdict(accuracy, unigram, float(np.sum(heldout_w))),
+        "learning_rate": config.learning_rate,
+        "learning_rate_source": learning_rate_source,
         "private": private,
         "epsilon": epsilon if private else None,
         "delta": delta if private else None,

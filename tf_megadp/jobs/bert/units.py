@@ -16,9 +16,31 @@ from tf_megadp.data.shards import TokenShards
 from tf_megadp.files import atomic_write, sha256_of_file
 from tf_megadp.jobs.bert.corpus import CorpusError
 
-__all__ = ["UNITS_FILE", "load_unit_ids", "save_unit_ids"]
+__all__ = ["UNITS_FILE", "describe_population", "load_unit_ids", "save_unit_ids"]
 
 UNITS_FILE = "units.npy"
+
+
+def describe_population(privacy_unit: str | None, population: int, sequences: int) -> str:
+    """N as the guarantee counts it, for the job's banners and summary.
+
+    With a privacy unit, N (what epsilon protects, what the sampling rates
+    divide by) is the number of units; the sequences they write are a
+    separate, labelled figure.
+
+    Args:
+        privacy_unit: the JSONL field naming each unit, or None (one sequence).
+        population: N, the privacy units of the training split.
+        sequences: the training split's sequences.
+
+    Example:
+        >>> describe_population("author", 1189, 33503)
+        "N = 1,189 privacy units ('author'; 33,503 training sequences)"
+    """
+    if privacy_unit:
+        return (f"N = {population:,} privacy units ({privacy_unit!r}; "
+                f"{sequences:,} training sequences)")
+    return f"N = {population:,} training sequences (the privacy unit)"
 
 
 def save_unit_ids(directory: str | os.PathLike, unit_ids: np.ndarray) -> dict[str, Any]:

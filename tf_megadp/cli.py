@@ -474,6 +474,8 @@ def _add_audit_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", help="where the run's prepared corpus is kept")
     parser.add_argument("--json", action="store_true", help="print audit.json at the end")
+    # The audit package imports TensorFlow: quietly, before its flags are read.
+    _import_tensorflow_quietly()
     from tf_megadp.audit.audit_run import add_one_run_arguments
 
     add_one_run_arguments(parser)

@@ -571,7 +571,7 @@ def test_report_is_publishable_json_and_reproduces_epsilon(tmp_path):
     assert report["epsilon"] == pytest.approx(account.epsilon())
     assert report["delta"] == 1e-6 and report["steps"] == 300
     assert report["accountant"] == "rdp" and report["num_examples"] == 50_000
-    assert report["privacy_unit"].startswith("one training example")
+    assert report["privacy_unit"] == "example"
     assert report["sampling"]["accounted_as"] == "poisson"
     assert report["settings"] == {"l2_norm_clip": 1.0}
     assert PrivacyAccountant.from_report(report).epsilon() == pytest.approx(report["epsilon"])

@@ -41,7 +41,7 @@ def test_epsilon_json_matches_dp_accounting(capsys):
     assert report["epsilon"] == pytest.approx(
         rdp_epsilon([poisson(1000, 256 / 60000, 1.1)], 1e-5), rel=1e-12)
     assert (report["delta"], report["steps"], report["accountant"]) == (1e-5, 1000, "rdp")
-    assert report["privacy_unit"].startswith("one training example")
+    assert report["privacy_unit"] == "example"
 
 
 def test_epsilon_prints_a_privacy_statement(capsys):
@@ -208,3 +208,52 @@ def test_audit_one_run_options_parse_and_refuse_a_run_dir():
     args = build_parser().parse_args(["audit", "runs/x", "--one-run"])
     with pytest.raises(UsageError, match="do not give RUN_DIR"):
         args.handler(args)
+
+
+# Issue 43: the accounting commands answer without TensorFlow (5-10 s to
+# import). What the console script runs, in a fresh interpreter, then which
+# modules it loaded.
+_NO_TENSORFLOW_PROBE = """
+import contextlib, io, sys
+import tf_megadp_cli
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        status = tf_megadp_cli.main(sys.argv[1:])
+    except SystemExit as exit:  # --help
+        status = exit.code
+loaded = sorted({name.split(".")[0] for name in sys.modules} & {"tensorflow", "keras", "keras_hub"})
+print(status, ",".join(loaded))
+"""
+
+
+@pytest.mark.parametrize("argv", [
+    ["--help"],
+    ["epsilon", *RUN, "--noise-multiplier", "1.1", "--accountant", "rdp", "--sampling",
+     "shuffle", "--count-stddev", "10"],
+    ["calibrate", "--target-epsilon", "2", *RUN, "--accountant", "rdp"],
+    ["plan", str(pathlib.Path(__file__).parents[1] / "tpu_configs" / "bert_base_v3_8.yaml"),
+     "--accountant", "pld"],
+], ids=["help", "epsilon", "calibrate", "plan"])
+def test_the_accounting_commands_do_not_import_tensorflow(argv):
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_TENSORFLOW_PROBE, *argv], capture_output=True, text=True,
+        timeout=300, cwd=pathlib.Path(__file__).parents[1],
+        env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])})
+    assert result.returncode == 0, result.stderr[-2000:]
+    status, _, loaded = result.stdout.strip().splitlines()[-1].partition(" ")
+    assert (status, loaded) == ("0", ""), result.stdout
+
+
+def test_a_bare_import_registers_the_optimizer_and_the_probe_sees_tensorflow():
+    # Only the launcher defers the library: after `import tf_megadp`,
+    # keras.models.load_model of a private run finds DPOptimizer. And the
+    # probe above can fail: here it sees TensorFlow.
+    code = ("import tf_megadp, keras\n"
+            "print(keras.saving.get_registered_object('tf_megadp>DPOptimizer') is not None)\n"
+            + _NO_TENSORFLOW_PROBE.replace("import tf_megadp_cli", "import tf_megadp_cli  # late"))
+    result = subprocess.run(
+        [sys.executable, "-c", code, "--help"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1]),
+             "TF_CPP_MIN_LOG_LEVEL": "3"})
+    lines = result.stdout.strip().splitlines()
+    assert lines[-2:] == ["True", "0 keras,tensorflow"], result.stderr[-2000:]

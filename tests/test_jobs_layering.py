@@ -174,7 +174,7 @@ LAYERS = [
     ("steps",),
     ("adaptive_clipping",),
     ("accounting",),
-    ("clipping",),
+    ("clipping", "clipping_memory"),
     ("data",),
     ("distribute", "learning_rate", "preemption"),
     ("optimizer_settings", "accumulators", "optimizer_ledger"),

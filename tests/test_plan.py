@@ -114,6 +114,22 @@ class TestShippedConfigs:
         assert result["logical_steps"] == sum(p["steps"] for p in training["phases"])
 
 
+    def test_an_rdp_plan_also_gives_the_pld_epsilon_the_run_could_report(self, capsys):
+        # Issue 43: the shipped configs account with RDP; the plan says so and
+        # gives PLD's figure for the same steps and sigma.
+        path = CONFIGS[0]
+        status, out, _ = run_cli(capsys, path, "--json")
+        result = json.loads(out)
+        assert status == 0 and result["accountant"] == "rdp"
+        schedule = BatchSizeSchedule.from_dict(result["schedule"])
+        assert result["epsilon_pld"] == accounting.compute_epsilon(
+            delta=result["delta"], schedule=schedule,
+            noise_multiplier=result["noise_multiplier"], accountant="pld")
+        assert result["epsilon_pld"] < result["epsilon"]
+        status, out, _ = run_cli(capsys, path)
+        assert "privacy (PLD) : epsilon = " in out and "RDP here" in out
+
+
 class TestArithmetic:
     def test_parameter_count_matches_a_keras_hub_bert(self):
         spec = plan.ModelSpec(num_layers=2, hidden_dim=32, num_heads=4, intermediate_dim=48,

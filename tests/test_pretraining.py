@@ -11,6 +11,7 @@ private corpus does not reach the published vocabulary unless the user asks
 for a vocabulary learned on that corpus.
 """
 
+import dataclasses
 import io
 import json
 import pathlib
@@ -133,9 +134,10 @@ def resumed_capture(workspace):
         captured = Captured(monkeypatch)
         first = run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=2, **RECIPE),
                                 log=captured_log.append)
+        resumed_log = []
         report = run_pretraining(tiny_config(corpus, cache, output, resume=True, **RECIPE),
-                                 log=lambda *_: None)
-    captured.log = captured_log
+                                 log=resumed_log.append)
+    captured.log, captured.resumed_log = captured_log, resumed_log
     return first, report, output, captured
 
 
@@ -303,11 +305,84 @@ class TestEndToEnd:
         _, finished, output = resumed_run
         copy = tmp_path / "run"
         shutil.copytree(output / "checkpoint", copy / "checkpoint")
-        report = run_pretraining(tiny_config(corpus, cache, copy, resume=True, **RECIPE),
-                                 log=lambda *_: None)
+        # Issue 43: --resume alone takes every setting from the checkpoint;
+        # an operational flag (--eval-every) may change.
+        assert cli.main(["pretrain", "--output-dir", str(copy), "--resume", "--eval-every",
+                         "3", "--json"]) == 0
+        report = json.loads((copy / "report.json").read_text())
+        assert report["config"]["eval_every"] == 3
+        assert {k: v for k, v in report["config"].items()
+                if k not in ("eval_every", "resume", "output_dir")} == {
+            k: v for k, v in finished["config"].items()
+            if k not in ("eval_every", "resume", "output_dir")}
         assert report["epsilon"] == pytest.approx(finished["epsilon"], rel=1e-12)
         assert report["logical_steps"] == 4 and report["resumes"] == [2, 4]
         assert json.loads((copy / "privacy.json").read_text())["steps"] == 4
+
+
+class TestResumeFromTheRunFolder:
+    """Issue 43: --resume takes the run's settings; it says where it resumed; its files agree."""
+
+    def test_a_privacy_or_model_change_is_refused_by_name_before_the_corpus(
+            self, resumed_run, monkeypatch, capsys):
+        _, _, output = resumed_run
+        from tf_megadp.jobs.bert import pretraining
+
+        def prepare(*args, **kwargs):
+            raise AssertionError("the corpus was prepared before the refusal")
+
+        monkeypatch.setattr(pretraining, "prepare_data", prepare)
+        for flag, value, field in (("--noise-multiplier", "2.0", "noise_multiplier"),
+                                   ("--model", "nano", "model"),
+                                   ("--l2-norm-clip", "0.5", "l2_norm_clip")):
+            status = cli.main(["pretrain", "--output-dir", str(output), "--resume", flag, value])
+            error = capsys.readouterr().err.strip().splitlines()[-1]
+            assert status == 2 and f"{field}: " in error and flag in error, error
+
+    def test_operational_fields_are_listed_once(self):
+        from tf_megadp.jobs.bert import run_files
+        from tf_megadp.jobs.bert.config import PretrainConfig
+
+        fields = {field.name for field in dataclasses.fields(PretrainConfig)}
+        assert run_files.OPERATIONAL_FIELDS <= fields
+        # Nothing that the ledger, the schedule or the model depends on.
+        assert not run_files.OPERATIONAL_FIELDS & {
+            "noise_multiplier", "target_epsilon", "delta", "l2_norm_clip", "batch_size",
+            "steps", "schedule", "micro_batch_size", "model", "corpus", "seed", "accountant",
+            "non_private", "privacy_unit", "vocabulary_size", "sequence_length", "strategy"}
+
+    def test_the_resumed_run_says_where_it_resumed(self, resumed_capture):
+        first, _, _, captured = resumed_capture
+        line = next(line for line in captured.resumed_log if line.startswith("Resuming"))
+        assert line == f"Resuming at logical step 2 of 4 (epsilon so far {first['epsilon']:.2f})."
+
+    def test_history_counts_epochs_across_resumes_without_empty_columns(self, resumed_run):
+        _, _, output = resumed_run
+        import csv
+
+        with open(output / "history.csv", newline="") as stream:
+            rows = list(csv.DictReader(stream))
+        assert [row["epoch"] for row in rows] == ["0", "1"]
+        assert not [name for name in rows[0] if name.startswith("val_")]
+        assert all(value not in ("", "NA") for row in rows for value in row.values())
+
+    def test_report_and_privacy_report_agree(self, resumed_run, resumed_capture):
+        _, report, output = resumed_run
+        privacy = json.loads((output / "privacy.json").read_text())
+        on_disk = json.loads((output / "report.json").read_text())
+        assert on_disk["privacy_unit"] == privacy["privacy_unit"] == "example"
+        assert privacy["data"]["privacy_unit"] == "example"
+        phases = privacy["settings"]["schedule"]["phases"]
+        assert privacy["settings"]["accumulation_steps"] == [
+            phase["accumulation_steps"] for phase in phases]
+        assert on_disk["vocabulary"]["size"] == on_disk["model"]["vocabulary_size"]
+        assert on_disk["vocabulary"]["requested_size"] == 200
+        # A vocabulary smaller than asked is said, once, with both figures.
+        said = [line for line in resumed_capture[3].log if line.startswith("Vocabulary:")]
+        if on_disk["vocabulary"]["size"] < 200:
+            assert said == [said[0]] and f"{on_disk['vocabulary']['size']} tokens" in said[0]
+        else:
+            assert said == []
 
 
 def _job_argv(workspace, output, steps):
@@ -416,6 +491,29 @@ class TestTheUnigramBaseline:
 
 class TestPreemption:
     """Issue #27: `tf-megadp pretrain --resume` after SIGKILLs at random points."""
+
+    def test_a_default_job_killed_once_resumes_with_resume_alone(self, workspace, tmp_path,
+                                                                 capsys):
+        # Issue 43: no checkpoint flag (the default: after the first logical
+        # step, every 10 minutes, at the end) and `--resume` with no other
+        # flag. The one job kill of CI (about 60 CPU-seconds).
+        _, corpus, cache = workspace
+        output = tmp_path / "run"
+        argv = ["pretrain", "--corpus", corpus, "--cache-dir", str(cache), "--output-dir",
+                str(output), "--model", "pico", "--sequence-length", "16",
+                "--vocabulary-size", "200", "--max-characters", "300000",
+                "--micro-batch-size", "8", "--batch-size", "16", "--steps", "3",
+                "--noise-multiplier", "1.0", "--accountant", "rdp", "--warmup-steps", "1"]
+        committed = _killed_job(argv, output, 1, np.random.default_rng(0))
+        assert committed >= 1
+        capsys.readouterr()
+        assert cli.main(["pretrain", "--output-dir", str(output), "--resume"]) == 0
+        report = json.loads((output / "report.json").read_text())
+        _assert_same_epsilon_as_uninterrupted(report)
+        assert report["resumes"] == [committed] and report["logical_steps"] == 3
+        if committed < 3:
+            assert f"Resuming at logical step {committed} of 3 (epsilon so far " in (
+                capsys.readouterr().out)
 
     # Each kill costs another start of TensorFlow and keras-hub (one kill:
     # about 50 CPU-seconds): slow (CI time, issue 26). CI kills the library's

@@ -7,55 +7,64 @@ membership with scikit-learn, is resolved on first use (PEP 562), from the
 modules named in `_LAZY`. The BERT job (`tf_megadp.jobs.bert`) is an
 application of the library, not part of it: this namespace names nothing of
 it; import its corpus and batching helpers from `tf_megadp.jobs.bert.text`.
+
+Every other export is named in `_LIBRARY` and imported here, at the end of
+this file, because importing them registers `DPOptimizer` and
+`BatchScaledSchedule` with Keras: `keras.models.load_model` of a private run
+then works after a bare `import tf_megadp`. One process defers them: the
+`tf-megadp` launcher (tf_megadp_cli.py), whose accounting commands
+(`--help`, `epsilon`, `calibrate`, `plan`) must answer without waiting for
+TensorFlow. It imports the package with `DEFER_LIBRARY_IMPORT` set; the
+exports are then resolved on first use, like the audit's, and
+`tf_megadp.accounting` (NumPy, SciPy and dp_accounting) loads without
+TensorFlow.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
-from tf_megadp import distribute
 from tf_megadp._version import __version__
-from tf_megadp.adaptive_clipping import AdaptiveClipping
-from tf_megadp.accounting import (
-    LedgerEntry,
-    PrivacyAccountant,
-    PrivacyLedger,
-    calibrate_noise_multiplier,
-    compute_epsilon,
-    ledger_from_schedule,
-)
-from tf_megadp.callbacks import PrivacyCallback
-from tf_megadp.checkpointing import (
-    export_model,
-    has_training_state,
-    restore_training_state,
-    save_training_state,
-)
-from tf_megadp.clipping import AutoClipping, ClippingStrategy, GhostClipping, VectorizedClipping
-from tf_megadp.custom_loop import PrivateStep
-from tf_megadp.data import (
-    DataSource,
-    PoissonSampler,
-    PrivacyUnitSampler,
-    ShuffleSampler,
-    TokenShards,
-    write_token_shards,
-)
-from tf_megadp.errors import GhostClippingUnsupportedError, PrivacyConfigurationError
-from tf_megadp.learning_rate import BatchScaledSchedule
-from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.privacy_report import PrivacyReport
-from tf_megadp.run_state import model_ledger, read_ledger
-from tf_megadp.steps import BatchSizeSchedule, Phase
-from tf_megadp.train_step import extend_schedule, is_private, make_private, make_private_with_epsilon
-from tf_megadp.weights_origin import continue_from_release, declare_public_weights
 
 # name -> (module, attribute or None for the module itself), imported on first access.
 _LAZY = {
     "audit": ("tf_megadp.audit", None),
     "AuditCallback": ("tf_megadp.audit", "AuditCallback"),
     "run_audit": ("tf_megadp.audit", "run_audit"),
+}
+
+# The library's exports, imported at the end of this file (or on first
+# access, under the launcher): name -> (module, attribute or None).
+_LIBRARY = {
+    "distribute": ("tf_megadp.distribute", None),
+    "AdaptiveClipping": ("tf_megadp.adaptive_clipping", "AdaptiveClipping"),
+    **{name: ("tf_megadp.accounting", name)
+       for name in ("LedgerEntry", "PrivacyAccountant", "PrivacyLedger",
+                    "calibrate_noise_multiplier", "compute_epsilon", "ledger_from_schedule")},
+    "PrivacyCallback": ("tf_megadp.callbacks", "PrivacyCallback"),
+    **{name: ("tf_megadp.checkpointing", name)
+       for name in ("export_model", "has_training_state", "restore_training_state",
+                    "save_training_state")},
+    **{name: ("tf_megadp.clipping", name)
+       for name in ("AutoClipping", "ClippingStrategy", "GhostClipping", "VectorizedClipping")},
+    "PrivateStep": ("tf_megadp.custom_loop", "PrivateStep"),
+    **{name: ("tf_megadp.data", name)
+       for name in ("DataSource", "PoissonSampler", "PrivacyUnitSampler", "ShuffleSampler",
+                    "TokenShards", "write_token_shards")},
+    **{name: ("tf_megadp.errors", name)
+       for name in ("GhostClippingUnsupportedError", "PrivacyConfigurationError")},
+    "BatchScaledSchedule": ("tf_megadp.learning_rate", "BatchScaledSchedule"),
+    "DPOptimizer": ("tf_megadp.optimizer", "DPOptimizer"),
+    "PrivacyReport": ("tf_megadp.privacy_report", "PrivacyReport"),
+    **{name: ("tf_megadp.run_state", name) for name in ("model_ledger", "read_ledger")},
+    **{name: ("tf_megadp.steps", name) for name in ("BatchSizeSchedule", "Phase")},
+    **{name: ("tf_megadp.train_step", name)
+       for name in ("extend_schedule", "is_private", "make_private",
+                    "make_private_with_epsilon")},
+    **{name: ("tf_megadp.weights_origin", name)
+       for name in ("continue_from_release", "declare_public_weights")},
 }
 
 __all__ = [
@@ -105,9 +114,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """The lazily imported exports (PEP 562): see `_LAZY`."""
+    """The exports not imported yet (PEP 562): see `_LAZY` and `_LIBRARY`."""
     try:
-        module_name, attribute = _LAZY[name]
+        module_name, attribute = _LAZY.get(name) or _LIBRARY[name]
     except KeyError:
         raise AttributeError(f"module 'tf_megadp' has no attribute {name!r}") from None
     module = importlib.import_module(module_name)
@@ -118,3 +127,15 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+def _library_deferred() -> bool:
+    """Whether the `tf-megadp` launcher asked for the library to be imported on first use."""
+    launcher = sys.modules.get("tf_megadp_cli")
+    return bool(getattr(launcher, "DEFER_LIBRARY_IMPORT", False))
+
+
+if not _library_deferred():
+    for _name in _LIBRARY:
+        __getattr__(_name)
+    del _name

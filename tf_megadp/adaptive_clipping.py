@@ -53,7 +53,6 @@ from typing import Any
 
 import dp_accounting
 import numpy as np
-import tensorflow as tf
 
 from tf_megadp.errors import PrivacyConfigurationError
 
@@ -294,6 +293,9 @@ def as_single_gaussian(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
 
 
 # -- The graph side (called by DPOptimizer and the private step) -----------------
+# TensorFlow is imported here, in each graph function, not at the top: the
+# accounting above is what `tf-megadp epsilon` and `calibrate` reach through
+# `tf_megadp.accounting`, and they must not wait for TensorFlow.
 
 
 def centred_count(norms, is_real, clip_norm) -> tf.Tensor:
@@ -302,6 +304,8 @@ def centred_count(norms, is_real, clip_norm) -> tf.Tensor:
     Padding and examples without weight (is_real = 0) count nothing; a
     non-finite norm counts as clipped.
     """
+    import tensorflow as tf
+
     real = tf.cast(is_real, tf.float64) > 0
     below = tf.cast(norms, tf.float64) <= tf.cast(clip_norm, tf.float64)
     indicator = tf.where(below, tf.constant(0.5, tf.float64), tf.constant(-0.5, tf.float64))
@@ -316,6 +320,8 @@ def step_noise_multipliers(config: AdaptiveClipping, noise_multiplier, divisor):
     sigma) gives sigma_grad = NaN, which the ledger keeper refuses; the
     optimizer refuses every pair it can see before training.
     """
+    import tensorflow as tf
+
     sigma = tf.cast(noise_multiplier, tf.float64)
     if config.count_stddev is None:
         stddev = tf.where(sigma > 0, tf.cast(divisor, tf.float64) * DEFAULT_COUNT_STDDEV_FRACTION,
@@ -345,6 +351,8 @@ def updated_clip_norm(config: AdaptiveClipping, clip_norm, noisy_centred_count, 
     The clamp is post-processing of the noisy count (no privacy cost); a NaN
     stays NaN, for the ledger keeper to stop the run.
     """
+    import tensorflow as tf
+
     clip_norm = tf.cast(clip_norm, tf.float64)
     fraction = noisy_centred_count / tf.cast(divisor, tf.float64) + 0.5
     moved = clip_norm * tf.exp(-config.learning_rate * (fraction - config.target_quantile))
@@ -360,6 +368,8 @@ def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
     noise key, already folded with the step and the replica), so the
     all-reduced sum carries exactly N(0, s^2).
     """
+    import tensorflow as tf
+
     noise = tf.random.stateless_normal([], seed=key, dtype=tf.float64)
     noisy = tf.cast(centred_sum, tf.float64) + tf.cast(stddev, tf.float64) / math.sqrt(
         replicas) * noise
@@ -371,6 +381,8 @@ def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
 def release_count_and_update(config: AdaptiveClipping, clip_norm_variable, centred_sum, stddev,
                              divisor, key, replicas: int, bounds: tuple[float, float]) -> None:
     """Releases the step's noisy count (`noisy_count`) and moves C with it, within `bounds`."""
+    import tensorflow as tf
+
     noisy = noisy_count(centred_sum, stddev, key, replicas)
     clip_norm_variable.assign(tf.cast(
         updated_clip_norm(config, clip_norm_variable.value, noisy, divisor, bounds),
@@ -379,6 +391,8 @@ def release_count_and_update(config: AdaptiveClipping, clip_norm_variable, centr
 
 def all_finite(clip_norm, variables) -> tf.Tensor:
     """Whether C and every variable are finite after a step (a scalar bool, in the graph)."""
+    import tensorflow as tf
+
     checks = [tf.reduce_all(tf.math.is_finite(tf.cast(clip_norm, tf.float64)))]
     checks += [tf.reduce_all(tf.math.is_finite(variable.value)) for variable in variables]
     return tf.reduce_all(tf.stack(checks))

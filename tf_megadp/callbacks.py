@@ -107,12 +107,16 @@ class _PrivacyReporting:
 
     def _settings(self) -> dict[str, Any]:
         optimizer = self._optimizer
+        schedule = optimizer.schedule
         return {
             "l2_norm_clip": optimizer.l2_norm_clip,
             "noise_multiplier": optimizer.noise_multiplier,
-            "accumulation_steps": optimizer.accumulation_steps,
+            # With a schedule the phases set it (the optimizer's own field is
+            # unused, 1): the report says what the steps did, phase by phase.
+            "accumulation_steps": ([phase.accumulation_steps for phase in schedule.phases]
+                                   if schedule else optimizer.accumulation_steps),
             "normalize_by": optimizer.normalize_by,
-            "schedule": optimizer.schedule.to_dict() if optimizer.schedule else None,
+            "schedule": schedule.to_dict() if schedule else None,
             "optimizer": type(optimizer.inner_optimizer).__name__,
             "clipping": optimizer.clipping,
             "per_example_scaling": optimizer.per_example_scaling,

@@ -34,15 +34,19 @@ import os
 import secrets
 from typing import Any
 
-import keras
 import numpy as np
 
 from tf_megadp import weights_origin
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, write_json_atomically
-from tf_megadp.optimizer import DPOptimizer
 
-__all__ = ["save_training_state", "restore_training_state", "has_training_state", "export_model"]
+__all__ = ["save_training_state", "restore_training_state", "has_training_state",
+           "training_state_extra", "export_model"]
+
+# Keras (so TensorFlow) and the optimizer are imported by the functions that
+# save or load a model, not here: `has_training_state` and
+# `training_state_extra` read the index alone, so that `tf-megadp pretrain
+# --resume` checks a run's saved settings before TensorFlow loads.
 
 _INDEX = "training_state.json"
 _WEIGHTS = "model-{tag}.weights.h5"
@@ -64,6 +68,8 @@ def save_training_state(model: keras.Model, directory: str, extra: dict[str, Any
     tf_megadp.save_training_state(model, "run/checkpoint", extra={"epoch": 3})
     ```
     """
+    import keras
+
     os.makedirs(directory, exist_ok=True)
     record_custom_loop(model)
     optimizer = model.optimizer
@@ -131,6 +137,11 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
         FileNotFoundError: no complete checkpoint in `directory`.
         ValueError: the optimizer variables do not match.
     """
+    import keras
+
+    # The classes the saved optimizer config names, registered with Keras on import.
+    from tf_megadp import learning_rate, optimizer as _optimizer  # noqa: F401
+
     index_path = os.path.join(directory, _INDEX)
     if not os.path.exists(index_path):
         raise FileNotFoundError(f"No checkpoint ({_INDEX}) in {directory}.")
@@ -168,6 +179,39 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
 def has_training_state(directory: str) -> bool:
     """Whether `directory` holds a committed `save_training_state` checkpoint."""
     return os.path.exists(os.path.join(directory, _INDEX))
+
+
+def training_state_extra(directory: str) -> dict[str, Any]:
+    """The `extra` dict of the committed checkpoint in `directory`, read without loading it.
+
+    Args:
+        directory: the checkpoint folder.
+
+    Returns:
+        What `save_training_state(..., extra=...)` stored (e.g. a run's settings).
+
+    Raises:
+        FileNotFoundError: no committed checkpoint in `directory`.
+        ValueError: its index is not a checkpoint index.
+
+    Example:
+    ```python
+    from tf_megadp.checkpointing import training_state_extra
+
+    training_state_extra("run/checkpoint")["epoch"]
+    ```
+    """
+    index_path = os.path.join(directory, _INDEX)
+    try:
+        with open(index_path, encoding="utf-8") as handle:
+            index = json.load(handle)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"No checkpoint ({_INDEX}) in {directory}.") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{index_path} is not a checkpoint index: {error}") from None
+    if not isinstance(index, dict) or not isinstance(index.get("extra", {}), dict):
+        raise ValueError(f"{index_path} is not a checkpoint index.")
+    return index.get("extra", {})
 
 
 def export_model(model: keras.Model, path: str | os.PathLike) -> None:
@@ -246,6 +290,8 @@ def _dp_variable_count(handle) -> int:
 
 
 def _ledger_preserving_load(model: keras.Model, original_load):
+    from tf_megadp.optimizer import DPOptimizer
+
     @functools.wraps(original_load)
     def load_weights(filepath, *args, **kwargs):
         saved = _saved_dp_optimizer_variables(filepath)
@@ -297,6 +343,10 @@ def _atomic_save(original_save, model=None):
 
 
 def _ledger_preserving_save(model: keras.Model, original_save):
+    import keras
+
+    from tf_megadp.optimizer import DPOptimizer
+
     atomic_save = _atomic_save(original_save, model)
 
     @functools.wraps(original_save)

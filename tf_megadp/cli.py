@@ -4,8 +4,12 @@ Each subcommand is a small `_add_<name>_parser(subparsers)` that declares its
 arguments and sets `handler`; this module only parses, and hands the work to
 the library (`epsilon`, `calibrate`) or to the BERT job (`plan`, `pretrain`,
 `audit`: `tf_megadp.jobs.bert`, imported by the handler, so that the
-accounting subcommands never load keras-hub). TensorFlow itself is loaded by
-the `tf_megadp` package on any subcommand. To add a
+accounting subcommands never load keras-hub). Run from the `tf-megadp`
+launcher (tf_megadp_cli.py), `--help`, `epsilon`, `calibrate` and `plan`
+never import TensorFlow; `pretrain` and `audit` import it quietly
+(`_import_tensorflow_quietly`) once their arguments are checked, so that a
+refused `pretrain --resume` fails in about a second. `main` declares only
+the arguments of the subcommand given (`build_parser(command)`). To add a
 subcommand, write both functions and list the parser builder in `_SUBCOMMANDS`.
 
 Bad arguments print one line on stderr and exit with status 2.
@@ -35,15 +39,37 @@ import sys  # noqa: E402
 import warnings  # noqa: E402
 from typing import Any, Callable, Sequence  # noqa: E402
 
-from tf_megadp.accounting import (  # noqa: E402
-    DEFAULT_ACCOUNTANT,
-    accountant_names,
-    sampling_kinds,
-)
 
 __all__ = ["main", "build_parser", "run_config_from_args"]
 
 _PROGRAM = "tf-megadp"
+
+
+def _import_tensorflow_quietly() -> None:
+    """Imports TensorFlow with its C++ start-up lines kept out of the terminal.
+
+    The runtime prints them (CUDA probing, CPU features) through absl
+    logging before any Python setting can reach it, and reads
+    TF_CPP_MIN_LOG_LEVEL only when it loads: so stderr points at /dev/null
+    while TensorFlow loads and initialises its devices, and is restored
+    before any of our own output (Python exceptions come after). A process
+    that has TensorFlow already (tests, a host program) is left alone.
+    """
+    if "tensorflow" in sys.modules:
+        return
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        import tensorflow as tf
+
+        tf.config.list_physical_devices()
+        tf.get_logger().setLevel("ERROR")
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 class UsageError(Exception):
@@ -62,6 +88,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> None:
     """The description of a training run, shared by `epsilon` and `calibrate`."""
+    # Here, not at the top: `tf-megadp --help` needs no accounting (nor SciPy).
+    from tf_megadp.accounting import DEFAULT_ACCOUNTANT, accountant_names, sampling_kinds
+
     run = parser.add_argument_group("the run (or --schedule)")
     run.add_argument("--num-examples", type=int, metavar="N",
                      help="N, the number of privacy units: training examples, or "
@@ -154,11 +183,11 @@ def _statement(report: dict[str, Any]) -> str:
     """A human-readable privacy statement for a `PrivacyAccountant.report()`."""
     # Rounded up, so the printed epsilon never understates the spend.
     epsilon = math.ceil(report["epsilon"] * 1e4) / 1e4
-    per_example = report["privacy_unit"].startswith("one training example")
+    per_example = report["privacy_unit"] == "example"
     lines = [
         f"This training run is ({epsilon:.4f}, {report['delta']:.3g})-"
         "differentially private.",
-        f"  privacy unit : {report['privacy_unit']}, "
+        f"  privacy unit : {'one training example' if per_example else report['privacy_unit']}, "
         f"{report['neighbouring_relation'].replace('_', '-')} adjacency",
         f"  accountant   : {report['accountant'].upper()} "
         f"(dp_accounting {report['versions']['dp_accounting']})",
@@ -219,7 +248,7 @@ def _print_report(report: dict[str, Any], as_json: bool, heading: str | None = N
 
 def _add_epsilon_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "epsilon", help="epsilon spent by a DP-SGD run",
+        "epsilon", help=_HELP["epsilon"],
         description="Epsilon of a DP-SGD run at the given delta.",
     )
     _add_run_arguments(parser, with_noise=True)
@@ -263,7 +292,7 @@ def _run_epsilon(args: argparse.Namespace) -> int:
 
 def _add_calibrate_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "calibrate", help="smallest noise multiplier meeting a target epsilon",
+        "calibrate", help=_HELP["calibrate"],
         description="The smallest noise multiplier sigma whose run meets "
                     "(--target-epsilon, --delta).",
     )
@@ -324,16 +353,26 @@ def run_config_from_args(args: argparse.Namespace, config_path: str | None):
     from tf_megadp.jobs.bert import pretraining
     from tf_megadp.jobs.bert.config import parse_schedule
 
-    config = (pretraining.load_run_config(config_path) if config_path
-              else pretraining.PretrainConfig())
     given = dict(vars(args))
+    if given.get("resume") and not config_path:
+        # --resume alone: the run's saved settings, then the flags given
+        # (run_pretraining refuses any that is not operational, naming it).
+        from tf_megadp.jobs.bert.run_files import resumed_config, saved_settings
+
+        if not given.get("output_dir"):
+            raise UsageError("--resume needs --output-dir, the folder of the run to continue.")
+        config = resumed_config(saved_settings(given["output_dir"]))
+    else:
+        config = (pretraining.load_run_config(config_path) if config_path
+                  else pretraining.PretrainConfig())
     for name in ("handler", "command", "config", "json"):
         given.pop(name, None)
     if "schedule" in given:
         given["schedule"] = parse_schedule(given["schedule"])
     if given.get("non_private"):
         given.update(noise_multiplier=None, target_epsilon=None)
-    elif "noise_multiplier" in given and "target_epsilon" not in given and not config_path:
+    elif ("noise_multiplier" in given and "target_epsilon" not in given and not config_path
+          and not given.get("resume")):
         # sigma instead of the default target; a file's target stays as a check.
         given["target_epsilon"] = None
     fields = {field.name for field in dataclasses.fields(config)}
@@ -347,7 +386,7 @@ def _add_pretrain_parser(subparsers) -> None:
     from tf_megadp.jobs.bert.arguments import add_run_config_arguments
 
     parser = subparsers.add_parser(
-        "pretrain", help="DP masked-LM pretraining of a BERT (the main job)",
+        "pretrain", help=_HELP["pretrain"],
         description="Pretrains a keras-hub BertMaskedLM from scratch with DP-SGD on "
                     "Poisson-sampled logical batches, and reports held-out MLM accuracy "
                     "and (epsilon, delta). With no arguments: a BERT-nano on the offline "
@@ -365,7 +404,16 @@ def _add_pretrain_parser(subparsers) -> None:
 def _run_pretrain(args: argparse.Namespace) -> int:
     from tf_megadp.jobs.bert import pretraining
 
-    report = pretraining.run_pretraining(run_config_from_args(args, args.config))
+    config = run_config_from_args(args, args.config)
+    if config.resume:
+        # Refused (a changed privacy or model setting, named) before
+        # TensorFlow loads; run_pretraining checks the same again.
+        from tf_megadp.jobs.bert.run_files import check_same_run, saved_settings
+
+        config.validate()
+        check_same_run(saved_settings(config.output_dir), config)
+    _import_tensorflow_quietly()
+    report = pretraining.run_pretraining(config)
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if k != "history"}, indent=2,
                          default=str))
@@ -379,7 +427,7 @@ def _add_plan_parser(subparsers) -> None:
     from tf_megadp.jobs.bert.arguments import add_run_config_arguments
 
     parser = subparsers.add_parser(
-        "plan", help="check a TPU run configuration and estimate its cost",
+        "plan", help=_HELP["plan"],
         description="Validates a run configuration (see tpu_configs/) without running it "
                     "and prints per-core micro-batch, accumulation steps per phase, logical "
                     "steps, (epsilon, delta), FLOPs and time per logical step, and per-core "
@@ -410,7 +458,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _add_audit_parser(subparsers) -> None:
     parser = subparsers.add_parser(
-        "audit", help="audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
+        "audit", help=_HELP["audit"],
         description="Audits a finished `tf-megadp pretrain` run: loss-based membership "
                     "inference (training vs held-out sequences), exposure of the canaries "
                     "it was trained with (`pretrain --canaries N`), and an empirical lower "
@@ -426,6 +474,8 @@ def _add_audit_parser(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", help="where the run's prepared corpus is kept")
     parser.add_argument("--json", action="store_true", help="print audit.json at the end")
+    # The audit package imports TensorFlow: quietly, before its flags are read.
+    _import_tensorflow_quietly()
     from tf_megadp.audit.audit_run import add_one_run_arguments
 
     add_one_run_arguments(parser)
@@ -433,6 +483,7 @@ def _add_audit_parser(subparsers) -> None:
 
 
 def _run_audit(args: argparse.Namespace) -> int:
+    _import_tensorflow_quietly()
     if args.one_run:
         if args.run_dir:
             args.audit_parser.error("--one-run trains its own model: do not give RUN_DIR.")
@@ -453,24 +504,43 @@ def _run_audit(args: argparse.Namespace) -> int:
 
 # -- Entry point ----------------------------------------------------------------
 
-_SUBCOMMANDS: tuple[Callable[[Any], None], ...] = (
-    _add_epsilon_parser,
-    _add_calibrate_parser,
-    _add_plan_parser,
-    _add_pretrain_parser,
-    _add_audit_parser,
-)
+# One line per subcommand for `tf-megadp --help`; builders below.
+_HELP = {
+    "epsilon": "epsilon spent by a DP-SGD run",
+    "calibrate": "smallest noise multiplier meeting a target epsilon",
+    "pretrain": "DP masked-LM pretraining of a BERT (the main job)",
+    "plan": "check a TPU run configuration and estimate its cost",
+    "audit": "audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
+}
+
+_SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
+    "epsilon": _add_epsilon_parser,
+    "calibrate": _add_calibrate_parser,
+    "plan": _add_plan_parser,
+    "pretrain": _add_pretrain_parser,
+    "audit": _add_audit_parser,
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `tf-megadp` parser with every subcommand."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `tf-megadp` parser with every subcommand.
+
+    Args:
+        command: declare only this subcommand's arguments (the others are
+            listed with their one-line help). `main` passes the command
+            given, so that `tf-megadp epsilon` imports neither the BERT job
+            nor the audit, whose flags need them (and the audit TensorFlow).
+    """
     parser = _Parser(
         prog=_PROGRAM,
         description="Differentially private training at mega-batch scale.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for add_parser in _SUBCOMMANDS:
-        add_parser(subparsers)
+    for name, add_parser in _SUBCOMMANDS.items():
+        if command is None or name == command:  # "": none (`tf-megadp --help`)
+            add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=_HELP[name])
     return parser
 
 
@@ -489,7 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            args = build_parser().parse_args(argv)
+            arguments = sys.argv[1:] if argv is None else list(argv)
+            # The subcommand is the first argument: the top level has no options but -h.
+            given = arguments[0] if arguments and arguments[0] in _SUBCOMMANDS else ""
+            args = build_parser(given).parse_args(arguments)
             status = args.handler(args)
         except (UsageError, ValueError, TypeError) as error:
             message = " ".join(str(error).split())

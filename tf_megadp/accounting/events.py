@@ -1,13 +1,17 @@
 """Sampling kinds, the registry that turns a ledger entry into a `dp_accounting` event.
 
 A ledger entry names how its steps drew their examples: its sampling kind.
-Each kind is one `SamplingKind`, registered once by the sampler that draws
-such steps (`tf_megadp.data.samplers`: "poisson" and "shuffle"), with the
-event of one step, its code in the optimizer's ledger rows, whether its steps
+Each kind is one `SamplingKind`, registered once, with the event of one step, its code in the optimizer's ledger rows, whether its steps
 may be truncated, the warning its epsilon carries, and what the ledger keeper
 needs to know of its steps (whether they follow the sampler's schedule, end
 at a new pass over the data, give a proven guarantee). A kind without an
 event is refused by the accountant, never accounted as Poisson by default.
+
+The library's samplers' kinds, "poisson" and "shuffle" (`tf_megadp.data.samplers`,
+whose samplers take these events as their `step_event`), are registered here,
+with the accounting and not with the samplers: `tf-megadp epsilon` and
+`calibrate` account Poisson and shuffled runs without importing the data
+pipeline (nor TensorFlow, which it needs).
 
 Two kinds belong to the ledger itself, not to a sampler: `NOISELESS` (steps
 applied with noise multiplier 0, which make epsilon infinite) and
@@ -23,14 +27,18 @@ from typing import Any, Callable
 
 import dp_accounting
 
+from tf_megadp import adaptive_clipping
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
     "NOISELESS",
+    "SHUFFLE_WARNING",
     "UNACCOUNTED",
     "SamplingKind",
     "refusal_error",
     "entry_event",
+    "poisson_step_event",
+    "shuffle_step_event",
     "register_sampling_kind",
     "sampling_kind",
     "sampling_kind_of_code",
@@ -205,3 +213,65 @@ register_sampling_kind(SamplingKind(
         "with a PrivacyCallback from the first step (with num_examples=N for data of "
         "unknown size), or a PrivateStep fed its own data; to report an epsilon, "
         "restore a checkpoint taken before those steps.")))
+
+
+def poisson_step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
+    """One Poisson step: a sampled Gaussian, truncated at `entry.max_batch_size` if set.
+
+    When truncation is rare, the accountant accounts a truncated step by a
+    coupling bound at the cost of the untruncated one (and works with RDP);
+    otherwise dp_accounting's exact PLD of the truncated mechanism is used
+    (see `tf_megadp.accounting.engines._TruncationAwareAccountant`).
+
+    Args:
+        entry: a `LedgerEntry` of kind "poisson".
+        num_examples: N.
+
+    Returns:
+        The `dp_accounting` event of one of its steps.
+    """
+    if entry.max_batch_size:
+        # dp_accounting's truncated event holds one Gaussian: the equivalent
+        # one of the step's releases (see `adaptive_clipping.as_single_gaussian`).
+        return dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            dataset_size=num_examples,
+            sampling_probability=entry.sampling_rate,
+            truncated_batch_size=entry.max_batch_size,
+            noise_multiplier=entry.equivalent_noise_multiplier,
+        )
+    return dp_accounting.PoissonSampledDpEvent(
+        entry.sampling_rate,
+        adaptive_clipping.step_mechanism(entry.noise_multiplier, entry.count_noise_multiplier),
+    )
+
+
+def shuffle_step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
+    """One shuffled step, as if Poisson-sampled: no accountant covers shuffling (`SHUFFLE_WARNING`).
+
+    Args:
+        entry: a `LedgerEntry` of kind "shuffle".
+        num_examples: N (unused: the event is the Poisson one of the same q).
+
+    Returns:
+        The `dp_accounting` event the report uses for one of its steps.
+    """
+    return dp_accounting.PoissonSampledDpEvent(
+        entry.sampling_rate,
+        adaptive_clipping.step_mechanism(entry.noise_multiplier, entry.count_noise_multiplier),
+    )
+
+
+SHUFFLE_WARNING = (
+    "Shuffled fixed-size batches are accounted as if they were Poisson-sampled. "
+    "This UNDERSTATES the real privacy loss: shuffling does not give the "
+    "amplification that the accountant assumes (Chua et al., 2024, 'How Private "
+    "are DP-SGD Implementations?'). Report the epsilon as a Poisson-sampling "
+    "estimate, or train with Poisson sampling (the tf_megadp Poisson sampler) to "
+    "get a guarantee that matches the number."
+)
+
+# The samplers' kinds. Their ledger codes are stored in checkpoints: they never change.
+register_sampling_kind(SamplingKind("poisson", 0, poisson_step_event, truncates=True,
+                                    follows_schedule=True, proven_guarantee=True,
+                                    ends_step_at_pass=False))
+register_sampling_kind(SamplingKind("shuffle", 1, shuffle_step_event, warning=SHUFFLE_WARNING))

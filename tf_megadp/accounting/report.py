@@ -28,7 +28,9 @@ def privacy_report(accountant: Any, settings: dict[str, Any] | None = None) -> d
         warnings_.append(f"delta = {accountant.delta:g} is larger than 1/N.")
     return {
         "format": REPORT_FORMAT,
-        "privacy_unit": "one training example (sequence)",
+        # One spelling everywhere (data reports, the job's report.json):
+        # "example", or the name of a user-level unit (PrivacyUnitSampler).
+        "privacy_unit": "example",
         "neighbouring_relation": "add_or_remove_one",
         "accountant": accountant.accountant,
         "epsilon": math.inf if noiseless else accountant.epsilon(),

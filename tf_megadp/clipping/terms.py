@@ -25,7 +25,9 @@ import abc
 
 import tensorflow as tf
 
-__all__ = ["Explicit", "Gather", "Outer", "Term", "compute_dtype", "outer_is_materialised",
+from tf_megadp.clipping_memory import outer_is_materialised
+
+__all__ = ["Explicit", "Gather", "Outer", "Term", "compute_dtype",
            "squared_norm_of_sum"]
 
 
@@ -74,17 +76,6 @@ def _weighted_row_sum(factors, per_example, keep) -> tf.Tensor:
     weights = tf.stack([factors, tf.zeros_like(factors)])
     total = _with_dropped_rows_zeroed(keep, lambda rows: tf.matmul(weights, rows), flat)[0]
     return tf.reshape(total, tf.shape(per_example)[1:])
-
-
-def outer_is_materialised(tokens: int | None, p: int, d: int) -> bool:
-    """Whether an `Outer` record of T tokens, p inputs, d outputs builds its per-example gradient.
-
-    True when p d <= T (p + d): the [p, d] gradient is no larger than the
-    records it comes from. An unknown token count gets the Gram form, whose
-    memory does not grow with the layer's width. Plain arithmetic, so that
-    the run planner (`tf_megadp.jobs.bert.plan`) applies the same rule.
-    """
-    return tokens is not None and p * d <= tokens * (p + d)
 
 
 class Term(abc.ABC):

@@ -28,10 +28,11 @@ sampler returns carries its `tf_megadp.data.sources.DataSource`.
 want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
 2024): see its docstring.
 
-Each sampler owns the `dp_accounting` event of its steps (`step_event`),
-registered below as its sampling kind (`tf_megadp.accounting.events`): a new
-sampler is one class here plus its registration and its row in
-tests/test_accounting.py. The shared machinery is in `tf_megadp.data.base`,
+Each sampler names the `dp_accounting` event of its steps (`step_event`),
+which its sampling kind registers (`tf_megadp.accounting.events`, where the
+"poisson" and "shuffle" kinds live, so that the accounting never needs the
+data pipeline): a new sampler is one class here plus its kind's registration
+and its row in tests/test_accounting.py. The shared machinery is in `tf_megadp.data.base`,
 the stores in `tf_megadp.data.stores` and `tf_megadp.data.shards`.
 """
 
@@ -39,11 +40,9 @@ from __future__ import annotations
 
 import math
 
-import dp_accounting
 import numpy as np
 
-from tf_megadp import adaptive_clipping
-from tf_megadp.accounting.events import SamplingKind, register_sampling_kind
+from tf_megadp.accounting.events import SHUFFLE_WARNING, poisson_step_event, shuffle_step_event
 from tf_megadp.data.base import StepDraw, _Sampler
 from tf_megadp.data.entropy import warn_at_caller
 from tf_megadp.data.shards import TokenShards
@@ -128,29 +127,8 @@ class PoissonSampler(_Sampler):
 
     sampling_kind = "poisson"
 
-    @staticmethod
-    def step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
-        """One step: Poisson-sampled Gaussian, truncated at `entry.max_batch_size` if set.
-
-        When truncation is rare, the accountant accounts a truncated step by a
-        coupling bound at the cost of the untruncated one (and works with RDP);
-        otherwise dp_accounting's exact PLD of the truncated mechanism is used
-        (see `tf_megadp.accounting.engines._TruncationAwareAccountant`).
-        """
-        if entry.max_batch_size:
-            # dp_accounting's truncated event holds one Gaussian: the equivalent
-            # one of the step's releases (see `adaptive_clipping.as_single_gaussian`).
-            return dp_accounting.TruncatedSubsampledGaussianDpEvent(
-                dataset_size=num_examples,
-                sampling_probability=entry.sampling_rate,
-                truncated_batch_size=entry.max_batch_size,
-                noise_multiplier=entry.equivalent_noise_multiplier,
-            )
-        return dp_accounting.PoissonSampledDpEvent(
-            entry.sampling_rate,
-            adaptive_clipping.step_mechanism(entry.noise_multiplier,
-                                             entry.count_noise_multiplier),
-        )
+    # The accounting's event of one step (registered with the sampling kinds).
+    step_event = staticmethod(poisson_step_event)
 
     def __init__(
         self,
@@ -249,14 +227,8 @@ class ShuffleSampler(_Sampler):
 
     sampling_kind = "shuffle"
 
-    @staticmethod
-    def step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
-        """One step, as if Poisson-sampled: no accountant covers shuffling (see `SHUFFLE_WARNING`)."""
-        return dp_accounting.PoissonSampledDpEvent(
-            entry.sampling_rate,
-            adaptive_clipping.step_mechanism(entry.noise_multiplier,
-                                             entry.count_noise_multiplier),
-        )
+    # The accounting's event of one step: as if Poisson-sampled (SHUFFLE_WARNING).
+    step_event = staticmethod(shuffle_step_event)
 
     def __init__(
         self,
@@ -331,20 +303,3 @@ class ShuffleSampler(_Sampler):
         chosen = self._permutation[offset : offset + phase.batch_size]
         indices = np.sort(chosen.astype(np.int64))
         return StepDraw(step, indices, phase.batch_size, self.schedule.capacity(phase))
-
-
-SHUFFLE_WARNING = (
-    "Shuffled fixed-size batches are accounted as if they were Poisson-sampled. "
-    "This UNDERSTATES the real privacy loss: shuffling does not give the "
-    "amplification that the accountant assumes (Chua et al., 2024, 'How Private "
-    "are DP-SGD Implementations?'). Report the epsilon as a Poisson-sampling "
-    "estimate, or train with Poisson sampling (the tf_megadp Poisson sampler) to "
-    "get a guarantee that matches the number."
-)
-
-# The ledger codes are stored in checkpoints: they never change.
-register_sampling_kind(SamplingKind("poisson", 0, PoissonSampler.step_event, truncates=True,
-                                    follows_schedule=True, proven_guarantee=True,
-                                    ends_step_at_pass=False))
-register_sampling_kind(SamplingKind("shuffle", 1, ShuffleSampler.step_event,
-                                    warning=SHUFFLE_WARNING))

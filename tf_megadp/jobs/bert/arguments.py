@@ -22,9 +22,9 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     missing one leaves it. See `run_config_from_args`.
     """
     from tf_megadp.jobs.bert.config import (DP_LEARNING_RATE, LEARNING_RATE_SCALINGS,
-                                            NON_PRIVATE_LEARNING_RATE, PER_EXAMPLE_SCALINGS,
-                                            SEPARATORS)
-    from tf_megadp.jobs.bert.pretraining import MODEL_PRESETS, PRECISIONS, PretrainConfig
+                                            MODEL_PRESETS, NON_PRIVATE_LEARNING_RATE,
+                                            PER_EXAMPLE_SCALINGS, PRECISIONS, SEPARATORS,
+                                            PretrainConfig)
 
     defaults = PretrainConfig()
     hidden = argparse.SUPPRESS
@@ -133,13 +133,21 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("run")
     run.add_argument("--output-dir", default=hidden, help="default: a new folder under ./runs/")
     run.add_argument("--resume", action="store_true", default=hidden,
-                     help="continue the run in --output-dir")
+                     help="continue the run in --output-dir with its saved settings; "
+                          "other flags may change only how it runs (--eval-every, "
+                          "--checkpoint-every, --checkpoint-minutes, --stop-after-steps, "
+                          "--cache-dir)")
     run.add_argument("--stop-after-steps", type=int, default=hidden,
                      help="end this invocation after this many logical steps (resume later)")
     run.add_argument("--eval-every", type=int, default=hidden,
                      help="logical steps between held-out evaluations")
     run.add_argument("--checkpoint-every", type=int, default=hidden,
-                     help="logical steps between checkpoints (0: at the end only)")
+                     help="logical steps between checkpoints (default 0: none by step "
+                          "count)")
+    run.add_argument("--checkpoint-minutes", type=float, default=hidden,
+                     help="minutes of training between checkpoints (default "
+                          f"{defaults.checkpoint_minutes:g}; 0: none by time); a run also "
+                          "checkpoints after its first logical step and at its end")
     run.add_argument("--strategy", default=hidden,
                      choices=["default", "mirrored", "multiworker", "tpu"])
     run.add_argument("--tpu", default=hidden,

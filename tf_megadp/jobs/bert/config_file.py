@@ -39,7 +39,8 @@ _YAML_FIELDS = {
              "privacy_unit": "privacy_unit", "examples_per_unit": "examples_per_unit",
              "canaries": "canaries", "cache_dir": "cache_dir"},
     "run": {"output_dir": "output_dir", "eval_every": "eval_every",
-            "checkpoint_every": "checkpoint_every", "stop_after_steps": "stop_after_steps",
+            "checkpoint_every": "checkpoint_every", "checkpoint_minutes": "checkpoint_minutes",
+            "stop_after_steps": "stop_after_steps",
             "strategy": "strategy", "tpu": "tpu", "cpu_replicas": "cpu_replicas",
             "seed": "seed", "verbose": "verbose"},
 }

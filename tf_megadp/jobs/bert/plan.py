@@ -104,7 +104,7 @@ import os
 from typing import Any, NamedTuple
 
 from tf_megadp import accounting
-from tf_megadp.clipping.terms import outer_is_materialised
+from tf_megadp.clipping_memory import outer_is_materialised
 from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta
 from tf_megadp.jobs.bert.config_file import load_run_config
 from tf_megadp.steps import noise_multiplier_of, sampling_rate_of
@@ -446,6 +446,11 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
             f"target_epsilon {config.target_epsilon:g}. Raise noise_multiplier (now "
             f"{sigma:g}) or take fewer steps."
         )
+    # The run reports the epsilon of its own accountant; beside an RDP figure
+    # the plan gives PLD's (tighter) for the same schedule and sigma.
+    epsilon_pld = epsilon if config.non_private or config.accountant == "pld" else (
+        accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma,
+                                   accountant="pld"))
     total_seconds = sum(p["steps"] * p["seconds_per_logical_step"] for p in phases)
     return {
         "name": config.name or "run",
@@ -465,6 +470,7 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
         "examples_processed": schedule.examples_processed(),
         "phases": phases,
         "epsilon": epsilon,
+        "epsilon_pld": epsilon_pld,
         "delta": delta,
         "target_epsilon": config.target_epsilon,
         "accountant": config.accountant,
@@ -514,6 +520,11 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"delta = {plan['delta']:g} "
         f"({plan['accountant']}; target {plan['target_epsilon']}), C = {plan['l2_norm_clip']:g}"
     )
+    if plan["accountant"] != "pld":
+        lines.append(
+            f"  privacy (PLD) : epsilon = {math.ceil(plan['epsilon_pld'] * 1e4) / 1e4:.4f} for "
+            f"the same steps and sigma; the run reports its accountant's epsilon "
+            f"({plan['accountant'].upper()} here: --accountant pld for the PLD figure)")
     lines.append(f"  training time : {plan['training_seconds'] / 3600:.1f} h at {hw['utilization']:.0%} of peak")
     for clipping, memory in plan["memory_bytes"].items():
         mark = " (selected)" if clipping == plan["clipping"] else ""

@@ -46,6 +46,8 @@ from tf_megadp.jobs.bert.run_files import (
     _TRAINING_CORPUS_VOCABULARY_WARNING,
     CANARIES_NAME,
     CHECKPOINT_NAME,
+    check_same_run,
+    saved_settings,
 )
 from tf_megadp.jobs.bert.training import _train, build_model
 
@@ -163,8 +165,6 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     if config.vocabulary_from_training_corpus:
         warnings.warn(_TRAINING_CORPUS_VOCABULARY_WARNING, UserWarning, stacklevel=2)
 
-    from tf_megadp import distribute
-
     output_dir = config.output_dir or os.path.join(
         "runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
     from tf_megadp.checkpointing import has_training_state
@@ -172,13 +172,16 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     # A checkpoint counts once committed: a run killed before its first one
     # (or while writing it) starts again.
     has_checkpoint = has_training_state(os.path.join(output_dir, CHECKPOINT_NAME))
-    if config.resume and not has_checkpoint:
-        raise PretrainError(f"--resume: no {CHECKPOINT_NAME} in {output_dir}.")
+    if config.resume:
+        # Before the corpus and TensorFlow: a refused resume fails at once.
+        check_same_run(saved_settings(output_dir), config)
     if not config.resume and has_checkpoint:
         raise PretrainError(
             f"{output_dir} already holds a run; pass --resume to continue it or choose "
             "another --output-dir."
         )
+
+    from tf_megadp import distribute
 
     if config.cpu_replicas:
         distribute.configure_cpu_replicas(config.cpu_replicas)
@@ -202,6 +205,12 @@ def run_pretraining(config: PretrainConfig, *, log=print,
         # then only read it (without a shared folder each prepares its own).
         distribute.barrier(strategy)
     corpus, train, heldout = prepare_data(config, log)
+    if not config.vocabulary and train.vocabulary_size < config.vocabulary_size:
+        # WordPiece stops when no pair of pieces is frequent enough to merge.
+        log(f"Vocabulary: {train.vocabulary_size} tokens, fewer than the "
+            f"{config.vocabulary_size} asked (--vocabulary-size): its corpus has no more "
+            f"pieces worth a token. The model is built for {train.vocabulary_size} "
+            "(report.json: vocabulary.size, vocabulary.requested_size).")
     # N: the privacy units of the training split (sequences, or users).
     population = len(train) if not config.privacy_unit else train.manifest["num_units"]
     if config.privacy_unit:

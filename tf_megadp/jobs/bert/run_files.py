@@ -53,22 +53,76 @@ PLOT_NAME = "report.png"
 HISTORY_NAME = "history.csv"
 
 
-_RUN_CONTROL_FIELDS = {"resume", "stop_after_steps", "verbose", "output_dir", "cache_dir"}
+# What `--resume` may change: how the run goes on, never what it trains on,
+# what it trains or what it spends. Every other field is the saved run's;
+# a resume that changes one is refused, naming it (`check_same_run`).
+OPERATIONAL_FIELDS = frozenset({
+    "resume", "output_dir", "cache_dir", "verbose", "eval_every", "checkpoint_every",
+    "checkpoint_minutes", "stop_after_steps",
+})
 
 
-def _check_same_run(saved: dict[str, Any], config: PretrainConfig) -> None:
-    """A resumed run must keep the settings its ledger and schedule were planned with."""
+def saved_settings(output_dir: str) -> dict[str, Any]:
+    """The settings of the run in `output_dir`, from its checkpoint (no TensorFlow needed).
+
+    Raises:
+        PretrainError: no committed checkpoint there, or one without settings.
+    """
+    from tf_megadp.checkpointing import training_state_extra
+
+    directory = os.path.join(output_dir, CHECKPOINT_NAME)
+    try:
+        saved = training_state_extra(directory).get("config")
+    except FileNotFoundError:
+        raise PretrainError(f"--resume: no {CHECKPOINT_NAME} in {output_dir}.") from None
+    except ValueError as error:
+        raise PretrainError(f"--resume: {error}") from None
+    if not isinstance(saved, dict):
+        raise PretrainError(
+            f"--resume: the checkpoint in {output_dir} holds no run settings; it was not "
+            "written by `tf-megadp pretrain`.")
+    return saved
+
+
+def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:
+    """The `PretrainConfig` of a saved run (`saved_settings`), with the fields `given` replaced.
+
+    Fields a saved run lacks (an older release's) take their defaults.
+    """
+    from tf_megadp.jobs.bert.config import Hardware
+
+    fields = {field.name for field in dataclasses.fields(PretrainConfig)}
+    unknown = sorted(set(saved) - fields)
+    if unknown:
+        raise PretrainError(
+            f"--resume: the run's saved settings name fields this tf_megadp does not have "
+            f"({', '.join(unknown)}); resume it with the release that started it.")
+    values = dict(saved)
+    if isinstance(values.get("hardware"), dict):
+        values["hardware"] = Hardware(**values["hardware"])
+    return dataclasses.replace(PretrainConfig(**values), **given)
+
+
+def check_same_run(saved: dict[str, Any], config: PretrainConfig) -> None:
+    """A resumed run keeps the settings its ledger and schedule were planned with.
+
+    Only the `OPERATIONAL_FIELDS` may differ from `saved`; any other change
+    is refused, naming the field and its two values.
+    """
     current = _config_dict(config)
     changed = sorted(
         name for name in current
-        if name not in _RUN_CONTROL_FIELDS and name in saved and saved[name] != current[name]
+        if name not in OPERATIONAL_FIELDS and name in saved and saved[name] != current[name]
     )
     if changed:
         details = ", ".join(f"{name}: {saved[name]!r} -> {current[name]!r}" for name in changed)
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
         raise PretrainError(
-            f"--resume with different settings ({details}); resume with the settings the "
-            "run was started with."
-        )
+            f"--resume with different settings ({details}): a resumed run keeps every "
+            "setting of its privacy and its model. Drop " + flags + " (--resume alone "
+            "takes the run's saved settings), or start a new run in another --output-dir. "
+            "A resume may change only " + ", ".join(sorted(OPERATIONAL_FIELDS - {"resume"}))
+            + ".")
 
 
 def _config_dict(config: PretrainConfig) -> dict[str, Any]:

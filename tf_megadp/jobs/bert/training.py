@@ -29,7 +29,6 @@ from tf_megadp.jobs.bert.run_files import (
     RELEASED_OUTSIDE_EPSILON,
     REPORT_NAME,
     VOCABULARY_NAME,
-    _check_same_run,
     _config_dict,
     _summary,
 )
@@ -214,6 +213,30 @@ class _Checkpointer:
         })
 
 
+def _history_csv_class():
+    import keras
+
+    class HistoryCsv(keras.callbacks.CSVLogger):
+        """Keras's CSVLogger, without its val_<metric> columns.
+
+        Without validation data in fit, Keras's logger adds a val_ column for
+        every column, all "NA"; the job evaluates its held-out set itself
+        (heldout_mlm_accuracy), so the file keeps the columns fit logs.
+        """
+
+        def on_epoch_end(self, epoch, logs=None):
+            if self.keys is None:
+                self.keys = sorted((logs or {}).keys())
+            super().on_epoch_end(epoch, logs)
+
+    return HistoryCsv
+
+
+def _history_csv(path: str, append: bool):
+    """The `CSVLogger` of the run's history.csv (see `_history_csv_class`)."""
+    return _history_csv_class()(path, append=append)
+
+
 def _compile_kwargs(private: bool):
     import keras
 
@@ -257,9 +280,9 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         if config.resume:
             from tf_megadp.checkpointing import restore_training_state
 
+            # Its settings were checked against config before the corpus was prepared.
             state = restore_training_state(
                 model, os.path.join(output_dir, CHECKPOINT_NAME), _compile_kwargs(private))
-            _check_same_run(state.get("config", {}), config)
             history = state.get("history", [])
             resumed_from = int(model.optimizer.iterations.numpy())
             resumes = state.get("resumes", []) + [resumed_from]
@@ -293,6 +316,16 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     logical_done = int(model.optimizer.iterations.numpy())
     if logical_done >= total_steps:
         log(f"The run in {output_dir} already completed {logical_done} logical steps.")
+    elif config.resume:
+        spent = "non-private baseline"
+        if private:
+            from tf_megadp import accounting
+
+            so_far = accounting.PrivacyAccountant(
+                schedule.num_examples, delta, accountant=config.accountant,
+                ledger=tf_megadp.model_ledger(model)).epsilon()
+            spent = f"epsilon so far {so_far:.2f}"
+        log(f"Resuming at logical step {logical_done} of {total_steps} ({spent}).")
     start_step = min(logical_done, total_steps)
     end_step = total_steps
     if config.stop_after_steps:
@@ -330,6 +363,9 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     evaluations = max(1, math.ceil((end_step - start_step) / config.eval_every))
     epochs = _divisor_at_most(remaining_micro, evaluations) if remaining_micro else 0
     steps_per_epoch = remaining_micro // epochs if epochs else 0
+    # The epochs of earlier starts (one per evaluation in the history): a
+    # resumed run's epochs, in history.csv and TensorBoard, count on from them.
+    initial_epoch = len(history)
 
     # Keras's fit cannot run under several workers: there the same private
     # step runs in a custom loop that drives the same callbacks.
@@ -345,20 +381,38 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         callbacks.append(privacy)
     checkpointer = _Checkpointer(output_dir, history, config, resumes, enabled=chief)
 
-    class _Evaluate(keras.callbacks.Callback):
-        """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints."""
+    accumulation = 1 if private else schedule.phases[0].accumulation_steps
 
-        def on_train_batch_end(self, batch, logs=None):
-            if config.checkpoint_every and private:
-                optimizer = self.model.optimizer
-                steps = int(optimizer.iterations.numpy())
-                if (int(optimizer.micro_steps.numpy()) == 0 and steps
-                        and steps % config.checkpoint_every == 0 and steps != self._last_saved):
-                    self._last_saved = steps
-                    checkpointer.save(self.model)
+    class _Evaluate(keras.callbacks.Callback):
+        """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints.
+
+        A checkpoint is written at a logical-step boundary after the first
+        logical step of this start, then every `checkpoint_every` steps and
+        every `checkpoint_minutes` of training, whichever comes first, and
+        at the end (the last epoch's end).
+        """
 
         def on_train_begin(self, logs=None):
-            self._last_saved = -1
+            self._last_saved = logical_done
+            self._saved_at = time.monotonic()
+            self._micro_steps = 0
+
+        def on_train_batch_end(self, batch, logs=None):
+            self._micro_steps += 1
+            optimizer = self.model.optimizer
+            # Private: the DPOptimizer says; the baseline accumulates k micro-steps.
+            at_boundary = (int(optimizer.micro_steps.numpy()) == 0 if private
+                           else self._micro_steps % accumulation == 0)
+            steps = int(optimizer.iterations.numpy())
+            if not at_boundary or steps == self._last_saved:
+                return
+            due = (self._last_saved == logical_done  # the first step of this start
+                   or (config.checkpoint_every and steps % config.checkpoint_every == 0)
+                   or (config.checkpoint_minutes and time.monotonic() - self._saved_at
+                       >= 60 * config.checkpoint_minutes))
+            if due:
+                checkpointer.save(self.model)
+                self._last_saved, self._saved_at = steps, time.monotonic()
 
         def on_epoch_end(self, epoch, logs=None):
             # With weight averaging, the held-out accuracy is the average's:
@@ -393,7 +447,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
 
     callbacks.append(_Evaluate())
     if chief:
-        callbacks.append(keras.callbacks.CSVLogger(os.path.join(output_dir, HISTORY_NAME), append=config.resume))
+        callbacks.append(_history_csv(os.path.join(output_dir, HISTORY_NAME), append=config.resume))
         callbacks.append(keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"), update_freq="epoch"))
 
     layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
@@ -414,10 +468,12 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         # warns about it on every non-private run.
         warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
         if several_workers:
-            _fit_with_private_step(model, strategy, dataset, epochs=epochs,
+            _fit_with_private_step(model, strategy, dataset, epochs=initial_epoch + epochs,
+                                   initial_epoch=initial_epoch,
                                    steps_per_epoch=steps_per_epoch, callbacks=callbacks)
         else:
-            model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch or None,
+            model.fit(dataset, epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
+                      steps_per_epoch=steps_per_epoch or None,
                       shuffle=False, callbacks=callbacks, verbose=config.verbose)
     train_seconds = time.time() - train_started
 
@@ -464,7 +520,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                   "sequence_length": train.sequence_length},
         "num_examples": schedule.num_examples,
         # What epsilon protects: one sequence, or every sequence of one unit.
-        "privacy_unit": config.privacy_unit or "sequence",
+        # privacy.json's spelling: "example" (here one sequence), or the unit's field.
+        "privacy_unit": config.privacy_unit or "example",
         "training_sequences": len(train),
         "examples_per_unit": config.examples_per_unit if config.privacy_unit else 1,
         "capped_sequences": getattr(sampler, "capped_examples", 0),
@@ -472,7 +529,9 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                       "controls": config.canaries, "file": CANARIES_NAME}
                      if config.canaries else None),
         "heldout_examples": len(heldout),
-        "vocabulary": {**vocabulary_report(config), "size": train.vocabulary_size},
+        "vocabulary": {**vocabulary_report(config), "size": train.vocabulary_size,
+                       # What --vocabulary-size asked of a learned vocabulary (None: a file).
+                       "requested_size": None if config.vocabulary else config.vocabulary_size},
         "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
         "files": _file_guide(config, private),
         "history": history,
@@ -487,7 +546,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
 
 
 def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_epoch: int,
-                           callbacks: list) -> None:
+                           callbacks: list, initial_epoch: int = 0) -> None:
     """`model.fit` of the sampler's dataset, as a custom loop of a `tf_megadp.PrivateStep`.
 
     Keras 3.15's `fit` cannot run under `MultiWorkerMirroredStrategy` with
@@ -509,7 +568,7 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
                                          steps=steps_per_epoch, verbose=0)
     model.stop_training = False
-    if not epochs:
+    if epochs == initial_epoch:
         # A run resumed after its last step: the ledger is checked and
         # reported, nothing is trained.
         LedgerRecorder(sources.source_of(dataset), model=model, nothing_to_train=True,
@@ -524,7 +583,7 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     iterator = iter(data)
     logs = {}
     hooks.on_train_begin()
-    for epoch in range(epochs):
+    for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         hooks.on_epoch_begin(epoch)
         for batch in range(steps_per_epoch):

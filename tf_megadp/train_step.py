@@ -27,7 +27,15 @@ from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerKeeper
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
-from tf_megadp.run_state import EVALUATION_METRICS, is_private, mark_private, run_notes
+from tf_megadp.run_state import (
+    EVALUATION_METRICS,
+    advance_generation,
+    current_generation,
+    is_private,
+    mark_private,
+    run_notes,
+    stale_step_error,
+)
 from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]
@@ -110,6 +118,7 @@ def make_private(
         _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
     model._tf_megadp_log_nonfinite = bool(log_nonfinite_examples)
     if not is_private(model):
+        model.compile = _compile_advancing_generation(model, type(model).compile.__get__(model))
         model.fit = _private_fit(model, type(model).fit.__get__(model))
         model.evaluate = _noted_evaluate(model, type(model).evaluate.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
@@ -117,7 +126,23 @@ def make_private(
         model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     mark_private(model)
+    # A train function traced before holds the previous train step: fit
+    # traces it again, and a traced step kept from before refuses to run.
+    model.train_function = None
+    advance_generation(model)
     return model
+
+
+def _compile_advancing_generation(model: keras.Model, original_compile):
+    """A private model's `compile`: steps traced for the previous optimizer then refuse to run."""
+
+    @functools.wraps(original_compile)
+    def compile(*args, **kwargs):
+        result = original_compile(*args, **kwargs)
+        advance_generation(model)
+        return result
+
+    return compile
 
 
 def make_private_with_epsilon(
@@ -255,7 +280,8 @@ def _private_fit(model: keras.Model, original_fit):
             strategy = getattr(model.optimizer, "clipping_strategy", None)
             converted = (independence.error_from_assertion(
                 model, error, getattr(strategy, "name", "ghost"))
-                or map_independence.error_from_assertion(error))
+                or map_independence.error_from_assertion(error)
+                or stale_step_error(error))
             if converted is None:
                 raise
             raise converted from None
@@ -367,8 +393,10 @@ def extend_schedule(
             f"{optimizer!r}, not a tf_megadp.DPOptimizer."
         )
     schedule = optimizer._extend_schedule(list(phases), truncation_probability)
-    # The compiled step holds the phases as constants: trace it again.
+    # The compiled step holds the phases as constants: trace it again (and
+    # a custom loop's traced step refuses until it is).
     model.train_function = None
+    advance_generation(model)
     return schedule
 
 def _check_no_example_mixing(model: keras.Model):
@@ -383,8 +411,14 @@ def _check_no_example_mixing(model: keras.Model):
 
 
 def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False):
-    """The train step `make_private` installs: the logs of `_private_step`."""
-    return _private_step(model, data, log_nonfinite_examples=log_nonfinite_examples).logs
+    """The train step `make_private` installs: the logs of `_private_step`.
+
+    A train function kept from before a `compile` (or `make_private`) would
+    train through the optimizer it was traced with, outside the ledger the
+    model reports: it refuses at run time (`current_generation`).
+    """
+    return _private_step(model, data, log_nonfinite_examples=log_nonfinite_examples,
+                         admitted=current_generation(model)).logs
 
 
 class _StepOutcome(NamedTuple):
@@ -404,12 +438,19 @@ class _StepOutcome(NamedTuple):
 # (as every backend-neutral Keras layer's is), and converting the hundreds of
 # functions it reaches cost seconds of CPU on every trace.
 @tf.autograph.experimental.do_not_convert
-def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False) -> _StepOutcome:
+def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False,
+                  admitted: tf.Tensor | None = None) -> _StepOutcome:
     """One micro-batch of the DP step: the one implementation `fit` and `PrivateStep` run.
 
     Clips every example of the micro-batch, hands the clipped sum to the
     `DPOptimizer` (which applies the noisy update at the end of a logical
     step), and updates the loss and metrics.
+
+    Args:
+        admitted: a bool scalar of the caller's run-time checks (None: no
+            check). A micro-batch not admitted adds nothing to the sums, as
+            padding does, so that no unchecked data is released where XLA
+            drops the checks' assertions.
     """
     optimizer = model.optimizer
     if not isinstance(optimizer, DPOptimizer):
@@ -431,6 +472,8 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     clip_norm = optimizer.current_clip_norm
     batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,
                                          clip_norm)
+    if admitted is not None:
+        batch = _admitted_only(batch, admitted)
     centred_count = None
     if optimizer.adaptive_clipping is not None:
         norms, is_real = batch.norms, batch.is_real
@@ -442,10 +485,12 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
             is_real = tf.reduce_max(tf.reshape(tf.cast(is_real, tf.float32), [-1, units]), axis=1)
         centred_count = adaptive_clipping.centred_count(norms, is_real, clip_norm)
     # The optimizer and its schedule count privacy units (slots of k rows).
-    applied = optimizer._accumulate_clipped(
-        _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
-        micro_batch_size // optimizer.examples_per_unit, batch.nonfinite, centred_count,
-    )
+    # After the checks: a micro-batch whose assertion fails moves no counter.
+    with tf.control_dependencies([] if admitted is None else [admitted]):
+        applied = optimizer._accumulate_clipped(
+            _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
+            micro_batch_size // optimizer.examples_per_unit, batch.nonfinite, centred_count,
+        )
     real_examples = tf.reduce_sum(batch.is_real)
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
     _keras_compat.loss_tracker(model).update_state(mean_loss, sample_weight=real_examples)
@@ -471,6 +516,22 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
             tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
     logs["nonfinite_examples"] = nonfinite
     return _StepOutcome(logs, applied)
+
+
+def _admitted_only(batch: ClippedBatch, admitted: tf.Tensor) -> ClippedBatch:
+    """`batch` with its clipped sum, norms and counts zeroed unless `admitted` (one tf.cond)."""
+    present = [g for g in batch.gradient_sum if g is not None]
+    # Adaptive clipping's count reads the norms and is_real: zeroed alike.
+    counted = [batch.norms, batch.is_real, batch.nonfinite]
+
+    def zeros():
+        return [tf.zeros_like(t) for t in present + counted]
+
+    kept = tf.cond(admitted, lambda: [tf.identity(t) for t in present + counted], zeros)
+    gradients, (norms, is_real, nonfinite) = iter(kept[:len(present)]), kept[len(present):]
+    return batch._replace(
+        gradient_sum=[None if g is None else next(gradients) for g in batch.gradient_sum],
+        norms=norms, is_real=is_real, nonfinite=nonfinite)
 
 
 def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,

@@ -423,15 +423,9 @@ class PrivateStep:
 
     def _tag_admitted(self, tag: tf.Tensor) -> tf.Tensor:
         """Whether `tag` is the sampler's at this step's place in the run (asserted)."""
-        context = tf.distribute.get_replica_context()
-        replicas = context.num_replicas_in_sync
-        rows = tag.shape[0]
-        expected = tags.micro_batch_tags(
-            self._tag_key.read_value(), self.optimizer.iterations,
-            self.optimizer.micro_steps.value, rows * replicas)
-        mine = tf.gather(tf.reshape(expected, [replicas, rows]),
-                         context.replica_id_in_sync_group)
-        admitted = tf.reduce_all(tf.equal(tag, mine))
+        expected = tags.micro_step_tag(self._tag_key.read_value(), self.optimizer.iterations,
+                                       self.optimizer.micro_steps.value)
+        admitted = tf.reduce_all(tf.equal(tag, expected))
         check = tf.debugging.Assert(admitted, [_UNTAGGED_MESSAGE])
         with tf.control_dependencies([check]):
             return tf.identity(admitted)

@@ -470,9 +470,14 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     clip_norm = optimizer.current_clip_norm
+    if admitted is not None and sample_weight is not None:
+        # A refused micro-batch is all padding: it skips its pass and adds
+        # exactly nothing (a product of m weights, the cheapest gate).
+        sample_weight = tf.nest.map_structure(
+            lambda weight: weight * tf.cast(admitted, weight.dtype), sample_weight)
     batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,
                                          clip_norm)
-    if admitted is not None:
+    if admitted is not None and sample_weight is None:
         batch = _admitted_only(batch, admitted)
     centred_count = None
     if optimizer.adaptive_clipping is not None:
@@ -519,19 +524,14 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
 
 
 def _admitted_only(batch: ClippedBatch, admitted: tf.Tensor) -> ClippedBatch:
-    """`batch` with its clipped sum, norms and counts zeroed unless `admitted` (one tf.cond)."""
-    present = [g for g in batch.gradient_sum if g is not None]
+    """`batch` with its clipped sum, norms and counts zeroed unless `admitted` (data without weights)."""
+    def kept(tensor):
+        return None if tensor is None else tf.where(admitted, tensor, tf.zeros_like(tensor))
+
     # Adaptive clipping's count reads the norms and is_real: zeroed alike.
-    counted = [batch.norms, batch.is_real, batch.nonfinite]
-
-    def zeros():
-        return [tf.zeros_like(t) for t in present + counted]
-
-    kept = tf.cond(admitted, lambda: [tf.identity(t) for t in present + counted], zeros)
-    gradients, (norms, is_real, nonfinite) = iter(kept[:len(present)]), kept[len(present):]
-    return batch._replace(
-        gradient_sum=[None if g is None else next(gradients) for g in batch.gradient_sum],
-        norms=norms, is_real=is_real, nonfinite=nonfinite)
+    return batch._replace(gradient_sum=[kept(g) for g in batch.gradient_sum],
+                          norms=kept(batch.norms), is_real=kept(batch.is_real),
+                          nonfinite=kept(batch.nonfinite))
 
 
 def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,

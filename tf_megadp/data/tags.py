@@ -4,9 +4,10 @@ A custom loop feeds `PrivateStep` itself, so the step cannot see where a
 micro-batch came from: the same rows fed again and again, or other data fed
 after `begin(sampler)`, would be accounted with the sampler's N and
 sampling rate. A sampler's tagged dataset (`as_dataset(..., tagged=True)`)
-therefore gives every micro-batch, as `(batch, tag)`, one tag per row: a
-keyed pseudo-random function of (logical step, micro-step within it, row),
-keyed by a key drawn from the sampler's secret (its own stream). The step
+therefore gives every micro-batch, as `(batch, tag)`, one tag per row (the
+same for every row, so that it splits over replicas with the rows): a keyed
+pseudo-random function of (logical step, micro-step within it), keyed by a
+key drawn from the sampler's secret (its own stream). The step
 recomputes the tags of the position it is at in the graph and admits the
 micro-batch only when they agree, so it accounts only micro-batches that
 the sampler produced, in its order, each once.
@@ -26,7 +27,7 @@ import tensorflow as tf
 
 from tf_megadp.secret import Secret
 
-__all__ = ["TAG_DTYPE", "attach_tag_key", "micro_batch_tags", "tag_key_of"]
+__all__ = ["TAG_DTYPE", "attach_tag_key", "micro_batch_tags", "micro_step_tag", "tag_key_of"]
 
 TAG_DTYPE = tf.int64
 # A plain attribute of the dataset object: no graph holds the key.
@@ -36,9 +37,6 @@ _KEY_ATTRIBUTE = "_tf_megadp_tag_key"
 def micro_batch_tags(key, step, micro_step, rows: int) -> tf.Tensor:
     """The tags of the `rows` rows of micro-step `micro_step` of logical step `step`.
 
-    Philox explicitly (not the device's default generator), so that a host's
-    input pipeline and an accelerator's step compute the same tags.
-
     Args:
         key: int64 [2], the sampler's tag key.
         step: the logical step (int64 scalar).
@@ -46,14 +44,22 @@ def micro_batch_tags(key, step, micro_step, rows: int) -> tf.Tensor:
         rows: the rows of one global micro-batch (m * R).
 
     Returns:
-        int64 [rows].
+        int64 [rows], `micro_step_tag` on every row.
+    """
+    return tf.fill([rows], micro_step_tag(key, step, micro_step))
+
+
+def micro_step_tag(key, step, micro_step) -> tf.Tensor:
+    """The tag every row of micro-step `micro_step` of logical step `step` carries (int64).
+
+    Two Philox fold-ins: the cheapest keyed function TensorFlow computes
+    alike on every device (the step checks it on every micro-batch).
     """
     seed = tf.random.experimental.stateless_fold_in(
         tf.cast(key, tf.int64), tf.cast(step, tf.int64), alg="philox")
     seed = tf.random.experimental.stateless_fold_in(
         seed, tf.cast(micro_step, tf.int64), alg="philox")
-    return tf.random.stateless_uniform([rows], seed=seed, minval=None, maxval=None,
-                                       dtype=TAG_DTYPE, alg="philox")
+    return seed[0]
 
 
 def attach_tag_key(data: Any, key: Secret) -> Any:

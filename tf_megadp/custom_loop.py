@@ -13,6 +13,14 @@ Many TensorFlow programs, and most TPU pretraining scripts, do not call
 * `PrivacyReport` reads that ledger with `PrivacyCallback`'s code: epsilon,
   the publishable report, the budget.
 
+What the compiled step runs is checked when it runs, not only when it is
+traced: a step traced before the model was compiled again (or given a new
+`PrivateStep`, made private again, its schedule extended) refuses
+(`tf_megadp.run_state.current_generation`), and a step begun with a sampler
+admits only the micro-batches of that sampler's tagged dataset, each at its
+place in the run (`tf_megadp.data.tags`). A refused micro-batch adds nothing
+to any sum, also where XLA drops the assertion.
+
 The steps the compiled step applies enter the ledger when `record` runs (a
 Python call between two calls of the loop's `tf.function`; `PrivacyReport`,
 the step's `checkpoint` and the save helpers call it). Until then a report
@@ -29,7 +37,8 @@ with strategy.scope():
         schedule=sampler.schedule), loss="sparse_categorical_crossentropy")
 step.begin(sampler)
 privacy = tf_megadp.PrivacyReport(step, delta=1e-5, target_epsilon=3.0)
-data = tf_megadp.distribute.distribute_micro_batches(strategy, lambda _: sampler.as_dataset())
+data = tf_megadp.distribute.distribute_micro_batches(
+    strategy, lambda _: sampler.as_dataset(tagged=True))
 
 @tf.function
 def train(iterator):
@@ -146,7 +155,7 @@ class PrivateStep:
         schedule=sampler.schedule), loss="mse")
     step.begin(sampler)
     train = tf.function(step.run)
-    for batch in sampler.as_dataset():
+    for batch in sampler.as_dataset(tagged=True):   # (micro-batch, its tag)
         logs = train(batch)
     step.record()
     ```
@@ -248,10 +257,12 @@ class PrivateStep:
         a stated one.
 
         Args:
-            data: a tf_megadp sampler, the dataset it returned (plain, or
-                split by `tf_megadp.distribute.distribute_micro_batches`),
-                its `DataSource`, or arrays (N is their length); None for
-                data of unknown size (then state `num_examples`).
+            data: a tf_megadp sampler, or the tagged dataset it returned
+                (`as_dataset(..., tagged=True)`, plain or split by
+                `tf_megadp.distribute.distribute_micro_batches`); the loop
+                then feeds that tagged dataset, whose tags the step checks.
+                Or arrays (N is their length); None for data of unknown
+                size (then state `num_examples`).
             num_examples: N, only for data whose size cannot be measured
                 (the report says it was stated).
             micro_batches_per_pass: for data that no sampler drew: the calls
@@ -263,7 +274,9 @@ class PrivateStep:
         Raises:
             PrivacyConfigurationError: the data does not match the optimizer
                 (schedule, start step, N), `require_poisson_sampling` refuses
-                it, or its passes or N are not stated.
+                it, its passes or N are not stated, or it is a sampler's
+                whose tags the step cannot check (an untagged dataset, a
+                `DataSource` alone).
         """
         source = self._source_of(data)
         sampled = source is not None and source.schedule is not None

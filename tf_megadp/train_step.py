@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 
 from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption
-from tf_megadp.data import map_independence, sources
+from tf_megadp.data import map_independence, sources, tags
 from tf_megadp.data.fit_inputs import _array_micro_batch_size, _fit_source
 from tf_megadp.callbacks import PrivacyCallback
 from tf_megadp.checkpointing import _atomic_save, _ledger_preserving_load, _ledger_preserving_save
@@ -239,6 +239,11 @@ def _private_fit(model: keras.Model, original_fit):
                 "scale each example's loss before clipping, which keeps the "
                 "sensitivity bound."
             )
+        if tags.tag_key_of(arguments.get("x")) is not None:
+            raise PrivacyConfigurationError(
+                "This is a sampler's tagged dataset, whose elements are (batch, tag) for "
+                "a custom loop's PrivateStep. fit reads the sampler's dataset itself: "
+                "pass sampler.as_dataset(...) without tagged=True.")
         callbacks = list(arguments.get("callbacks") or [])
         privacy = [c for c in callbacks if isinstance(c, PrivacyCallback)]
         source = _fit_source(arguments)

@@ -403,7 +403,7 @@ class PrivateStep:
         self._check_current()
         admitted = current_generation(self.model)
         if self._tagged:
-            data, tag = self._split_tag(data)
+            data, tag = _split_tag(data)
             admitted = tf.logical_and(admitted, self._tag_admitted(tag))
         outcome = _private_step(
             self.model, data,
@@ -419,20 +419,6 @@ class PrivateStep:
         logs["logical_step"] = tf.cast(self.optimizer.iterations, tf.int64)
         logs["applied"] = outcome.applied
         return logs
-
-    @staticmethod
-    def _split_tag(data):
-        """(batch, tag) of a tagged micro-batch; refuses, when traced, one without a tag."""
-        tag = data[1] if isinstance(data, (tuple, list)) and len(data) == 2 else None
-        if not (isinstance(tag, tf.Tensor) and tag.dtype == tags.TAG_DTYPE
-                and tag.shape.rank == 1):
-            raise PrivacyConfigurationError(
-                "This step was begun with a sampler, so it accounts only the sampler's "
-                "micro-batches, and these carry no tag: feed "
-                "sampler.as_dataset(..., tagged=True), whose elements are (batch, tag). "
-                "A map of your own keeps the tag by passing it on: "
-                "dataset.map(lambda batch, tag: (transform(batch), tag)).")
-        return data[0], tag
 
     def _tag_admitted(self, tag: tf.Tensor) -> tf.Tensor:
         """Whether `tag` is the sampler's at this step's place in the run (asserted)."""
@@ -660,6 +646,20 @@ class _RecordingCheckpoint(tf.train.Checkpoint):
         status = super().read(save_path, options=options)
         adopt_counters(self.optimizer, counts)
         return status
+
+
+def _split_tag(data):
+    """(batch, tag) of a tagged micro-batch; refuses, when traced, one without a tag."""
+    tag = data[1] if isinstance(data, (tuple, list)) and len(data) == 2 else None
+    if not (isinstance(tag, tf.Tensor) and tag.dtype == tags.TAG_DTYPE
+            and tag.shape.rank == 1):
+        raise PrivacyConfigurationError(
+            "This step was begun with a sampler, so it accounts only the sampler's "
+            "micro-batches, and these carry no tag: feed "
+            "sampler.as_dataset(..., tagged=True), whose elements are (batch, tag). "
+            "A map of your own keeps the tag by passing it on: "
+            "dataset.map(lambda batch, tag: (transform(batch), tag)).")
+    return data[0], tag
 
 
 def _per_replica_spec(data, strategy):

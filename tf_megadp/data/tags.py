@@ -52,14 +52,17 @@ def micro_batch_tags(key, step, micro_step, rows: int) -> tf.Tensor:
 def micro_step_tag(key, step, micro_step) -> tf.Tensor:
     """The tag every row of micro-step `micro_step` of logical step `step` carries (int64).
 
-    Two Philox fold-ins: the cheapest keyed function TensorFlow computes
-    alike on every device (the step checks it on every micro-batch).
+    Two Philox fold-ins and one draw: a keyed function TensorFlow computes
+    alike on every device, cheap enough to check on every micro-batch.
+    (A fold-in's result holds the folded value itself, so the draw from the
+    second seed is what depends on both.)
     """
     seed = tf.random.experimental.stateless_fold_in(
         tf.cast(key, tf.int64), tf.cast(step, tf.int64), alg="philox")
     seed = tf.random.experimental.stateless_fold_in(
         seed, tf.cast(micro_step, tf.int64), alg="philox")
-    return seed[0]
+    return tf.random.stateless_uniform([], seed=seed, minval=None, maxval=None,
+                                       dtype=TAG_DTYPE, alg="philox")
 
 
 def attach_tag_key(data: Any, key: Secret) -> Any:

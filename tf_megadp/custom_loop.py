@@ -316,6 +316,10 @@ class PrivateStep:
         reset = getattr(self.optimizer.clipping_strategy, "reset_checks", None)
         if reset is not None:
             reset(self.model)
+        if self._tagged != (tag_key is not None):
+            # A step traced for untagged data checks no tag: it must not
+            # run on a sampler's account (nor a tagged trace on other data).
+            advance_generation(self.model)
         self._tagged = tag_key is not None
         self._tag_key.assign(tag_key.value if self._tagged else [0, 0])
         self._refused.assign(0)

@@ -198,8 +198,9 @@ STALE_STEP_MARKER = "tf_megadp: a traced private step outlived its optimizer"
 # No apostrophes: TensorFlow escapes them in an assertion's message.
 _STALE_STEP_FIX = (
     " (the model was compiled again, made private again, extended or given a new "
-    "PrivateStep since this step was traced, so its optimizer is no longer the one "
-    "whose ledger the model reports; the micro-batch was not added to any sum). "
+    "PrivateStep, or the step begun with data of another kind, since this step was "
+    "traced, so what it checks is no longer what the model reports; the "
+    "micro-batch was not added to any sum). "
     "Trace the step again after every compile: call tf.function(step.run) anew on "
     "the current PrivateStep of the model (build one with tf_megadp.PrivateStep(model) "
     "after compile), or let fit trace its own train function."
@@ -237,8 +238,10 @@ def _generation(model: keras.Model) -> _Generation:
 def advance_generation(model: keras.Model) -> None:
     """Makes every private step traced before now refuse to run (see `current_generation`).
 
-    Called by `make_private`, a private model's `compile`, `extend_schedule`
-    and every new `PrivateStep`: each changes what a traced step captured.
+    Called by `make_private`, a private model's `compile`, `extend_schedule`,
+    every new `PrivateStep` and a `PrivateStep.begin` that switches between
+    a sampler's tagged data and other data: each changes what a traced step
+    captured.
     """
     generation = _generation(model)
     generation.count += 1

@@ -390,7 +390,7 @@ class _Sampler(abc.ABC):
             for element in self.step_micro_batches(self.draw(step)):
                 yield step, element
 
-    def _pipeline_elements(self, mapped: bool, tagged: bool) -> Iterator[Any]:
+    def _pipeline_elements(self, mapped: bool = True, tagged: bool = False) -> Iterator[Any]:
         """Every micro-batch, with what the pipeline's maps need to ride along it as data.
 
         With a `map_fn` (`mapped`): its step's key and whether the `map_fn`

@@ -101,7 +101,7 @@ def main(argv=None):
     def train(batch):
         return step.run(batch)
 
-    for batch in sampler.as_dataset():
+    for batch in sampler.as_dataset(tagged=True):
         logs = train(batch)
         if not logs["applied"]:
             continue  # Mid logical step: nothing was released.

@@ -109,7 +109,7 @@ def main(argv=None, strategy=None):
     sampler = tf_megadp.PoissonSampler.from_arrays(
         x, y, schedule=schedule, start_step=step.logical_step,
         shared_secret=distribute.shared_sampling_secret(strategy))
-    micro_steps = sampler.as_dataset()
+    micro_steps = sampler.as_dataset(tagged=True)
     data = distribute.distribute_micro_batches(strategy, lambda context: micro_steps)
     step.begin(data)
     privacy = tf_megadp.PrivacyReport(step, delta=args.delta, target_epsilon=args.target_epsilon)

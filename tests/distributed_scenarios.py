@@ -443,7 +443,7 @@ def accounting_checks(strategy, replicas, result):
                 loop_sampler, loop_model, loop_optimizer = sampler_and_model()
                 with strategy.scope():
                     step = tf_megadp.PrivateStep(loop_model, loop_optimizer, loss="mse")
-                micro_steps = loop_sampler.as_dataset()
+                micro_steps = loop_sampler.as_dataset(tagged=True)
                 data = distribute.distribute_micro_batches(strategy, lambda _: micro_steps)
                 step.begin(data)
                 run_private_step(step, strategy, data, loop_sampler.total_micro_steps)

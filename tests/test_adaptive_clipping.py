@@ -735,7 +735,7 @@ def test_a_custom_loop_moves_c_records_the_pair_and_checkpoints_c(tmp_path):
     step = private_step()
     step.begin(sampler)
     train = tf.function(step.run)
-    logs = [{k: v.numpy() for k, v in train(batch).items()} for batch in sampler.as_dataset()]
+    logs = [{k: v.numpy() for k, v in train(batch).items()} for batch in sampler.as_dataset(tagged=True)]
     report = PrivacyReport(step, 1e-3, accountant="rdp").report()
     clip = float(step.optimizer.clip_norm.numpy())
     assert clip > 0.05 and float(logs[-1]["clip_norm"]) == pytest.approx(clip, rel=1e-6)

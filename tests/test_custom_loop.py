@@ -99,7 +99,7 @@ def test_the_loop_applies_fits_updates_on_the_same_draws(data, noise_multiplier)
     initial = weights(model)
     step = PrivateStep(model, dp_optimizer(loop_sampler.schedule, noise_multiplier), loss="mse")
     step.begin(loop_sampler)
-    history = train_loop(step, loop_sampler.as_dataset())
+    history = train_loop(step, loop_sampler.as_dataset(tagged=True))
 
     steps = loop_sampler.schedule.total_steps
     assert step.logical_step == steps == int(reference.optimizer.iterations.numpy()) == 4
@@ -129,7 +129,7 @@ def test_the_budget_stops_the_loop_at_the_last_step_that_fits(data):
     step.begin(sampler)
     budget = (poisson_epsilon(3, delta=DELTA / 2) + poisson_epsilon(4)) / 2
     privacy = PrivacyReport(step, DELTA, accountant="rdp", target_epsilon=budget)
-    train_loop(step, sampler.as_dataset(),
+    train_loop(step, sampler.as_dataset(tagged=True),
                stop=lambda logs: logs["applied"] and not privacy.within_budget())
     # Epsilon is dp_accounting's on the 3 steps applied, not on the 8 planned.
     assert step.logical_step == privacy.ledger.total_steps == 3 < sampler.schedule.total_steps
@@ -195,7 +195,7 @@ class TestRefusedAsInFit:
         step.begin(sampler)
         train = tf.function(step.run)
         for _, batch in zip(range(sampler.schedule.phases[0].accumulation_steps),
-                            sampler.as_dataset()):
+                            sampler.as_dataset(tagged=True)):
             train(batch)
         assert step.logical_step == 1
         with pytest.raises(PrivacyConfigurationError, match="record"):
@@ -271,7 +271,94 @@ class TestRefusedAsInFit:
         with pytest.raises(PrivacyConfigurationError, match=message):
             step.begin(source, **keywords)
         with pytest.raises(RuntimeError, match="begin"):
-            tf.function(step.run)(next(iter(sampler.as_dataset())))
+            tf.function(step.run)(next(iter(sampler.as_dataset(tagged=True))))
+
+
+class TestATracedStepOutlivesNoOptimizer:
+    """Attack (issue 37, 2): a step traced before a compile trains on through the old optimizer.
+
+    Before the fix the old traced function applied every further call's
+    noisy step through the old DPOptimizer (12 in all here), while the
+    model's ledger and `PrivacyReport` counted 2: its checks ran when it
+    was traced, not when it ran.
+    """
+
+    @pytest.mark.parametrize("recompile", [
+        "compile", pytest.param("new PrivateStep", marks=pytest.mark.slow)])
+    def test_the_old_traced_step_refuses_at_run_time(self, data, recompile):
+        x, y = data
+        batches = [(x[i:i + MICRO_BATCH], y[i:i + MICRO_BATCH]) for i in range(0, N, MICRO_BATCH)]
+        model = dense_model()
+        step = PrivateStep(model, dp_optimizer(accumulation_steps=1), loss="mse")
+        step.begin((x, y), micro_batches_per_pass=len(batches))
+        train = tf.function(step.run)
+        for batch in batches[:2]:
+            train(batch)
+        step.record()
+        old = model.optimizer
+        # A new learning rate: a new DPOptimizer (its ledger continues the weights').
+        new = dp_optimizer(accumulation_steps=1)
+        if recompile == "compile":
+            model.compile(optimizer=new, loss="mse")
+        else:
+            PrivateStep(model, new, loss="mse")
+        trained = weights(model)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="outlived its optimizer"):
+            for batch in batches[2:]:
+                train(batch)
+        assert int(old.iterations.numpy()) == 2
+        for now, before in zip(weights(model), trained):
+            np.testing.assert_array_equal(now, before)
+        if recompile != "compile":
+            assert tf_megadp.model_ledger(model).total_steps == 2
+
+
+class TestOnlyTheBegunSamplersMicroBatchesAreAccounted:
+    """Attack (issue 37, 3): after begin(sampler), the loop feeds rows the sampler never drew.
+
+    Before the fix each was accounted with the sampler's N and q: the same
+    8 rows fed on every micro-step of a sampler over 48 reported 7.30 for
+    16 steps (honest, without sampling: >= 24.4); a sampler over 100,000
+    rows with the loop feeding 64 of its own reported 0.174 (honest
+    >= 17.9).
+    """
+
+    @pytest.mark.parametrize("num_examples, rows_fed", [
+        (N, 8), pytest.param(100_000, 64, marks=pytest.mark.slow)])
+    def test_rows_the_sampler_did_not_draw_are_refused(self, num_examples, rows_fed):
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(num_examples, 4)).astype("float32")
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, x[:, :2], batch_size=BATCH, micro_batch_size=rows_fed, epochs=1, seed=5)
+        step = PrivateStep(dense_model(), dp_optimizer(sampler.schedule), loss="mse")
+        step.begin(sampler)
+        train = tf.function(step.run)
+        mine = (x[:rows_fed], x[:rows_fed, :2], np.ones(rows_fed, "float32"))
+        with pytest.raises(PrivacyConfigurationError, match="carry no tag.*tagged=True"):
+            train(mine)
+        forged = (mine, tf.constant(rng.integers(0, 2**62, rows_fed), tf.int64))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="not the next one of the sampler"):
+            train(forged)
+        assert step.logical_step == 0 and int(step.optimizer.micro_steps.numpy()) == 0
+
+    def test_a_replayed_micro_batch_is_refused_and_a_map_keeps_the_tag(self, data):
+        sampler = sampler_of(data)
+        step = PrivateStep(dense_model(), dp_optimizer(sampler.schedule), loss="mse")
+        step.begin(sampler)
+        scaled = iter(sampler.as_dataset(tagged=True).map(
+            lambda batch, tag: ((batch[0] * 2.0, batch[1], batch[2]), tag)))
+        train = tf.function(step.run)
+        first = next(scaled)
+        train(first)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="not the next one of the sampler"):
+            train(first)  # The same rows again, in the next micro-batch's place.
+        assert int(step.optimizer.micro_steps.numpy()) == 1
+        for batch in scaled:
+            train(batch)
+        steps = sampler.schedule.total_steps
+        report = PrivacyReport(step, DELTA, accountant="rdp")
+        assert report.ledger.total_steps == step.logical_step == steps
+        assert poisson_epsilon(steps) <= report.epsilon <= poisson_epsilon(steps, delta=DELTA / 2)
 
 
 def test_a_checkpoint_resumes_the_ledger_and_holds_no_partial_step(data, tmp_path):
@@ -281,7 +368,7 @@ def test_a_checkpoint_resumes_the_ledger_and_holds_no_partial_step(data, tmp_pat
     step = PrivateStep(model, dp_optimizer(sampler.schedule), loss="mse")
     step.begin(sampler)
     k = sampler.schedule.phases[0].accumulation_steps
-    train_loop(step, sampler.as_dataset(),
+    train_loop(step, sampler.as_dataset(tagged=True),
                stop=lambda logs: logs["logical_step"] == 2 and not logs["applied"])
     assert step.logical_step == 2 and int(step.optimizer.micro_steps.numpy()) == 1
     path = step.checkpoint().write(str(tmp_path / "loop"))  # Records the 2 steps first.
@@ -296,7 +383,7 @@ def test_a_checkpoint_resumes_the_ledger_and_holds_no_partial_step(data, tmp_pat
         np.testing.assert_array_equal(a, b)
     rest = sampler_of(data, epochs=2, seed=6, start_step=restored.logical_step)
     restored.begin(rest)
-    history = train_loop(restored, rest.as_dataset())
+    history = train_loop(restored, rest.as_dataset(tagged=True))
     assert len(history) == (sampler.schedule.total_steps - 2) * k
     report = PrivacyReport(restored, DELTA, accountant="rdp")
     steps = sampler.schedule.total_steps
@@ -310,7 +397,7 @@ def test_a_checkpoint_restored_under_a_running_step_needs_begin_again(data, tmp_
     step = PrivateStep(model, dp_optimizer(sampler.schedule), loss="mse")
     step.begin(sampler)
     checkpoint = step.checkpoint()
-    batches = iter(sampler.as_dataset())
+    batches = iter(sampler.as_dataset(tagged=True))
     k = sampler.schedule.phases[0].accumulation_steps
     train = tf.function(step.run)
     for _ in range(k):
@@ -319,14 +406,17 @@ def test_a_checkpoint_restored_under_a_running_step_needs_begin_again(data, tmp_
     for _ in range(k):
         train(next(batches))
     step.record()
-    checkpoint.read(path)  # Back at step 1, with a micro-batch of step 2 accumulated.
-    train(next(batches))
+    checkpoint.read(path)  # Back at step 1.
+    # The sampler's step 2 fed at step 1's place: refused, added to no sum.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not the next one of the sampler"):
+        train(next(batches))
     with pytest.raises(PrivacyConfigurationError, match="replaced.*step.begin"):
         step.record()
     rest = sampler_of(data, epochs=2, seed=6, start_step=1)
-    with pytest.warns(UserWarning, match="Discarded 1 micro-batches"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # The refused call may have counted a micro-step.
         step.begin(rest)
-    train_loop(step, rest.as_dataset())
+    train_loop(step, rest.as_dataset(tagged=True))
     steps = sampler.schedule.total_steps
     epsilon = PrivacyReport(step, DELTA, accountant="rdp").epsilon
     assert poisson_epsilon(steps) <= epsilon <= poisson_epsilon(steps, delta=DELTA / 2)

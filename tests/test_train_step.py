@@ -445,3 +445,39 @@ def test_data_whose_every_row_is_padding_is_refused_before_any_step():
     with pytest.raises(PrivacyConfigurationError, match="holds no example"):
         model.fit(x, y, sample_weight=np.zeros(8, "float32"), batch_size=4, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+class TestAKeptTrainFunctionOutlivesNoOptimizer:
+    """Attack (issue 37, 2): fit's train function, kept across compile or make_private.
+
+    Before the fix a train function held from before `compile` trained on
+    through the old DPOptimizer (6 more noisy steps, outside every ledger
+    the model reports), and `make_private` applied again left fit's cached
+    train function, traced with the earlier settings, in place.
+    """
+
+    @pytest.mark.filterwarnings("ignore:.*fixed-size batches, not Poisson draws")
+    def test_it_refuses_at_run_time_and_fit_traces_again(self):
+        x, y = dense_data(n=16)
+
+        def dp_optimizer():
+            return tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, seed=1)
+
+        model = tf_megadp.make_private(dense_model())
+        model.compile(optimizer=dp_optimizer(), loss=LOSS)
+        model.fit(x, y, batch_size=8, verbose=0)
+        kept, old = model.train_function, model.optimizer
+        batches = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True))
+        model.compile(optimizer=dp_optimizer(), loss=LOSS)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="outlived its optimizer"):
+            kept(batches)
+        assert int(old.iterations.numpy()) == 2
+        model.fit(x, y, batch_size=8, verbose=0)
+        assert tf_megadp.model_ledger(model).total_steps == 4
+
+        kept = model.train_function
+        tf_megadp.make_private(model, log_nonfinite_examples=True)
+        assert model.train_function is None
+        with pytest.raises(tf.errors.InvalidArgumentError, match="outlived its optimizer"):
+            kept(iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)))
+        assert tf_megadp.model_ledger(model).total_steps == 4

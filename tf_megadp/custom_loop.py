@@ -13,6 +13,14 @@ Many TensorFlow programs, and most TPU pretraining scripts, do not call
 * `PrivacyReport` reads that ledger with `PrivacyCallback`'s code: epsilon,
   the publishable report, the budget.
 
+What the compiled step runs is checked when it runs, not only when it is
+traced: a step traced before the model was compiled again (or given a new
+`PrivateStep`, made private again, its schedule extended) refuses
+(`tf_megadp.run_state.current_generation`), and a step begun with a sampler
+admits only the micro-batches of that sampler's tagged dataset, each at its
+place in the run (`tf_megadp.data.tags`). A refused micro-batch adds nothing
+to any sum, also where XLA drops the assertion.
+
 The steps the compiled step applies enter the ledger when `record` runs (a
 Python call between two calls of the loop's `tf.function`; `PrivacyReport`,
 the step's `checkpoint` and the save helpers call it). Until then a report
@@ -29,7 +37,8 @@ with strategy.scope():
         schedule=sampler.schedule), loss="sparse_categorical_crossentropy")
 step.begin(sampler)
 privacy = tf_megadp.PrivacyReport(step, delta=1e-5, target_epsilon=3.0)
-data = tf_megadp.distribute.distribute_micro_batches(strategy, lambda _: sampler.as_dataset())
+data = tf_megadp.distribute.distribute_micro_batches(
+    strategy, lambda _: sampler.as_dataset(tagged=True))
 
 @tf.function
 def train(iterator):
@@ -54,16 +63,25 @@ import tensorflow as tf
 
 from tf_megadp import _keras_compat
 from tf_megadp.clipping import independence
-from tf_megadp.data import sources
+from tf_megadp.data import sources, tags
 from tf_megadp.data.fit_inputs import _distinct_real_examples, _is_array_input
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerRecorder
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.optimizer_ledger import _number, adopt_counters, checkpoint_counters, read_ledger
-from tf_megadp.run_state import is_private
+from tf_megadp.run_state import advance_generation, current_generation, is_private
 from tf_megadp.train_step import _private_step, make_private
 
 __all__ = ["PrivateStep"]
+
+_UNTAGGED_MESSAGE = (
+    # No apostrophes: TensorFlow escapes them in an assertion's message.
+    "tf_megadp: a micro-batch is not the next one of the sampler this step was "
+    "begun with (its tag is missing, forged, replayed or out of order); it was "
+    "added to no sum. Feed the dataset of the sampler given to step.begin(), "
+    "sampler.as_dataset(..., tagged=True), in order and each element once, "
+    "keeping the tag of each element through your maps (dataset.map(lambda "
+    "batch, tag: (transform(batch), tag))).")
 
 # Logs that are the same on every replica: `run` takes replica 0's value.
 _GLOBAL_LOGS = ("logical_step", "applied", "nonfinite_examples")
@@ -137,7 +155,7 @@ class PrivateStep:
         schedule=sampler.schedule), loss="mse")
     step.begin(sampler)
     train = tf.function(step.run)
-    for batch in sampler.as_dataset():
+    for batch in sampler.as_dataset(tagged=True):   # (micro-batch, its tag)
         logs = train(batch)
     step.record()
     ```
@@ -198,11 +216,25 @@ class PrivateStep:
                 name="private_step_mixing",
                 synchronization=tf.VariableSynchronization.ON_READ,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            # The begun sampler's tag key (tf_megadp.data.tags): in memory
+            # only, as the step is not trackable.
+            self._tag_key = tf.Variable(
+                [0, 0], dtype=tf.int64, trainable=False, name="private_step_tag_key",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            # Micro-batches refused (not added to any sum) since the last
+            # record, summed over replicas: where XLA drops the assertions,
+            # record() raises instead.
+            self._refused = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="private_step_refused",
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM)
+        self._tagged = False
         self._micro_batches_per_pass: int | None = None
         self._synced_calls = self._synced_micro = self._synced_applied = self._pass_origin = 0
         # The model's current step: the save helpers record its steps first,
-        # and an older step refuses to run.
+        # and an older step refuses to run, also where it was traced before.
         model._tf_megadp_step = self
+        advance_generation(model)
 
     # -- Before the first step ---------------------------------------------------
 
@@ -225,10 +257,12 @@ class PrivateStep:
         a stated one.
 
         Args:
-            data: a tf_megadp sampler, the dataset it returned (plain, or
-                split by `tf_megadp.distribute.distribute_micro_batches`),
-                its `DataSource`, or arrays (N is their length); None for
-                data of unknown size (then state `num_examples`).
+            data: a tf_megadp sampler, or the tagged dataset it returned
+                (`as_dataset(..., tagged=True)`, plain or split by
+                `tf_megadp.distribute.distribute_micro_batches`); the loop
+                then feeds that tagged dataset, whose tags the step checks.
+                Or arrays (N is their length); None for data of unknown
+                size (then state `num_examples`).
             num_examples: N, only for data whose size cannot be measured
                 (the report says it was stated).
             micro_batches_per_pass: for data that no sampler drew: the calls
@@ -240,7 +274,9 @@ class PrivateStep:
         Raises:
             PrivacyConfigurationError: the data does not match the optimizer
                 (schedule, start step, N), `require_poisson_sampling` refuses
-                it, or its passes or N are not stated.
+                it, its passes or N are not stated, or it is a sampler's
+                whose tags the step cannot check (an untagged dataset, a
+                `DataSource` alone).
         """
         source = self._source_of(data)
         sampled = source is not None and source.schedule is not None
@@ -265,6 +301,7 @@ class PrivateStep:
                 "it): state it with begin(data, num_examples=N, ...), and the report will "
                 "say N was stated; or feed a sampler's dataset."
             )
+        tag_key = self._tag_key_of(data) if sampled else None
         if self.recorder is not None and not self._state_replaced():
             self.record()
         require_poisson = (self.model._tf_megadp_require_poisson
@@ -279,11 +316,32 @@ class PrivateStep:
         reset = getattr(self.optimizer.clipping_strategy, "reset_checks", None)
         if reset is not None:
             reset(self.model)
+        if self._tagged != (tag_key is not None):
+            # A step traced for untagged data checks no tag: it must not
+            # run on a sampler's account (nor a tagged trace on other data).
+            advance_generation(self.model)
+        self._tagged = tag_key is not None
+        self._tag_key.assign(tag_key.value if self._tagged else [0, 0])
+        self._refused.assign(0)
         self._build_compiled_metrics(data)
         self.recorder = recorder
         self._micro_batches_per_pass = None if sampled else micro_batches_per_pass
         self._sync(micro_steps=0)
         self._pass_origin = self._synced_calls
+
+    @staticmethod
+    def _tag_key_of(data):
+        """The tag key of a sampler (or of its tagged dataset), which the step checks."""
+        key = getattr(data, "tag_key", None) or tags.tag_key_of(data)
+        if key is None:
+            raise PrivacyConfigurationError(
+                "A sampler's N and sampling rate are accounted only for micro-batches "
+                "the step can tell are the sampler's: begin with the sampler itself "
+                "(step.begin(sampler)) or with its tagged dataset, and feed "
+                "sampler.as_dataset(..., tagged=True) (plain, or through "
+                "tf_megadp.distribute.distribute_micro_batches), whose every "
+                "micro-batch carries its secret tag.")
+        return key
 
     def _source_of(self, data) -> sources.DataSource | None:
         if data is None or isinstance(data, sources.DataSource):
@@ -322,6 +380,8 @@ class PrivateStep:
         if not unbuilt:
             return
         spec = _per_replica_spec(data, model.distribute_strategy)
+        if spec is not None and self._tagged:
+            spec = spec[0]  # (batch, tag): the model sees the batch.
         if spec is None and compiled_metrics is None:
             return  # A loss alone is built in the trace without variables.
         if spec is None:
@@ -345,10 +405,17 @@ class PrivateStep:
             This replica's logs (see the class docstring).
         """
         self._check_current()
+        admitted = current_generation(self.model)
+        if self._tagged:
+            data, tag = _split_tag(data)
+            admitted = tf.logical_and(admitted, self._tag_admitted(tag))
         outcome = _private_step(
             self.model, data,
-            log_nonfinite_examples=getattr(self.model, "_tf_megadp_log_nonfinite", False))
-        self._calls.assign_add(1)
+            log_nonfinite_examples=getattr(self.model, "_tf_megadp_log_nonfinite", False),
+            admitted=admitted)
+        self._refused.assign_add(tf.cast(tf.logical_not(admitted), tf.int64))
+        with tf.control_dependencies([admitted]):
+            self._calls.assign_add(1)
         logs = dict(outcome.logs)
         mixing = logs.pop(independence.LOG_KEY, None)
         if mixing is not None:
@@ -356,6 +423,15 @@ class PrivateStep:
         logs["logical_step"] = tf.cast(self.optimizer.iterations, tf.int64)
         logs["applied"] = outcome.applied
         return logs
+
+    def _tag_admitted(self, tag: tf.Tensor) -> tf.Tensor:
+        """Whether `tag` is the sampler's at this step's place in the run (asserted)."""
+        expected = tags.micro_step_tag(self._tag_key.read_value(), self.optimizer.iterations,
+                                       self.optimizer.micro_steps.value)
+        admitted = tf.reduce_all(tf.equal(tag, expected))
+        check = tf.debugging.Assert(admitted, [_UNTAGGED_MESSAGE])
+        with tf.control_dependencies([check]):
+            return tf.identity(admitted)
 
     def run(self, data) -> dict[str, tf.Tensor]:
         """This step on every replica of the model's strategy, with the logs reduced.
@@ -460,6 +536,14 @@ class PrivateStep:
                 f"ledger (a report refuses from now on): {problem}.")
         self.recorder._record_rows(table)
         self._sync(micro_steps)
+        refused = self._read(self._refused)
+        if refused:
+            self._refused.assign(0)
+            # Where XLA dropped the assertion: the steps recorded are honest
+            # (the refused micro-batches added nothing), but the loop is wrong.
+            raise PrivacyConfigurationError(
+                f"{refused} micro-batches were refused and added to no sum: "
+                + _UNTAGGED_MESSAGE.removeprefix("tf_megadp: "))
         code = self._read(self._mixing)
         if code != independence.MIXING_OK:
             raise independence.mixing_error(
@@ -566,6 +650,20 @@ class _RecordingCheckpoint(tf.train.Checkpoint):
         status = super().read(save_path, options=options)
         adopt_counters(self.optimizer, counts)
         return status
+
+
+def _split_tag(data):
+    """(batch, tag) of a tagged micro-batch; refuses, when traced, one without a tag."""
+    tag = data[1] if isinstance(data, (tuple, list)) and len(data) == 2 else None
+    if not (isinstance(tag, tf.Tensor) and tag.dtype == tags.TAG_DTYPE
+            and tag.shape.rank == 1):
+        raise PrivacyConfigurationError(
+            "This step was begun with a sampler, so it accounts only the sampler's "
+            "micro-batches, and these carry no tag: feed "
+            "sampler.as_dataset(..., tagged=True), whose elements are (batch, tag). "
+            "A map of your own keeps the tag by passing it on: "
+            "dataset.map(lambda batch, tag: (transform(batch), tag)).")
+    return data[0], tag
 
 
 def _per_replica_spec(data, strategy):

@@ -263,9 +263,10 @@ def distribute_micro_batches(
     model.fit(data, steps_per_epoch=sampler.total_micro_steps)
     ```
     """
-    from tf_megadp.data import sources
+    from tf_megadp.data import sources, tags
 
     found = []
+    tag_keys = []
 
     def dataset_fn(input_context):
         dataset = micro_steps(input_context)
@@ -273,6 +274,7 @@ def distribute_micro_batches(
             raise TypeError(f"micro_steps must return a tf.data.Dataset, got {dataset!r}.")
         # Read before the split below, which derives a new dataset from it.
         found.append(sources.source_of(dataset))
+        tag_keys.append(tags.tag_key_of(dataset))
         return replica_micro_batches(dataset, input_context)
 
     distributed = strategy.distribute_datasets_from_function(dataset_fn)
@@ -291,6 +293,10 @@ def distribute_micro_batches(
         # still the sampler's Poisson draws. The DataSource marker is the
         # attribute sources.source_of reads first.
         sources.mark_distributed(distributed, described[0])
+        if all(key is not None for key in tag_keys):
+            # A sampler's tagged dataset: the split keeps each row's tag on
+            # its row, which the replica's PrivateStep checks.
+            tags.attach_tag_key(distributed, tag_keys[0])
     return distributed
 
 

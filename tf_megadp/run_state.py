@@ -7,6 +7,7 @@ import warnings
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tf_megadp.accounting import PrivacyLedger
 from tf_megadp.accounting.events import refusal_error
@@ -14,7 +15,9 @@ from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.optimizer_ledger import _weights_owner, read_ledger
 
-__all__ = ["EVALUATION_METRICS", "RELEASED_OUTSIDE_EPSILON", "is_private", "mark_private", "model_ledger", "read_ledger", "run_notes", "weights_digest"]
+__all__ = ["EVALUATION_METRICS", "RELEASED_OUTSIDE_EPSILON", "STALE_STEP_MARKER",
+           "advance_generation", "current_generation", "is_private", "mark_private",
+           "model_ledger", "read_ledger", "run_notes", "stale_step_error", "weights_digest"]
 
 # What a private Keras run publishes that epsilon does not cover.
 RELEASED_OUTSIDE_EPSILON = (
@@ -187,3 +190,90 @@ def run_notes(model) -> _RunNotes:
         notes = _RunNotes()
         model._tf_megadp_run_notes = notes
     return notes
+
+
+# The first words of the in-graph assertion of `current_generation`, so that
+# an InvalidArgumentError raised by it can be recognised (`stale_step_error`).
+STALE_STEP_MARKER = "tf_megadp: a traced private step outlived its optimizer"
+# No apostrophes: TensorFlow escapes them in an assertion's message.
+_STALE_STEP_FIX = (
+    " (the model was compiled again, made private again, extended or given a new "
+    "PrivateStep, or the step begun with data of another kind, since this step was "
+    "traced, so what it checks is no longer what the model reports; the "
+    "micro-batch was not added to any sum). "
+    "Trace the step again after every compile: call tf.function(step.run) anew on "
+    "the current PrivateStep of the model (build one with tf_megadp.PrivateStep(model) "
+    "after compile), or let fit trace its own train function."
+)
+
+
+class _Generation:
+    """A private model's training generation: it grows whenever what a traced step captured changes.
+
+    A traced step holds the optimizer, the step and the schedule it was traced
+    with as graph captures and constants; the checks that refuse a stale
+    optimizer run in Python, at trace time. The generation is what the graph
+    can still compare at run time: the value a step was traced at, against
+    the variable that `advance_generation` moves. A plain holder (not
+    trackable), so that no file saves the variable and no restore brings an
+    old generation back.
+    """
+
+    def __init__(self, model: keras.Model):
+        self.count = 0
+        with tf.init_scope(), model.distribute_strategy.scope():
+            self.variable = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="tf_megadp_generation",
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def _generation(model: keras.Model) -> _Generation:
+    generation = getattr(model, "_tf_megadp_generation", None)
+    if generation is None:
+        generation = _Generation(model)
+        model._tf_megadp_generation = generation
+    return generation
+
+
+def advance_generation(model: keras.Model) -> None:
+    """Makes every private step traced before now refuse to run (see `current_generation`).
+
+    Called by `make_private`, a private model's `compile`, `extend_schedule`,
+    every new `PrivateStep` and a `PrivateStep.begin` that switches between
+    a sampler's tagged data and other data: each changes what a traced step
+    captured.
+    """
+    generation = _generation(model)
+    generation.count += 1
+    with tf.init_scope():
+        generation.variable.assign(generation.count)
+
+
+def current_generation(model: keras.Model) -> tf.Tensor:
+    """In a traced step: whether the model is still in the generation it was traced in.
+
+    The generation at trace time is a constant of the graph and the current
+    one is read from a variable when the step runs, so a step traced before
+    a compile, a new `PrivateStep` or `make_private` refuses at run time: an
+    assertion raises InvalidArgumentError (marked `STALE_STEP_MARKER`, with
+    the fix), and where XLA drops assertions the caller zeroes the
+    micro-batch with the returned flag.
+
+    Returns:
+        A bool scalar, True when the step may train.
+    """
+    generation = _generation(model)
+    current = tf.equal(generation.variable.read_value(), generation.count)
+    check = tf.debugging.Assert(current, [STALE_STEP_MARKER + _STALE_STEP_FIX])
+    with tf.control_dependencies([check]):
+        return tf.identity(current)
+
+
+def stale_step_error(error: Exception) -> PrivacyConfigurationError | None:
+    """The named error behind an InvalidArgumentError of `current_generation`'s assertion.
+
+    Returns None for any other error.
+    """
+    if STALE_STEP_MARKER not in str(error):
+        return None
+    return PrivacyConfigurationError(STALE_STEP_MARKER + _STALE_STEP_FIX)

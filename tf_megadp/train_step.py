@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 
 from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption, weights_origin
-from tf_megadp.data import map_independence, sources
+from tf_megadp.data import map_independence, sources, tags
 from tf_megadp.data.fit_inputs import _array_micro_batch_size, _fit_source
 from tf_megadp.callbacks import PrivacyCallback
 from tf_megadp.checkpointing import _atomic_save, _ledger_preserving_load, _ledger_preserving_save
@@ -27,7 +27,15 @@ from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerKeeper
 from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
-from tf_megadp.run_state import EVALUATION_METRICS, is_private, mark_private, run_notes
+from tf_megadp.run_state import (
+    EVALUATION_METRICS,
+    advance_generation,
+    current_generation,
+    is_private,
+    mark_private,
+    run_notes,
+    stale_step_error,
+)
 from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]
@@ -116,6 +124,7 @@ def make_private(
         _private_train_step, model, log_nonfinite_examples=bool(log_nonfinite_examples))
     model._tf_megadp_log_nonfinite = bool(log_nonfinite_examples)
     if not is_private(model):
+        model.compile = _compile_advancing_generation(model, type(model).compile.__get__(model))
         model.fit = _private_fit(model, type(model).fit.__get__(model))
         model.evaluate = _noted_evaluate(model, type(model).evaluate.__get__(model))
         model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
@@ -127,7 +136,23 @@ def make_private(
     weights_origin.note_starting_weights(model)
     model._tf_megadp_require_poisson = bool(require_poisson_sampling)
     mark_private(model)
+    # A train function traced before holds the previous train step: fit
+    # traces it again, and a traced step kept from before refuses to run.
+    model.train_function = None
+    advance_generation(model)
     return model
+
+
+def _compile_advancing_generation(model: keras.Model, original_compile):
+    """A private model's `compile`: steps traced for the previous optimizer then refuse to run."""
+
+    @functools.wraps(original_compile)
+    def compile(*args, **kwargs):
+        result = original_compile(*args, **kwargs)
+        advance_generation(model)
+        return result
+
+    return compile
 
 
 def make_private_with_epsilon(
@@ -224,6 +249,11 @@ def _private_fit(model: keras.Model, original_fit):
                 "scale each example's loss before clipping, which keeps the "
                 "sensitivity bound."
             )
+        if tags.tag_key_of(arguments.get("x")) is not None:
+            raise PrivacyConfigurationError(
+                "This is a sampler's tagged dataset, whose elements are (batch, tag) for "
+                "a custom loop's PrivateStep. fit reads the sampler's dataset itself: "
+                "pass sampler.as_dataset(...) without tagged=True.")
         callbacks = list(arguments.get("callbacks") or [])
         privacy = [c for c in callbacks if isinstance(c, PrivacyCallback)]
         source = _fit_source(arguments)
@@ -265,7 +295,8 @@ def _private_fit(model: keras.Model, original_fit):
             strategy = getattr(model.optimizer, "clipping_strategy", None)
             converted = (independence.error_from_assertion(
                 model, error, getattr(strategy, "name", "ghost"))
-                or map_independence.error_from_assertion(error))
+                or map_independence.error_from_assertion(error)
+                or stale_step_error(error))
             if converted is None:
                 raise
             raise converted from None
@@ -377,8 +408,10 @@ def extend_schedule(
             f"{optimizer!r}, not a tf_megadp.DPOptimizer."
         )
     schedule = optimizer._extend_schedule(list(phases), truncation_probability)
-    # The compiled step holds the phases as constants: trace it again.
+    # The compiled step holds the phases as constants: trace it again (and
+    # a custom loop's traced step refuses until it is).
     model.train_function = None
+    advance_generation(model)
     return schedule
 
 def _check_no_example_mixing(model: keras.Model):
@@ -393,8 +426,14 @@ def _check_no_example_mixing(model: keras.Model):
 
 
 def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False):
-    """The train step `make_private` installs: the logs of `_private_step`."""
-    return _private_step(model, data, log_nonfinite_examples=log_nonfinite_examples).logs
+    """The train step `make_private` installs: the logs of `_private_step`.
+
+    A train function kept from before a `compile` (or `make_private`) would
+    train through the optimizer it was traced with, outside the ledger the
+    model reports: it refuses at run time (`current_generation`).
+    """
+    return _private_step(model, data, log_nonfinite_examples=log_nonfinite_examples,
+                         admitted=current_generation(model)).logs
 
 
 class _StepOutcome(NamedTuple):
@@ -414,12 +453,19 @@ class _StepOutcome(NamedTuple):
 # (as every backend-neutral Keras layer's is), and converting the hundreds of
 # functions it reaches cost seconds of CPU on every trace.
 @tf.autograph.experimental.do_not_convert
-def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False) -> _StepOutcome:
+def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False,
+                  admitted: tf.Tensor | None = None) -> _StepOutcome:
     """One micro-batch of the DP step: the one implementation `fit` and `PrivateStep` run.
 
     Clips every example of the micro-batch, hands the clipped sum to the
     `DPOptimizer` (which applies the noisy update at the end of a logical
     step), and updates the loss and metrics.
+
+    Args:
+        admitted: a bool scalar of the caller's run-time checks (None: no
+            check). A micro-batch not admitted adds nothing to the sums, as
+            padding does, so that no unchecked data is released where XLA
+            drops the checks' assertions.
     """
     optimizer = model.optimizer
     if not isinstance(optimizer, DPOptimizer):
@@ -445,8 +491,15 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     if micro_batch_size is None:
         micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     clip_norm = optimizer.current_clip_norm
+    if admitted is not None and sample_weight is not None:
+        # A refused micro-batch is all padding: it skips its pass and adds
+        # exactly nothing (a product of m weights, the cheapest gate).
+        sample_weight = tf.nest.map_structure(
+            lambda weight: weight * tf.cast(admitted, weight.dtype), sample_weight)
     batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,
                                          clip_norm)
+    if admitted is not None and sample_weight is None:
+        batch = _admitted_only(batch, admitted)
     centred_count = None
     if optimizer.adaptive_clipping is not None:
         norms, is_real = batch.norms, batch.is_real
@@ -458,10 +511,12 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
             is_real = tf.reduce_max(tf.reshape(tf.cast(is_real, tf.float32), [-1, units]), axis=1)
         centred_count = adaptive_clipping.centred_count(norms, is_real, clip_norm)
     # The optimizer and its schedule count privacy units (slots of k rows).
-    applied = optimizer._accumulate_clipped(
-        _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
-        micro_batch_size // optimizer.examples_per_unit, batch.nonfinite, centred_count,
-    )
+    # After the checks: a micro-batch whose assertion fails moves no counter.
+    with tf.control_dependencies([] if admitted is None else [admitted]):
+        applied = optimizer._accumulate_clipped(
+            _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
+            micro_batch_size // optimizer.examples_per_unit, batch.nonfinite, centred_count,
+        )
     real_examples = tf.reduce_sum(batch.is_real)
     mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
     _keras_compat.loss_tracker(model).update_state(mean_loss, sample_weight=real_examples)
@@ -487,6 +542,17 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
             tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
     logs["nonfinite_examples"] = nonfinite
     return _StepOutcome(logs, applied)
+
+
+def _admitted_only(batch: ClippedBatch, admitted: tf.Tensor) -> ClippedBatch:
+    """`batch` with its clipped sum, norms and counts zeroed unless `admitted` (data without weights)."""
+    def kept(tensor):
+        return None if tensor is None else tf.where(admitted, tensor, tf.zeros_like(tensor))
+
+    # Adaptive clipping's count reads the norms and is_real: zeroed alike.
+    return batch._replace(gradient_sum=[kept(g) for g in batch.gradient_sum],
+                          norms=kept(batch.norms), is_real=kept(batch.is_real),
+                          nonfinite=kept(batch.nonfinite))
 
 
 def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,

@@ -22,6 +22,7 @@ from tf_megadp.data.map_independence import checked_map
 from tf_megadp.data.shards import TokenShards
 from tf_megadp.data.sources import DataSource, attach_source
 from tf_megadp.data.stores import _ArrayStore, _IndexableStore, _RecordStore, _TokenShardStore
+from tf_megadp.data.tags import attach_tag_key, micro_batch_tags
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.secret import Secret
 from tf_megadp.steps import BatchSizeSchedule, check_batch_fits, step_capacity
@@ -424,21 +425,44 @@ class _Sampler(abc.ABC):
             for element in self.step_micro_batches(self.draw(step)):
                 yield step, element
 
-    def _pipeline_elements(self) -> Iterator[tuple[Any, np.ndarray, bool]]:
-        """Every micro-batch, with its step's key and whether the `map_fn` check runs on it.
+    def _pipeline_elements(self, mapped: bool = True, tagged: bool = False) -> Iterator[Any]:
+        """Every micro-batch, with what the pipeline's maps need to ride along it as data.
 
-        The check runs on the first micro-batch of the dataset and on each
-        later one with the model check's `RECHECK_PROBABILITY`, decided by
-        the sampler's secret: no example can time its mixing to unchecked
-        ones.
+        With a `map_fn` (`mapped`): its step's key and whether the `map_fn`
+        check runs on it. The check runs on the first micro-batch of the
+        dataset and on each later one with the model check's
+        `RECHECK_PROBABILITY`, decided by the sampler's secret: no example
+        can time its mixing to unchecked ones. With `tagged`: its position
+        (logical step, micro-step within it) and the tag key, from which the
+        pipeline computes its tags (`tf_megadp.data.tags`).
         """
         from tf_megadp.clipping.independence import RECHECK_PROBABILITY
 
         step = key = choices = None
+        micro_step = 0
+        tag_key = self.tag_key.value if tagged else None
         for position, (current, element) in enumerate(self._micro_batches_by_step()):
             if current != step:
-                step, key, choices = current, self._step_key(current), self._step_rng(3, current)
-            yield element, key, position == 0 or choices.random() < RECHECK_PROBABILITY
+                step, micro_step = current, 0
+                if mapped:
+                    key, choices = self._step_key(current), self._step_rng(3, current)
+            parts = (element,)
+            if mapped:
+                parts += (key, position == 0 or choices.random() < RECHECK_PROBABILITY)
+            if tagged:
+                parts += (np.array([current, micro_step], np.int64), tag_key)
+            micro_step += 1
+            yield parts
+
+    @property
+    def tag_key(self) -> Secret:
+        """The key of this sampler's micro-batch tags (`tf_megadp.data.tags`), int64 [2].
+
+        Drawn from the sampler's secret (its own stream), so hosts sharing
+        the secret tag alike. A `PrivateStep` begun with this sampler takes
+        it; never log or store it (whoever holds it can tag other data).
+        """
+        return Secret(self._rng(4, 0).integers(0, 2**63, size=2, dtype=np.int64))
 
     def _step_key(self, step: int) -> np.ndarray:
         """The key of logical step `step` for a `map_fn`'s stateless draws: int64 [2].
@@ -455,6 +479,7 @@ class _Sampler(abc.ABC):
         *,
         parallel_map: bool = False,
         prefetch: int | None = None,
+        tagged: bool = False,
     ):
         """The micro-batches as a `tf.data.Dataset` with static shapes, carrying its `DataSource`.
 
@@ -488,6 +513,14 @@ class _Sampler(abc.ABC):
                 timing. The default maps in order; `prefetch` still
                 overlaps it with training.
             prefetch: micro-batches to prepare ahead (default: AUTOTUNE).
+            tagged: for a custom loop's `tf_megadp.PrivateStep`: every
+                element becomes `(batch, tag)`, `tag` int64 [m * R], the
+                secret mark by which the step knows the micro-batch is this
+                sampler's, at its place in the run (`tf_megadp.data.tags`).
+                A step begun with this sampler refuses micro-batches without
+                it. A map of your own keeps it by passing it on:
+                `dataset.map(lambda batch, tag: (transform(batch), tag))`.
+                `fit` takes the untagged dataset.
 
         Returns:
             A `tf.data.Dataset` of `total_micro_steps` elements that can be
@@ -506,17 +539,19 @@ class _Sampler(abc.ABC):
             [_tensor_spec((rows, *shape), dtype) for shape, dtype in self._store.leaves],
             tf.TensorSpec([rows], tf.float32),
         )
-        if map_fn is None:
+        if map_fn is None and not tagged:
             dataset = tf.data.Dataset.from_generator(self.micro_batches,
                                                      output_signature=signature)
         else:
-            # The key and the check flag ride along each element as data,
-            # never as constants of the dataset graph, so each micro-batch
-            # gets its own however the map is scheduled.
+            # The keys, the check flag and the position ride along each
+            # element as data, never as constants of the dataset graph, so
+            # each micro-batch gets its own however the map is scheduled.
+            key_spec = tf.TensorSpec([2], tf.int64)
+            extra = (key_spec, tf.TensorSpec([], tf.bool)) if map_fn is not None else ()
+            extra += (key_spec, key_spec) if tagged else ()
             dataset = tf.data.Dataset.from_generator(
-                self._pipeline_elements,
-                output_signature=(signature, tf.TensorSpec([2], tf.int64),
-                                  tf.TensorSpec([], tf.bool)))
+                lambda: self._pipeline_elements(map_fn is not None, tagged),
+                output_signature=(signature, *extra))
         dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.total_micro_steps))
         if map_fn is not None:
             keyed = _takes_keyword_only(map_fn, "key")
@@ -525,18 +560,25 @@ class _Sampler(abc.ABC):
                 return map_fn(*element, key=key) if keyed else map_fn(*element)
 
             function = checked_map(call, rows)
+            if tagged:
+                checked, function = function, lambda element, key, check, position, tag_key: (
+                    checked(element, key, check), position, tag_key)
             if parallel_map:
                 dataset = dataset.map(function, num_parallel_calls=tf.data.AUTOTUNE,
                                       deterministic=True)
             else:
                 dataset = dataset.map(function)
+        if tagged:
+            dataset = dataset.map(lambda element, position, tag_key: (
+                element, micro_batch_tags(tag_key, position[0], position[1], rows)))
         dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
 
         def resume(step: int):
             return self._continued_at(step).as_dataset(
-                map_fn, parallel_map=parallel_map, prefetch=prefetch)
+                map_fn, parallel_map=parallel_map, prefetch=prefetch, tagged=tagged)
 
-        return attach_source(dataset, self.source, resume=resume)
+        marked = attach_source(dataset, self.source, resume=resume)
+        return attach_tag_key(marked, self.tag_key) if tagged else marked
 
     def _continued_at(self, step: int) -> Self:
         """This sampler from logical step `step` on: same data, schedule, end and randomness.

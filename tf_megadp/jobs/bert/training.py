@@ -354,7 +354,11 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # along its rows, replica r taking rows [r*m, (r+1)*m): the layout
     # distribute.replica_micro_batches gives one input pipeline. keras-hub
     # tasks cannot take a tf.distribute DistributedDataset in fit.
-    dataset = sampler.as_dataset(batcher)
+    # Keras's fit cannot run under several workers: there the same private
+    # step runs in a custom loop that drives the same callbacks, and checks
+    # each micro-batch's tag (the tagged dataset's elements are (batch, tag)).
+    several_workers = distribute._worker_count(strategy) > 1
+    dataset = sampler.as_dataset(batcher, tagged=private and several_workers)
     if not private:  # The private fit does this itself.
         distribute.build_without_reading(model, dataset.element_spec)
 
@@ -367,9 +371,6 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # resumed run's epochs, in history.csv and TensorBoard, count on from them.
     initial_epoch = len(history)
 
-    # Keras's fit cannot run under several workers: there the same private
-    # step runs in a custom loop that drives the same callbacks.
-    several_workers = distribute._worker_count(strategy) > 1
     chief = distribute.is_chief(strategy)
     callbacks = []
     privacy = None

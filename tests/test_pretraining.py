@@ -511,6 +511,9 @@ class TestPreemption:
         report = json.loads((output / "report.json").read_text())
         _assert_same_epsilon_as_uninterrupted(report)
         assert report["resumes"] == [committed] and report["logical_steps"] == 3
+        # The saved settings hold the rate as a number; the report still
+        # says it was the DP default, not a rate the user gave.
+        assert report["learning_rate_source"] == "DP default"
         if committed < 3:
             assert f"Resuming at logical step {committed} of 3 (epsilon so far " in (
                 capsys.readouterr().out)

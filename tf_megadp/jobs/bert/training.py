@@ -192,10 +192,11 @@ class _Checkpointer:
     """
 
     def __init__(self, output_dir: str, history: list, config: PretrainConfig, resumes: list,
-                 enabled: bool = True):
+                 learning_rate_source: str, enabled: bool = True):
         self.directory = os.path.join(output_dir, CHECKPOINT_NAME)
         self.history = history
         self.config = config
+        self.learning_rate_source = learning_rate_source
         self.resumes = resumes
         self.enabled = enabled
 
@@ -210,6 +211,9 @@ class _Checkpointer:
             "history": self.history,
             "resumes": self.resumes,
             "config": _config_dict(self.config),
+            # The saved config holds the rate as a number: where it came from
+            # is kept beside it, so that a resumed run reports it.
+            "learning_rate_source": self.learning_rate_source,
         })
 
 
@@ -286,6 +290,9 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             history = state.get("history", [])
             resumed_from = int(model.optimizer.iterations.numpy())
             resumes = state.get("resumes", []) + [resumed_from]
+            # A resume cannot change the rate (check_same_run), so the
+            # started run's account of it still holds.
+            learning_rate_source = state.get("learning_rate_source", learning_rate_source)
         else:
             if private:
                 optimizer = tf_megadp.DPOptimizer(
@@ -380,7 +387,8 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME) if chief else None,
             target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
         callbacks.append(privacy)
-    checkpointer = _Checkpointer(output_dir, history, config, resumes, enabled=chief)
+    checkpointer = _Checkpointer(output_dir, history, config, resumes, learning_rate_source,
+                                 enabled=chief)
 
     accumulation = 1 if private else schedule.phases[0].accumulation_steps
 

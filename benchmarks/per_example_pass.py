@@ -29,14 +29,14 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from step_overhead import (SIZES, add_model_arguments, build_model, compile_model, head,  # noqa: E402
-                           load_average, make_data, median)
+from step_overhead import (EVERY_POSITION, SIZES, add_model_arguments, build_model,  # noqa: E402
+                           compile_model, head, load_average, make_data, median)
 from tf_megadp.clipping import get_clipping_strategy  # noqa: E402
 
 
 def add_arguments(parser) -> None:
     """The options of `pass_calls`: model size, micro-batch, strategies."""
-    parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES) + list(EVERY_POSITION))
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--clipping", default="vectorized,ghost,auto")
     add_model_arguments(parser)
@@ -48,7 +48,7 @@ def pass_calls(args) -> dict:
     All share one model and one micro-batch; `gradient (XLA)` comes first.
     """
     m = args.micro_batch
-    x, y, w = make_data(m, args, np.random.default_rng(0))
+    x, y, w = make_data(m, args, np.random.default_rng(0), args.size)
     x, y, w = tf.nest.map_structure(tf.constant, (head(x, m), y, w))
     keras.utils.set_random_seed(0)
     model = build_model(args.size, args)

@@ -31,6 +31,18 @@ Run:
     python benchmarks/step_overhead.py --quick        # tiny m=32, mini m=256
     python benchmarks/step_overhead.py --sizes tiny --micro-batches 32,64,128
     python benchmarks/step_overhead.py                # whole grid (hours on 2 cores)
+    python benchmarks/step_overhead.py --sizes fullhead,gpt2 --micro-batches 32 \
+        --paths fit_arrays --clipping auto --steps 8   # every position scored
+
+Besides the BertMaskedLM sizes, two models score every position through the
+vocabulary head (loss on all `--seq` tokens, `--vocab` classes):
+
+- `fullhead`: Embedding(vocab, 128), 2 blocks of MultiHeadAttention +
+  LayerNorm + Dense(512, gelu) + Dense(128), a Dense(vocab) head on every
+  position (issue 42's shape).
+- `gpt2`: keras-hub `GPT2CausalLM` from `GPT2Backbone` (2 layers, hidden
+  128, 2 heads, intermediate 512; the head is the tied token embedding),
+  built from its constructors: nothing is downloaded.
 
 Vectorized clipping is skipped where its per-example gradients alone would
 exceed `--memory-budget-gib` (the row says so), so that the grid cannot
@@ -62,6 +74,8 @@ tf.get_logger().setLevel("ERROR")
 
 # name: (layers, hidden, heads)
 SIZES = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8)}
+# Models whose loss scores every position (next-token / all-token targets).
+EVERY_POSITION = ("fullhead", "gpt2")
 PATHS = ("train_on_batch", "fit_arrays", "fit_poisson")
 # The non-private baselines: Keras's default on CPU (no XLA) and XLA.
 BASELINES = {"keras default": False, "XLA": True}
@@ -81,7 +95,30 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--dropout", type=float, default=0.1)
 
 
+def build_full_head(args):
+    """Issue 42's encoder: every one of the `--seq` positions goes through a Dense(vocab) head."""
+    tokens = keras.Input((args.seq,), dtype="int32", name="token_ids")
+    x = keras.layers.Embedding(args.vocab, 128)(tokens)
+    for _ in range(2):
+        attention = keras.layers.MultiHeadAttention(num_heads=2, key_dim=64)(x, x)
+        x = keras.layers.LayerNormalization()(x + attention)
+        hidden = keras.layers.Dense(512, activation="gelu")(x)
+        x = x + keras.layers.Dense(128)(hidden)
+    return keras.Model(tokens, keras.layers.Dense(args.vocab)(x), name="fullhead")
+
+
+def build_gpt2(args):
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=args.vocab, num_layers=2, num_heads=2, hidden_dim=128,
+        intermediate_dim=512, max_sequence_length=args.seq, dropout=args.dropout)
+    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+
 def build_model(size, args):
+    if size == "fullhead":
+        return build_full_head(args)
+    if size == "gpt2":
+        return build_gpt2(args)
     layers, hidden, heads = SIZES[size]
     backbone = keras_hub.models.BertBackbone(
         vocabulary_size=args.vocab,
@@ -95,8 +132,14 @@ def build_model(size, args):
     return keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
 
 
-def make_data(rows, args, rng):
+def make_data(rows, args, rng, size="tiny"):
     seq, masks = args.seq, args.masks
+    if size in EVERY_POSITION:
+        tokens = rng.integers(0, args.vocab, (rows, seq + 1)).astype("int32")
+        x = tokens[:, :-1]
+        if size == "gpt2":
+            x = {"token_ids": x, "padding_mask": np.ones((rows, seq), "int32")}
+        return x, tokens[:, 1:], np.ones((rows, seq), "float32")
     x = {
         "token_ids": rng.integers(0, args.vocab, (rows, seq)).astype("int32"),
         "segment_ids": np.zeros((rows, seq), "int32"),
@@ -109,6 +152,8 @@ def make_data(rows, args, rng):
 
 
 def head(x, rows):
+    if not isinstance(x, dict):
+        return x[:rows]
     return {key: value[:rows] for key, value in x.items()}
 
 
@@ -254,7 +299,7 @@ def per_example_gradient_bytes(size, args, micro_batch):
 def run_cell(size, m, paths, clippings, args):
     """Prints one row per (path, strategy) of one (size, micro-batch) cell."""
     rows = max(args.steps, 4) * m
-    x, y, w = make_data(rows, args, np.random.default_rng(0))
+    x, y, w = make_data(rows, args, np.random.default_rng(0), size)
     budget = args.memory_budget_gib * 2**30
     vectorized_bytes = per_example_gradient_bytes(size, args, m)
     runnable = []

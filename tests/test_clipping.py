@@ -21,6 +21,7 @@ from tests import reference
 from tf_megadp import PrivacyConfigurationError
 from tf_megadp.clipping import GhostClipping, Outer, VectorizedClipping, get_clipping_strategy
 from tf_megadp.clipping.ghost_rules.einsum import einsum_plan
+from tf_megadp.clipping.terms import outer_is_materialised
 
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 RTOL = 1e-4
@@ -459,6 +460,67 @@ class TestAutoFallsBackPerLayer:
         with pytest.raises(PrivacyConfigurationError, match="regularizers"):
             GhostClipping(jit_compile=False).clip_and_sum(
                 model, np.ones((2, 3), "float32"), np.zeros(2, "int32"), None, 1.0)
+
+
+class TestAutoChoosesTheFormPerLayer:
+    """Mixed ghost clipping: each Outer record takes its cheaper form, and the sum stays exact.
+
+    A vocabulary head on every one of T = 4 positions, p = 8 inputs, V
+    outputs: materialised while p V <= T (p + V), i.e. V <= 8, Gram form from
+    V = 9. The embedding (Gather) and the hidden Dense (p d = 64 = T (p + d):
+    materialised) keep their forms on both sides, so each example's norm
+    combines materialised and ghost records; it must equal the norm of the
+    naive per-example gradient, and the clipped sum the naive clipped sum.
+    """
+
+    TOKENS, WIDTH = 4, 8
+
+    def head_model(self, vocabulary):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((self.TOKENS,), dtype="int32")
+        hidden = keras.layers.Embedding(vocabulary, self.WIDTH)(inputs)
+        hidden = keras.layers.Dense(self.WIDTH, activation="tanh")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(vocabulary, name="head")(hidden))
+        model.compile(loss=LOSS)
+        return model
+
+    @pytest.mark.parametrize("vocabulary, head_materialised", [(8, True), (9, False)])
+    def test_the_head_form_follows_the_threshold_and_the_sum_is_exact(
+            self, monkeypatch, vocabulary, head_materialised):
+        assert outer_is_materialised(self.TOKENS, self.WIDTH, vocabulary) is head_materialised
+        forms = {}
+        squared_norms = Outer.squared_norms
+
+        def recording(term):
+            forms[tuple(term.shape)] = term.materialised
+            return squared_norms(term)
+
+        monkeypatch.setattr(Outer, "squared_norms", recording)
+        model = self.head_model(vocabulary)
+        n = 6
+        x = tokens(n, self.TOKENS, vocabulary)
+        y = labels((n, self.TOKENS), classes=vocabulary)
+        naive = reference.naive_per_example_gradients(model, LOSS, x, y)
+        naive_norms = np.array([np.sqrt(sum(np.sum(g ** 2) for g in grads)) for grads in naive])
+        clip = float(np.median(naive_norms))
+        batch = tf_megadp.AutoClipping(jit_compile=False).clip_and_sum(model, x, y, None, clip)
+
+        assert forms == {(self.WIDTH, vocabulary): head_materialised,
+                         (self.WIDTH, self.WIDTH): True}
+        np.testing.assert_allclose(batch.norms.numpy(), naive_norms, rtol=RTOL)
+        factors = np.minimum(1.0, clip / naive_norms)
+        expected = [sum(f * grads[j] for f, grads in zip(factors, naive))
+                    for j in range(len(model.trainable_variables))]
+        scale = max(float(np.max(np.abs(g))) for g in expected)
+        for variable, want, got in zip(model.trainable_variables, expected, batch.gradient_sum):
+            np.testing.assert_allclose(got.numpy(), want, rtol=RTOL, atol=RTOL * scale,
+                                       err_msg=variable.path)
+
+    def test_the_rule_does_not_depend_on_the_batch(self):
+        """Both forms' time and memory grow linearly in m, so m cancels (docs/clipping.md)."""
+        assert outer_is_materialised(128, 128, 8000)  # issue 42's head: 1,024,000 <= 1,040,384
+        assert not outer_is_materialised(20, 128, 8000)  # 20 masked positions: Gram form
+        assert not outer_is_materialised(None, 4, 6)  # unknown T: Gram (memory not in p d)
 
 
 class TestAutoFallsBackToVectorizedPerModel:

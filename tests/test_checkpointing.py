@@ -365,6 +365,28 @@ def test_weights_of_a_release_set_into_a_fresh_private_model_need_its_ledger(rel
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_export_the_steps_left_as_it_started_is_no_release(tmp_path):
+    # Before: a run at learning rate 0 exported its initial weights; every
+    # later model of the same seed in the process was refused as holding
+    # that "release" (the job's tests met it across two unrelated runs).
+    x, y = _continuation_data()
+
+    def frozen_run():
+        keras.utils.set_random_seed(7)
+        model = tf_megadp.make_private(
+            keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)]))
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.0), 1.0, 1.0, accumulation_steps=2, seed=3), loss="mse")
+        return model
+
+    first = frozen_run()
+    _fit(first, x[:8], y[:8])
+    tf_megadp.export_model(first, tmp_path / "unchanged.keras")
+    privacy = _fit(frozen_run(), x[:8], y[:8])
+    assert privacy.ledger.total_steps == 2 and privacy.report()["initial_weights"] is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
 def test_weights_set_from_outside_are_declared_public_and_initial_ones_need_nothing(tmp_path):
     x, y = _continuation_data()
     public = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

@@ -450,7 +450,7 @@ def test_a_step_replayed_from_a_restored_checkpoint_draws_new_noise(tmp_path):
 
     step.begin(first_sampler)
     checkpoint = step.checkpoint()
-    batches = iter(first_sampler.as_dataset())
+    batches = iter(first_sampler.as_dataset(tagged=True))
     one_logical_step(batches)
     path = checkpoint.write(str(tmp_path / "step1"))
     one_logical_step(batches)
@@ -459,7 +459,7 @@ def test_a_step_replayed_from_a_restored_checkpoint_draws_new_noise(tmp_path):
     checkpoint.read(path)
     replay = sampler(1)
     step.begin(replay)
-    one_logical_step(iter(replay.as_dataset()))
+    one_logical_step(iter(replay.as_dataset(tagged=True)))
     assert step.logical_step == 2
     divisor = phase.batch_size
     reference.assert_replayed_noise_is_fresh(first, weights(step.model), sigma * clip / divisor)

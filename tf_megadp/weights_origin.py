@@ -58,6 +58,9 @@ class _WeightsOrigin:
     def __init__(self):
         self.fingerprint: str | None = None
         self.declared: dict[str, Any] | None = None
+        # Whether the starting weights themselves came from private steps
+        # (a DP run's file with its ledger, or a continued release).
+        self.spent_privacy = False
 
 
 def _origin(model) -> _WeightsOrigin:
@@ -103,8 +106,10 @@ def note_starting_weights(model: keras.Model) -> None:
 def note_ledger_loaded(model: keras.Model) -> None:
     """The weights just loaded came with their ledger (a DP run's file): they start it."""
     if _built(model):
-        _origin(model).fingerprint = weights_fingerprint(model)
-        _origin(model).declared = None
+        origin = _origin(model)
+        origin.fingerprint = weights_fingerprint(model)
+        origin.declared = None
+        origin.spent_privacy = True
 
 
 def set_weights_guard(model: keras.Model, original_set_weights):
@@ -119,9 +124,19 @@ def set_weights_guard(model: keras.Model, original_set_weights):
 
 
 def note_release(model: keras.Model, path: str) -> None:
-    """`export_model` wrote `model` to `path`: remember its weights if they spent privacy."""
-    if _steps_of_weights(model, build=False):
-        _RELEASES[weights_fingerprint(model)] = path
+    """`export_model` wrote `model` to `path`: remember its weights if they spent privacy.
+
+    Weights that private steps left exactly as they started (a learning rate
+    of 0), from a start that spent nothing, hold nothing of the data: another
+    model of the same seed starts from them and is no continuation.
+    """
+    if not _steps_of_weights(model, build=False):
+        return
+    fingerprint = weights_fingerprint(model)
+    origin = getattr(model, _ORIGIN, None)
+    if origin is not None and origin.fingerprint == fingerprint and not origin.spent_privacy:
+        return
+    _RELEASES[fingerprint] = path
 
 
 def _steps_of_weights(model, build: bool = True) -> int:
@@ -221,6 +236,7 @@ def declare_public_weights(model: keras.Model, source: str) -> None:
             "tf_megadp.continue_from_release(model, 'privacy.json').")
     origin = _origin(model)
     origin.fingerprint = fingerprint
+    origin.spent_privacy = False
     origin.declared = {"origin": "public", "source": source, "weights_fingerprint": fingerprint}
 
 
@@ -282,6 +298,7 @@ def continue_from_release(model: keras.Model, report_path: str | os.PathLike) ->
     optimizer.carried_steps.assign(ledger.total_steps)
     origin = _origin(model)
     origin.fingerprint = fingerprint
+    origin.spent_privacy = True
     origin.declared = {"origin": "release", "report": report_path,
                        "steps": ledger.total_steps, "epsilon": report.get("epsilon"),
                        "delta": report.get("delta"), "weights_fingerprint": fingerprint}

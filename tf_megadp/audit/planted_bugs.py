@@ -31,8 +31,10 @@ __all__ = ["DoubleCountingDPOptimizer", "HalvedNoiseDPOptimizer", "UnclippedFirs
 class HalvedNoiseDPOptimizer(DPOptimizer):
     """BROKEN: noise of sigma / 2, ledger of sigma. For audit tests only."""
 
-    def _noisy_update(self, trainable_variables, connected, step, divisor, noise_multiplier):
-        super()._noisy_update(trainable_variables, connected, step, divisor, noise_multiplier * 0.5)
+    def _noisy_update(self, trainable_variables, connected, step, generation, divisor,
+                      noise_multiplier):
+        super()._noisy_update(trainable_variables, connected, step, generation, divisor,
+                              noise_multiplier * 0.5)
 
 
 class DoubleCountingDPOptimizer(DPOptimizer):

@@ -350,14 +350,16 @@ def _log_sensitivity_gradient(strategy: np.ndarray, min_separation: int,
 
 
 def _minimize(objective, start: np.ndarray, max_iterations: int) -> np.ndarray:
-    """L-BFGS on `objective(x) -> (value, gradient)`, started at `start`."""
+    """L-BFGS on `objective(x) -> (value, gradient)` from `start`; never worse than `start`."""
     result = optimize.minimize(
         objective, start, jac=True, method="L-BFGS-B",
         # The objective is a log: a relative change of 1e-10 is far below
         # anything the RMSE shows.
         options={"maxiter": max_iterations, "ftol": 1e-10, "gtol": 1e-7},
     )
-    return result.x
+    # A line search that ends in a worse point (or a non-finite one) must
+    # not hand the run a worse strategy than the one it started from.
+    return result.x if result.fun <= objective(start)[0] else start
 
 
 def _check_bands(num_steps: int, num_bands: int) -> tuple[int, int]:

@@ -307,7 +307,7 @@ class BLT:
         return mf.minsep_sensitivity(self.strategy(n, steps_per_epoch=s), n, min_separation=s,
                                      max_participations=k)
 
-    def cyclic_poisson_event(self, noise_multiplier: float, **run) -> dp_accounting.DpEvent:
+    def cyclic_poisson_event(self, noise_multiplier: float, **run: object) -> dp_accounting.DpEvent:
         """Refused: a BLT's columns all overlap, so no sampling amplifies it.
 
         Raises:

@@ -40,7 +40,9 @@ The package, by concept: `events` (sampling kinds and their DpEvents),
 `ledger` (the ledger, its row format, a planned run's ledger), `engines`
 (the accountant registry and the cached epsilon), `accountant`
 (`PrivacyAccountant`, budget search), `calibration` (`compute_epsilon`,
-`calibrate_noise_multiplier`) and `report` (the published report).
+`calibrate_noise_multiplier`), `report` (the published report),
+`matrix_factorization` (correlated noise: Toeplitz strategies, their error,
+sensitivity and events) and `correlated_noise` (`BandMF`, `BLT`).
 """
 
 from tf_megadp.accounting.accountant import PrivacyAccountant

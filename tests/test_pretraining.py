@@ -401,8 +401,12 @@ def _committed_steps(output):
     return json.loads(index.read_text())["extra"]["logical_steps"] if index.exists() else 0
 
 
-def _killed_job(argv, output, after_step, rng, timeout_s=120):
-    """Starts `tf-megadp` ARGV and SIGKILLs it at a random moment once step `after_step` is saved."""
+def _killed_job(argv, output, after_step, rng, timeout_s=600):
+    """Starts `tf-megadp` ARGV and SIGKILLs it at a random moment once step `after_step` is saved.
+
+    The watchdog only ends a hung child: on a loaded 2-core machine the
+    child's start (TensorFlow, keras-hub, compilation) alone took over 120 s.
+    """
     folder = pathlib.Path(__file__).resolve().parent.parent
     with open(output.parent / f"{output.name}-stderr.txt", "a") as stderr:
         child = subprocess.Popen(

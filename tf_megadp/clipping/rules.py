@@ -126,10 +126,10 @@ class Recorder:
     def terms(self, gradients):
         """The (variable, term) records of trainable variables, given the gradients of `watched`.
 
-        A rule records every variable of its layer; the model's frozen ones
-        (a LoRA layer's base kernel) are dropped here: they are never
-        updated, so their gradients are neither clipped nor counted in the
-        norms.
+        A rule records every variable of its layer; those the model does not
+        train (one the user froze in a layer that trains others) are dropped
+        here: they are never updated, so their gradients are neither clipped
+        nor counted in the norms.
         """
         gradient_of = lambda index: gradients[index]
         records = []

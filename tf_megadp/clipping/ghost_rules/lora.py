@@ -17,8 +17,8 @@ follow without any per-example gradient of W's size, in the form
 are smaller than the records, Gram forms otherwise). When the kernel's
 trailing letters are several axes (an attention projection "abc,cde->abde":
 heads, then head size), the leading ones besides the last become extra
-"tokens" of the B term. The base kernel W is frozen by `enable_lora`, and
-the recorder drops its record unless the model trains it.
+"tokens" of the B term. The base kernel W, frozen by `enable_lora`, gets a
+record (Outer(X, G), as without LoRA) only if the user unfreezes it.
 """
 
 from __future__ import annotations

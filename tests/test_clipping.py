@@ -435,6 +435,12 @@ class TestFrozenLayers:
         assert [r.layer for r in plan_rules(model, "small")] == [model.layers[-1]]
         assert_equals_naive(model, tokens(), labels((6, 5)))
 
+    def test_a_frozen_variable_of_a_trained_layer_is_left_out(self):
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3))
+        model.layers[1].bias.trainable = False
+        assert len(model.trainable_variables) == 3
+        assert_equals_naive(model, sequences(), labels((6, 5)))
+
     def test_ghost_accepts_a_frozen_layer_without_a_rule(self):
         model = sequence_model(keras.layers.SimpleRNN(4, return_sequences=True, trainable=False),
                                keras.layers.Dense(3))

@@ -44,6 +44,14 @@ vocabulary head (loss on all `--seq` tokens, `--vocab` classes):
   128, 2 heads, intermediate 512; the head is the tied token embedding),
   built from its constructors: nothing is downloaded.
 
+With `--lora-rank R`, every model of a cell, the non-private ones included,
+is built and then given keras-hub's `backbone.enable_lora(R)` (LoRA on the
+attention query and value projections, the rest of the backbone frozen,
+the head trainable): the ratios are then DP LoRA against non-private LoRA.
+
+    python benchmarks/step_overhead.py --sizes mini --micro-batches 64 --lora-rank 8 \
+        --paths train_on_batch,fit_arrays --clipping ghost,auto
+
 Vectorized clipping is skipped where its per-example gradients alone would
 exceed `--memory-budget-gib` (the row says so), so that the grid cannot
 exhaust a shared machine.
@@ -93,6 +101,8 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--masks", type=int, default=20)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="give every keras-hub backbone LoRA of this rank (0: none)")
 
 
 def build_full_head(args):
@@ -115,6 +125,15 @@ def build_gpt2(args):
 
 
 def build_model(size, args):
+    model = _build_model(size, args)
+    if args.lora_rank:
+        if size == "fullhead":
+            raise SystemExit("--lora-rank needs a keras-hub backbone; 'fullhead' has none.")
+        model.backbone.enable_lora(args.lora_rank)
+    return model
+
+
+def _build_model(size, args):
     if size == "fullhead":
         return build_full_head(args)
     if size == "gpt2":
@@ -377,7 +396,8 @@ def main(argv=None):
     print(f"commit: {commit}")
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {os.cpu_count()} CPUs; "
           f"TF {tf.__version__}, Keras {keras.__version__}; seq={args.seq} vocab={args.vocab} "
-          f"masks={args.masks} dropout={args.dropout} warmup={args.warmup} "
+          f"masks={args.masks} dropout={args.dropout} lora_rank={args.lora_rank} "
+          f"warmup={args.warmup} "
           f"repeats={args.repeats} steps={args.steps} statistic={args.statistic}")
     print(f"{'model':5} {'m':>4} {'path':14} {'clipping':11} {'ms/mb':>9} {'time x':>7} "
           f"{'peak MiB':>9} {'mem x':>6}  (x: to the best non-private step of the path)")

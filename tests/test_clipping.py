@@ -20,6 +20,7 @@ import tf_megadp
 from tests import reference
 from tf_megadp import PrivacyConfigurationError
 from tf_megadp.clipping import GhostClipping, Outer, VectorizedClipping, get_clipping_strategy
+from tf_megadp.clipping.ghost_rules import plan_rules
 from tf_megadp.clipping.ghost_rules.einsum import einsum_plan
 from tf_megadp.clipping.terms import outer_is_materialised
 
@@ -418,6 +419,32 @@ def kernel_thief_model():
     model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
     model.compile(loss=LOSS)
     return model
+
+
+class TestFrozenLayers:
+    """Only trainable variables are clipped and counted: frozen layers get no rule, and their
+    records never reach the norms (issue 40: a KeyError in the first step's check)."""
+
+    def test_frozen_layers_add_nothing_to_the_norms(self):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((5,), dtype="int32")
+        hidden = keras.layers.Embedding(7, 4, trainable=False)(inputs)
+        hidden = keras.layers.Dense(4, activation="tanh", trainable=False)(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(3)(hidden))
+        assert len(model.trainable_variables) == 2
+        assert [r.layer for r in plan_rules(model, "small")] == [model.layers[-1]]
+        assert_equals_naive(model, tokens(), labels((6, 5)))
+
+    def test_a_frozen_variable_of_a_trained_layer_is_left_out(self):
+        model = sequence_model(keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3))
+        model.layers[1].bias.trainable = False
+        assert len(model.trainable_variables) == 3
+        assert_equals_naive(model, sequences(), labels((6, 5)))
+
+    def test_ghost_accepts_a_frozen_layer_without_a_rule(self):
+        model = sequence_model(keras.layers.SimpleRNN(4, return_sequences=True, trainable=False),
+                               keras.layers.Dense(3))
+        assert_equals_naive(model, sequences(), labels((6, 5)))
 
 
 class TestAutoFallsBackPerLayer:

@@ -65,6 +65,25 @@ def einsum_dense():
                   keras.layers.Dense(3)), _sequences(), _labels((M, T))
 
 
+def _with_lora(build):
+    """`build()`'s model with LoRA (rank 2, s = 1.5) on its first layer.
+
+    B starts random (Keras starts it at zero, which leaves A without a gradient).
+    """
+    model, x, y = build()
+    model.layers[1].enable_lora(2, lora_alpha=3,
+                                b_initializer=keras.initializers.RandomNormal(stddev=1.0))
+    return model, x, y
+
+
+def dense_lora():
+    return _with_lora(dense)
+
+
+def einsum_dense_lora():
+    return _with_lora(einsum_dense)
+
+
 def embedding():
     return _stack(keras.layers.Embedding(7, 4), keras.layers.Dense(3), input_shape=(T,),
                   dtype="int32"), _tokens(), _labels((M, T))
@@ -266,6 +285,8 @@ def shared_weight_custom_layer():
 CASES = {
     "Dense": dense,
     "EinsumDense": einsum_dense,
+    "Dense (LoRA)": dense_lora,
+    "EinsumDense (LoRA)": einsum_dense_lora,
     "Embedding": embedding,
     "Conv1D": conv1d,
     "Conv2D": conv2d,
@@ -361,17 +382,18 @@ def verdict(case, strategy):
 
 
 # The recurrent and keras-hub transformer rows cost 10-16 CPU-seconds each;
-# eight rows repeat what a cheaper row checks in CI: a rule family (Conv3D:
+# these rows repeat what a cheaper row checks in CI: a rule family (Conv3D:
 # Conv1D and Conv2D; GroupQueryAttention: MultiHeadAttention; Group and RMS
 # normalization: LayerNormalization; TimeDistributed(Dense): Dense) or a
 # layer without weights beside Dense layers (UnitNormalization, Rescaling,
-# RotaryEmbedding):
+# RotaryEmbedding; EinsumDense (LoRA): Dense (LoRA), and tests/test_clipping_lora.py):
 # `pytest -m slow` (CI time, issue 26). Their verdicts stay in EXPECTED and
 # in the docs table.
 _SLOW_ROWS = {"SimpleRNN", "GRU", "LSTM", "Bidirectional(LSTM)", "keras_hub TransformerEncoder",
               "keras_hub TransformerDecoder", "Conv3D", "GroupQueryAttention",
               "GroupNormalization", "RMSNormalization", "UnitNormalization",
-              "TimeDistributed(Dense)", "Rescaling (preprocessing)", "keras_hub RotaryEmbedding"}
+              "TimeDistributed(Dense)", "Rescaling (preprocessing)", "keras_hub RotaryEmbedding",
+              "EinsumDense (LoRA)"}
 
 
 @pytest.mark.filterwarnings("ignore:You passed `rms_scaling=True`")

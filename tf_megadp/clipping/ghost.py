@@ -506,6 +506,9 @@ def _grouped(records, variables):
     index = {id(v): i for i, v in enumerate(variables)}
     groups = {}
     for variable, term in records:
+        if id(variable) not in index:
+            raise TypeError(f"A ghost rule recorded a term for {variable!r}, which is not a "
+                            "variable of the model; record the variable itself.")
         groups.setdefault(index[id(variable)], {}).setdefault(type(term), []).append(term)
     return {i: [kind.merged(terms) if len(terms) > 1 else terms[0]
                 for kind, terms in kinds.items()]

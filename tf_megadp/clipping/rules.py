@@ -124,11 +124,22 @@ class Recorder:
         self._finishers.append(finisher)
 
     def terms(self, gradients):
-        """All (variable, term) records, given the gradients of `watched`."""
+        """The (variable, term) records of trainable variables, given the gradients of `watched`.
+
+        A rule records every variable of its layer; those the model does not
+        train (one the user froze in a layer that trains others) are dropped
+        here: they are never updated, so their gradients are neither clipped
+        nor counted in the norms.
+        """
         gradient_of = lambda index: gradients[index]
         records = []
         for finisher in self._finishers:
-            records.extend(finisher(gradient_of))
+            records.extend((variable, term) for variable, term in finisher(gradient_of)
+                           if id(variable) in self._trainable
+                           # Anything but a variable (a tensor recorded by
+                           # mistake) stays: the strategy refuses it rather
+                           # than leave out a gradient.
+                           or not isinstance(variable, keras.Variable))
         return records
 
     @contextlib.contextmanager
@@ -291,9 +302,7 @@ class KernelBiasRule(Rule):
             if gradient is None:
                 return []
             layer_inputs, gradient = self.bias_layout(inputs, gradient)
-            term = self.kernel_term(layer_inputs, gradient, recorder.batch_size,
-                                    compute_dtype(layer.kernel))
-            records = [(layer.kernel, term)]
+            records = self.kernel_records(layer_inputs, gradient, recorder.batch_size)
             if layer.bias is not None:
                 records.append((layer.bias, bias_gradient(gradient, layer.bias)))
             return records
@@ -307,6 +316,15 @@ class KernelBiasRule(Rule):
         The identity here; a channels_first convolution moves its channels last.
         """
         return inputs, gradient
+
+    def kernel_records(self, inputs, gradient, batch_size) -> list:
+        """[(variable, term)] of the variables behind the kernel: the kernel alone here.
+
+        A LoRA layer's kernel is W + s A B, with the factors as its variables
+        (`ghost_rules.lora`). Arguments as `kernel_term`'s.
+        """
+        kernel = self.layer.kernel
+        return [(kernel, self.kernel_term(inputs, gradient, batch_size, compute_dtype(kernel)))]
 
     def kernel_term(self, inputs, gradient, batch_size, dtype) -> Term:
         """Example i's kernel gradient.

@@ -17,5 +17,9 @@ class DenseRule(KernelBiasRule):
         return plain(layer, keras.layers.Dense)
 
     def kernel_term(self, inputs, gradient, batch_size, dtype):
-        return Outer(flat_tokens(inputs, batch_size, dtype),
-                     flat_tokens(gradient, batch_size, dtype), self.layer.kernel.shape)
+        return Outer(*self.kernel_sides(inputs, gradient, batch_size, dtype),
+                     self.layer.kernel.shape)
+
+    def kernel_sides(self, inputs, gradient, batch_size, dtype):
+        """(A, G), [m, T, p] and [m, T, d]: example i's kernel gradient is A_i^T G_i."""
+        return flat_tokens(inputs, batch_size, dtype), flat_tokens(gradient, batch_size, dtype)

@@ -69,12 +69,21 @@ class EinsumDenseRule(KernelBiasRule):
         return plain(layer, keras.layers.EinsumDense) and einsum_plan(layer.equation) is not None
 
     def kernel_term(self, inputs, gradient, batch_size, dtype):
+        return Outer(*self.kernel_sides(inputs, gradient, batch_size, dtype),
+                     self.layer.kernel.shape)
+
+    def kernel_sides(self, inputs, gradient, batch_size, dtype):
+        """(L, R), [m, T, *] each: example i's kernel gradient is L_i^T R_i.
+
+        L holds the kernel's leading letters and R its trailing ones, in the
+        kernel's order (the input's and the output gradient's sides, swapped
+        when the kernel lists its output letters first).
+        """
         plan = einsum_plan(self.layer.equation)
         left = tf.einsum(plan.to_left, tf.cast(inputs, dtype))
         right = tf.einsum(plan.to_right, tf.cast(gradient, dtype))
-        shape = self.layer.kernel.shape
-        sizes = dict(zip(plan.kernel, shape))
+        sizes = dict(zip(plan.kernel, self.layer.kernel.shape))
         size = lambda letters: int(np.prod([sizes[c] for c in letters]))
         left = tf.reshape(left, [batch_size, -1, size(plan.contracted)])
         right = tf.reshape(right, [batch_size, -1, size(plan.produced)])
-        return Outer(right, left, shape) if plan.swap else Outer(left, right, shape)
+        return (right, left) if plan.swap else (left, right)

@@ -1,9 +1,9 @@
 """The sampler machinery every sampler shares: secret randomness, phases, static micro-batches, tf.data.
 
 A sampler subclass draws the examples of one logical step (`draw`), builds
-the schedule `from_arrays`/`from_records` use (`_schedule_for`), names its
-sampling kind and gives the `dp_accounting` event of one of its steps
-(`step_event`), registered once with `tf_megadp.accounting.events`.
+the schedule `from_arrays`/`from_records` use (`_schedule_for`) and names
+its sampling kind, whose `dp_accounting` event is registered once in
+`tf_megadp.accounting.events`.
 """
 
 from __future__ import annotations

@@ -34,8 +34,7 @@ from typing import Any, Iterator, Self
 import dp_accounting
 import numpy as np
 
-from tf_megadp.accounting.events import entry_event
-from tf_megadp.accounting.ledger import ledger_from_schedule
+from tf_megadp.accounting.run_description import RunDescription
 from tf_megadp.data.base import StepDraw
 from tf_megadp.data.samplers import PoissonSampler
 from tf_megadp.data.shards import TokenShards
@@ -364,9 +363,8 @@ class PrivacyUnitSampler(PoissonSampler):
         Returns:
             A `dp_accounting.ComposedDpEvent`.
         """
-        ledger = ledger_from_schedule(self.schedule, noise_multiplier, steps=steps)
-        return dp_accounting.ComposedDpEvent(
-            [entry_event(entry, self.num_units) for entry in ledger])
+        return RunDescription(schedule=self.schedule, noise_multiplier=noise_multiplier,
+                              steps=steps).dp_event()
 
     # -- Micro-batches -------------------------------------------------------------
 

@@ -28,11 +28,12 @@ sampler returns carries its `tf_megadp.data.sources.DataSource`.
 want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
 2024): see its docstring.
 
-Each sampler names the `dp_accounting` event of its steps (`step_event`),
-which its sampling kind registers (`tf_megadp.accounting.events`, where the
-"poisson" and "shuffle" kinds live, so that the accounting never needs the
-data pipeline): a new sampler is one class here plus its kind's registration
-and its row in tests/test_accounting.py. The shared machinery is in `tf_megadp.data.base`,
+Each sampler names its sampling kind (`sampling_kind`); the kind, with the
+`dp_accounting` event of one step, is registered once in
+`tf_megadp.accounting.events`, where the "poisson" and "shuffle" kinds live,
+so that the accounting never needs the data pipeline: a new sampler is one
+class here plus its kind's registration and its row in
+tests/test_accounting.py. The shared machinery is in `tf_megadp.data.base`,
 the stores in `tf_megadp.data.stores` and `tf_megadp.data.shards`.
 """
 
@@ -42,7 +43,7 @@ import math
 
 import numpy as np
 
-from tf_megadp.accounting.events import SHUFFLE_WARNING, poisson_step_event, shuffle_step_event
+from tf_megadp.accounting.events import SHUFFLE_WARNING
 from tf_megadp.data.base import StepDraw, _Sampler
 from tf_megadp.data.entropy import warn_at_caller
 from tf_megadp.data.shards import TokenShards
@@ -126,9 +127,6 @@ class PoissonSampler(_Sampler):
     """
 
     sampling_kind = "poisson"
-
-    # The accounting's event of one step (registered with the sampling kinds).
-    step_event = staticmethod(poisson_step_event)
 
     def __init__(
         self,
@@ -226,9 +224,6 @@ class ShuffleSampler(_Sampler):
     """
 
     sampling_kind = "shuffle"
-
-    # The accounting's event of one step: as if Poisson-sampled (SHUFFLE_WARNING).
-    step_event = staticmethod(shuffle_step_event)
 
     def __init__(
         self,

@@ -84,6 +84,7 @@ def compare(path: str) -> int:
     import tensorflow as tf
 
     from tf_megadp import AdaptiveClipping, adaptive_clipping
+    from tf_megadp.accounting import mechanisms
 
     with open(path) as handle:
         saved = json.load(handle)
@@ -99,10 +100,10 @@ def compare(path: str) -> int:
     print(f"tensorflow-privacy 0.9 (TensorFlow {saved['tensorflow']}) against tf_megadp, "
           f"{ROUNDS} rounds of {RECORDS} records, C from {INITIAL_CLIP} to {theirs[-1]:.4g}: "
           f"largest relative difference of C {difference:.2e}")
-    count_multiplier = COUNT_STDDEV / adaptive_clipping.COUNT_SENSITIVITY
+    count_multiplier = COUNT_STDDEV / mechanisms.COUNT_SENSITIVITY
     print(f"tensorflow-privacy's DpEvent: {saved['event']}")
     print(f"tf_megadp's step mechanism:   "
-          f"{adaptive_clipping.step_mechanism(GRADIENT_SIGMA, count_multiplier)!r}")
+          f"{mechanisms.step_mechanism(GRADIENT_SIGMA, count_multiplier)!r}")
     # float32 in tensorflow-privacy's state, float64 here.
     return 0 if difference < 1e-5 else 1
 

@@ -5,6 +5,7 @@ dp_accounting events of the run by hand and asks a fresh dp_accounting
 accountant, independently of the module's own event construction.
 """
 
+import dataclasses
 import json
 import logging
 import math
@@ -195,7 +196,7 @@ def test_nested_composed_and_self_composed_events_compose_like_dp_accounting(acc
         first,
     ])
     expected = reference_epsilon([nested], 1e-6, accountant)
-    accountants = [engines._TruncationAwareAccountant(accountant)]
+    accountants = [engines.TruncationAwareAccountant(accountant)]
     if accountant == "pld":
         accountants.append(engines._CachedPLDAccountant())
     for engine in accountants:
@@ -331,7 +332,7 @@ def test_calibration_prints_no_unconverged_order_warnings_and_is_right(absl_reco
 
 def test_other_absl_records_of_dp_accounting_still_pass(absl_records):
     logger = logging.getLogger("absl")
-    with engines._quiet_unconverged_orders():
+    with engines.quiet_unconverged_orders():
         logger.warning("Negative Renyi divergence of %s", -1.0)
         logger.warning("_compute_log_a_frac failed to converge after %d iterations", 1000)
     assert absl_records == ["Negative Renyi divergence of -1.0"]
@@ -397,6 +398,50 @@ def test_neither_steps_nor_epochs_names_both():
         compute_epsilon(num_examples=1_000, batch_size=10, noise_multiplier=1.0, delta=1e-4)
 
 
+# -- The run description ------------------------------------------------------------
+
+
+def test_a_run_is_described_once_and_every_entry_point_accounts_that_description():
+    schedule = BatchSizeSchedule([Phase(20, 100, 4), Phase(10, 300, 10, noise_multiplier=2.0)],
+                                 num_examples=5_000, micro_batch_size=64)
+    for fields in (dict(schedule=schedule, noise_multiplier=1.2),
+                   dict(num_examples=5_000, batch_size=100, epochs=2, noise_multiplier=1.2,
+                        max_batch_size=400)):
+        run = accounting.RunDescription(**fields)
+        # N is the run's, whichever way it was described.
+        assert run.num_examples == 5_000
+        assert PrivacyAccountant.for_run(1e-5, accountant="rdp", **fields).ledger == run.ledger()
+        accountant = PrivacyAccountant(5_000, 1e-5, accountant="rdp", ledger=run.ledger())
+        assert run.dp_event() == accountant.dp_event()
+        assert compute_epsilon(delta=1e-5, accountant="rdp", **fields) == accountant.epsilon()
+    assert run.ledger().entries == (LedgerEntry(100, 0.02, 1.2, 400),)  # ceil(2 * 5000 / 100)
+    # Fixed once built; a changed copy is checked again.
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.noise_multiplier = 0.5
+    with pytest.raises(ValueError, match="not differentially private"):
+        dataclasses.replace(run, noise_multiplier=0.0)
+
+
+def test_a_description_is_checked_when_it_is_built():
+    schedule = BatchSizeSchedule.constant(10, 100, num_examples=1_000, micro_batch_size=100)
+    with pytest.raises(ValueError, match="differs from the schedule"):
+        accounting.RunDescription(schedule=schedule, num_examples=999, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="not both"):
+        accounting.RunDescription(schedule=schedule, batch_size=100, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="Phase 0 of the schedule sets no noise_multiplier"):
+        accounting.RunDescription(schedule=schedule)
+    with pytest.raises(TypeError, match="must be a BatchSizeSchedule"):
+        accounting.RunDescription(schedule=[(10, 100)], noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="pass num_examples, noise_multiplier"):
+        accounting.RunDescription(batch_size=10, steps=5)
+
+
+def test_calibration_takes_the_run_without_its_noise_multiplier():
+    with pytest.raises(TypeError, match="noise_multiplier"):
+        calibrate_noise_multiplier(1.0, 1e-5, num_examples=1_000, batch_size=10, steps=10,
+                                   noise_multiplier=1.0)
+
+
 # -- Sampling kinds ---------------------------------------------------------------
 
 
@@ -444,6 +489,18 @@ REFUSED_ROWS = {
     "noiseless": (-1, "applied with noise_multiplier 0.*Train with noise_multiplier > 0", True),
     "unaccounted": (-2, "cannot be accounted.*Train with a PrivacyCallback", False),
 }
+
+
+def test_samplers_name_their_kind_whose_event_is_registered_once():
+    from tf_megadp.data import PoissonSampler, PrivacyUnitSampler, ShuffleSampler
+
+    kinds = {sampler: sampler.sampling_kind
+             for sampler in (PoissonSampler, PrivacyUnitSampler, ShuffleSampler)}
+    assert kinds == {PoissonSampler: "poisson", PrivacyUnitSampler: "poisson",
+                     ShuffleSampler: "shuffle"}
+    # The event lives with the kind only: a sampler has none of its own that
+    # could differ from what the accountant composes.
+    assert not any(hasattr(sampler, "step_event") for sampler in kinds)
 
 
 def test_every_sampling_kind_has_a_test_row():
@@ -531,35 +588,7 @@ def test_each_accountant_matches_its_reference_engine(name):
         accounting.register_accountant(name)(ACCOUNTANT_ROWS[name])
 
 
-# -- The ledger ------------------------------------------------------------------
-
-
-def test_ledger_merges_identical_consecutive_steps_only():
-    ledger = PrivacyLedger()
-    ledger.record(3, sampling_rate=0.01, noise_multiplier=1.0)
-    ledger.record(4, sampling_rate=0.01, noise_multiplier=1.0)
-    ledger.record(2, sampling_rate=0.02, noise_multiplier=1.0)
-    ledger.record(1, sampling_rate=0.01, noise_multiplier=1.0)
-    ledger.record(0, sampling_rate=0.5, noise_multiplier=9.0)
-    assert [(e.steps, e.sampling_rate) for e in ledger] == [(7, 0.01), (2, 0.02), (1, 0.01)]
-    assert ledger.total_steps == 10
-
-
-def test_ledger_round_trips_through_optimizer_rows_and_json():
-    ledger = PrivacyLedger([
-        LedgerEntry(5, 0.001, 1.1),
-        LedgerEntry(7, 0.004, 0.9, max_batch_size=5_000),
-        LedgerEntry(2, 0.004, 0.9, sampling="shuffle"),
-        LedgerEntry(3, 0.004, 1.2, count_noise_multiplier=6.4),  # adaptive clipping
-    ])
-    rows = ledger.to_rows()
-    assert rows.dtype == np.float64 and rows.shape == (4, 6)
-    np.testing.assert_array_equal(rows[1], [7, 0.004, 0.9, 5_000, 0, 0])
-    assert rows[2, 4] == 1  # shuffle
-    assert rows[3, 5] == 6.4  # the count's noise multiplier
-    assert PrivacyLedger.from_rows(rows) == ledger
-    assert PrivacyLedger.from_list(json.loads(json.dumps(ledger.to_list()))) == ledger
-    assert PrivacyLedger.from_rows(np.zeros((0, 6))) == PrivacyLedger()
+# -- The report ------------------------------------------------------------------
 
 
 def test_report_is_publishable_json_and_reproduces_epsilon(tmp_path):

@@ -19,6 +19,7 @@ from scipy import stats
 import tf_megadp
 from tf_megadp import AdaptiveClipping, LedgerEntry, PrivacyAccountant, PrivacyConfigurationError
 from tf_megadp import adaptive_clipping, cli, clipping
+from tf_megadp.accounting import mechanisms
 from tests import reference
 
 STRATEGIES = sorted(clipping._STRATEGIES)  # every registered strategy
@@ -195,7 +196,7 @@ def test_the_reported_epsilon_is_the_one_of_sigma(private_run):
 
 @pytest.mark.parametrize("sigma, stddev", [(1.1, 3.0), (0.6, 0.31), (2.0, 40.0)])
 def test_noise_multipliers_equal_the_papers_formula(sigma, stddev):
-    assert adaptive_clipping.gradient_noise_multiplier(sigma, stddev) == pytest.approx(
+    assert mechanisms.gradient_noise_multiplier(sigma, stddev) == pytest.approx(
         andrew_noise_multipliers(sigma, stddev), rel=1e-12)
 
 
@@ -205,7 +206,7 @@ def test_noise_multipliers_equal_the_papers_formula(sigma, stddev):
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
 def test_epsilon_of_the_pair_equals_dp_accountings_for_sigma(accountant):
     n, q, steps, sigma, delta = 50_000, 0.01, 400, 1.1, 1e-6
-    gradient, count = adaptive_clipping.gradient_noise_multiplier(sigma, 3.0)
+    gradient, count = mechanisms.gradient_noise_multiplier(sigma, 3.0)
     ours = PrivacyAccountant(n, delta, accountant=accountant, ledger=tf_megadp.PrivacyLedger(
         [LedgerEntry(steps, q, gradient, count_noise_multiplier=count)])).epsilon()
     equivalent = dp_accounting.SelfComposedDpEvent(
@@ -230,7 +231,7 @@ def test_epsilon_of_the_pair_equals_dp_accountings_for_sigma(accountant):
 
 def test_truncated_steps_are_accounted_at_the_equivalent_sigma():
     n, q, sigma, delta = 100_000, 0.002, 0.9, 1e-6
-    gradient, count = adaptive_clipping.gradient_noise_multiplier(sigma, 2.5)
+    gradient, count = mechanisms.gradient_noise_multiplier(sigma, 2.5)
     entry = LedgerEntry(300, q, gradient, max_batch_size=400, count_noise_multiplier=count)
     plain = LedgerEntry(300, q, sigma, max_batch_size=400)
     epsilon = lambda e: PrivacyAccountant(n, delta, ledger=tf_megadp.PrivacyLedger([e])).epsilon()

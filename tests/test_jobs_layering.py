@@ -172,8 +172,8 @@ def test_import_tf_megadp_audit_loads_neither_scikit_learn_nor_the_job():
 LAYERS = [
     ("errors", "_version", "files", "secret", "_validate", "_keras_compat"),
     ("steps",),
-    ("adaptive_clipping",),
     ("accounting",),
+    ("adaptive_clipping",),
     ("clipping", "clipping_memory"),
     ("data",),
     ("distribute", "learning_rate", "preemption"),

@@ -31,6 +31,7 @@ from tf_megadp.data import (
     write_token_shards,
 )
 from tf_megadp.steps import BatchSizeSchedule, Phase
+from tf_megadp.data.sampler_settings import SamplerSettings
 from tf_megadp.data.sources import DataSource, resumed_at, source_of
 
 ALPHA = 1e-3
@@ -565,6 +566,18 @@ class TestSecretRandomness:
         # A secret arriving as a NumPy integer (e.g. from a tensor) is fine.
         PoissonSampler(shards, self.SCHEDULE, shared_secret=np.uint64(secrets.randbits(64) | 1 << 63))
 
+    def test_the_keyword_bundle_never_shows_a_shared_secret_and_no_sampler_keeps_it(self, small):
+        shards, _ = small
+        secret = secrets.randbits(128)
+        settings = SamplerSettings(schedule=self.SCHEDULE, shared_secret=secret, start_step=1)
+        assert "start_step=1" in repr(settings)
+        for spelling in secret_spellings(secret):
+            assert spelling not in repr(settings) + str(settings)
+        sampler = PoissonSampler(shards, self.SCHEDULE, shared_secret=secret)
+        assert not [value for value in vars(sampler).values() if isinstance(value, SamplerSettings)]
+        for spelling in secret_spellings(secret):
+            assert spelling not in repr(vars(sampler))
+
 
 # -- DataSource on every sampler's dataset ---------------------------------------------
 
@@ -836,6 +849,31 @@ class TestExamplePoisson:
         wrong = BatchSizeSchedule.constant(5, 64, num_examples=999, micro_batch_size=16)
         with pytest.raises(PrivacyConfigurationError, match="N = 1000"):
             make_example_sampler(kind, x, y, schedule=wrong)
+
+    def test_every_entry_point_takes_the_one_set_of_sampler_keywords(self, small):
+        shards, _ = small
+        x, y = example_data(200)
+        schedule = BatchSizeSchedule.constant(5, 20, num_examples=200, micro_batch_size=8)
+        entry_points = {
+            "PoissonSampler": lambda **kw: PoissonSampler(shards, schedule, **kw),
+            "ShuffleSampler": lambda **kw: ShuffleSampler(shards, schedule, **kw),
+            "from_arrays": lambda **kw: PoissonSampler.from_arrays(x, y, schedule=schedule, **kw),
+            "from_records": lambda **kw: ShuffleSampler.from_records(
+                as_records(x, y), schedule=schedule, **kw),
+            "units": lambda **kw: data.PrivacyUnitSampler.from_arrays(
+                x, y, unit_ids=np.arange(200), examples_per_unit=1, schedule=schedule, **kw),
+        }
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, make in entry_points.items():
+                sampler = make(seed=3, start_step=1, end_step=4)
+                assert (sampler.start_step, sampler.end_step, sampler.seeded) == (1, 4, True), name
+                with pytest.raises(TypeError, match="start_micro_step"):
+                    make(start_micro_step=2)
+                # A setting that builds a schedule, beside the schedule given.
+                with pytest.raises(ValueError, match="not both.*batch_size"):
+                    make(batch_size=20)
+
 
 
 class TestExampleStores:

@@ -22,8 +22,10 @@ so that the pair, released together, is exactly one Gaussian mechanism of
 the user's multiplier sigma: the privacy loss of two Gaussians on the same
 example adds in quadrature (1/sigma_grad^2 + 1/(2 s)^2 = 1/sigma^2), and the
 sampling is shared. The accountant composes the two Gaussians inside the
-sampling event of the step (`step_mechanism`), so the reported epsilon is
-the one of sigma.
+sampling event of the step, so the reported epsilon is the one of sigma:
+the pair is an accounting concept, `tf_megadp.accounting.mechanisms`
+(`gradient_noise_multiplier`, `step_mechanism`); this module holds the
+rule's settings and its graph side.
 
 C is held in a range [C_min, C_max] (`AdaptiveClipping(min_clip_norm=,
 max_clip_norm=)`, by default 1/1000 and 1000 times the initial C):
@@ -51,24 +53,17 @@ import math
 import warnings
 from typing import Any
 
-import dp_accounting
 import numpy as np
 
+from tf_megadp.accounting.mechanisms import COUNT_SENSITIVITY
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
     "AdaptiveClipping",
-    "COUNT_SENSITIVITY",
     "DEFAULT_CLIP_NORM_RANGE",
     "DEFAULT_COUNT_STDDEV_FRACTION",
-    "equivalent_noise_multiplier",
-    "gradient_noise_multiplier",
-    "step_mechanism",
-    "as_single_gaussian",
 ]
 
-# Adding or removing one example moves the centred count by 1/2.
-COUNT_SENSITIVITY = 0.5
 # Andrew et al.'s default noise on the count: the expected batch size / 20.
 DEFAULT_COUNT_STDDEV_FRACTION = 1.0 / 20.0
 # How far C may move from the initial C by default, either way (a factor).
@@ -215,87 +210,10 @@ def _number(name: str, value) -> float:
     return number
 
 
-def gradient_noise_multiplier(noise_multiplier: float, count_stddev: float) -> tuple[float, float]:
-    """(sigma_grad, count noise multiplier) whose pair is one Gaussian of `noise_multiplier`.
-
-    Args:
-        noise_multiplier: sigma, the run's noise multiplier (0: no privacy).
-        count_stddev: s, the noise standard deviation on the count.
-
-    Returns:
-        (sigma_grad, 2 s), with sigma_grad = (sigma^-2 - (2 s)^-2)^-1/2
-        (and (0, 0) for a non-private run).
-
-    Raises:
-        PrivacyConfigurationError: 2 s <= sigma, where no gradient noise
-            could keep the pair within sigma; or a count without noise in a
-            private run.
-    """
-    sigma = float(noise_multiplier)
-    count_multiplier = float(count_stddev) / COUNT_SENSITIVITY
-    if sigma == 0.0:
-        if count_multiplier:
-            raise PrivacyConfigurationError(
-                "noise_multiplier=0 trains without privacy, but adaptive clipping was "
-                f"given count_stddev={count_stddev}: set count_stddev=0 as well, so "
-                "that the non-private baseline follows the exact quantile.")
-        return 0.0, 0.0
-    if count_multiplier <= sigma:
-        raise PrivacyConfigurationError(
-            f"Adaptive clipping with count noise s = {count_stddev:g} cannot stay within "
-            f"noise multiplier sigma = {sigma:g}: the count alone, a Gaussian of "
-            f"multiplier 2 s = {count_multiplier:g}, spends more than sigma allows "
-            f"(2 s must exceed sigma). Raise count_stddev above {sigma / 2:g} (e.g. "
-            "AdaptiveClipping(count_stddev=None), the expected batch size / 20, with a "
-            "batch of more than 10 sigma examples), or lower noise_multiplier.")
-    return (sigma ** -2 - count_multiplier ** -2) ** -0.5, count_multiplier
-
-
-def equivalent_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
-    """The single Gaussian equivalent to the gradient's and the count's (0: no count)."""
-    if not count_noise_multiplier:
-        return float(noise_multiplier)
-    return float((noise_multiplier ** -2 + count_noise_multiplier ** -2) ** -0.5)
-
-
-def step_mechanism(noise_multiplier: float, count_noise_multiplier: float) -> dp_accounting.DpEvent:
-    """The DpEvent of one step's releases on the sampled batch (before sampling).
-
-    A `GaussianDpEvent` for the gradient alone; with adaptive clipping, the
-    `ComposedDpEvent` of the gradient's and the count's Gaussians.
-    """
-    gradient = dp_accounting.GaussianDpEvent(noise_multiplier)
-    if not count_noise_multiplier:
-        return gradient
-    return dp_accounting.ComposedDpEvent(
-        [gradient, dp_accounting.GaussianDpEvent(count_noise_multiplier)])
-
-
-def as_single_gaussian(event: dp_accounting.DpEvent) -> dp_accounting.DpEvent:
-    """A sampled step of several Gaussians, as the one Gaussian it equals.
-
-    Gaussian mechanisms on the same sampled batch, each of sensitivity 1 in
-    units of its noise, have the privacy loss of one Gaussian whose
-    multiplier is (sum_k sigma_k^-2)^-1/2 (as dp_accounting's RDP
-    accountant reduces them); tf_megadp's PLD accountants account that
-    Gaussian. Any other event is returned unchanged.
-    """
-    if (isinstance(event, dp_accounting.PoissonSampledDpEvent)
-            and isinstance(event.event, dp_accounting.ComposedDpEvent)
-            and event.event.events
-            and all(isinstance(e, dp_accounting.GaussianDpEvent) for e in event.event.events)):
-        multipliers = [e.noise_multiplier for e in event.event.events]
-        if all(m > 0 for m in multipliers):
-            sigma = float(np.sum(np.asarray(multipliers, np.float64) ** -2.0) ** -0.5)
-            return dp_accounting.PoissonSampledDpEvent(
-                event.sampling_probability, dp_accounting.GaussianDpEvent(sigma))
-    return event
-
-
 # -- The graph side (called by DPOptimizer and the private step) -----------------
 # TensorFlow is imported here, in each graph function, not at the top: the
-# accounting above is what `tf-megadp epsilon` and `calibrate` reach through
-# `tf_megadp.accounting`, and they must not wait for TensorFlow.
+# BERT job's configuration checks the settings above in `tf-megadp plan`,
+# which must not load TensorFlow.
 
 
 def centred_count(norms, is_real, clip_norm) -> tf.Tensor:
@@ -315,10 +233,11 @@ def centred_count(norms, is_real, clip_norm) -> tf.Tensor:
 def step_noise_multipliers(config: AdaptiveClipping, noise_multiplier, divisor):
     """(sigma_grad, count noise multiplier, s) of one step, as float32 tensors.
 
-    The graph twin of `gradient_noise_multiplier` for steps whose expected
-    batch is a tensor (`count_stddev=None`). An impossible pair (2 s <=
-    sigma) gives sigma_grad = NaN, which the ledger keeper refuses; the
-    optimizer refuses every pair it can see before training.
+    The graph twin of `tf_megadp.accounting.mechanisms.gradient_noise_multiplier`
+    for steps whose expected batch is a tensor (`count_stddev=None`). An
+    impossible pair (2 s <= sigma) gives sigma_grad = NaN, which the ledger
+    keeper refuses; the optimizer refuses every pair it can see before
+    training.
     """
     import tensorflow as tf
 

@@ -225,7 +225,7 @@ def _named_unit(report: dict[str, Any], args: argparse.Namespace) -> dict[str, A
 
 
 def _equivalent(entry: dict[str, Any]) -> float:
-    from tf_megadp.adaptive_clipping import equivalent_noise_multiplier
+    from tf_megadp.accounting.mechanisms import equivalent_noise_multiplier
 
     return equivalent_noise_multiplier(entry["noise_multiplier"], entry["count_noise_multiplier"])
 
@@ -277,7 +277,7 @@ def _run_epsilon(args: argparse.Namespace) -> int:
     if args.count_stddev is not None:
         if not args.count_stddev > 0:
             raise UsageError("--count-stddev must be > 0.")
-        from tf_megadp.adaptive_clipping import COUNT_SENSITIVITY
+        from tf_megadp.accounting.mechanisms import COUNT_SENSITIVITY
 
         accountant.ledger = accounting.PrivacyLedger(
             dataclasses.replace(entry, count_noise_multiplier=args.count_stddev
@@ -322,7 +322,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     heading = (f"noise multiplier: {sigma:.6g} (smallest meeting epsilon "
                f"{args.target_epsilon:g} at delta {args.delta:g})")
     if args.count_stddev is not None:
-        from tf_megadp.adaptive_clipping import gradient_noise_multiplier
+        from tf_megadp.accounting.mechanisms import gradient_noise_multiplier
         from tf_megadp.errors import PrivacyConfigurationError
 
         try:

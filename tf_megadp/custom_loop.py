@@ -64,7 +64,7 @@ import tensorflow as tf
 from tf_megadp import _keras_compat
 from tf_megadp.clipping import independence
 from tf_megadp.data import sources, tags
-from tf_megadp.data.fit_inputs import _distinct_real_examples, _is_array_input
+from tf_megadp.data.fit_inputs import distinct_real_examples, is_array_input
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerRecorder
 from tf_megadp.optimizer import DPOptimizer
@@ -350,12 +350,12 @@ class PrivateStep:
         if isinstance(sampler_source, sources.DataSource):
             return sampler_source
         source = sources.source_of(data)
-        if source is None and _is_array_input(data):
+        if source is None and is_array_input(data):
             rows = int(tf.nest.flatten(data)[0].shape[0])
             x, y, sample_weight = (keras.utils.unpack_x_y_sample_weight(data)
                                    if isinstance(data, tuple) else (data, None, None))
             # As fit counts arrays: padding rows and copies are not examples.
-            examples = _distinct_real_examples(x, y, sample_weight, rows)
+            examples = distinct_real_examples(x, y, sample_weight, rows)
             source = sources.DataSource(
                 sampling=sources.FIXED_SIZE_SAMPLING, num_examples=examples,
                 num_examples_measured=True,

@@ -26,6 +26,7 @@ import numpy as np
 from tf_megadp import _keras_compat, adaptive_clipping, weights_origin
 from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED, SamplingKind, sampling_kind
+from tf_megadp.accounting.mechanisms import equivalent_noise_multiplier
 from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
@@ -441,7 +442,7 @@ def _check_privacy_unit(source: DataSource | None, optimizer: DPOptimizer) -> No
 def _noise_as_planned(row: dict, planned_sigma: float) -> bool:
     """Whether a step's noise (gradient and, with adaptive clipping, count) is one
     Gaussian of the planned sigma; an impossible pair was recorded as NaN."""
-    return math.isclose(adaptive_clipping.equivalent_noise_multiplier(
+    return math.isclose(equivalent_noise_multiplier(
         row["noise_multiplier"], row["count_noise_multiplier"]), planned_sigma, rel_tol=1e-6)
 
 

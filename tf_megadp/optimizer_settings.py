@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from tf_megadp import adaptive_clipping as adaptive
+from tf_megadp.accounting.mechanisms import gradient_noise_multiplier
 from tf_megadp.clipping import ClippingStrategy
 from tf_megadp.distribute import check_schedule_matches_strategy
 from tf_megadp.errors import PrivacyConfigurationError
@@ -109,17 +110,17 @@ def _check_adaptive_clipping(config, per_example_scaling, noise_multiplier, sche
     if schedule is not None:
         for phase in schedule.phases:
             sigma = noise_multiplier_of(phase, noise_multiplier)
-            adaptive.gradient_noise_multiplier(
+            gradient_noise_multiplier(
                 sigma, config.count_stddev_for(phase.batch_size, sigma))
     elif normalize_by is not None or config.count_stddev is not None:
-        adaptive.gradient_noise_multiplier(
+        gradient_noise_multiplier(
             noise_multiplier, config.count_stddev_for(normalize_by or 0.0, noise_multiplier))
     return config
 
 
 def _check_adaptive_pair(config, noise_multiplier: float, batch_size: float) -> None:
     """Refuses, before training, adaptive clipping whose count spends more than sigma."""
-    adaptive.gradient_noise_multiplier(
+    gradient_noise_multiplier(
         noise_multiplier, config.count_stddev_for(batch_size, noise_multiplier))
 
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption, weights_origin
 from tf_megadp.data import map_independence, sources, tags
-from tf_megadp.data.fit_inputs import _array_micro_batch_size, _fit_source
+from tf_megadp.data.fit_inputs import array_micro_batch_size, fit_source
 from tf_megadp.callbacks import PrivacyCallback
 from tf_megadp.checkpointing import _atomic_save, _ledger_preserving_load, _ledger_preserving_save
 from tf_megadp.clipping import base, independence
@@ -256,18 +256,18 @@ def _private_fit(model: keras.Model, original_fit):
                 "pass sampler.as_dataset(...) without tagged=True.")
         callbacks = list(arguments.get("callbacks") or [])
         privacy = [c for c in callbacks if isinstance(c, PrivacyCallback)]
-        source = _fit_source(arguments)
+        source = fit_source(arguments)
         if source is not None and isinstance(arguments.get("x"), tf.data.Dataset):
             distribute.build_without_reading(model, arguments["x"].element_spec)
         data = arguments.get("x")
         callbacks, ran_out = _restore_backup(model, arguments, callbacks, source)
         if arguments.get("x") is not data:  # A sampler's dataset, continued.
-            source = _fit_source(arguments)
+            source = fit_source(arguments)
         keeper = LedgerKeeper(
             source=source,
             stated_num_examples=privacy[0].num_examples if privacy else None,
             require_poisson_sampling=model._tf_megadp_require_poisson,
-            micro_batch_size=_array_micro_batch_size(arguments),
+            micro_batch_size=array_micro_batch_size(arguments),
             nothing_to_train=arguments.get("initial_epoch", 0) >= arguments.get("epochs", 1),
             validation=(arguments.get("validation_data") is not None
                         or bool(arguments.get("validation_split"))),

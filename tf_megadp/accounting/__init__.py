@@ -19,7 +19,7 @@ Sampling kinds:
   (`max_batch_size > 0`), the step is a `TruncatedSubsampledGaussianDpEvent`.
   When truncation is rare, a coupling bound accounts it at the cost of the
   untruncated step (and works with RDP); otherwise dp_accounting's exact PLD
-  of the truncated mechanism is used (see `engines._TruncationAwareAccountant`).
+  of the truncated mechanism is used (see `engines.TruncationAwareAccountant`).
 * ``"shuffle"``: fixed-size batches from a shuffled dataset. No accountant in
   dp_accounting covers them; they are reported *as if* Poisson-sampled, with a
   warning, because that understates the real privacy loss (Chua et al., 2024,
@@ -36,13 +36,18 @@ loss distributions, the default: essentially exact, 0.3-5 s per evaluation)
 and ``"rdp"`` (Renyi DP, about 0.1 s, 6-135 % looser). See docs/privacy.md
 for the measurements.
 
-The package, by concept: `events` (sampling kinds and their DpEvents),
-`ledger` (the ledger, its row format, a planned run's ledger), `engines`
-(the accountant registry and the cached epsilon), `accountant`
-(`PrivacyAccountant`, budget search), `calibration` (`compute_epsilon`,
-`calibrate_noise_multiplier`), `report` (the published report),
-`matrix_factorization` (correlated noise: Toeplitz strategies, their error,
-sensitivity and events) and `correlated_noise` (`BandMF`, `BLT`).
+The package, by concept: `mechanisms` (what one step releases: the
+Gaussian, adaptive clipping's gradient-and-count pair), `events` (sampling
+kinds and their DpEvents, every built-in kind registered there), `ledger`
+(the ledger, its row format, a schedule's ledger), `run_description`
+(`RunDescription`, a planned run described once), `engines` (the accountant
+registry and the cached epsilon), `accountant` (`PrivacyAccountant`, budget
+search), `calibration` (`compute_epsilon`, `calibrate_noise_multiplier`),
+`report` (the published report), `matrix_factorization` (correlated noise:
+Toeplitz strategies, their error, sensitivity and events) and
+`correlated_noise` (`BandMF`, `BLT`). It needs numpy, scipy and
+dp_accounting, never TensorFlow: `tf-megadp epsilon` and `calibrate` run
+without it.
 """
 
 from tf_megadp.accounting.accountant import PrivacyAccountant
@@ -63,6 +68,7 @@ from tf_megadp.accounting.ledger import (
     PrivacyLedger,
     ledger_from_schedule,
 )
+from tf_megadp.accounting.run_description import RunDescription
 from tf_megadp.steps import steps_for_epochs
 
 __all__ = [
@@ -76,6 +82,7 @@ __all__ = [
     "LedgerEntry",
     "PrivacyLedger",
     "PrivacyAccountant",
+    "RunDescription",
     "ledger_from_schedule",
     "steps_for_epochs",
     "compute_epsilon",

@@ -12,11 +12,11 @@ import dp_accounting
 from tf_megadp._validate import check_delta as _check_delta
 from tf_megadp._validate import check_num_examples as _check_num_examples
 from tf_megadp.accounting.engines import DEFAULT_ACCOUNTANT, check_accountant, epsilon
-from tf_megadp.accounting.events import entry_event, sampling_kind
-from tf_megadp.accounting.ledger import LedgerEntry, PrivacyLedger, ledger_for_run
+from tf_megadp.accounting.events import ledger_event, sampling_kind
+from tf_megadp.accounting.ledger import LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.report import check_report_format, privacy_report
+from tf_megadp.accounting.run_description import RunDescription
 from tf_megadp.files import write_json_atomically
-from tf_megadp.steps import BatchSizeSchedule
 
 __all__ = ["PrivacyAccountant"]
 
@@ -57,31 +57,22 @@ class PrivacyAccountant:
 
     @classmethod
     def for_run(
-        cls,
-        delta: float,
-        *,
-        schedule: BatchSizeSchedule | None = None,
-        num_examples: int | None = None,
-        batch_size: int | None = None,
-        steps: int | None = None,
-        noise_multiplier: float | None = None,
-        sampling: str = "poisson",
-        max_batch_size: int | None = None,
-        accountant: str = DEFAULT_ACCOUNTANT,
-        epochs: float | None = None,
+        cls, delta: float, *, accountant: str = DEFAULT_ACCOUNTANT, **run: Any
     ) -> "PrivacyAccountant":
-        """The accountant of a whole planned run; arguments as in `compute_epsilon`."""
-        num_examples, ledger = ledger_for_run(
-            schedule=schedule,
-            num_examples=num_examples,
-            batch_size=batch_size,
-            steps=steps,
-            noise_multiplier=noise_multiplier,
-            sampling=sampling,
-            max_batch_size=max_batch_size,
-            epochs=epochs,
-        )
-        return cls(num_examples, delta, accountant=accountant, ledger=ledger)
+        """The accountant of a whole planned run.
+
+        Args:
+            delta: the target delta.
+            accountant: a registered accountant's name.
+            **run: the run, as the fields of `RunDescription` (a schedule, or
+                num_examples, batch_size, steps or epochs, noise_multiplier;
+                sampling, max_batch_size).
+
+        Returns:
+            The accountant, its ledger the run's.
+        """
+        run = RunDescription(**run)
+        return cls(run.num_examples, delta, accountant=accountant, ledger=run.ledger())
 
     def _warn_of_kinds(self, ledger: PrivacyLedger) -> None:
         """Raises each sampling kind's warning once, when its steps first enter the ledger."""
@@ -98,19 +89,9 @@ class PrivacyAccountant:
                 f"{self.num_examples}."
             )
 
-    def record(
-        self,
-        steps: int,
-        *,
-        sampling_rate: float,
-        noise_multiplier: float,
-        max_batch_size: int = 0,
-        sampling: str = "poisson",
-    ) -> None:
-        """Records `steps` identical logical steps; see `LedgerEntry`."""
-        entry = LedgerEntry(
-            steps, sampling_rate, noise_multiplier, max_batch_size, sampling
-        )
+    def record(self, steps: int, **numbers: Any) -> None:
+        """Records `steps` identical logical steps; as `PrivacyLedger.record`."""
+        entry = LedgerEntry(steps, **numbers)
         self._check_entry(entry)
         self.ledger.append(entry)
         self._warn_of_kinds(self.ledger)
@@ -121,9 +102,7 @@ class PrivacyAccountant:
 
     def dp_event(self) -> dp_accounting.DpEvent:
         """The run as one `dp_accounting` event (composed per ledger entry)."""
-        return dp_accounting.ComposedDpEvent(
-            [entry_event(entry, self.num_examples) for entry in self.ledger]
-        )
+        return ledger_event(self.ledger, self.num_examples)
 
     def epsilon(self, ledger: PrivacyLedger | None = None) -> float:
         """Epsilon at `self.delta` of the ledger (or of `ledger` if given)."""

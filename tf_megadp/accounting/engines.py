@@ -21,17 +21,19 @@ import dp_accounting
 from dp_accounting import pld, rdp
 from scipy import stats
 
-from tf_megadp import adaptive_clipping
-from tf_megadp.accounting.events import entry_event
+from tf_megadp.accounting import mechanisms
+from tf_megadp.accounting.events import ledger_event
 
 if TYPE_CHECKING:
     from tf_megadp.accounting.ledger import LedgerEntry
 
 __all__ = [
     "DEFAULT_ACCOUNTANT",
+    "TruncationAwareAccountant",
     "accountant_names",
     "check_accountant",
     "epsilon",
+    "quiet_unconverged_orders",
     "register_accountant",
 ]
 
@@ -102,7 +104,7 @@ class _DropUnconvergedOrders(logging.Filter):
 
 
 @contextlib.contextmanager
-def _quiet_unconverged_orders():
+def quiet_unconverged_orders():
     """While active, the absl logger drops only the records `_DropUnconvergedOrders` names."""
     logger = logging.getLogger("absl")
     record_filter = _DropUnconvergedOrders()
@@ -163,7 +165,7 @@ class _StepAccountant(dp_accounting.PrivacyAccountant):
         if isinstance(event, dp_accounting.SelfComposedDpEvent):
             return self._maybe_compose(event.event, count * event.count, do_compose)
         return self._maybe_compose_step(
-            adaptive_clipping.as_single_gaussian(event), count, do_compose)
+            mechanisms.as_single_gaussian(event), count, do_compose)
 
     @abc.abstractmethod
     def _maybe_compose_step(
@@ -225,7 +227,7 @@ def _engine(accountant: str) -> dp_accounting.PrivacyAccountant:
     return _ENGINES[check_accountant(accountant)]()
 
 
-class _TruncationAwareAccountant(_StepAccountant):
+class TruncationAwareAccountant(_StepAccountant):
     """A PLD or RDP accountant that accounts truncated Poisson steps cheaply.
 
     dp_accounting's exact PLD for `TruncatedSubsampledGaussianDpEvent` costs
@@ -314,9 +316,7 @@ def epsilon(
     # Cached: callbacks ask for the same ledger at every epoch end and log step.
     if not entries:
         return 0.0
-    event = dp_accounting.ComposedDpEvent(
-        [entry_event(entry, num_examples) for entry in entries]
-    )
-    with _quiet_unconverged_orders():
-        return float(_TruncationAwareAccountant(accountant).compose(event).get_epsilon(delta))
+    event = ledger_event(entries, num_examples)
+    with quiet_unconverged_orders():
+        return float(TruncationAwareAccountant(accountant).compose(event).get_epsilon(delta))
 

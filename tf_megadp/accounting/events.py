@@ -7,11 +7,13 @@ needs to know of its steps (whether they follow the sampler's schedule, end
 at a new pass over the data, give a proven guarantee). A kind without an
 event is refused by the accountant, never accounted as Poisson by default.
 
-The library's samplers' kinds, "poisson" and "shuffle" (`tf_megadp.data.samplers`,
-whose samplers take these events as their `step_event`), are registered here,
-with the accounting and not with the samplers: `tf-megadp epsilon` and
-`calibrate` account Poisson and shuffled runs without importing the data
-pipeline (nor TensorFlow, which it needs).
+Every built-in kind is registered here, with its event, and nowhere else:
+the library's samplers' kinds "poisson" (`PoissonSampler` and
+`PrivacyUnitSampler`) and "shuffle" (`ShuffleSampler`), whose samplers only
+name their kind (`sampling_kind`). They live with the accounting and not
+with the samplers: `tf-megadp epsilon` and `calibrate` account Poisson and
+shuffled runs without importing the data pipeline (nor TensorFlow, which it
+needs).
 
 Two kinds belong to the ledger itself, not to a sampler: `NOISELESS` (steps
 applied with noise multiplier 0, which make epsilon infinite) and
@@ -23,11 +25,11 @@ accountant refuses them, each with its own message.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import dp_accounting
 
-from tf_megadp import adaptive_clipping
+from tf_megadp.accounting import mechanisms
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "SamplingKind",
     "refusal_error",
     "entry_event",
+    "ledger_event",
     "poisson_step_event",
     "shuffle_step_event",
     "register_sampling_kind",
@@ -192,6 +195,22 @@ def entry_event(entry: Any, num_examples: int) -> dp_accounting.DpEvent:
     return dp_accounting.SelfComposedDpEvent(step_event(entry, num_examples), entry.steps)
 
 
+def ledger_event(entries: Iterable[Any], num_examples: int) -> dp_accounting.DpEvent:
+    """The `dp_accounting` event of a whole run: its ledger entries' events, in order.
+
+    Args:
+        entries: the `LedgerEntry`s of a ledger.
+        num_examples: N.
+
+    Returns:
+        A `ComposedDpEvent` of `entry_event` of each entry.
+
+    Raises:
+        PrivacyConfigurationError: an entry's kind has no accounting rule.
+    """
+    return dp_accounting.ComposedDpEvent([entry_event(entry, num_examples) for entry in entries])
+
+
 # The ledger's own kinds. Their codes are stored in checkpoints and never
 # change; they are negative so that samplers keep the codes from 0 up.
 NOISELESS = "noiseless"
@@ -221,7 +240,7 @@ def poisson_step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
     When truncation is rare, the accountant accounts a truncated step by a
     coupling bound at the cost of the untruncated one (and works with RDP);
     otherwise dp_accounting's exact PLD of the truncated mechanism is used
-    (see `tf_megadp.accounting.engines._TruncationAwareAccountant`).
+    (see `tf_megadp.accounting.engines.TruncationAwareAccountant`).
 
     Args:
         entry: a `LedgerEntry` of kind "poisson".
@@ -232,7 +251,7 @@ def poisson_step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
     """
     if entry.max_batch_size:
         # dp_accounting's truncated event holds one Gaussian: the equivalent
-        # one of the step's releases (see `adaptive_clipping.as_single_gaussian`).
+        # one of the step's releases (see `mechanisms.as_single_gaussian`).
         return dp_accounting.TruncatedSubsampledGaussianDpEvent(
             dataset_size=num_examples,
             sampling_probability=entry.sampling_rate,
@@ -241,7 +260,7 @@ def poisson_step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
         )
     return dp_accounting.PoissonSampledDpEvent(
         entry.sampling_rate,
-        adaptive_clipping.step_mechanism(entry.noise_multiplier, entry.count_noise_multiplier),
+        mechanisms.step_mechanism(entry.noise_multiplier, entry.count_noise_multiplier),
     )
 
 
@@ -257,7 +276,7 @@ def shuffle_step_event(entry, num_examples: int) -> dp_accounting.DpEvent:
     """
     return dp_accounting.PoissonSampledDpEvent(
         entry.sampling_rate,
-        adaptive_clipping.step_mechanism(entry.noise_multiplier, entry.count_noise_multiplier),
+        mechanisms.step_mechanism(entry.noise_multiplier, entry.count_noise_multiplier),
     )
 
 

@@ -2,8 +2,8 @@
 
 The same numbers the `DPOptimizer` stores in its `privacy_ledger` variable
 (one row per phase, `LEDGER_COLUMNS`), so a checkpoint carries what the run
-has spent; `ledger_from_schedule` and `ledger_for_run` describe a planned run
-the same way.
+has spent; `ledger_from_schedule` describes a planned run the same way
+(`tf_megadp.accounting.run_description.RunDescription.ledger`).
 """
 
 from __future__ import annotations
@@ -14,19 +14,11 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from tf_megadp import adaptive_clipping
-from tf_megadp._validate import check_num_examples as _check_num_examples
+from tf_megadp.accounting import mechanisms
 from tf_megadp.accounting.events import sampling_kind, sampling_kind_of_code
-from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.steps import (
-    BatchSizeSchedule,
-    check_batch_fits,
-    noise_multiplier_of,
-    sampling_rate_of,
-    steps_for_epochs,
-)
+from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, sampling_rate_of
 
-__all__ = ["LEDGER_COLUMNS", "LedgerEntry", "PrivacyLedger", "ledger_from_schedule", "ledger_for_run"]
+__all__ = ["LEDGER_COLUMNS", "LedgerEntry", "PrivacyLedger", "ledger_from_schedule"]
 
 LEDGER_COLUMNS = (
     "steps",
@@ -58,7 +50,7 @@ class LedgerEntry:
         count_noise_multiplier: with adaptive clipping, the noise
             multiplier of the count of unclipped examples each step also
             releases (its noise over its sensitivity 1/2; see
-            `tf_megadp.adaptive_clipping`), and `noise_multiplier` is the
+            `tf_megadp.accounting.mechanisms`), and `noise_multiplier` is the
             gradient's; 0 when the step releases the gradient only.
     """
 
@@ -154,7 +146,7 @@ class LedgerEntry:
     @property
     def equivalent_noise_multiplier(self) -> float:
         """The one Gaussian multiplier the step's releases (gradient, count) amount to."""
-        return adaptive_clipping.equivalent_noise_multiplier(
+        return mechanisms.equivalent_noise_multiplier(
             self.noise_multiplier, self.count_noise_multiplier)
 
     def same_mechanism(self, other: "LedgerEntry") -> bool:
@@ -265,19 +257,16 @@ class PrivacyLedger:
         else:
             self._entries.append(entry)
 
-    def record(
-        self,
-        steps: int,
-        *,
-        sampling_rate: float,
-        noise_multiplier: float,
-        max_batch_size: int = 0,
-        sampling: str = "poisson",
-    ) -> None:
-        """Records `steps` identical logical steps; see `LedgerEntry`."""
-        self.append(
-            LedgerEntry(steps, sampling_rate, noise_multiplier, max_batch_size, sampling)
-        )
+    def record(self, steps: int, **numbers: Any) -> None:
+        """Records `steps` identical logical steps.
+
+        Args:
+            steps: how many.
+            **numbers: the other fields of `LedgerEntry`, by name
+                (`sampling_rate` and `noise_multiplier`, and optionally
+                `max_batch_size`, `sampling`, `count_noise_multiplier`).
+        """
+        self.append(LedgerEntry(steps, **numbers))
 
     def copy(self) -> "PrivacyLedger":
         return PrivacyLedger(self._entries)
@@ -368,78 +357,3 @@ def ledger_from_schedule(
         )
         remaining -= count
     return ledger
-
-
-
-
-def ledger_for_run(
-    *,
-    schedule: BatchSizeSchedule | None,
-    num_examples: int | None,
-    batch_size: int | None,
-    steps: int | None,
-    noise_multiplier: float | None,
-    sampling: str,
-    max_batch_size: int | None,
-    epochs: float | None = None,
-) -> tuple[int, PrivacyLedger]:
-    """(N, ledger) from either a schedule or plain constant-batch settings."""
-    sampling_kind(sampling)  # Refuses an unknown kind before anything else.
-    if epochs is not None:
-        if schedule is not None:
-            raise PrivacyConfigurationError(
-                "epochs= describes a constant-batch run, but a BatchSizeSchedule "
-                "sets the steps of each phase itself: drop epochs (pass steps= to "
-                "stop early) or describe the run by num_examples, batch_size and "
-                "epochs without a schedule."
-            )
-        if steps is not None:
-            raise PrivacyConfigurationError(
-                f"Pass steps or epochs, not both (got steps={steps!r}, "
-                f"epochs={epochs!r}): one of them fixes the number of logical steps."
-            )
-    if schedule is not None:
-        if batch_size is not None or max_batch_size is not None:
-            raise ValueError(
-                "Pass either a schedule or batch_size/max_batch_size, not both: the "
-                "schedule sets the batch size and the truncation of every phase."
-            )
-        if num_examples is not None and num_examples != schedule.num_examples:
-            raise ValueError(
-                f"num_examples {num_examples} differs from the schedule's "
-                f"num_examples {schedule.num_examples}."
-            )
-        return schedule.num_examples, ledger_from_schedule(
-            schedule, noise_multiplier, sampling=sampling, steps=steps
-        )
-    missing = [
-        name
-        for name, value in (
-            ("num_examples", num_examples),
-            ("batch_size", batch_size),
-            ("steps (or epochs)", steps if epochs is None else epochs),
-            ("noise_multiplier", noise_multiplier),
-        )
-        if value is None
-    ]
-    if missing:
-        raise ValueError(
-            f"Without a schedule, pass {', '.join(missing)} (or pass a "
-            "BatchSizeSchedule)."
-        )
-    num_examples = _check_num_examples(num_examples)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-    check_batch_fits(batch_size, num_examples)
-    if epochs is not None:
-        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size,
-                                 sampling=sampling)
-    ledger = PrivacyLedger()
-    ledger.record(
-        steps,
-        sampling_rate=sampling_rate_of(batch_size, num_examples),
-        noise_multiplier=noise_multiplier,
-        max_batch_size=max_batch_size or 0,
-        sampling=sampling,
-    )
-    return num_examples, ledger

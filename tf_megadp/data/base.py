@@ -1,9 +1,9 @@
 """The sampler machinery every sampler shares: secret randomness, phases, static micro-batches, tf.data.
 
 A sampler subclass draws the examples of one logical step (`draw`), builds
-the schedule `from_arrays`/`from_records` use (`_schedule_for`), names its
-sampling kind and gives the `dp_accounting` event of one of its steps
-(`step_event`), registered once with `tf_megadp.accounting.events`.
+the schedule `from_arrays`/`from_records` use (`_schedule_for`) and names
+its sampling kind, whose `dp_accounting` event is registered once in
+`tf_megadp.accounting.events`.
 """
 
 from __future__ import annotations
@@ -11,21 +11,26 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
-import math
-import numbers
 from typing import Any, Callable, Iterator, Self
 
 import numpy as np
 
 from tf_megadp.data.entropy import non_negative_integer, sampling_entropy
 from tf_megadp.data.map_independence import checked_map
+from tf_megadp.data.sampler_settings import SamplerSettings
 from tf_megadp.data.shards import TokenShards
 from tf_megadp.data.sources import DataSource, attach_source
-from tf_megadp.data.stores import _ArrayStore, _IndexableStore, _RecordStore, _TokenShardStore
+from tf_megadp.data.stores import (
+    ArrayStore,
+    IndexableStore,
+    RecordStore,
+    TokenShardStore,
+    record_store,
+)
 from tf_megadp.data.tags import attach_tag_key, micro_batch_tags
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.secret import Secret
-from tf_megadp.steps import BatchSizeSchedule, check_batch_fits, step_capacity
+from tf_megadp.steps import BatchSizeSchedule, step_capacity
 
 __all__ = ["StepDraw"]
 
@@ -90,33 +95,26 @@ def _tensor_spec(shape: tuple[int, ...], dtype: np.dtype):
     return tf.TensorSpec(shape, tf.string if dtype.kind in "US" else tf.as_dtype(dtype))
 
 
-class _Sampler(abc.ABC):
+class Sampler(abc.ABC):
     """Shared machinery: secret randomness, phases, static micro-batches, tf.data."""
 
     sampling_kind: str = ""
 
-    def __init__(
-        self,
-        shards: TokenShards,
-        schedule: BatchSizeSchedule,
-        *,
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
-    ):
-        if isinstance(shards, TokenShards):
-            store: _RecordStore = _TokenShardStore(shards)
-        elif isinstance(shards, _RecordStore):
-            store = shards  # from from_arrays / from_records
-        else:
-            raise TypeError(
-                f"{type(self).__name__} takes a TokenShards; got {type(shards).__name__}. "
-                f"For arrays use {type(self).__name__}.from_arrays(x, y, ...), for a "
-                f"collection of examples {type(self).__name__}.from_records(records, ...)."
-            )
+    def __init__(self, shards: TokenShards, schedule: BatchSizeSchedule, **randomness: Any):
+        """A sampler over `shards` that follows `schedule`.
+
+        Args:
+            shards: the corpus, a `TokenShards` (arrays and records go
+                through `from_arrays` / `from_records`).
+            schedule: the `BatchSizeSchedule` shared with the optimizer and
+                the accountant; its N must be the data's.
+            **randomness: `seed`, `shared_secret`, `start_step`, `end_step`,
+                as in `tf_megadp.data.sampler_settings.SamplerSettings`.
+        """
+        store = record_store(shards, type(self).__name__)
         if not isinstance(schedule, BatchSizeSchedule):
             raise TypeError(f"schedule must be a BatchSizeSchedule, got {schedule!r}.")
+        settings = SamplerSettings(schedule=schedule, **randomness)
         if schedule.num_examples != store.num_examples:
             # The accountant's N comes from the schedule; a mismatch would
             # report the wrong sampling rate.
@@ -126,8 +124,8 @@ class _Sampler(abc.ABC):
                 f"num_examples=len(shards) (N = {store.num_examples}), or let "
                 "from_arrays/from_records build it from batch_size and epochs."
             )
-        start_step = non_negative_integer("start_step", start_step)
-        end_step = schedule.total_steps if end_step is None else end_step
+        start_step = non_negative_integer("start_step", settings.start_step)
+        end_step = schedule.total_steps if settings.end_step is None else settings.end_step
         end_step = non_negative_integer("end_step", end_step)
         if start_step > end_step:
             raise ValueError(
@@ -135,37 +133,21 @@ class _Sampler(abc.ABC):
                 f"end_step={end_step}."
             )
         self._store = store
-        self.shards = store.shards if isinstance(store, _TokenShardStore) else None
+        self.shards = store.shards if isinstance(store, TokenShardStore) else None
         self.schedule = schedule
         self.start_step = start_step
         self.end_step = end_step
         self.micro_batch_rows = step_capacity(1, schedule.micro_batch_size, schedule.num_replicas)
         self._consumed = False
         self._generations = _DrawGenerations()
-        entropy, self.seeded = sampling_entropy(seed, shared_secret)
+        entropy, self.seeded = sampling_entropy(settings.seed, settings.shared_secret)
         # The only copy of the sampling randomness, in a holder that neither
         # vars(), repr, pickles nor the DataSource show. Set last, so that no
         # traceback of a failed constructor has it in a frame's locals.
         self._entropy = Secret(entropy)
 
     @classmethod
-    def from_arrays(
-        cls,
-        x: Any,
-        y: Any,
-        sample_weight: Any = None,
-        *,
-        batch_size: int | None = None,
-        epochs: float | None = None,
-        micro_batch_size: int | None = None,
-        num_replicas: int | None = None,
-        truncation_probability: float | None = None,
-        schedule: BatchSizeSchedule | None = None,
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
-    ) -> Self:
+    def from_arrays(cls, x: Any, y: Any, sample_weight: Any = None, **settings: Any) -> Self:
         """A sampler over in-memory arrays: one example is one row of every array.
 
         Either give `batch_size`, `epochs` and `micro_batch_size` (the sampler
@@ -178,17 +160,16 @@ class _Sampler(abc.ABC):
             y: labels, an array or nest of arrays with N rows.
             sample_weight: optional per-example (or per-token) weights with N
                 rows; they are kept for real rows and zero on padding rows.
-            batch_size: the expected logical batch size B (q = B / N).
-            epochs: passes over the data, E > 0 (may be fractional); the run
-                has ceil(E * N / B) logical steps.
-            micro_batch_size: m, the static per-replica micro-batch size.
-            num_replicas: R (default 1): each element is a global micro-batch
-                of m * R rows.
-            truncation_probability: Poisson only: per-step bound on
-                P[b > capacity] used to size k (default 1e-9).
-            schedule: an explicit `BatchSizeSchedule` instead of the four
-                settings above.
-            seed, shared_secret, start_step, end_step: as in the constructor.
+            **settings: the fields of
+                `tf_megadp.data.sampler_settings.SamplerSettings`: `batch_size`
+                (B, q = B / N), `epochs` (E > 0, may be fractional: the run has
+                ceil(E * N / B) logical steps), `micro_batch_size` (m),
+                `num_replicas` (R, default 1: each element holds m * R rows),
+                `truncation_probability` (Poisson: per-step bound on
+                P[b > capacity] that sizes k, default 1e-9), or an explicit
+                `schedule` instead of those five; and `seed`,
+                `shared_secret`, `start_step`, `end_step` as in the
+                constructor.
 
         Returns:
             The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
@@ -201,32 +182,10 @@ class _Sampler(abc.ABC):
                                           noise_multiplier=1.1, schedule=sampler.schedule)
         ```
         """
-        store = _ArrayStore(x, y, sample_weight)
-        schedule = cls._resolve_schedule(
-            store.num_examples, schedule, batch_size, epochs, micro_batch_size,
-            num_replicas, truncation_probability,
-        )
-        return cls(
-            store, schedule, seed=seed, shared_secret=shared_secret,
-            start_step=start_step, end_step=end_step,
-        )
+        return cls._from_store(ArrayStore(x, y, sample_weight), SamplerSettings(**settings))
 
     @classmethod
-    def from_records(
-        cls,
-        records: Any,
-        *,
-        batch_size: int | None = None,
-        epochs: float | None = None,
-        micro_batch_size: int | None = None,
-        num_replicas: int | None = None,
-        truncation_probability: float | None = None,
-        schedule: BatchSizeSchedule | None = None,
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
-    ) -> Self:
+    def from_records(cls, records: Any, **settings: Any) -> Self:
         """A sampler over any indexable collection of examples, read lazily.
 
         `records` needs `len(records)` (N) and `records[i]` returning example
@@ -238,9 +197,7 @@ class _Sampler(abc.ABC):
             records: e.g. a list of `(x_i, y_i)` pairs or a class reading
                 examples from disk. Not a `keras.utils.PyDataset` (its items
                 are batches).
-            batch_size, epochs, micro_batch_size, num_replicas,
-            truncation_probability, schedule, seed, shared_secret, start_step,
-            end_step: as in `from_arrays`.
+            **settings: as in `from_arrays`.
 
         Returns:
             The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
@@ -252,56 +209,17 @@ class _Sampler(abc.ABC):
             pairs, batch_size=256, epochs=3, micro_batch_size=32)
         ```
         """
-        store = _IndexableStore(records)
-        schedule = cls._resolve_schedule(
-            store.num_examples, schedule, batch_size, epochs, micro_batch_size,
-            num_replicas, truncation_probability,
-        )
-        return cls(
-            store, schedule, seed=seed, shared_secret=shared_secret,
-            start_step=start_step, end_step=end_step,
-        )
+        return cls._from_store(IndexableStore(records), SamplerSettings(**settings))
 
     @classmethod
-    def _resolve_schedule(
-        cls, num_examples, schedule, batch_size, epochs, micro_batch_size,
-        num_replicas, truncation_probability,
-    ) -> BatchSizeSchedule:
-        settings = {
-            "batch_size": batch_size, "epochs": epochs, "micro_batch_size": micro_batch_size,
-            "num_replicas": num_replicas, "truncation_probability": truncation_probability,
-        }
-        given = [name for name, value in settings.items() if value is not None]
-        if schedule is not None:
-            if given:
-                raise ValueError(
-                    f"Pass either schedule= or batch_size/epochs/micro_batch_size, not "
-                    f"both (got schedule and {', '.join(given)})."
-                )
-            return schedule
-        missing = [n for n in ("batch_size", "epochs", "micro_batch_size") if settings[n] is None]
-        if missing:
-            raise TypeError(
-                f"{cls.__name__} needs batch_size, epochs and micro_batch_size to build "
-                f"its schedule (missing: {', '.join(missing)}), or an explicit schedule=."
-            )
-        if isinstance(epochs, bool) or not isinstance(epochs, numbers.Real) or not (
-            0 < epochs < math.inf
-        ):
-            raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}.")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}.")
-        check_batch_fits(batch_size, num_examples)
-        return cls._schedule_for(
-            num_examples, batch_size, float(epochs), micro_batch_size,
-            1 if num_replicas is None else num_replicas, truncation_probability,
-        )
+    def _from_store(cls, store: RecordStore, settings: SamplerSettings) -> Self:
+        schedule = settings.resolve_schedule(store.num_examples, cls._schedule_for, cls.__name__)
+        return cls(store, schedule, **settings.randomness())
 
     @classmethod
     @abc.abstractmethod
-    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
-                      truncation_probability) -> BatchSizeSchedule:
-        """The schedule `from_arrays`/`from_records` build from batch_size and epochs."""
+    def _schedule_for(cls, num_examples: int, settings: SamplerSettings) -> BatchSizeSchedule:
+        """The schedule `from_arrays`/`from_records` build from checked batch_size and epochs."""
 
     # -- Randomness ------------------------------------------------------------
 

@@ -34,13 +34,19 @@ from typing import Any, Iterator, Self
 import dp_accounting
 import numpy as np
 
-from tf_megadp.accounting.events import entry_event
-from tf_megadp.accounting.ledger import ledger_from_schedule
+from tf_megadp.accounting.run_description import RunDescription
 from tf_megadp.data.base import StepDraw
 from tf_megadp.data.samplers import PoissonSampler
 from tf_megadp.data.shards import TokenShards
 from tf_megadp.data.sources import DataSource
-from tf_megadp.data.stores import _ArrayStore, _IndexableStore, _RecordStore, _TokenShardStore
+from tf_megadp.data.sampler_settings import SamplerSettings
+from tf_megadp.data.stores import (
+    ArrayStore,
+    IndexableStore,
+    RecordStore,
+    TokenShardStore,
+    record_store,
+)
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.steps import BatchSizeSchedule
 
@@ -49,10 +55,6 @@ __all__ = ["PrivacyUnitSampler", "units_of"]
 # The spawn key of the per-unit example choice in the sampler's secret
 # streams (PoissonSampler uses 0 to 3).
 _EXAMPLE_CHOICE = 4
-# `from_arrays` / `from_records` settings, in the order `_resolve_schedule` takes them.
-_SCHEDULE_SETTINGS = ("schedule", "batch_size", "epochs", "micro_batch_size", "num_replicas",
-                      "truncation_probability")
-_RANDOMNESS_SETTINGS = ("seed", "shared_secret", "start_step", "end_step")
 
 
 def units_of(unit_ids: Any, num_examples: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -132,7 +134,7 @@ def _unit_id_array(unit_ids: Any) -> np.ndarray:
     return np.asarray(values)
 
 
-class _UnitStore(_RecordStore):
+class _UnitStore(RecordStore):
     """The examples of a store grouped by unit: `num_examples` counts UNITS.
 
     The sampler draws units from range(num_examples); `members(u)` are the
@@ -140,7 +142,7 @@ class _UnitStore(_RecordStore):
     wrapped store's do.
     """
 
-    def __init__(self, examples: _RecordStore, unit_ids: Any, privacy_unit: str):
+    def __init__(self, examples: RecordStore, unit_ids: Any, privacy_unit: str):
         self.examples = examples
         self._order, self._starts, self.unit_ids = units_of(unit_ids, examples.num_examples)
         self.num_examples = int(self.unit_ids.size)
@@ -217,10 +219,7 @@ class PrivacyUnitSampler(PoissonSampler):
         unit_ids: Any,
         examples_per_unit: int,
         privacy_unit: str = "user",
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
+        **randomness: Any,
     ):
         examples_per_unit = _positive_integer("examples_per_unit", examples_per_unit)
         if not isinstance(privacy_unit, str) or not privacy_unit or privacy_unit == "example":
@@ -228,16 +227,7 @@ class PrivacyUnitSampler(PoissonSampler):
                 f"privacy_unit names the unit for the report (e.g. 'user'), got "
                 f"{privacy_unit!r}; for the example as the unit use PoissonSampler."
             )
-        if isinstance(shards, TokenShards):
-            examples: _RecordStore = _TokenShardStore(shards)
-        elif isinstance(shards, _RecordStore):
-            examples = shards
-        else:
-            raise TypeError(
-                f"PrivacyUnitSampler takes a TokenShards; got {type(shards).__name__}. For "
-                "arrays use PrivacyUnitSampler.from_arrays(x, y, unit_ids=...), for a "
-                "collection of examples PrivacyUnitSampler.from_records(...)."
-            )
+        examples = record_store(shards, "PrivacyUnitSampler", unit_argument=", unit_ids=...")
         store = _UnitStore(examples, unit_ids, privacy_unit)
         if isinstance(schedule, BatchSizeSchedule) and schedule.num_examples != store.num_examples:
             # The accountant's N is the number of units: any other N reports
@@ -249,9 +239,8 @@ class PrivacyUnitSampler(PoissonSampler):
                 f"units: num_examples={store.num_examples}, batch_size = expected units "
                 "per step, micro_batch_size = unit slots per micro-batch."
             )
-        super().__init__(store, schedule, seed=seed, shared_secret=shared_secret,
-                         start_step=start_step, end_step=end_step)
-        self.shards = examples.shards if isinstance(examples, _TokenShardStore) else None
+        super().__init__(store, schedule, **randomness)
+        self.shards = examples.shards if isinstance(examples, TokenShardStore) else None
         self.examples_per_unit = examples_per_unit
         self.privacy_unit = privacy_unit
         self.micro_batch_rows = schedule.micro_batch_size * schedule.num_replicas * examples_per_unit
@@ -287,8 +276,8 @@ class PrivacyUnitSampler(PoissonSampler):
         Returns:
             The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
         """
-        return cls._over(_ArrayStore(x, y, sample_weight), unit_ids, examples_per_unit,
-                         privacy_unit, settings)
+        return cls._over(ArrayStore(x, y, sample_weight), unit_ids, examples_per_unit,
+                         privacy_unit, SamplerSettings(**settings))
 
     @classmethod
     def from_records(
@@ -310,22 +299,18 @@ class PrivacyUnitSampler(PoissonSampler):
         Returns:
             The sampler; its `as_dataset()` yields `(x, y, sample_weight)`.
         """
-        return cls._over(_IndexableStore(records), unit_ids, examples_per_unit, privacy_unit,
-                         settings)
+        return cls._over(IndexableStore(records), unit_ids, examples_per_unit, privacy_unit,
+                         SamplerSettings(**settings))
 
     @classmethod
-    def _over(cls, examples: _RecordStore, unit_ids, examples_per_unit, privacy_unit,
-              settings: dict[str, Any]) -> Self:
-        unknown = sorted(set(settings) - set(_SCHEDULE_SETTINGS) - set(_RANDOMNESS_SETTINGS))
-        if unknown:
-            raise TypeError(f"PrivacyUnitSampler got unexpected settings {unknown}.")
+    def _over(cls, examples: RecordStore, unit_ids, examples_per_unit, privacy_unit,
+              settings: SamplerSettings) -> Self:
         # The schedule counts units: N = U, B = expected units per step.
-        schedule = cls._resolve_schedule(
-            int(units_of(unit_ids, examples.num_examples)[2].size),
-            *(settings.get(name) for name in _SCHEDULE_SETTINGS))
+        schedule = settings.resolve_schedule(
+            int(units_of(unit_ids, examples.num_examples)[2].size), cls._schedule_for,
+            cls.__name__)
         return cls(examples, schedule, unit_ids=unit_ids, examples_per_unit=examples_per_unit,
-                   privacy_unit=privacy_unit,
-                   **{name: settings[name] for name in _RANDOMNESS_SETTINGS if name in settings})
+                   privacy_unit=privacy_unit, **settings.randomness())
 
     # -- What the accountant is told ---------------------------------------------
 
@@ -364,9 +349,8 @@ class PrivacyUnitSampler(PoissonSampler):
         Returns:
             A `dp_accounting.ComposedDpEvent`.
         """
-        ledger = ledger_from_schedule(self.schedule, noise_multiplier, steps=steps)
-        return dp_accounting.ComposedDpEvent(
-            [entry_event(entry, self.num_units) for entry in ledger])
+        return RunDescription(schedule=self.schedule, noise_multiplier=noise_multiplier,
+                              steps=steps).dp_event()
 
     # -- Micro-batches -------------------------------------------------------------
 

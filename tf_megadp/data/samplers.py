@@ -28,23 +28,26 @@ sampler returns carries its `tf_megadp.data.sources.DataSource`.
 want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
 2024): see its docstring.
 
-Each sampler names the `dp_accounting` event of its steps (`step_event`),
-which its sampling kind registers (`tf_megadp.accounting.events`, where the
-"poisson" and "shuffle" kinds live, so that the accounting never needs the
-data pipeline): a new sampler is one class here plus its kind's registration
-and its row in tests/test_accounting.py. The shared machinery is in `tf_megadp.data.base`,
+Each sampler names its sampling kind (`sampling_kind`); the kind, with the
+`dp_accounting` event of one step, is registered once in
+`tf_megadp.accounting.events`, where the "poisson" and "shuffle" kinds live,
+so that the accounting never needs the data pipeline: a new sampler is one
+class here plus its kind's registration and its row in
+tests/test_accounting.py. The shared machinery is in `tf_megadp.data.base`,
 the stores in `tf_megadp.data.stores` and `tf_megadp.data.shards`.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
-from tf_megadp.accounting.events import SHUFFLE_WARNING, poisson_step_event, shuffle_step_event
-from tf_megadp.data.base import StepDraw, _Sampler
+from tf_megadp.accounting.events import SHUFFLE_WARNING
+from tf_megadp.data.base import Sampler, StepDraw
 from tf_megadp.data.entropy import warn_at_caller
+from tf_megadp.data.sampler_settings import SamplerSettings
 from tf_megadp.data.shards import TokenShards
 from tf_megadp.steps import BatchSizeSchedule, Phase, steps_for_epochs
 
@@ -78,7 +81,7 @@ def _uniform_subset(rng: np.random.Generator, population: int, size: int) -> np.
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-class PoissonSampler(_Sampler):
+class PoissonSampler(Sampler):
     """Exact Poisson sampling of logical batches, emitted as static micro-batches.
 
     For logical step t with rate q_t = schedule.sampling_rate(t), the step size
@@ -127,43 +130,23 @@ class PoissonSampler(_Sampler):
 
     sampling_kind = "poisson"
 
-    # The accounting's event of one step (registered with the sampling kinds).
-    step_event = staticmethod(poisson_step_event)
-
-    def __init__(
-        self,
-        shards: TokenShards,
-        schedule: BatchSizeSchedule,
-        *,
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
-    ):
-        super().__init__(
-            shards,
-            schedule,
-            seed=seed,
-            shared_secret=shared_secret,
-            start_step=start_step,
-            end_step=end_step,
-        )
+    def __init__(self, shards: TokenShards, schedule: BatchSizeSchedule, **randomness: Any):
+        super().__init__(shards, schedule, **randomness)
         self.steps_drawn = 0
         self.truncated_steps = 0
         self.truncated_examples = 0
 
     @classmethod
-    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
-                      truncation_probability) -> BatchSizeSchedule:
-        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size)
+    def _schedule_for(cls, num_examples: int, settings: SamplerSettings) -> BatchSizeSchedule:
+        steps = steps_for_epochs(settings.epochs, num_examples=num_examples,
+                                 batch_size=settings.batch_size)
         return BatchSizeSchedule.for_poisson(
-            [(steps, batch_size)],
+            [(steps, settings.batch_size)],
             num_examples=num_examples,
-            micro_batch_size=micro_batch_size,
-            num_replicas=num_replicas,
-            truncation_probability=(
-                1e-9 if truncation_probability is None else truncation_probability
-            ),
+            micro_batch_size=settings.micro_batch_size,
+            num_replicas=settings.replicas,
+            truncation_probability=(1e-9 if settings.truncation_probability is None
+                                    else settings.truncation_probability),
         )
 
     def draw(self, step: int) -> StepDraw:
@@ -201,7 +184,7 @@ class PoissonSampler(_Sampler):
         return StepDraw(step, indices, size, capacity)
 
 
-class ShuffleSampler(_Sampler):
+class ShuffleSampler(Sampler):
     """Fixed-size batches from shuffled epochs. NOT what Poisson accounting assumes.
 
     Each epoch is a fresh random permutation of the examples; logical step t
@@ -227,27 +210,8 @@ class ShuffleSampler(_Sampler):
 
     sampling_kind = "shuffle"
 
-    # The accounting's event of one step: as if Poisson-sampled (SHUFFLE_WARNING).
-    step_event = staticmethod(shuffle_step_event)
-
-    def __init__(
-        self,
-        shards: TokenShards,
-        schedule: BatchSizeSchedule,
-        *,
-        seed: int | None = None,
-        shared_secret: int | None = None,
-        start_step: int = 0,
-        end_step: int | None = None,
-    ):
-        super().__init__(
-            shards,
-            schedule,
-            seed=seed,
-            shared_secret=shared_secret,
-            start_step=start_step,
-            end_step=end_step,
-        )
+    def __init__(self, shards: TokenShards, schedule: BatchSizeSchedule, **randomness: Any):
+        super().__init__(shards, schedule, **randomness)
         warn_at_caller(
             "ShuffleSampler: fixed-size shuffled batches do not satisfy the Poisson "
             "sampling assumption of DP-SGD accounting; the reported epsilon "
@@ -262,18 +226,17 @@ class ShuffleSampler(_Sampler):
         self._cursor = (0, 0, 0)
 
     @classmethod
-    def _schedule_for(cls, num_examples, batch_size, epochs, micro_batch_size, num_replicas,
-                      truncation_probability) -> BatchSizeSchedule:
-        if truncation_probability is not None:
+    def _schedule_for(cls, num_examples: int, settings: SamplerSettings) -> BatchSizeSchedule:
+        if settings.truncation_probability is not None:
             raise ValueError("ShuffleSampler never truncates: drop truncation_probability.")
-        steps = steps_for_epochs(epochs, num_examples=num_examples, batch_size=batch_size,
-                                 sampling="shuffle")
-        slots = micro_batch_size * num_replicas
+        steps = steps_for_epochs(settings.epochs, num_examples=num_examples,
+                                 batch_size=settings.batch_size, sampling="shuffle")
+        slots = settings.micro_batch_size * settings.replicas
         return BatchSizeSchedule(
-            [Phase(steps, batch_size, math.ceil(batch_size / slots))],
+            [Phase(steps, settings.batch_size, math.ceil(settings.batch_size / slots))],
             num_examples=num_examples,
-            micro_batch_size=micro_batch_size,
-            num_replicas=num_replicas,
+            micro_batch_size=settings.micro_batch_size,
+            num_replicas=settings.replicas,
         )
 
     def _position(self, step: int) -> tuple[int, int]:

@@ -17,8 +17,10 @@ import numpy as np
 from tf_megadp.data.shards import TokenShards
 from tf_megadp.errors import PrivacyConfigurationError
 
+__all__ = ["ArrayStore", "IndexableStore", "RecordStore", "TokenShardStore", "record_store"]
 
-class _RecordStore(abc.ABC):
+
+class RecordStore(abc.ABC):
     """N examples, each a fixed structure of fixed-shape arrays ("leaves").
 
     Attributes:
@@ -43,7 +45,7 @@ class _RecordStore(abc.ABC):
         """
 
 
-class _TokenShardStore(_RecordStore):
+class TokenShardStore(RecordStore):
     """Token rows of a `TokenShards`; elements are `(rows int32 [M, L], weights [M])`."""
 
     noun = "token rows"
@@ -58,6 +60,31 @@ class _TokenShardStore(_RecordStore):
 
     def arrange(self, leaves: list[Any], weights: Any) -> Any:
         return leaves[0], weights
+
+
+def record_store(data: Any, sampler: str, unit_argument: str = "") -> RecordStore:
+    """The store a sampler's constructor reads: `TokenShards`, or a store `from_arrays`/`from_records` built.
+
+    Args:
+        data: what the constructor was given.
+        sampler: the sampler's class name, for the error.
+        unit_argument: a required argument the error names (", unit_ids=...").
+
+    Returns:
+        The `RecordStore`.
+
+    Raises:
+        TypeError: anything else, naming `from_arrays` and `from_records`.
+    """
+    if isinstance(data, TokenShards):
+        return TokenShardStore(data)
+    if isinstance(data, RecordStore):
+        return data
+    raise TypeError(
+        f"{sampler} takes a TokenShards; got {type(data).__name__}. For arrays use "
+        f"{sampler}.from_arrays(x, y{unit_argument}, ...), for a collection of examples "
+        f"{sampler}.from_records(records{unit_argument}, ...)."
+    )
 
 
 def _flatten(structure: Any) -> tuple[list[Any], Any]:
@@ -118,7 +145,7 @@ def _emitted_dtype(dtype: np.dtype, what: str, *, weight: bool) -> np.dtype:
     return dtype
 
 
-class _ExampleStore(_RecordStore):
+class _ExampleStore(RecordStore):
     """Shared layout of array and record stores: elements `(x, y, sample_weight)`.
 
     The stored structure is `(x, y)` or `(x, y, sample_weight)`; without user
@@ -146,7 +173,7 @@ class _ExampleStore(_RecordStore):
         return rebuilt if self._weighted else (*rebuilt, weights)
 
 
-class _ArrayStore(_ExampleStore):
+class ArrayStore(_ExampleStore):
     """In-memory (or memory-mapped) arrays: one example is one row of every array."""
 
     noun = "examples in arrays"
@@ -187,7 +214,7 @@ class _ArrayStore(_ExampleStore):
         return [array[indices] for array in self._arrays]
 
 
-class _IndexableStore(_ExampleStore):
+class IndexableStore(_ExampleStore):
     """Any `records` with `len(records)` and `records[i] -> (x_i, y_i[, w_i])`.
 
     Only the sampled records are read, so memory is O(batch) however big N

@@ -306,7 +306,25 @@ class PretrainConfig:
         return DP_LEARNING_RATE, "DP default"
 
     def validate(self) -> None:
-        """Raises `PretrainError` naming the first bad field (and how to fix it)."""
+        """Raises `PretrainError` naming the first bad field (and how to fix it).
+
+        The checks run in this order, each group a method: the types of the
+        numbers, the model and the sizes, clipping, the training's ranges,
+        the privacy unit, checkpointing, the privacy settings, the files,
+        the hardware, and the data's numbers.
+        """
+        self._check_numbers()
+        self._check_model_and_sizes()
+        self._check_clipping()
+        self._check_training_ranges()
+        self._check_privacy_unit()
+        self._check_checkpointing()
+        self._check_privacy()
+        self._check_files()
+        self._check_hardware()
+        self._check_data_numbers()
+
+    def _check_numbers(self) -> None:
         for name in ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
                      "learning_rate", "weight_decay", "dropout", "heldout_fraction", "beta_1",
                      "beta_2", "max_truncation_probability", "automatic_scaling_stability",
@@ -317,6 +335,8 @@ class PretrainConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
                 raise PretrainError(f"{name} must be a finite number, got {value!r}.")
+
+    def _check_model_and_sizes(self) -> None:
         if self.model not in MODEL_PRESETS:
             raise PretrainError(f"--model must be one of {', '.join(MODEL_PRESETS)}, got {self.model!r}.")
         positive = {
@@ -339,6 +359,8 @@ class PretrainConfig:
             if getattr(self, name) not in allowed:
                 raise PretrainError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
+
+    def _check_clipping(self) -> None:
         if not self.automatic_scaling_stability > 0:
             raise PretrainError(
                 "automatic_scaling_stability must be > 0, got "
@@ -352,6 +374,8 @@ class PretrainConfig:
                 self.adaptive_clipping()
             except ValueError as error:
                 raise PretrainError(f"adaptive clipping: {error}") from None
+
+    def _check_training_ranges(self) -> None:
         if self.ema_momentum is not None and not 0 < self.ema_momentum < 1:
             raise PretrainError(
                 f"ema_momentum must be in (0, 1) (or None for no averaging), got "
@@ -364,28 +388,35 @@ class PretrainConfig:
             raise PretrainError(f"stop_after_steps must be >= 1, got {self.stop_after_steps}.")
         if not isinstance(self.canaries, int) or self.canaries < 0:
             raise PretrainError(f"canaries must be a non-negative integer, got {self.canaries!r}.")
-        if self.privacy_unit is not None:
-            if not isinstance(self.privacy_unit, str) or not self.privacy_unit:
-                raise PretrainError(
-                    f"privacy_unit must name a JSONL field, got {self.privacy_unit!r}.")
-            if not self.corpus:
-                raise PretrainError(
-                    f"--privacy-unit {self.privacy_unit} reads each document's unit from a "
-                    "field of a JSONL corpus: pass --corpus FILE.jsonl.")
-            if self.canaries:
-                raise PretrainError(
-                    "--canaries with --privacy-unit is not supported: the audit inserts "
-                    "canaries as sequences, not as units. Audit a sequence-level run.")
-            if self.hardware is not None:
-                raise PretrainError(
-                    "A planned run (hardware) with --privacy-unit is not supported: the "
-                    "planner sizes micro-batches in sequences, not in units of "
-                    "examples_per_unit rows. Drop the hardware section.")
+
+    def _check_privacy_unit(self) -> None:
+        if self.privacy_unit is None:
+            return
+        if not isinstance(self.privacy_unit, str) or not self.privacy_unit:
+            raise PretrainError(
+                f"privacy_unit must name a JSONL field, got {self.privacy_unit!r}.")
+        if not self.corpus:
+            raise PretrainError(
+                f"--privacy-unit {self.privacy_unit} reads each document's unit from a "
+                "field of a JSONL corpus: pass --corpus FILE.jsonl.")
+        if self.canaries:
+            raise PretrainError(
+                "--canaries with --privacy-unit is not supported: the audit inserts "
+                "canaries as sequences, not as units. Audit a sequence-level run.")
+        if self.hardware is not None:
+            raise PretrainError(
+                "A planned run (hardware) with --privacy-unit is not supported: the "
+                "planner sizes micro-batches in sequences, not in units of "
+                "examples_per_unit rows. Drop the hardware section.")
+
+    def _check_checkpointing(self) -> None:
         if self.checkpoint_every < 0:
             raise PretrainError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}.")
         if self.checkpoint_minutes < 0:
             raise PretrainError(
                 f"checkpoint_minutes must be >= 0, got {self.checkpoint_minutes}.")
+
+    def _check_privacy(self) -> None:
         if self.non_private:
             if self.schedule and len(self.schedule) > 1:
                 raise PretrainError(
@@ -406,6 +437,8 @@ class PretrainConfig:
                 f"accountant must be one of {accountant_names()}, got {self.accountant!r}.")
         if self.delta is not None and not 0 < self.delta < 1:
             raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
+
+    def _check_files(self) -> None:
         if self.resume and not self.output_dir:
             raise PretrainError("--resume needs --output-dir of the run to continue.")
         if self.vocabulary and self.vocabulary_from_training_corpus:
@@ -420,6 +453,8 @@ class PretrainConfig:
             )
         if self.vocabulary and not os.path.isfile(self.vocabulary):
             raise PretrainError(f"--vocabulary {self.vocabulary}: no such file.")
+
+    def _check_hardware(self) -> None:
         if self.precision not in PRECISIONS:
             raise PretrainError(
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
@@ -432,6 +467,8 @@ class PretrainConfig:
                 raise PretrainError(
                     "--cpu-replicas splits the CPU into replicas of a MirroredStrategy: "
                     f"pass --strategy mirrored (not {self.strategy!r}).")
+
+    def _check_data_numbers(self) -> None:
         if self.num_examples is not None and (
                 isinstance(self.num_examples, bool) or not isinstance(self.num_examples, int)
                 or self.num_examples < 2):

@@ -49,7 +49,7 @@ from tf_megadp.jobs.bert.run_files import (
     check_same_run,
     saved_settings,
 )
-from tf_megadp.jobs.bert.training import _train, build_model
+from tf_megadp.jobs.bert.training import build_model, run_training
 
 __all__ = ["MODEL_PRESETS", "PRECISIONS", "PretrainConfig", "PretrainError", "build_model",
            "canary_split", "load_run_config", "prepare_data", "run_config_from_dict",
@@ -204,7 +204,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
         # The chief prepares the cache first: workers sharing its folder
         # then only read it (without a shared folder each prepares its own).
         distribute.barrier(strategy)
-    corpus, train, heldout = prepare_data(config, log)
+    _, train, heldout = prepare_data(config, log)
     if not config.vocabulary and train.vocabulary_size < config.vocabulary_size:
         # WordPiece stops when no pair of pieces is frequent enough to merge.
         log(f"Vocabulary: {train.vocabulary_size} tokens, fewer than the "
@@ -256,9 +256,9 @@ def run_pretraining(config: PretrainConfig, *, log=print,
             from tf_megadp.audit.canaries import save_canaries
 
             save_canaries(os.path.join(output_dir, CANARIES_NAME), canaries)
-        return _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
-                      strategy, output_dir, started, log, testing,
-                      learning_rate_source=learning_rate_source)
+        return run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout,
+                            strategy, output_dir, started, log, testing,
+                            learning_rate_source=learning_rate_source)
     except BaseException:
         if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
             shutil.rmtree(output_dir, ignore_errors=True)

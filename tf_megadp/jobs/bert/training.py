@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -253,86 +254,255 @@ def _compile_kwargs(private: bool):
     }
 
 
-def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldout,
-           strategy, output_dir, started, log, testing=None, learning_rate_source="given"):
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every phase of `run_training` reads: the run's settings, data and place.
+
+    Attributes:
+        config: the run's settings.
+        schedule: its `BatchSizeSchedule`.
+        sigma, delta: the run's noise multiplier and delta (None for the
+            non-private baseline).
+        train, heldout: the training and held-out `TokenShards`.
+        strategy: the `tf.distribute` strategy.
+        output_dir: where the run's files go.
+        started: `time.time()` when the job started.
+        log: prints one progress message.
+        testing: the test-only seeds, or None.
+    """
+
+    config: PretrainConfig
+    schedule: Any
+    sigma: float | None
+    delta: float | None
+    train: Any
+    heldout: Any
+    strategy: Any
+    output_dir: str
+    started: float
+    log: Callable[[str], None]
+    testing: Any = None
+
+    @property
+    def private(self) -> bool:
+        return not self.config.non_private
+
+
+class _HeldOut(NamedTuple):
+    """The held-out set, masked once, and the accuracy a model that learned nothing reaches."""
+
+    x: dict[str, np.ndarray]
+    y: np.ndarray
+    sample_weight: np.ndarray
+    unigram_accuracy: float
+
+
+@dataclasses.dataclass
+class _Start:
+    """Where this start of the run begins: a fresh model, or the run's checkpoint.
+
+    Attributes:
+        history: one evaluation per epoch of the earlier starts (appended to
+            by this one).
+        resumes: the logical step each --resume of this run started from.
+        resumed_from: the logical step this start resumed from (0: fresh).
+        learning_rate_source: where the learning rate came from.
+    """
+
+    history: list[dict[str, Any]]
+    resumes: list[int]
+    resumed_from: int
+    learning_rate_source: str
+
+
+def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout,
+                 strategy, output_dir, started, log, testing=None,
+                 learning_rate_source="given") -> dict[str, Any]:
+    """Trains the planned run (or continues it with --resume), releases it and reports.
+
+    Args:
+        config: the run's settings.
+        schedule: the `BatchSizeSchedule` the run follows.
+        sigma, delta, planned_epsilon: the planned privacy (ignored by the
+            non-private baseline).
+        train, heldout: the prepared `TokenShards`.
+        strategy: the `tf.distribute` strategy.
+        output_dir: the run's directory.
+        started: `time.time()` when the job started.
+        log: prints one progress message.
+        testing: test-only seeds, or None.
+        learning_rate_source: where the learning rate came from.
+
+    Returns:
+        The run's report (report.json).
+    """
+    from tf_megadp import distribute
+
+    job = _Job(config, schedule, sigma, delta, train, heldout, strategy, output_dir, started,
+               log, testing)
+    batcher, heldout_set = _prepare_evaluation(job)
+    model, start = _model_of_this_start(job, learning_rate_source)
+    logical_done = _announce_progress(job, model)
+    sampler = _sampler_of_this_start(job, logical_done)
+    # Fed to fit as the sampler returned it (a derived dataset is refused).
+    # With R replicas on this host, Keras splits each m * R-row micro-step
+    # along its rows, replica r taking rows [r*m, (r+1)*m): the layout
+    # distribute.replica_micro_batches gives one input pipeline. keras-hub
+    # tasks cannot take a tf.distribute DistributedDataset in fit.
+    # Keras's fit cannot run under several workers: there the same private
+    # step runs in a custom loop that drives the same callbacks, and checks
+    # each micro-batch's tag (the tagged dataset's elements are (batch, tag)).
+    several_workers = distribute._worker_count(strategy) > 1
+    dataset = sampler.as_dataset(batcher, tagged=job.private and several_workers)
+    if not job.private:  # The private fit does this itself.
+        distribute.build_without_reading(model, dataset.element_spec)
+    epochs, steps_per_epoch = _epochs_of(sampler, config.eval_every)
+    # The epochs of earlier starts (one per evaluation in the history): a
+    # resumed run's epochs, in history.csv and TensorBoard, count on from them.
+    initial_epoch = len(start.history)
+
+    chief = distribute.is_chief(strategy)
+    privacy = _privacy_callback(job, chief) if job.private else None
+    checkpointer = _Checkpointer(output_dir, start.history, config, start.resumes,
+                                 start.learning_rate_source, enabled=chief)
+    callbacks = [privacy] if privacy else []
+    callbacks.append(_evaluation_callback(job, heldout_set, start.history, privacy, checkpointer,
+                                          logical_done, several_workers))
+    if chief:
+        callbacks += _log_callbacks(job)
+    _announce_training(job, start.learning_rate_source, planned_epsilon)
+    train_seconds = _fit(job, model, dataset, several_workers, callbacks,
+                         epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
+                         steps_per_epoch=steps_per_epoch)
+
+    final_steps = start.history[-1]["step"] if start.history else logical_done
+    if not epochs:
+        checkpointer.save(model)
+    if chief:
+        _export_release(job, model)
+    report = _report(job, model, sampler, privacy, start, heldout_set,
+                     final_steps=final_steps, train_seconds=train_seconds)
+    if chief:
+        write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
+        if start.history:
+            _plot(start.history, os.path.join(output_dir, PLOT_NAME), job.private)
+    log(_summary(report, output_dir))
+    return report
+
+
+def _prepare_evaluation(job: _Job):
+    """(the training batcher, the held-out set): the public randomness of the run is set here."""
     import keras
 
-    import tf_megadp
-    from tf_megadp import data, distribute
     from tf_megadp.jobs.bert import text
-    from tf_megadp.jobs.bert.baselines import learning_verdict
-    from tf_megadp.jobs.bert.units import describe_population, load_unit_ids
-    from tf_megadp.checkpointing import export_model
 
+    config = job.config
     # Public randomness only (initialisation, the held-out masks): the
     # sampling, the training masks (keyed by the sampler's secret and each
     # example's content), dropout (keyed by the private step's secret) and
     # the noise draw secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
-    batcher = text.MaskedLMBatcher.from_shards(train, max_predictions=config.max_predictions)
-    heldout_x, heldout_y, heldout_w = _heldout_batches(heldout, batcher, config.micro_batch_size, config.seed)
-    unigram = _unigram_accuracy(train, heldout_y, heldout_w, train.vocabulary_size)
-    total_steps = schedule.total_steps
-    private = not config.non_private
+    batcher = text.MaskedLMBatcher.from_shards(job.train, max_predictions=config.max_predictions)
+    x, y, w = _heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
+    unigram = _unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
+    return batcher, _HeldOut(x, y, w, unigram)
 
-    history: list[dict[str, Any]] = []
-    resumed_from = 0
-    # The logical step each --resume of this run started from.
-    resumes: list[int] = []
-    with strategy.scope():
-        model = build_model(config, train.vocabulary_size)
-        if config.resume:
-            from tf_megadp.checkpointing import restore_training_state
 
-            # Its settings were checked against config before the corpus was prepared.
-            state = restore_training_state(
-                model, os.path.join(output_dir, CHECKPOINT_NAME), _compile_kwargs(private))
-            history = state.get("history", [])
-            resumed_from = int(model.optimizer.iterations.numpy())
-            resumes = state.get("resumes", []) + [resumed_from]
-            # A resume cannot change the rate (check_same_run), so the
-            # started run's account of it still holds.
-            learning_rate_source = state.get("learning_rate_source", learning_rate_source)
+def _model_of_this_start(job: _Job, learning_rate_source: str):
+    """(model, `_Start`): the run's model restored from its checkpoint (--resume) or new, made private.
+
+    Raises:
+        PretrainError: the checkpoint holds a private run and this one is
+            the baseline, or the other way round.
+    """
+    import tf_megadp
+
+    start = _Start(history=[], resumes=[], resumed_from=0,
+                   learning_rate_source=learning_rate_source)
+    with job.strategy.scope():
+        model = build_model(job.config, job.train.vocabulary_size)
+        if job.config.resume:
+            start = _restore(job, model, learning_rate_source)
         else:
-            if private:
-                optimizer = tf_megadp.DPOptimizer(
-                    _inner_optimizer(config, schedule, None),
-                    l2_norm_clip=config.l2_norm_clip, noise_multiplier=sigma,
-                    schedule=schedule, clipping=config.clipping,
-                    per_example_scaling=config.per_example_scaling,
-                    automatic_scaling_stability=config.automatic_scaling_stability,
-                    examples_per_unit=config.examples_per_unit if config.privacy_unit else 1,
-                    adaptive_clipping=config.adaptive_clipping(),
-                    seed=None if testing is None else testing.noise_seed)
-            else:
-                k = schedule.phases[0].accumulation_steps
-                optimizer = _inner_optimizer(config, schedule, k if k > 1 else None)
-            model.compile(optimizer=optimizer, **_compile_kwargs(private))
+            model.compile(optimizer=_new_optimizer(job), **_compile_kwargs(job.private))
             model.optimizer.build(model.trainable_variables)
-        if private:
+        if job.private:
             if not isinstance(model.optimizer, tf_megadp.DPOptimizer):
-                raise PretrainError(f"{output_dir} holds a non-private run; resume it with --non-private.")
+                raise PretrainError(
+                    f"{job.output_dir} holds a non-private run; resume it with --non-private.")
             # Strict: data that no tf_megadp Poisson sampler drew is refused.
             tf_megadp.make_private(model, require_poisson_sampling=True)
         elif isinstance(model.optimizer, tf_megadp.DPOptimizer):
-            raise PretrainError(f"{output_dir} holds a private run; resume it without --non-private.")
+            raise PretrainError(
+                f"{job.output_dir} holds a private run; resume it without --non-private.")
+    return model, start
 
+
+def _restore(job: _Job, model, learning_rate_source: str) -> _Start:
+    """Restores the run's checkpoint into `model` and says where this start resumes."""
+    from tf_megadp.checkpointing import restore_training_state
+
+    # Its settings were checked against config before the corpus was prepared.
+    state = restore_training_state(
+        model, os.path.join(job.output_dir, CHECKPOINT_NAME), _compile_kwargs(job.private))
+    resumed_from = int(model.optimizer.iterations.numpy())
+    return _Start(
+        history=state.get("history", []),
+        resumes=state.get("resumes", []) + [resumed_from],
+        resumed_from=resumed_from,
+        # A resume cannot change the rate (check_same_run), so the started
+        # run's account of it still holds.
+        learning_rate_source=state.get("learning_rate_source", learning_rate_source))
+
+
+def _new_optimizer(job: _Job):
+    """The optimizer of a new run: a `DPOptimizer` around AdamW, or the baseline's AdamW."""
+    import tf_megadp
+
+    config, schedule = job.config, job.schedule
+    if not job.private:
+        k = schedule.phases[0].accumulation_steps
+        return _inner_optimizer(config, schedule, k if k > 1 else None)
+    return tf_megadp.DPOptimizer(
+        _inner_optimizer(config, schedule, None),
+        l2_norm_clip=config.l2_norm_clip, noise_multiplier=job.sigma,
+        schedule=schedule, clipping=config.clipping,
+        per_example_scaling=config.per_example_scaling,
+        automatic_scaling_stability=config.automatic_scaling_stability,
+        examples_per_unit=config.examples_per_unit if config.privacy_unit else 1,
+        adaptive_clipping=config.adaptive_clipping(),
+        seed=None if job.testing is None else job.testing.noise_seed)
+
+
+def _announce_progress(job: _Job, model) -> int:
+    """The logical steps the model has done, after saying so for a completed or resumed run."""
     # Keras's own accumulation (non-private) also counts logical steps in
     # iterations. A restored DPOptimizer is always at a logical-step boundary
     # (its mid-step state is never saved).
     logical_done = int(model.optimizer.iterations.numpy())
+    total_steps = job.schedule.total_steps
     if logical_done >= total_steps:
-        log(f"The run in {output_dir} already completed {logical_done} logical steps.")
-    elif config.resume:
+        job.log(f"The run in {job.output_dir} already completed {logical_done} logical steps.")
+    elif job.config.resume:
         spent = "non-private baseline"
-        if private:
+        if job.private:
+            import tf_megadp
             from tf_megadp import accounting
 
             so_far = accounting.PrivacyAccountant(
-                schedule.num_examples, delta, accountant=config.accountant,
+                job.schedule.num_examples, job.delta, accountant=job.config.accountant,
                 ledger=tf_megadp.model_ledger(model)).epsilon()
             spent = f"epsilon so far {so_far:.2f}"
-        log(f"Resuming at logical step {logical_done} of {total_steps} ({spent}).")
+        job.log(f"Resuming at logical step {logical_done} of {total_steps} ({spent}).")
+    return logical_done
+
+
+def _sampler_of_this_start(job: _Job, logical_done: int):
+    """The sampler of the steps this start trains: from `logical_done` to the end or the stop."""
+    from tf_megadp import data, distribute
+    from tf_megadp.jobs.bert.units import load_unit_ids
+
+    config, total_steps = job.config, job.schedule.total_steps
     start_step = min(logical_done, total_steps)
     end_step = total_steps
     if config.stop_after_steps:
@@ -345,52 +515,48 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     # no traceback) holds it.
     # With a privacy unit, the sampler draws units and lays out k rows each.
     units = ({} if not config.privacy_unit else
-             {"unit_ids": load_unit_ids(train), "privacy_unit": config.privacy_unit,
+             {"unit_ids": load_unit_ids(job.train), "privacy_unit": config.privacy_unit,
               "examples_per_unit": config.examples_per_unit})
     sampler_class = data.PrivacyUnitSampler if units else data.PoissonSampler
-    if testing is None:
-        sampler = sampler_class(
-            train, schedule, shared_secret=distribute.shared_sampling_secret(strategy),
+    if job.testing is None:
+        return sampler_class(
+            job.train, job.schedule,
+            shared_secret=distribute.shared_sampling_secret(job.strategy),
             start_step=start_step, end_step=end_step, **units)
-    else:
-        sampler = sampler_class(train, schedule, seed=testing.sampling_seed,
-                                start_step=start_step, end_step=end_step, **units)
+    return sampler_class(job.train, job.schedule, seed=job.testing.sampling_seed,
+                         start_step=start_step, end_step=end_step, **units)
 
-    # Fed to fit as the sampler returned it (a derived dataset is refused).
-    # With R replicas on this host, Keras splits each m * R-row micro-step
-    # along its rows, replica r taking rows [r*m, (r+1)*m): the layout
-    # distribute.replica_micro_batches gives one input pipeline. keras-hub
-    # tasks cannot take a tf.distribute DistributedDataset in fit.
-    # Keras's fit cannot run under several workers: there the same private
-    # step runs in a custom loop that drives the same callbacks, and checks
-    # each micro-batch's tag (the tagged dataset's elements are (batch, tag)).
-    several_workers = distribute._worker_count(strategy) > 1
-    dataset = sampler.as_dataset(batcher, tagged=private and several_workers)
-    if not private:  # The private fit does this itself.
-        distribute.build_without_reading(model, dataset.element_spec)
 
-    # One fit step consumes one micro-batch per replica: a sampler micro-step.
+def _epochs_of(sampler, eval_every: int) -> tuple[int, int]:
+    """(epochs, micro-steps per epoch) of this start: one evaluation every `eval_every` steps.
+
+    One fit step consumes one micro-batch per replica, a sampler micro-step;
+    the epochs divide the micro-steps evenly.
+    """
     remaining_micro = sampler.total_micro_steps
-    evaluations = max(1, math.ceil((end_step - start_step) / config.eval_every))
+    evaluations = max(1, math.ceil((sampler.end_step - sampler.start_step) / eval_every))
     epochs = _divisor_at_most(remaining_micro, evaluations) if remaining_micro else 0
-    steps_per_epoch = remaining_micro // epochs if epochs else 0
-    # The epochs of earlier starts (one per evaluation in the history): a
-    # resumed run's epochs, in history.csv and TensorBoard, count on from them.
-    initial_epoch = len(history)
+    return epochs, remaining_micro // epochs if epochs else 0
 
-    chief = distribute.is_chief(strategy)
-    callbacks = []
-    privacy = None
-    if private:
-        privacy = tf_megadp.PrivacyCallback(
-            delta=delta, accountant=config.accountant,
-            report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME) if chief else None,
-            target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
-        callbacks.append(privacy)
-    checkpointer = _Checkpointer(output_dir, history, config, resumes, learning_rate_source,
-                                 enabled=chief)
 
-    accumulation = 1 if private else schedule.phases[0].accumulation_steps
+def _privacy_callback(job: _Job, chief: bool):
+    """The `PrivacyCallback`: epsilon in the logs, privacy.json (chief), the budget stop."""
+    import tf_megadp
+
+    config = job.config
+    return tf_megadp.PrivacyCallback(
+        delta=job.delta, accountant=config.accountant,
+        report_path=os.path.join(job.output_dir, PRIVACY_REPORT_NAME) if chief else None,
+        target_epsilon=config.target_epsilon if config.noise_multiplier is None else None)
+
+
+def _evaluation_callback(job: _Job, heldout_set: _HeldOut, history: list, privacy,
+                         checkpointer: _Checkpointer, logical_done: int, several_workers: bool):
+    """The callback that evaluates the held-out set at every epoch end and checkpoints the run."""
+    import keras
+
+    config, private, started = job.config, job.private, job.started
+    accumulation = 1 if private else job.schedule.phases[0].accumulation_steps
 
     class _Evaluate(keras.callbacks.Callback):
         """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints.
@@ -428,11 +594,12 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
             # the weights the run exports (fit leaves the average in the model).
             swap = [keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None
             if several_workers:
-                accuracy = _heldout_accuracy(self.model, heldout_x, heldout_y, heldout_w,
+                accuracy = _heldout_accuracy(self.model, heldout_set.x, heldout_set.y,
+                                             heldout_set.sample_weight,
                                              config.micro_batch_size, swap)
             else:
                 _, accuracy = self.model.evaluate(
-                    heldout_x, heldout_y, sample_weight=heldout_w,
+                    heldout_set.x, heldout_set.y, sample_weight=heldout_set.sample_weight,
                     batch_size=config.micro_batch_size, verbose=0, callbacks=swap)
             steps = int(self.model.optimizer.iterations.numpy())
             record = {
@@ -454,21 +621,41 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
                 # weights, with the average in the optimizer.
                 checkpointer.save(self.model)
 
-    callbacks.append(_Evaluate())
-    if chief:
-        callbacks.append(_history_csv(os.path.join(output_dir, HISTORY_NAME), append=config.resume))
-        callbacks.append(keras.callbacks.TensorBoard(os.path.join(output_dir, "tensorboard"), update_freq="epoch"))
+    return _Evaluate()
 
-    layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
-    log(
+
+def _log_callbacks(job: _Job) -> list:
+    """The chief's per-epoch logs: history.csv and TensorBoard."""
+    import keras
+
+    return [
+        _history_csv(os.path.join(job.output_dir, HISTORY_NAME), append=job.config.resume),
+        keras.callbacks.TensorBoard(os.path.join(job.output_dir, "tensorboard"),
+                                    update_freq="epoch"),
+    ]
+
+
+def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: float) -> None:
+    """Says what is trained on what, with which learning rate, schedule and privacy."""
+    from tf_megadp.jobs.bert.units import describe_population
+
+    config, schedule, train = job.config, job.schedule, job.train
+    layers, hidden, _, _ = MODEL_PRESETS[config.model]
+    job.log(
         f"Training BERT-{config.model} ({layers} layers, hidden {hidden}) on "
         f"{describe_population(config.privacy_unit, schedule.num_examples, len(train))}, "
-        f"{train.sequence_length} tokens each; held-out {len(heldout):,} sequences.\n"
+        f"{train.sequence_length} tokens each; held-out {len(job.heldout):,} sequences.\n"
         f"Learning rate {config.learning_rate:g} ({learning_rate_source}).\n"
         f"Schedule: {schedule}; "
-        + (f"sigma={sigma:.4f}, C={config.l2_norm_clip}, delta={delta:.3g}, planned "
-           f"epsilon={planned_epsilon:.3f}." if private else "NON-PRIVATE baseline (no clipping, no noise).")
+        + (f"sigma={job.sigma:.4f}, C={config.l2_norm_clip}, delta={job.delta:.3g}, planned "
+           f"epsilon={planned_epsilon:.3f}." if job.private
+           else "NON-PRIVATE baseline (no clipping, no noise).")
     )
+
+
+def _fit(job: _Job, model, dataset, several_workers: bool, callbacks: list, *, epochs: int,
+         initial_epoch: int, steps_per_epoch: int) -> float:
+    """Trains this start's epochs (a private custom loop under several workers); its seconds."""
     train_started = time.time()
     # Also with no epoch left (a run resumed after its last step): the
     # privacy callback then reports the ledger without training.
@@ -477,37 +664,51 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         # warns about it on every non-private run.
         warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
         if several_workers:
-            _fit_with_private_step(model, strategy, dataset, epochs=initial_epoch + epochs,
+            _fit_with_private_step(model, job.strategy, dataset, epochs=epochs,
                                    initial_epoch=initial_epoch,
                                    steps_per_epoch=steps_per_epoch, callbacks=callbacks)
         else:
-            model.fit(dataset, epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
+            model.fit(dataset, epochs=epochs, initial_epoch=initial_epoch,
                       steps_per_epoch=steps_per_epoch or None,
-                      shuffle=False, callbacks=callbacks, verbose=config.verbose)
-    train_seconds = time.time() - train_started
+                      shuffle=False, callbacks=callbacks, verbose=job.config.verbose)
+    return time.time() - train_started
 
-    final_steps = history[-1]["step"] if history else logical_done
-    if not epochs:
-        checkpointer.save(model)
-    if chief:
-        # The release: the model without any optimizer state, and the
-        # vocabulary it reads (public unless --vocabulary-from-training-corpus).
-        export_model(model, os.path.join(output_dir, MODEL_NAME))
-        vocabulary_file = os.path.join(train.directory, train.manifest["vocabulary_file"])
-        atomic_write(os.path.join(output_dir, VOCABULARY_NAME),
-                     lambda temporary: shutil.copyfile(vocabulary_file, temporary))
+
+def _export_release(job: _Job, model) -> None:
+    """The release: the model without any optimizer state, and the vocabulary it reads.
+
+    The vocabulary is public unless --vocabulary-from-training-corpus.
+    """
+    from tf_megadp.checkpointing import export_model
+
+    export_model(model, os.path.join(job.output_dir, MODEL_NAME))
+    vocabulary_file = os.path.join(job.train.directory, job.train.manifest["vocabulary_file"])
+    atomic_write(os.path.join(job.output_dir, VOCABULARY_NAME),
+                 lambda temporary: shutil.copyfile(vocabulary_file, temporary))
+
+
+def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _HeldOut, *,
+            final_steps: int, train_seconds: float) -> dict[str, Any]:
+    """The run's report.json: what it learned, what it spent, what it trained on, its files."""
+    import tf_megadp
+    from tf_megadp.jobs.bert.baselines import learning_verdict
+
+    config, schedule, private, train = job.config, job.schedule, job.private, job.train
+    history = start.history
+    layers, hidden, heads, _ = MODEL_PRESETS[config.model]
     accuracy = history[-1]["heldout_mlm_accuracy"] if history else float("nan")
     epsilon = float(privacy.epsilon) if privacy else math.inf
-    report = {
+    return {
         "heldout_mlm_accuracy": accuracy,
         # learned, unigram_baseline_accuracy, learned_threshold, heldout_masked_positions
-        **learning_verdict(accuracy, unigram, float(np.sum(heldout_w))),
+        **learning_verdict(accuracy, heldout_set.unigram_accuracy,
+                           float(np.sum(heldout_set.sample_weight))),
         "learning_rate": config.learning_rate,
-        "learning_rate_source": learning_rate_source,
+        "learning_rate_source": start.learning_rate_source,
         "private": private,
         "epsilon": epsilon if private else None,
-        "delta": delta if private else None,
-        "noise_multiplier": sigma if private else None,
+        "delta": job.delta if private else None,
+        "noise_multiplier": job.sigma if private else None,
         "l2_norm_clip": config.l2_norm_clip if private else None,
         "adaptive_clipping": (tf_megadp.adaptive_clipping.report_section(model.optimizer)
                               if private else None),
@@ -515,15 +716,15 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "sampling": "poisson",
         "schedule": schedule.to_dict(),
         "logical_steps": final_steps,
-        "completed": final_steps >= total_steps,
+        "completed": final_steps >= schedule.total_steps,
         "examples_processed_expected": schedule.examples_processed(),
-        "wall_time_s": time.time() - started,
+        "wall_time_s": time.time() - job.started,
         "train_time_s": train_seconds,
         "examples_per_s": (sampler.total_micro_steps * sampler.micro_batch_rows)
         / max(train_seconds, 1e-9),
         "truncated_steps": sampler.truncated_steps,
-        "resumed_from_step": resumed_from,
-        "resumes": resumes,
+        "resumed_from_step": start.resumed_from,
+        "resumes": start.resumes,
         "model": {"preset": config.model, "layers": layers, "hidden": hidden, "heads": heads,
                   "vocabulary_size": train.vocabulary_size,
                   "sequence_length": train.sequence_length},
@@ -537,7 +738,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "canaries": ({"per_repetition": config.canaries, "repetitions": list(CANARY_REPETITIONS),
                       "controls": config.canaries, "file": CANARIES_NAME}
                      if config.canaries else None),
-        "heldout_examples": len(heldout),
+        "heldout_examples": len(job.heldout),
         "vocabulary": {**vocabulary_report(config), "size": train.vocabulary_size,
                        # What --vocabulary-size asked of a learned vocabulary (None: a file).
                        "requested_size": None if config.vocabulary else config.vocabulary_size},
@@ -546,12 +747,6 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
         "history": history,
         "config": _config_dict(config),
     }
-    if chief:
-        write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
-        if history:
-            _plot(history, os.path.join(output_dir, PLOT_NAME), private)
-    log(_summary(report, output_dir))
-    return report
 
 
 def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_epoch: int,

@@ -489,10 +489,17 @@ def _announce_progress(job: _Job, model) -> int:
             import tf_megadp
             from tf_megadp import accounting
 
-            so_far = accounting.PrivacyAccountant(
-                job.schedule.num_examples, job.delta, accountant=job.config.accountant,
-                ledger=tf_megadp.model_ledger(model)).epsilon()
-            spent = f"epsilon so far {so_far:.2f}"
+            ledger = tf_megadp.model_ledger(model)
+            if ledger.infinite_epsilon_steps:
+                # Steps without noise (sigma 0, a clipped baseline): the
+                # accountant refuses them, and epsilon is infinite.
+                spent = (f"epsilon so far infinite: {ledger.infinite_epsilon_steps} steps "
+                         "without noise")
+            else:
+                so_far = accounting.PrivacyAccountant(
+                    job.schedule.num_examples, job.delta, accountant=job.config.accountant,
+                    ledger=ledger).epsilon()
+                spent = f"epsilon so far {so_far:.2f}"
         job.log(f"Resuming at logical step {logical_done} of {total_steps} ({spent}).")
     return logical_done
 

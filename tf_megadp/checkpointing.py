@@ -156,9 +156,6 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
     model.load_weights(os.path.join(directory, files["weights"]))
     with np.load(os.path.join(directory, files["optimizer_variables"])) as saved:
         values = [saved[f"v{i:05d}"] for i in range(len(saved.files))]
-    # A checkpoint of an earlier release's layout is migrated first.
-    migrated = optimizer._migrated_store({str(i): value for i, value in enumerate(values)})
-    values = [migrated[str(i)] for i in range(len(migrated))]
     expected: dict[str, Any] = {}
     optimizer.save_own_variables(expected)
     if len(values) != len(expected):
@@ -301,7 +298,7 @@ def _ledger_preserving_load(model: keras.Model, original_load):
             # that the ledger in the file is loaded with the weights.
             optimizer.build(model.trainable_variables)
         if saved and not (isinstance(optimizer, DPOptimizer) and optimizer.built
-                          and saved in optimizer.saved_counts_accepted()):
+                          and saved == len(optimizer.variables)):
             raise PrivacyConfigurationError(
                 f"{filepath} holds a DPOptimizer's state, with the privacy ledger of "
                 "the steps already taken, but this model is not compiled with a "

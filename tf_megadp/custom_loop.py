@@ -68,7 +68,7 @@ from tf_megadp.data.fit_inputs import _distinct_real_examples, _is_array_input
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerRecorder
 from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import _number, adopt_counters, checkpoint_counters, read_ledger
+from tf_megadp.optimizer_ledger import _number, read_ledger
 from tf_megadp.run_state import advance_generation, current_generation, is_private
 from tf_megadp.train_step import _private_step, make_private
 
@@ -642,14 +642,6 @@ class _RecordingCheckpoint(tf.train.Checkpoint):
     def _write(self, file_prefix, options=None):
         self._tf_megadp_recorder()
         return super()._write(file_prefix, options=options)
-
-    # `restore` and `tf.train.CheckpointManager` read through it. An earlier
-    # release's counters have no variable now: their steps join the ledger.
-    def read(self, save_path, options=None):
-        counts = checkpoint_counters(save_path, self.optimizer) if save_path else {}
-        status = super().read(save_path, options=options)
-        adopt_counters(self.optimizer, counts)
-        return status
 
 
 def _split_tag(data):

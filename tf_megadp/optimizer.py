@@ -38,6 +38,7 @@ import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_megadp import _keras_compat
@@ -366,8 +367,6 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         return _keras_compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     def load_own_variables(self, store):
-        # An earlier release's layout is migrated, never loaded in part.
-        store = self._migrated_store(store)
         saved = len(store.keys())
         if saved and saved != len(self.variables):
             # Keras would skip them with a warning: the ledger of the steps
@@ -382,6 +381,15 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                 "same DPOptimizer settings; or resume with "
                 "tf_megadp.restore_training_state."
             )
+        for index, variable in enumerate(self.variables if saved else ()):
+            if tuple(variable.shape) != tuple(np.shape(store[str(index)])):
+                raise PrivacyConfigurationError(
+                    f"Saved DPOptimizer variable {index} ({variable.name}) has shape "
+                    f"{tuple(np.shape(store[str(index)]))} but this optimizer's is "
+                    f"{tuple(variable.shape)}: the state was not saved by this model with "
+                    "these DPOptimizer settings, so its ledger cannot be loaded whole. "
+                    "Compile with the settings the file was saved with, or start a new run."
+                )
         super().load_own_variables(store)
         if self.built and saved:
             # A restored optimizer resumes at a logical-step boundary, and its

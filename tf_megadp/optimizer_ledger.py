@@ -15,11 +15,10 @@ import numpy as np
 import tensorflow as tf
 
 from tf_megadp.accounting import LEDGER_COLUMNS, LedgerEntry, PrivacyLedger
-from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED
+from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.errors import PrivacyConfigurationError
 
-__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "adopt_counters",
-           "checkpoint_counters", "read_ledger", "widen_rows", "with_removed_counters",
+__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "read_ledger",
            "write_ledger"]
 
 # Rows of phases the ledger variable can hold; consecutive identical steps share a row.
@@ -123,110 +122,6 @@ def write_ledger(optimizer: "LedgerOfWeights", ledger: PrivacyLedger) -> None:
     optimizer.privacy_ledger_rows.assign(len(rows))
 
 
-# Counters that optimizer variables kept beside the ledger before issue 29,
-# saved right after `carried_steps`; their steps are ledger entries now.
-_REMOVED_COUNTERS = (("unaccounted_steps", UNACCOUNTED), ("noiseless_steps", NOISELESS))
-# The ledger's (and `applied_steps`') last column, added with adaptive
-# clipping; a row saved before it released the gradient only, so its 0 is exact.
-_ADDED_COLUMNS = 1
-
-
-def widen_rows(table, columns: int) -> np.ndarray:
-    """`table`'s rows with columns appended as 0s up to `columns` (rows of an older format).
-
-    Args:
-        table: a 2-D array whose rows may lack the last `_ADDED_COLUMNS` columns.
-        columns: the current number of columns.
-
-    Returns:
-        A float64 array of shape (len(table), columns).
-
-    Raises:
-        PrivacyConfigurationError: the rows have another number of columns,
-            which no tf_megadp release saved.
-    """
-    table = np.asarray(table, np.float64)
-    if table.ndim != 2 or table.shape[1] not in (columns, columns - _ADDED_COLUMNS):
-        raise PrivacyConfigurationError(
-            f"Saved ledger rows of shape {table.shape} are neither this release's "
-            f"{columns} columns nor the {columns - _ADDED_COLUMNS} of earlier ones: the "
-            "file was not written by a tf_megadp DPOptimizer. Load the state it was "
-            "saved with, or start a new run.")
-    wide = np.zeros((table.shape[0], columns), np.float64)
-    wide[:, : table.shape[1]] = table
-    return wide
-
-
-def with_removed_counters(ledger: PrivacyLedger, counts: dict[str, int]) -> PrivacyLedger:
-    """`ledger` followed by the steps that a checkpoint's removed counters held.
-
-    Args:
-        ledger: the saved ledger.
-        counts: the value of each counter of `_REMOVED_COUNTERS` by name.
-
-    Returns:
-        A new ledger with one steps-only entry per non-zero counter.
-    """
-    ledger = ledger.copy()
-    for name, kind in _REMOVED_COUNTERS:
-        ledger.append(LedgerEntry.steps_only(int(counts.get(name, 0)), kind))
-    return ledger
-
-
-def checkpoint_counters(save_path: str, optimizer: "LedgerOfWeights",
-                        key: str = "optimizer") -> dict[str, int]:
-    """The removed counters that a `tf.train.Checkpoint` of an earlier release holds.
-
-    `tf.train.Checkpoint` restores variables by name and skips names that no
-    object has, so the steps of the counters `_REMOVED_COUNTERS` would be
-    dropped silently: they are read here, to be added to the ledger
-    (`adopt_counters`) once the checkpoint is restored.
-
-    Args:
-        save_path: the checkpoint's path (prefix).
-        optimizer: the `DPOptimizer` it restores.
-        key: the optimizer's name in the checkpoint.
-
-    Returns:
-        Each removed counter's value by name (empty for a current checkpoint).
-
-    Raises:
-        PrivacyConfigurationError: the checkpoint's ledger has the 5 columns of
-            a release before adaptive clipping, which restoring by name cannot
-            widen; or the optimizer is not built, so its ledger cannot take the
-            counters' steps.
-    """
-    reader = tf.train.load_checkpoint(save_path)
-    shapes = reader.get_variable_to_shape_map()
-
-    def path(name):
-        return f"{key}/{name}/.ATTRIBUTES/VARIABLE_VALUE"
-
-    ledger_shape = shapes.get(path("privacy_ledger"))
-    if ledger_shape is not None and ledger_shape[-1] != len(LEDGER_COLUMNS):
-        raise PrivacyConfigurationError(
-            f"{save_path} holds a privacy ledger of {ledger_shape[-1]} columns, saved by "
-            f"a tf_megadp release before the {len(LEDGER_COLUMNS)}th "
-            "(count_noise_multiplier); a tf.train.Checkpoint cannot widen it on "
-            "restore. Restore it with the release that wrote it, save the run with "
-            "model.save('run.keras') or tf_megadp.save_training_state, and load that "
-            "here: both migrate the ledger exactly.")
-    counts = {name: int(reader.get_tensor(path(name)))
-              for name, _ in _REMOVED_COUNTERS if path(name) in shapes}
-    if any(counts.values()) and not optimizer.built:
-        raise PrivacyConfigurationError(
-            f"{save_path} holds steps of an earlier release's counters, which join the "
-            "privacy ledger on restore, but the DPOptimizer is not built. Build it "
-            "first: optimizer.build(model.trainable_variables).")
-    return counts
-
-
-def adopt_counters(optimizer: "LedgerOfWeights", counts: dict[str, int]) -> None:
-    """Adds the steps of `checkpoint_counters` to a restored optimizer's ledger."""
-    if any(counts.values()):
-        write_ledger(optimizer, with_removed_counters(read_ledger(optimizer), counts))
-
-
 def _number(variable) -> int:
     return int(keras.ops.convert_to_numpy(variable))
 
@@ -259,74 +154,6 @@ class LedgerOfWeights:
         are any.
         """
         return self.logical_steps_applied - self.logical_steps_recorded
-
-    def saved_counts_accepted(self) -> tuple[int, ...]:
-        """How many variables a saved state of this optimizer may hold: now, or before issue 29."""
-        current = len(self.variables)
-        return (current, current + len(_REMOVED_COUNTERS))
-
-    def _migrated_store(self, store):
-        """The saved variables `store` (Keras's `load_own_variables` layout) in this release's.
-
-        Two older layouts are migrated exactly, so that no spent step is
-        lost: ledger rows of 5 columns (before `count_noise_multiplier`,
-        which is then 0), and the `unaccounted_steps` and `noiseless_steps`
-        counters saved after `carried_steps`, whose steps become ledger
-        entries of their kinds. A store of the current layout is returned
-        as it is; one that matches no layout is left to the caller's check.
-
-        Args:
-            store: the saved variables by position ("0", "1", ...).
-
-        Returns:
-            A store with this optimizer's variables, in order.
-
-        Raises:
-            PrivacyConfigurationError: the migrated values do not fit this
-                optimizer (another model's state, or a full ledger).
-        """
-        if not self.built:
-            return store
-        variables = self.variables
-        names = [variable.name for variable in variables]
-        at = names.index("privacy_ledger")
-        saved = len(store.keys())
-        counters = saved == len(variables) + len(_REMOVED_COUNTERS)
-        columns = self.privacy_ledger.shape[1]
-        if saved not in self.saved_counts_accepted() or (
-                not counters and np.shape(store[str(at)])[1:] == (columns,)):
-            return store
-        values = [store[str(index)] for index in range(saved)]
-        counts = {}
-        if counters:
-            removed = values[at + 3: at + 3 + len(_REMOVED_COUNTERS)]
-            if any(np.shape(value) != () for value in removed):
-                return store  # Not the old layout: the caller's count check refuses it.
-            counts = {name: int(np.asarray(value)) for (name, _), value in
-                      zip(_REMOVED_COUNTERS, removed)}
-            del values[at + 3: at + 3 + len(_REMOVED_COUNTERS)]
-        rows = int(np.asarray(values[at + 1]))
-        ledger = with_removed_counters(
-            PrivacyLedger.from_rows(widen_rows(values[at], columns)[:rows]), counts)
-        table = np.zeros(self.privacy_ledger.shape, np.float64)
-        if len(ledger) > len(table):
-            raise PrivacyConfigurationError(
-                f"The saved ledger migrates to {len(ledger)} rows, beyond the "
-                f"{len(table)} this optimizer stores. Load it with the tf_megadp release "
-                "that saved it and report its epsilon there.")
-        table[: len(ledger)] = ledger.to_rows()
-        values[at], values[at + 1] = table, np.int64(len(ledger))
-        applied = names.index("applied_steps")
-        values[applied] = widen_rows(values[applied], self.applied_steps.shape[1])
-        for variable, value in zip(variables, values):
-            if tuple(variable.shape) != np.shape(value):
-                raise PrivacyConfigurationError(
-                    f"Saved variable {variable.name} has shape {np.shape(value)} after "
-                    f"migrating an earlier tf_megadp layout, but this optimizer's is "
-                    f"{tuple(variable.shape)}: the state was saved from another model or "
-                    "with other DPOptimizer settings. Compile with the settings it was "
-                    "saved with.")
-        return {str(index): value for index, value in enumerate(values)}
 
     def _has_history(self) -> bool:
         return self.built and (self.logical_steps_applied > 0 or self.logical_steps_recorded > 0)

@@ -26,7 +26,7 @@ import tf_megadp.run_state
 from tf_megadp import BatchSizeSchedule, Phase, PrivacyCallback, PrivacyConfigurationError
 from tf_megadp.accounting import PrivacyAccountant, PrivacyLedger, events
 from tf_megadp.data.sources import DataSource, attach_source
-from tf_megadp.optimizer_ledger import read_ledger
+from tf_megadp.optimizer import read_ledger
 
 MICRO_BATCH = 8
 ACCUMULATION = 2

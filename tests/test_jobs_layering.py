@@ -177,7 +177,6 @@ LAYERS = [
     ("clipping", "clipping_memory"),
     ("data",),
     ("distribute", "learning_rate", "preemption"),
-    ("optimizer_settings", "accumulators", "optimizer_ledger"),
     ("optimizer",),
     ("run_state",),
     ("weights_origin",),

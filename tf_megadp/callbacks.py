@@ -16,18 +16,17 @@ from typing import Any
 
 import keras
 
-from tf_megadp import adaptive_clipping, weights_origin
+from tf_megadp import weights_origin
 from tf_megadp._validate import check_delta
 from tf_megadp.accounting import DEFAULT_ACCOUNTANT, LedgerEntry, PrivacyAccountant, PrivacyLedger
 from tf_megadp.accounting.engines import check_accountant
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerRecorder
 from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import _number
 from tf_megadp.run_state import (
     RELEASED_OUTSIDE_EPSILON,
-    _dp_optimizer,
-    _ledger_optimizer,
+    dp_optimizer,
+    ledger_optimizer,
     model_ledger,
     run_notes,
 )
@@ -103,28 +102,10 @@ class _PrivacyReporting:
 
     @property
     def _optimizer(self) -> DPOptimizer:
-        return _dp_optimizer(self.model)
+        return dp_optimizer(self.model)
 
     def _settings(self) -> dict[str, Any]:
-        optimizer = self._optimizer
-        schedule = optimizer.schedule
-        return {
-            "l2_norm_clip": optimizer.l2_norm_clip,
-            "noise_multiplier": optimizer.noise_multiplier,
-            # With a schedule the phases set it (the optimizer's own field is
-            # unused, 1): the report says what the steps did, phase by phase.
-            "accumulation_steps": ([phase.accumulation_steps for phase in schedule.phases]
-                                   if schedule else optimizer.accumulation_steps),
-            "normalize_by": optimizer.normalize_by,
-            "schedule": schedule.to_dict() if schedule else None,
-            "optimizer": type(optimizer.inner_optimizer).__name__,
-            "clipping": optimizer.clipping,
-            "per_example_scaling": optimizer.per_example_scaling,
-            "automatic_scaling_stability": optimizer.automatic_stability,
-            "examples_per_unit": optimizer.examples_per_unit,
-            "adaptive_clipping": adaptive_clipping.report_section(optimizer),
-            "target_epsilon": self.target_epsilon,
-        }
+        return {**self._optimizer.settings_report(), "target_epsilon": self.target_epsilon}
 
     def report(self) -> dict[str, Any]:
         """The publishable report of the run.
@@ -134,7 +115,7 @@ class _PrivacyReporting:
         whether the steps were Poisson draws, whether noise or sampling came
         from an explicit seed, and what the run releases outside epsilon.
         """
-        keeper, optimizer = self._keeper, _ledger_optimizer(self.model)
+        keeper, optimizer = self._keeper, ledger_optimizer(self.model)
         accountant = PrivacyAccountant(
             self._accountant.num_examples, self.delta, accountant=self.accountant_name,
             ledger=model_ledger(self.model))
@@ -195,7 +176,7 @@ class _PrivacyReporting:
             keeper.num_examples, self.delta, accountant=self.accountant_name)
         self._stop_at = None
         self._budget_entry = None
-        iterations = _number(optimizer.iterations)
+        iterations = optimizer.logical_step
         self._check_batch_size(keeper.next_entry(iterations))
         if (self.target_epsilon is not None and not keeper.nothing_to_train
                 and not self._next_step_fits(iterations)):
@@ -338,7 +319,7 @@ class PrivacyCallback(_PrivacyReporting, keras.callbacks.Callback):
             )
         self._micro_batches_seen = 0
         self.stopped_at_step = None
-        self._seen_iterations = _number(optimizer.iterations)
+        self._seen_iterations = optimizer.logical_step
         self._attach(keeper)
 
     def _steps_left_in_fit(self, step: int) -> int | None:
@@ -352,12 +333,12 @@ class PrivacyCallback(_PrivacyReporting, keras.callbacks.Callback):
         if not steps or not epochs:
             return None
         optimizer = self._optimizer
-        left = steps * epochs - self._micro_batches_seen + _number(optimizer.micro_steps)
+        left = steps * epochs - self._micro_batches_seen + optimizer.micro_step
         return max(1, left // optimizer.accumulation_steps_at(step) + 1)
 
     def on_train_batch_end(self, batch, logs=None):
         self._micro_batches_seen += 1
-        iterations = _number(self._optimizer.iterations)
+        iterations = self._optimizer.logical_step
         if iterations == self._seen_iterations:
             return  # Mid-accumulation: no noisy update was released.
         previous, self._seen_iterations = self._seen_iterations, iterations

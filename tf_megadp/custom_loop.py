@@ -67,8 +67,7 @@ from tf_megadp.data import sources, tags
 from tf_megadp.data.fit_inputs import _distinct_real_examples, _is_array_input
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerRecorder
-from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import _number, read_ledger
+from tf_megadp.optimizer import DPOptimizer, read_ledger
 from tf_megadp.run_state import advance_generation, current_generation, is_private
 from tf_megadp.train_step import _private_step, make_private
 
@@ -474,7 +473,7 @@ class PrivateStep:
     @property
     def logical_step(self) -> int:
         """Logical steps applied to the weights so far (the optimizer's `iterations`)."""
-        return _number(self.optimizer.iterations)
+        return self.optimizer.logical_step
 
     # -- The ledger ------------------------------------------------------------------
 
@@ -503,9 +502,9 @@ class PrivateStep:
                 "PrivateStep was built: its steps are in that optimizer's ledger. Build a "
                 "new PrivateStep.")
         replaced = self._state_replaced()
-        table = self.recorder._take_applied_rows()
+        table = self.recorder.take_applied_steps()
         steps = int(table[:, 0].sum())
-        micro_steps = _number(optimizer.micro_steps)
+        micro_steps = optimizer.micro_step
         problem = None
         if replaced:
             problem = (
@@ -534,7 +533,7 @@ class PrivateStep:
             raise PrivacyConfigurationError(
                 f"{steps} logical steps cannot be accounted and are in no privacy "
                 f"ledger (a report refuses from now on): {problem}.")
-        self.recorder._record_rows(table)
+        self.recorder.record_steps(table)
         self._sync(micro_steps)
         refused = self._read(self._refused)
         if refused:
@@ -569,7 +568,7 @@ class PrivateStep:
                 "whole, and discarding part of one would join the rest of it to the "
                 "next. Call end_pass() only for data begun with micro_batches_per_pass.")
         self.record()
-        self.recorder._end_partial_step("a pass over the data")
+        self.recorder.end_partial_step("a pass over the data")
         self._sync(micro_steps=0)
         self._pass_origin = self._synced_calls
 
@@ -588,9 +587,8 @@ class PrivateStep:
     def _state_replaced(self) -> bool:
         """Whether the optimizer's ledger changed other than through this step."""
         optimizer = self.optimizer
-        pending = optimizer.applied_steps.numpy()[: min(
-            _number(optimizer.applied_rows), optimizer.applied_steps.shape[0]), 0].sum()
-        return (optimizer.logical_steps_applied != self._synced_applied + int(pending)
+        pending = optimizer.pending_applied_steps
+        return (optimizer.logical_steps_applied != self._synced_applied + pending
                 or read_ledger(optimizer) != self.recorder.ledger)
 
     def _sync(self, micro_steps: int) -> None:

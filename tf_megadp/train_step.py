@@ -26,7 +26,7 @@ from tf_megadp.clipping import base, independence
 from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.ledger_keeping import LedgerKeeper
-from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
+from tf_megadp.optimizer import PRIVATE_STEP_TOKEN, DPOptimizer, accumulation_dtype
 from tf_megadp.run_state import (
     EVALUATION_METRICS,
     advance_generation,
@@ -407,7 +407,7 @@ def extend_schedule(
             f"extend_schedule extends a private run; the model is compiled with "
             f"{optimizer!r}, not a tf_megadp.DPOptimizer."
         )
-    schedule = optimizer._extend_schedule(list(phases), truncation_probability)
+    schedule = optimizer.extend_schedule(list(phases), truncation_probability)
     # The compiled step holds the phases as constants: trace it again (and
     # a custom loop's traced step refuses until it is).
     model.train_function = None
@@ -513,8 +513,8 @@ def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fa
     # The optimizer and its schedule count privacy units (slots of k rows).
     # After the checks: a micro-batch whose assertion fails moves no counter.
     with tf.control_dependencies([] if admitted is None else [admitted]):
-        applied = optimizer._accumulate_clipped(
-            _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
+        applied = optimizer.add_micro_batch(
+            PRIVATE_STEP_TOKEN, batch.gradient_sum, model.trainable_variables,
             micro_batch_size // optimizer.examples_per_unit, batch.nonfinite, centred_count,
         )
     real_examples = tf.reduce_sum(batch.is_real)

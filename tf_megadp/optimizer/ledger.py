@@ -1,11 +1,22 @@
-"""The ledger of the weights: which `DPOptimizer`'s privacy ledger covers a model's values.
+"""The ledger of the weights: the `DPOptimizer` variables that hold the privacy spent.
 
-The ledger lives in the optimizer's `privacy_ledger` variable; the model's
-variables name the optimizer whose ledger covers their current value, so a
-model compiled again with a new `DPOptimizer` continues the ledger of the
-weights (`read_ledger`, `write_ledger`, `LedgerOfWeights`). The compiled
-step appends each noisy update it applies to `applied_steps`
-(`APPLIED_STEP_COLUMNS`), which the ledger keeper drains after every batch.
+Every variable of the ledger is declared, read and written in this module
+(`LedgerOfWeights`, the part of `DPOptimizer` that keeps them):
+
+* `privacy_ledger` and `privacy_ledger_rows`: the `PrivacyLedger` of every
+  noisy update the weights received (`read_ledger`, `write_ledger`);
+* `carried_steps`: the logical steps earlier optimizers of the same weights
+  applied (a model compiled again with a new `DPOptimizer` continues the
+  ledger of the weights: the model's variables name the optimizer whose
+  ledger covers their value);
+* `applied_steps` and `applied_rows`: the buffer where the compiled step
+  appends each noisy update as it applied it (`APPLIED_STEP_COLUMNS`), which
+  the run's ledger recorder drains (`take_applied_steps`) and turns into
+  ledger entries, adding N and the sampling.
+
+Outside this module, only the run's ledger recorder
+(`tf_megadp.run.ledger_recorder`) writes the ledger, through the functions
+and methods here.
 """
 
 from __future__ import annotations
@@ -18,13 +29,13 @@ from tf_megadp.accounting import LEDGER_COLUMNS, LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.errors import PrivacyConfigurationError
 
-__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "read_ledger",
-           "write_ledger"]
+__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "ledger_owner",
+           "read_ledger", "write_ledger"]
 
 # Rows of phases the ledger variable can hold; consecutive identical steps share a row.
 LEDGER_CAPACITY = 256
 # What the compiled step records of every noisy update it applies, as it used
-# them; the ledger keeper of the private `fit` turns these rows into ledger
+# them; the ledger recorder of the private `fit` turns these rows into ledger
 # entries (adding N and the sampling) after every batch, so the buffer only
 # needs to hold the steps of one `steps_per_execution` call.
 APPLIED_STEP_COLUMNS = (
@@ -45,7 +56,7 @@ class _LedgerOwner:
         self.optimizer = optimizer
 
 
-def _weights_owner(variables) -> "LedgerOfWeights | None":
+def ledger_owner(variables) -> "LedgerOfWeights | None":
     """The DPOptimizer whose ledger covers `variables` (None if none does).
 
     Raises:
@@ -129,6 +140,29 @@ def _number(variable) -> int:
 class LedgerOfWeights:
     """The part of `DPOptimizer` that keeps the ledger of the weights it trains."""
 
+    def _build_ledger_variables(self) -> None:
+        """Declares the ledger's variables (saved with every file of the optimizer).
+
+        Their order is their position in Keras's saved files; the attribute
+        names are their names in a `tf.train.Checkpoint`.
+        """
+        self.privacy_ledger = self.add_variable(
+            shape=(LEDGER_CAPACITY, len(LEDGER_COLUMNS)), dtype="float64", name="privacy_ledger")
+        self.privacy_ledger_rows = self.add_variable(
+            shape=(), dtype="int64", name="privacy_ledger_rows")
+        # Ledger steps taken by earlier optimizers of the same model.
+        self.carried_steps = self.add_variable(shape=(), dtype="int64", name="carried_steps")
+        self.applied_steps = self.add_variable(
+            shape=(_APPLIED_CAPACITY, len(APPLIED_STEP_COLUMNS)), dtype="float64",
+            aggregation="only_first_replica", name="applied_steps")
+        self.applied_rows = self.add_variable(
+            shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows")
+
+    @property
+    def steps_carried(self) -> int:
+        """Logical steps that earlier optimizers of the same weights applied (in the ledger)."""
+        return _number(self.carried_steps) if self.built else 0
+
     @property
     def logical_steps_applied(self) -> int:
         """Noisy updates these weights received: this optimizer's and those it took over."""
@@ -155,6 +189,64 @@ class LedgerOfWeights:
         """
         return self.logical_steps_applied - self.logical_steps_recorded
 
+    @property
+    def pending_applied_steps(self) -> int:
+        """Logical steps the compiled step applied that no one has taken from its buffer yet."""
+        if not self.built:
+            return 0
+        rows = min(_number(self.applied_rows), self.applied_steps.shape[0])
+        return int(self.applied_steps.numpy()[:rows, 0].sum())
+
+    def take_applied_steps(self) -> np.ndarray:
+        """The rows (`APPLIED_STEP_COLUMNS`) the compiled step appended since the last take.
+
+        They leave the buffer: the caller (the run's ledger recorder) turns
+        them into ledger entries.
+
+        Raises:
+            PrivacyConfigurationError: more differently configured steps ran
+                than the buffer holds, so some were not recorded.
+        """
+        count = _number(self.applied_rows) if self.built else 0
+        if not count:
+            return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
+        capacity = self.applied_steps.shape[0]
+        if count > capacity:
+            raise PrivacyConfigurationError(
+                f"More than {capacity} differently configured logical steps ran "
+                "between two ledger updates, beyond what the step can record. Lower "
+                "steps_per_execution (fit), or call PrivateStep.record() more often "
+                "(a custom loop)."
+            )
+        table = self.applied_steps.numpy()[:count]
+        self.applied_rows.assign(0)
+        return table
+
+    def take_carried_over_steps(self) -> int | None:
+        """The steps this optimizer took over from another when built, reported once.
+
+        Returns:
+            The previous optimizer's applied steps the first time it is
+            asked after `build` took them over (the private run warns), else None.
+        """
+        carried, self._carried_from = getattr(self, "_carried_from", None), None
+        return carried
+
+    def start_ledger(self, ledger: PrivacyLedger) -> None:
+        """Makes `ledger` the start of this optimizer's, as steps it applied (a release's).
+
+        Args:
+            ledger: the ledger of the weights' earlier steps.
+        """
+        write_ledger(self, ledger)
+        # Those steps were applied to these weights by another optimizer.
+        self.carried_steps.assign(ledger.total_steps)
+
+    def _ledger_loaded(self, variables) -> None:
+        """The saved ledger was just loaded: it is the ledger of `variables`, as they are."""
+        self._carried_from = None
+        self._claim(variables)
+
     def _has_history(self) -> bool:
         return self.built and (self.logical_steps_applied > 0 or self.logical_steps_recorded > 0)
 
@@ -173,7 +265,7 @@ class LedgerOfWeights:
         optimizer's `iterations`). Wrapping the previous optimizer's inner
         optimizer continues its state (moments, iterations) as well.
         """
-        previous = _weights_owner(variables)
+        previous = ledger_owner(variables)
         self._carried_from = None
         if previous is not None and previous is not self and previous._has_history():
             if previous.inner_optimizer is self.inner_optimizer:
@@ -209,7 +301,7 @@ class LedgerOfWeights:
                 new DPOptimizer, trained, and compiled again with this one),
                 so this ledger misses its steps.
         """
-        owner = _weights_owner(variables)
+        owner = ledger_owner(variables)
         if owner is not None and owner is not self and owner._has_history() and (
             owner.logical_steps_applied != self.logical_steps_applied
             or read_ledger(owner) != read_ledger(self)

@@ -15,8 +15,8 @@ from dp_accounting import rdp
 
 import tf_megadp
 from tf_megadp import PrivacyConfigurationError
-from tf_megadp import checkpointing
-from tf_megadp.checkpointing import restore_training_state, save_training_state
+from tf_megadp.run import training_state
+from tf_megadp.run.training_state import restore_training_state, save_training_state
 from tests import reference
 
 
@@ -105,13 +105,13 @@ def test_a_save_killed_after_its_first_file_leaves_the_previous_checkpoint_whole
     save_training_state(model, str(tmp_path / "ckpt"))
     saved = reference.weights(model)
     model.fit(x[8:], y[8:], batch_size=4, shuffle=False, verbose=0)
-    real_write = checkpointing.atomic_write
+    real_write = training_state.atomic_write
 
     def killed_after_writing(path, write):
         real_write(path, write)
         raise Killed
 
-    monkeypatch.setattr(checkpointing, "atomic_write", killed_after_writing)
+    monkeypatch.setattr(training_state, "atomic_write", killed_after_writing)
     with pytest.raises(Killed):
         save_training_state(model, str(tmp_path / "ckpt"))
     monkeypatch.undo()

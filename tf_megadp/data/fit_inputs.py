@@ -16,7 +16,11 @@ import tensorflow as tf
 
 from tf_megadp.data import sources
 
-def _is_array_input(x) -> bool:
+__all__ = ["array_micro_batch_size", "distinct_real_examples", "fit_source", "is_array_input"]
+
+
+def is_array_input(x) -> bool:
+    """Whether `x` is arrays (each leaf with a batch dimension), not a dataset."""
     if x is None or isinstance(x, (tf.data.Dataset, keras.utils.PyDataset)):
         return False
     leaves = tf.nest.flatten(x)
@@ -27,20 +31,20 @@ def _is_array_input(x) -> bool:
     )
 
 
-def _fit_source(arguments) -> sources.DataSource | None:
+def fit_source(arguments) -> sources.DataSource | None:
     """What `fit` is fed, measured where it can be (see `tf_megadp.data.sources`)."""
     x = arguments.get("x")
     source = sources.source_of(x)
     if source is None:
         sources.refuse_repeated(x)
-    if source is not None or not _is_array_input(x):
+    if source is not None or not is_array_input(x):
         return source
     rows = int(tf.nest.flatten(x)[0].shape[0])
     split = float(arguments.get("validation_split") or 0.0)
     if split:
         # Keras trains on the first floor(N * (1 - split)) rows.
         rows = int(math.floor(rows * (1.0 - split)))
-    examples = _distinct_real_examples(x, arguments.get("y"), arguments.get("sample_weight"), rows)
+    examples = distinct_real_examples(x, arguments.get("y"), arguments.get("sample_weight"), rows)
     counted = f"{examples} examples"
     if examples != rows:
         counted += (f" (the distinct rows with a non-zero sample weight, of {rows} rows: "
@@ -51,7 +55,7 @@ def _fit_source(arguments) -> sources.DataSource | None:
             "counted in N. If they are a sampler's output collected into arrays, feed "
             "sampler.as_dataset() to fit instead: its steps are Poisson draws.",
             UserWarning, stacklevel=3)
-    batch_size = _array_micro_batch_size(arguments)
+    batch_size = array_micro_batch_size(arguments)
     order = "shuffled" if arguments.get("shuffle", True) else "in order"
     return sources.DataSource(
         sampling=sources.FIXED_SIZE_SAMPLING,
@@ -66,7 +70,7 @@ def _fit_source(arguments) -> sources.DataSource | None:
 _HASH_BLOCK_ROWS = 4096
 
 
-def _distinct_real_examples(x, y, sample_weight, rows: int) -> int:
+def distinct_real_examples(x, y, sample_weight, rows: int) -> int:
     """N of array inputs: distinct rows among the first `rows` with a non-zero weight.
 
     A row whose sample weights are all zero is padding (it contributes
@@ -107,8 +111,9 @@ def _distinct_real_examples(x, y, sample_weight, rows: int) -> int:
     return int(np.unique(np.concatenate(digests)).size) if digests else 0
 
 
-def _array_micro_batch_size(arguments) -> int | None:
-    if not _is_array_input(arguments.get("x")):
+def array_micro_batch_size(arguments) -> int | None:
+    """The micro-batch size `fit` gives arrays (None for a dataset)."""
+    if not is_array_input(arguments.get("x")):
         return None
     # Keras's default batch size for arrays.
     return int(arguments.get("batch_size") or 32)

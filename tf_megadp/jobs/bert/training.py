@@ -201,7 +201,7 @@ class _Checkpointer:
         self.enabled = enabled
 
     def save(self, model) -> None:
-        from tf_megadp.checkpointing import save_training_state
+        from tf_megadp.run.training_state import save_training_state
 
         if not self.enabled:
             return
@@ -262,7 +262,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     from tf_megadp.jobs.bert import text
     from tf_megadp.jobs.bert.baselines import learning_verdict
     from tf_megadp.jobs.bert.units import describe_population, load_unit_ids
-    from tf_megadp.checkpointing import export_model
+    from tf_megadp.run.export import export_model
 
     # Public randomness only (initialisation, the held-out masks): the
     # sampling, the training masks (keyed by the sampler's secret and each
@@ -282,7 +282,7 @@ def _train(config, schedule, sigma, delta, planned_epsilon, corpus, train, heldo
     with strategy.scope():
         model = build_model(config, train.vocabulary_size)
         if config.resume:
-            from tf_megadp.checkpointing import restore_training_state
+            from tf_megadp.run.training_state import restore_training_state
 
             # Its settings were checked against config before the corpus was prepared.
             state = restore_training_state(
@@ -572,7 +572,7 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     import tf_megadp
     from tf_megadp import distribute
     from tf_megadp.data import sources
-    from tf_megadp.ledger_keeping import LedgerRecorder
+    from tf_megadp.run.ledger_recorder import LedgerRecorder
 
     hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
                                          steps=steps_per_epoch, verbose=0)

@@ -1,17 +1,26 @@
-"""Recording a DP run's privacy spend: `LedgerRecorder` and the `LedgerKeeper` callback.
+"""`LedgerRecorder`: turns the steps a private run applied into privacy-ledger entries.
 
-`LedgerKeeper` is added by the private `fit` itself, first in the list, so
-no user can forget it: after every batch its `LedgerRecorder` turns the
-steps the compiled step applied (`DPOptimizer.applied_steps`, written in the
-graph with the values that step used) into privacy-ledger entries, adding
-what only the data can tell, N and how each step chose its examples
-(`tf_megadp.data.sources.DataSource`). A custom loop's
-`tf_megadp.PrivateStep` records with the same `LedgerRecorder`. The ledger
-lives in the optimizer's `privacy_ledger` variable, so `model.save`,
-`ModelCheckpoint`, `keras.callbacks.BackupAndRestore` and
-`tf_megadp.save_training_state` carry the spend and a resumed run continues
-it. It also ends partial logical steps where an example could otherwise
-enter one noisy sum twice.
+The compiled step appends every noisy update it applies, with the values
+it used, to the optimizer's buffer of applied steps; the recorder takes
+them (`take_applied_steps`) and records them (`record_steps`), adding what
+only the data can tell: N and how each step chose its examples
+(`tf_megadp.data.sources.DataSource`). The ledger lives in the optimizer's
+`privacy_ledger` variable, so every file that can continue training
+carries the spend and a resumed run continues it.
+
+One recorder serves every way of training, through its public protocol:
+
+* the private `fit`'s `tf_megadp.run.callbacks.LedgerKeeper` (a recorder
+  as a Keras callback) begins it, drains it after every batch and ends
+  partial logical steps where an example could enter one noisy sum twice;
+* a custom loop's `tf_megadp.PrivateStep` begins it, takes the applied
+  steps, checks them against its own calls, and records them
+  (`record_steps`) or, when their data cannot be known,
+  `record_unaccounted`;
+* the BERT job begins one to check a run resumed after its last step.
+
+Besides the optimizer's own ledger module, this is the one module that
+writes the ledger.
 """
 
 from __future__ import annotations
@@ -23,16 +32,17 @@ from typing import Any
 import keras
 import numpy as np
 
-from tf_megadp import _keras_compat, adaptive_clipping, weights_origin
+from tf_megadp import _keras_compat, adaptive_clipping
 from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED, SamplingKind, sampling_kind
 from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer, read_ledger, write_ledger
-from tf_megadp.run_state import EVALUATION_METRICS, dp_optimizer, run_notes
+from tf_megadp.run import weights_origin
+from tf_megadp.run.state import EVALUATION_METRICS, dp_optimizer, run_notes
 from tf_megadp.steps import sampling_rate_of, step_capacity
 
-__all__ = ["LedgerKeeper", "LedgerRecorder"]
+__all__ = ["LedgerRecorder"]
 
 _FIXED_SIZE_WARNING = (
     "{description}: these are fixed-size batches, not Poisson draws, so each "
@@ -47,8 +57,8 @@ class LedgerRecorder:
     """Records every applied logical step in the privacy ledger, with N and the sampling.
 
     One recorder serves every way of training: the private `fit` runs one
-    as a Keras callback (`LedgerKeeper`), and a custom training loop's
-    `tf_megadp.PrivateStep` owns one. What it checks before the first step
+    as a Keras callback (`tf_megadp.run.callbacks.LedgerKeeper`), and a
+    custom training loop's `tf_megadp.PrivateStep` owns one. What it checks before the first step
     (`begin`), each with an error that names the fix:
 
     * N: measured from the data when it can be; a stated
@@ -446,50 +456,3 @@ def _noise_as_planned(row: dict, planned_sigma: float) -> bool:
     Gaussian of the planned sigma; an impossible pair was recorded as NaN."""
     return math.isclose(adaptive_clipping.equivalent_noise_multiplier(
         row["noise_multiplier"], row["count_noise_multiplier"]), planned_sigma, rel_tol=1e-6)
-
-
-class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
-    """The private `fit`'s `LedgerRecorder`, as a Keras callback.
-
-    The private `fit` (see `tf_megadp.make_private`) puts one first in the
-    callback list; there is no need to create one. It begins at the start
-    of training, records after every batch, and ends partial logical steps
-    where an example could otherwise enter one noisy sum twice: at the end
-    of every epoch of data that no sampler drew, and at the end of `fit`.
-
-    Args: as `LedgerRecorder` (Keras gives it the model).
-    """
-
-    def __init__(self, *args, **kwargs):
-        keras.callbacks.Callback.__init__(self)
-        LedgerRecorder.__init__(self, *args, **kwargs)
-
-    def on_train_begin(self, logs=None):
-        self.begin()
-        self._batches = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
-        self.drain()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.drain()
-        if self.kind.ends_step_at_pass:
-            # The next epoch is a new pass over the data: a logical step that
-            # continued into it could hold an example twice.
-            self.end_partial_step("an epoch")
-
-    def on_train_end(self, logs=None):
-        self.drain()
-        self.end_partial_step("a fit call")
-        # After Keras's finalize (an EMA average is in the weights by now).
-        run_notes(self.model).end_fit(self.model)
-        if (self.kind.follows_schedule and not self._batches and not self.model.stop_training
-                and not self.nothing_to_train):
-            raise PrivacyConfigurationError(
-                "fit consumed no micro-batch of the sampler's dataset. Under a "
-                "tf.distribute strategy Keras reads one batch to build an unbuilt model "
-                "and restarts the data, which a sampler refuses (its draws are read "
-                "once). Build the model before fit (e.g. call it once on a batch of the "
-                "right shapes, or model.build(...)), then pass a fresh sampler's dataset."
-            )

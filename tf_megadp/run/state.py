@@ -17,7 +17,7 @@ from tf_megadp.optimizer import DPOptimizer, ledger_owner, read_ledger
 __all__ = ["EVALUATION_METRICS", "RELEASED_OUTSIDE_EPSILON", "STALE_STEP_MARKER",
            "advance_generation", "current_generation", "dp_optimizer", "is_private",
            "ledger_optimizer", "mark_private",
-           "model_ledger", "read_ledger", "run_notes", "stale_step_error", "weights_digest"]
+           "model_ledger", "run_notes", "stale_step_error", "weights_digest"]
 
 # What a private Keras run publishes that epsilon does not cover.
 RELEASED_OUTSIDE_EPSILON = (

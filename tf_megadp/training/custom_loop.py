@@ -6,7 +6,7 @@ Many TensorFlow programs, and most TPU pretraining scripts, do not call
 `PrivacyCallback` gives a `fit`, for a loop without callbacks:
 
 * `PrivateStep` runs the private `fit`'s own step
-  (`tf_megadp.train_step._private_step`: every example clipped, the clipped
+  (`tf_megadp.training.step.private_step`: every example clipped, the clipped
   sum accumulated into the `DPOptimizer`, noise once per logical step) and
   keeps the privacy ledger with the private `fit`'s `LedgerRecorder` (N and
   the sampling from what feeds the loop, with the same checks).
@@ -16,7 +16,7 @@ Many TensorFlow programs, and most TPU pretraining scripts, do not call
 What the compiled step runs is checked when it runs, not only when it is
 traced: a step traced before the model was compiled again (or given a new
 `PrivateStep`, made private again, its schedule extended) refuses
-(`tf_megadp.run_state.current_generation`), and a step begun with a sampler
+(`tf_megadp.run.state.current_generation`), and a step begun with a sampler
 admits only the micro-batches of that sampler's tagged dataset, each at its
 place in the run (`tf_megadp.data.tags`). A refused micro-batch adds nothing
 to any sum, also where XLA drops the assertion.
@@ -64,12 +64,13 @@ import tensorflow as tf
 from tf_megadp import _keras_compat
 from tf_megadp.clipping import independence
 from tf_megadp.data import sources, tags
-from tf_megadp.data.fit_inputs import _distinct_real_examples, _is_array_input
+from tf_megadp.data.fit_inputs import distinct_real_examples, is_array_input
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.ledger_keeping import LedgerRecorder
 from tf_megadp.optimizer import DPOptimizer, read_ledger
-from tf_megadp.run_state import advance_generation, current_generation, is_private
-from tf_megadp.train_step import _private_step, make_private
+from tf_megadp.run.ledger_recorder import LedgerRecorder
+from tf_megadp.run.state import advance_generation, current_generation, is_private
+from tf_megadp.training.make_private import make_private
+from tf_megadp.training.step import private_step
 
 __all__ = ["PrivateStep"]
 
@@ -349,12 +350,12 @@ class PrivateStep:
         if isinstance(sampler_source, sources.DataSource):
             return sampler_source
         source = sources.source_of(data)
-        if source is None and _is_array_input(data):
+        if source is None and is_array_input(data):
             rows = int(tf.nest.flatten(data)[0].shape[0])
             x, y, sample_weight = (keras.utils.unpack_x_y_sample_weight(data)
                                    if isinstance(data, tuple) else (data, None, None))
             # As fit counts arrays: padding rows and copies are not examples.
-            examples = _distinct_real_examples(x, y, sample_weight, rows)
+            examples = distinct_real_examples(x, y, sample_weight, rows)
             source = sources.DataSource(
                 sampling=sources.FIXED_SIZE_SAMPLING, num_examples=examples,
                 num_examples_measured=True,
@@ -408,7 +409,7 @@ class PrivateStep:
         if self._tagged:
             data, tag = _split_tag(data)
             admitted = tf.logical_and(admitted, self._tag_admitted(tag))
-        outcome = _private_step(
+        outcome = private_step(
             self.model, data,
             log_nonfinite_examples=getattr(self.model, "_tf_megadp_log_nonfinite", False),
             admitted=admitted)
@@ -625,21 +626,9 @@ class PrivateStep:
         step.begin(tf_megadp.PoissonSampler(shards, schedule, start_step=step.logical_step))
         ```
         """
-        return _RecordingCheckpoint(self, model=self.model, optimizer=self.optimizer,
-                                    **trackables)
-
-
-class _RecordingCheckpoint(tf.train.Checkpoint):
-    """A `tf.train.Checkpoint` that records a `PrivateStep`'s applied steps before writing."""
-
-    def __init__(self, step: PrivateStep, **trackables):
-        super().__init__(**trackables)
-        self._tf_megadp_recorder = step.record
-
-    # `write`, `save` and `tf.train.CheckpointManager.save` all write through it.
-    def _write(self, file_prefix, options=None):
-        self._tf_megadp_recorder()
-        return super()._write(file_prefix, options=options)
+        # Every write records the applied steps first.
+        return _keras_compat.checkpoint_calling_before_write(
+            self.record, model=self.model, optimizer=self.optimizer, **trackables)
 
 
 def _split_tag(data):

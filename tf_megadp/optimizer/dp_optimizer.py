@@ -438,9 +438,11 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         if _keras_compat.strategy_supports_no_merge_call():
             return tf.cond(self._in_memory.micro_steps >= accumulation_steps,
                            lambda: end_step(step, divisor, noise_multiplier), _not_applied)
+        # `end_step` is bound to the merge function, not passed as one of its
+        # arguments: merge_call groups each argument into one value per replica.
         return tf.distribute.get_replica_context().merge_call(
-            self._end_step_in_cross_replica_context,
-            args=(end_step, accumulation_steps, step, divisor, noise_multiplier))
+            functools.partial(self._end_step_in_cross_replica_context, end_step),
+            args=(accumulation_steps, step, divisor, noise_multiplier))
 
     def _accumulate(self, gradient_sum, micro_batch_size, nonfinite, centred_count) -> None:
         """Adds a micro-batch's clipped sums and counts to this replica's accumulators."""
@@ -472,7 +474,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                 accumulation_steps, tf.cast(micro_batch_size, tf.int64), replicas), tf.float32)
         return accumulation_steps, divisor, tf.constant(self.noise_multiplier, tf.float32)
 
-    def _end_step_in_cross_replica_context(self, distribution, end_step, accumulation_steps,
+    def _end_step_in_cross_replica_context(self, end_step, distribution, accumulation_steps,
                                            *values):
         """Ends the logical step, when due, from the cross-replica context.
 

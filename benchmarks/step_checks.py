@@ -4,7 +4,7 @@ In ONE process, three copies of the same tiny model train on the same
 micro-batches, each through a `tf.function` around its step:
 
 - `unchecked`: `PrivateStep` as it was before its run-time checks (the
-  shared private step `tf_megadp.train_step._private_step` without its
+  shared private step `tf_megadp.training.step.private_step` without its
   `admitted` gate), the baseline;
 - `generation`: a `PrivateStep` begun with data no sampler drew, which
   checks in the graph that it is not stale (the model's generation);
@@ -41,7 +41,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_megadp  # noqa: E402
 from tf_megadp.clipping import independence  # noqa: E402
-from tf_megadp.train_step import _private_step  # noqa: E402  (the baseline: no checks)
+from tf_megadp.training.step import private_step  # noqa: E402  (the baseline: no checks)
 
 
 class UncheckedStep(tf_megadp.PrivateStep):
@@ -49,7 +49,7 @@ class UncheckedStep(tf_megadp.PrivateStep):
 
     def __call__(self, data):
         self._check_current()
-        outcome = _private_step(self.model, data)
+        outcome = private_step(self.model, data)
         self._calls.assign_add(1)
         logs = dict(outcome.logs)
         logs.pop(independence.LOG_KEY, None)

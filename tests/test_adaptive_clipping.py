@@ -650,7 +650,7 @@ def test_the_white_box_audit_refuses_a_moving_clip_norm():
     model = small_model()
     compiled(model, l2_norm_clip=1.0, noise_multiplier=1.0, normalize_by=64.0,
              adaptive_clipping=AdaptiveClipping())
-    scoring = white_box._WhiteBoxScoring(types.SimpleNamespace(model=model), None, 1.0)
+    scoring = white_box.WhiteBoxScoring(types.SimpleNamespace(model=model), None, 1.0)
     with pytest.raises(PrivacyConfigurationError, match="adaptive_clipping=None"):
         scoring.scores()
 

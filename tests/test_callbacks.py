@@ -21,12 +21,12 @@ import tensorflow as tf
 from dp_accounting import pld, rdp
 
 import tf_megadp
-import tf_megadp.ledger_keeping
-import tf_megadp.run_state
+import tf_megadp.run.callbacks
+import tf_megadp.run.state
 from tf_megadp import BatchSizeSchedule, Phase, PrivacyCallback, PrivacyConfigurationError
 from tf_megadp.accounting import PrivacyAccountant, PrivacyLedger, events
 from tf_megadp.data.sources import DataSource, attach_source
-from tf_megadp.optimizer_ledger import read_ledger
+from tf_megadp.optimizer import read_ledger
 
 MICRO_BATCH = 8
 ACCUMULATION = 2
@@ -139,15 +139,15 @@ class TestWhatIsReleasedOutsideEpsilon:
                             validation_data=(x[48:], y[48:]), callbacks=[callback])
         assert "val_loss" in history.history
         released = callback.report()["released_outside_epsilon"]
-        assert tf_megadp.run_state.EVALUATION_METRICS in released
+        assert tf_megadp.run.state.EVALUATION_METRICS in released
         # Control: a run without validation data does not list it.
         plain = private_model()
         other = PrivacyCallback(DELTA, accountant="rdp")
         fit(plain, data, 1, [other])
-        assert tf_megadp.run_state.EVALUATION_METRICS not in other.report()["released_outside_epsilon"]
+        assert tf_megadp.run.state.EVALUATION_METRICS not in other.report()["released_outside_epsilon"]
         # Evaluating the private model releases them too.
         plain.evaluate(x[:8], y[:8], verbose=0)
-        assert tf_megadp.run_state.EVALUATION_METRICS in other.report()["released_outside_epsilon"]
+        assert tf_megadp.run.state.EVALUATION_METRICS in other.report()["released_outside_epsilon"]
 
 
     def test_weights_changed_outside_the_private_steps_mark_the_run(self, data, tmp_path):
@@ -573,7 +573,7 @@ def test_a_fit_that_consumed_nothing_of_a_sampler_raises(data):
     sampler = tf_megadp.PoissonSampler.from_arrays(
         x, y, batch_size=BATCH, epochs=1, micro_batch_size=MICRO_BATCH)
     model = private_model(schedule=sampler.schedule)
-    keeper = tf_megadp.ledger_keeping.LedgerKeeper(sampler.source)
+    keeper = tf_megadp.run.callbacks.LedgerKeeper(sampler.source)
     keeper.set_model(model)
     keeper.on_train_begin()
     with pytest.raises(PrivacyConfigurationError, match="consumed no micro-batch"):

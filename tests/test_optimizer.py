@@ -1,5 +1,7 @@
 """Specification of `DPOptimizer`: noise, seeds, settings, schedules, persistence."""
 
+import dataclasses
+import inspect
 import math
 import warnings
 
@@ -9,6 +11,7 @@ import pytest
 
 import tf_megadp
 from tf_megadp import BatchSizeSchedule, Phase, PrivacyConfigurationError
+from tf_megadp.optimizer import SETTING_NAMES, DPSettings
 from tests import reference
 from tests.reference import assert_std_is
 
@@ -137,6 +140,36 @@ class TestSettings:
         with pytest.raises(ValueError, match="schedule"):
             tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0,
                                   accumulation_steps=2, schedule=schedule)
+
+    def test_each_setting_is_one_field_of_dp_settings(self):
+        # The signature names DPSettings' fields, in order and with the same
+        # defaults; the saved config and the report follow the fields, so a
+        # new setting cannot be left out of either.
+        fields = dataclasses.fields(DPSettings)
+        arguments = [parameter for parameter in
+                     inspect.signature(tf_megadp.DPOptimizer).parameters.values()
+                     if parameter.name not in ("optimizer", "name", "kwargs")]
+        assert [p.name for p in arguments] == [f.name for f in fields] == list(SETTING_NAMES)
+        for parameter, field in zip(arguments, fields):
+            default = inspect.Parameter.empty if field.default is dataclasses.MISSING else (
+                field.default)
+            assert parameter.default == default, field.name
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, seed=5)
+        assert set(SETTING_NAMES) <= set(optimizer.get_config())
+        report = optimizer.settings_report()
+        # The report says whether the noise was seeded, never the seed (it
+        # regenerates the noise).
+        assert set(report) >= set(SETTING_NAMES) - {"seed"} and "seed" not in report
+        assert 5 not in report.values()
+
+    def test_settings_are_frozen_and_rebuilt_from_their_config(self):
+        schedule = BatchSizeSchedule([Phase(2, 8, 2)], num_examples=100, micro_batch_size=4)
+        settings = DPSettings(l2_norm_clip=0.5, noise_multiplier=2.0, schedule=schedule,
+                              per_example_scaling="automatic", automatic_scaling_stability=0.1)
+        assert DPSettings(**settings.to_config()) == settings
+        assert settings.accumulation_steps is None  # The phases set it.
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            settings.noise_multiplier = 0.0
 
     def test_config_round_trip(self):
         schedule = BatchSizeSchedule(
@@ -547,7 +580,7 @@ class TestSecrets:
         with pytest.raises(PrivacyConfigurationError, match="make_private"):
             model.optimizer.accumulate(gradients, model.trainable_variables, 4, 0)
         with pytest.raises(PrivacyConfigurationError, match="make_private"):
-            model.optimizer._accumulate_clipped(object(), gradients, model.trainable_variables, 4, 0)
+            model.optimizer.add_micro_batch(object(), gradients, model.trainable_variables, 4, 0)
         assert int(model.optimizer.micro_steps.numpy()) == 0
 
 
@@ -555,6 +588,8 @@ class TestImmutableSettings:
     @pytest.mark.parametrize("name, value", [
         ("noise_multiplier", 10.0), ("l2_norm_clip", 5.0), ("accumulation_steps", 1),
         ("normalize_by", 2.0), ("schedule", None), ("clipping", "ghost"), ("seed", 1),
+    ] + [(name, None) for name in SETTING_NAMES] + [
+        ("settings", None), ("inner_optimizer", None), ("clipping_strategy", None),
     ])
     def test_privacy_settings_cannot_change_after_construction(self, name, value):
         optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0,

@@ -1,4 +1,4 @@
-"""Specification of `keras.callbacks.BackupAndRestore` in a private `fit` (`tf_megadp.preemption`).
+"""Specification of `keras.callbacks.BackupAndRestore` in a private `fit` (`tf_megadp.run.backup`).
 
 Issue #27 ("Found"): a private run that crashed after its first backup
 restored to step 8, trained one more logical step, then raised "The

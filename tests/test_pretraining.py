@@ -276,7 +276,7 @@ class TestEndToEnd:
         assert accuracy == pytest.approx(report["heldout_mlm_accuracy"], abs=one_token)
         # The checkpoint keeps the trained weights apart from their average.
         live = pretraining.build_model(config, train.vocabulary_size)
-        from tf_megadp.checkpointing import restore_training_state
+        from tf_megadp.run.training_state import restore_training_state
 
         restore_training_state(live, str(output / "checkpoint"), training._compile_kwargs(True))
         averaged = live.optimizer.inner_optimizer._model_variables_moving_average

@@ -180,7 +180,7 @@ class TestOneSourceOfTruth:
 
         from tf_megadp.optimizer import DPOptimizer
         from tf_megadp.data import PoissonSampler
-        from tf_megadp.train_step import make_private
+        from tf_megadp.training import make_private
 
         schedule, sampler = setup
         fresh = PoissonSampler(sampler.shards, schedule, seed=1)

@@ -43,13 +43,13 @@ _LIBRARY = {
     **{name: ("tf_megadp.accounting", name)
        for name in ("LedgerEntry", "PrivacyAccountant", "PrivacyLedger",
                     "calibrate_noise_multiplier", "compute_epsilon", "ledger_from_schedule")},
-    "PrivacyCallback": ("tf_megadp.callbacks", "PrivacyCallback"),
-    **{name: ("tf_megadp.checkpointing", name)
-       for name in ("export_model", "has_training_state", "restore_training_state",
-                    "save_training_state")},
+    "PrivacyCallback": ("tf_megadp.run.callbacks", "PrivacyCallback"),
+    "export_model": ("tf_megadp.run.export", "export_model"),
+    **{name: ("tf_megadp.run.training_state", name)
+       for name in ("has_training_state", "restore_training_state", "save_training_state")},
     **{name: ("tf_megadp.clipping", name)
        for name in ("AutoClipping", "ClippingStrategy", "GhostClipping", "VectorizedClipping")},
-    "PrivateStep": ("tf_megadp.custom_loop", "PrivateStep"),
+    "PrivateStep": ("tf_megadp.training", "PrivateStep"),
     **{name: ("tf_megadp.data", name)
        for name in ("DataSource", "PoissonSampler", "PrivacyUnitSampler", "ShuffleSampler",
                     "TokenShards", "write_token_shards")},
@@ -57,13 +57,14 @@ _LIBRARY = {
        for name in ("GhostClippingUnsupportedError", "PrivacyConfigurationError")},
     "BatchScaledSchedule": ("tf_megadp.learning_rate", "BatchScaledSchedule"),
     "DPOptimizer": ("tf_megadp.optimizer", "DPOptimizer"),
-    "PrivacyReport": ("tf_megadp.privacy_report", "PrivacyReport"),
-    **{name: ("tf_megadp.run_state", name) for name in ("model_ledger", "read_ledger")},
+    "PrivacyReport": ("tf_megadp.training", "PrivacyReport"),
+    "model_ledger": ("tf_megadp.run.state", "model_ledger"),
+    "read_ledger": ("tf_megadp.optimizer", "read_ledger"),
     **{name: ("tf_megadp.steps", name) for name in ("BatchSizeSchedule", "Phase")},
-    **{name: ("tf_megadp.train_step", name)
+    **{name: ("tf_megadp.training", name)
        for name in ("extend_schedule", "is_private", "make_private",
                     "make_private_with_epsilon")},
-    **{name: ("tf_megadp.weights_origin", name)
+    **{name: ("tf_megadp.run.weights_origin", name)
        for name in ("continue_from_release", "declare_public_weights")},
 }
 

@@ -33,6 +33,7 @@ from tensorflow.python.ops.parallel_for import pfor  # noqa: F401  (re-exported)
 
 __all__ = [
     "call_has_training_arg",
+    "checkpoint_calling_before_write",
     "child_layers",
     "compiled_loss_and_metrics",
     "flatten_layers",
@@ -195,6 +196,32 @@ def plain_resource_variable(initial_value: Any, **kwargs: Any) -> tf.Variable:
     public constructor.
     """
     return _resource_variable_ops.ResourceVariable(initial_value, **kwargs)
+
+
+class _CheckpointCallingBeforeWrite(tf.train.Checkpoint):
+    """A `tf.train.Checkpoint` that calls a function before each write (see below)."""
+
+    def __init__(self, before_write: Callable[[], None], **trackables: Any):
+        super().__init__(**trackables)
+        self._tf_megadp_before_write = before_write
+
+    # `write`, `save` and `tf.train.CheckpointManager.save` all write through it.
+    def _write(self, file_prefix, options=None):
+        self._tf_megadp_before_write()
+        return super()._write(file_prefix, options=options)
+
+
+def checkpoint_calling_before_write(before_write: Callable[[], None],
+                                    **trackables: Any) -> tf.train.Checkpoint:
+    """A `tf.train.Checkpoint` of `trackables` that calls `before_write()` before each write.
+
+    `write`, `save` and `tf.train.CheckpointManager.save` each write through
+    the private `Checkpoint._write`: overriding it is the one hook every way
+    of writing passes (a custom loop's `PrivateStep` records its applied
+    steps there, so that the file's ledger is complete). No public hook
+    exists.
+    """
+    return _CheckpointCallingBeforeWrite(before_write, **trackables)
 
 
 def pfor_converter_registered(op_type: str) -> bool:

@@ -107,11 +107,11 @@ def one_run_audit_run(
     import keras
 
     from tf_megadp.accounting import calibrate_noise_multiplier
-    from tf_megadp.callbacks import PrivacyCallback
+    from tf_megadp.run.callbacks import PrivacyCallback
     from tf_megadp.data import PoissonSampler
     from tf_megadp.optimizer import DPOptimizer
     from tf_megadp.steps import BatchSizeSchedule, sampling_rate_of
-    from tf_megadp.train_step import make_private
+    from tf_megadp.training import make_private
     from tf_megadp.audit.input_canaries import InputCanaries, dirac_canaries, dirac_canary_signal
     from tf_megadp.audit.planted_bugs import PLANTED_BUGS
     from tf_megadp.audit.white_box import CanaryCoordinates, GradientCanaryAudit

@@ -42,8 +42,8 @@ from tf_megadp.audit.white_box import (
     CanaryClipping,
     CanaryCoordinates,
     WhiteBoxRecorder,
-    _check_schedule,
-    _WhiteBoxScoring,
+    WhiteBoxScoring,
+    check_schedule,
 )
 from tf_megadp.clipping import ClippingStrategy
 from tf_megadp.steps import BatchSizeSchedule
@@ -254,7 +254,7 @@ class InputCanaries:
         self.coins = CanaryCoins(self.num_canaries, seed=seed)
         self._seed = seed
         self.rows: np.ndarray | None = None
-        self._white_box: _WhiteBoxScoring | None = None
+        self._white_box: WhiteBoxScoring | None = None
         self.recorder: WhiteBoxRecorder | None = None
         self.details: dict = {}
 
@@ -327,9 +327,9 @@ class InputCanaries:
         """
         if len(coordinates) != self.num_canaries:
             raise ValueError(f"{len(coordinates)} coordinates for {self.num_canaries} canaries.")
-        schedule = _check_schedule(schedule)
+        schedule = check_schedule(schedule)
         self.recorder = WhiteBoxRecorder(model, coordinates, schedule.total_steps)
-        self._white_box = _WhiteBoxScoring(self.recorder, schedule, signal)
+        self._white_box = WhiteBoxScoring(self.recorder, schedule, signal)
         return self
 
     def clipping(self, base: str | ClippingStrategy = "vectorized") -> CanaryClipping:

@@ -31,18 +31,18 @@ __all__ = ["DoubleCountingDPOptimizer", "HalvedNoiseDPOptimizer", "UnclippedFirs
 class HalvedNoiseDPOptimizer(DPOptimizer):
     """BROKEN: noise of sigma / 2, ledger of sigma. For audit tests only."""
 
-    def _noisy_update(self, trainable_variables, connected, step, generation, divisor,
-                      noise_multiplier):
-        super()._noisy_update(trainable_variables, connected, step, generation, divisor,
-                              noise_multiplier * 0.5)
+    def _apply_noise(self, trainable_variables, connected, step, generation, divisor,
+                     noise_multiplier):
+        super()._apply_noise(trainable_variables, connected, step, generation, divisor,
+                             noise_multiplier * 0.5)
 
 
 class DoubleCountingDPOptimizer(DPOptimizer):
     """BROKEN: every clipped sum is accumulated twice. For audit tests only."""
 
-    def _accumulate_clipped(self, token, gradient_sum, *args, **kwargs):
+    def _accumulate(self, gradient_sum, *args, **kwargs):
         doubled = [None if g is None else 2.0 * g for g in gradient_sum]
-        return super()._accumulate_clipped(token, doubled, *args, **kwargs)
+        super()._accumulate(doubled, *args, **kwargs)
 
 
 class UnclippedFirstExample(base.ClippingStrategy):

@@ -74,6 +74,8 @@ __all__ = [
     "CanaryCoordinates",
     "GradientCanaryAudit",
     "WhiteBoxRecorder",
+    "WhiteBoxScoring",
+    "check_schedule",
     "white_box_scores",
 ]
 
@@ -381,7 +383,8 @@ def _schedule_rates(schedule: BatchSizeSchedule) -> np.ndarray:
     return np.array([schedule.sampling_rate(t) for t in range(schedule.total_steps)], np.float64)
 
 
-def _check_schedule(schedule) -> BatchSizeSchedule:
+def check_schedule(schedule) -> BatchSizeSchedule:
+    """`schedule`, refused (TypeError) unless it is the run's `BatchSizeSchedule`."""
     if not isinstance(schedule, BatchSizeSchedule):
         raise TypeError(
             "The audit needs the run's BatchSizeSchedule (sampler.schedule of a tf_megadp "
@@ -390,7 +393,7 @@ def _check_schedule(schedule) -> BatchSizeSchedule:
     return schedule
 
 
-class _WhiteBoxScoring:
+class WhiteBoxScoring:
     """Turns a recorder's observations into scores, using what the optimizer tells."""
 
     def __init__(self, recorder: WhiteBoxRecorder, schedule: BatchSizeSchedule, signal: float):
@@ -493,7 +496,7 @@ class GradientCanaryAudit:
         guesses: Sequence[tuple[int, int]] | None = None,
         seed: int | None = None,
     ):
-        self.schedule = _check_schedule(schedule)
+        self.schedule = check_schedule(schedule)
         if isinstance(coordinates, int):
             coordinates = CanaryCoordinates.random(model, coordinates, seed=seed)
         self.coordinates = coordinates
@@ -506,7 +509,7 @@ class GradientCanaryAudit:
                else [seed + 1, 7919])
         self._injector = _Injector(self.recorder, _schedule_rates(schedule),
                                    self.coins._included(), key)
-        self._scoring = _WhiteBoxScoring(self.recorder, schedule, signal=1.0)
+        self._scoring = WhiteBoxScoring(self.recorder, schedule, signal=1.0)
         self._strategy = None
         self.details: dict = {}
 

@@ -17,16 +17,18 @@ import numpy as np
 
 from tf_megadp.jobs.bert.config import SEPARATORS
 
-__all__ = ["CorpusError", "SPECIAL_TOKENS", "default_corpus_documents", "read_documents",
-           "write_synthetic_corpus"]
+__all__ = ["CLS_ID", "CorpusError", "DEFAULT_PACKAGES", "MASK_ID", "PAD_ID", "SEP_ID",
+           "SKIPPED_FOLDERS", "SPECIAL_TOKENS", "UNK_ID", "default_corpus_documents",
+           "expand_sources", "package_roots", "read_documents", "write_synthetic_corpus"]
 
 # BERT's special tokens, in the order keras-hub's WordPiece trainer reserves
 # them: [PAD] must be id 0 because padding rows and padding positions are zeros.
 SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
-_PAD, _CLS, _SEP, _UNK, _MASK = range(len(SPECIAL_TOKENS))
-_DEFAULT_PACKAGES = ("stdlib", "numpy", "keras", "tensorflow")
+# Their ids.
+PAD_ID, CLS_ID, SEP_ID, UNK_ID, MASK_ID = range(len(SPECIAL_TOKENS))
+DEFAULT_PACKAGES = ("stdlib", "numpy", "keras", "tensorflow")
 # Folders whose docstrings are test scaffolding or duplicated tooling, not prose.
-_SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
+SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _MIN_DOCSTRING_CHARACTERS = 40
 
 Progress = Callable[[str], None]
@@ -39,7 +41,7 @@ class CorpusError(ValueError):
     """
 
 
-def _package_roots(packages: Sequence[str]) -> list[str]:
+def package_roots(packages: Sequence[str]) -> list[str]:
     roots = []
     for package in packages:
         if package == "stdlib":
@@ -49,7 +51,7 @@ def _package_roots(packages: Sequence[str]) -> list[str]:
         if spec is None or not spec.submodule_search_locations:
             raise CorpusError(
                 f"Package {package!r} is not installed; choose default-corpus "
-                f"packages among the installed ones (e.g. {_DEFAULT_PACKAGES})."
+                f"packages among the installed ones (e.g. {DEFAULT_PACKAGES})."
             )
         roots.append(list(spec.submodule_search_locations)[0])
     return roots
@@ -90,7 +92,7 @@ def _statements_breadth_first(tree: ast.AST) -> Iterator[ast.AST]:
 
 def default_corpus_documents(
     max_characters: int = 2_000_000,
-    packages: Sequence[str] = _DEFAULT_PACKAGES,
+    packages: Sequence[str] = DEFAULT_PACKAGES,
 ) -> list[str]:
     """English documents that every installation has: docstrings of installed Python code.
 
@@ -109,14 +111,14 @@ def default_corpus_documents(
     """
     if max_characters < 1:
         raise CorpusError(f"max_characters must be >= 1, got {max_characters}.")
-    roots = _package_roots(packages)
+    roots = package_roots(packages)
     budget = max_characters // len(roots)
     seen: set[bytes] = set()
     documents: list[str] = []
     for root in roots:
         used = 0
         for folder, subfolders, files in os.walk(root):
-            subfolders[:] = sorted(d for d in subfolders if d not in _SKIPPED_FOLDERS)
+            subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_FOLDERS)
             for name in sorted(files):
                 if not name.endswith(".py"):
                     continue
@@ -136,7 +138,7 @@ def default_corpus_documents(
     return documents
 
 
-def _expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+def expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
     paths: list[str] = []
@@ -221,7 +223,7 @@ def read_documents(
     documents: list[str] = []
     units: list[str] = []
     skipped = 0
-    for path in _expand_sources(sources):
+    for path in expand_sources(sources):
         jsonl = path.endswith(".jsonl")
         if unit_field is not None and not jsonl:
             raise CorpusError(

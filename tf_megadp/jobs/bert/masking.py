@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from tf_megadp.data.shards import TokenShards
-from tf_megadp.jobs.bert.corpus import _CLS, _MASK, _PAD, _SEP
+from tf_megadp.jobs.bert.corpus import CLS_ID, MASK_ID, PAD_ID, SEP_ID
 
 __all__ = ["MaskedLMBatcher"]
 
@@ -66,9 +66,9 @@ class MaskedLMBatcher:
     ):
         if not 0 < mask_rate < 1:
             raise ValueError(f"mask_rate must be in (0, 1), got {mask_rate}.")
-        if vocabulary_size <= _MASK:
+        if vocabulary_size <= MASK_ID:
             raise ValueError(
-                f"vocabulary_size must exceed the special token ids (> {_MASK}), "
+                f"vocabulary_size must exceed the special token ids (> {MASK_ID}), "
                 f"got {vocabulary_size}."
             )
         if not (0 <= mask_token_rate and 0 <= random_token_rate
@@ -123,8 +123,8 @@ class MaskedLMBatcher:
         rows = tf.convert_to_tensor(rows, tf.int32)
         length, predictions = self.sequence_length, self.max_predictions
         uniform, draw, random_tokens = self._draws(rows, key)
-        selectable = (tf.not_equal(rows, _PAD) & tf.not_equal(rows, _CLS)
-                      & tf.not_equal(rows, _SEP))
+        selectable = (tf.not_equal(rows, PAD_ID) & tf.not_equal(rows, CLS_ID)
+                      & tf.not_equal(rows, SEP_ID))
         count = tf.reduce_sum(tf.cast(selectable, tf.int32), axis=1)
         chosen = tf.minimum(
             tf.cast(tf.math.ceil(tf.cast(count, tf.float32) * self.mask_rate), tf.int32),
@@ -139,7 +139,7 @@ class MaskedLMBatcher:
         positions = tf.where(valid, positions, 0)
         mask_ids = tf.where(valid, tf.gather(rows, positions, batch_dims=1), 0)
 
-        shown = tf.where(draw < self.mask_token_rate, _MASK,
+        shown = tf.where(draw < self.mask_token_rate, MASK_ID,
                          tf.where(draw < self.mask_token_rate + self.random_token_rate,
                                   random_tokens, mask_ids))
         # Each row's valid positions are distinct: one one-hot sum places them.
@@ -147,7 +147,7 @@ class MaskedLMBatcher:
         is_selected = tf.reduce_sum(placed, axis=1) > 0
         token_ids = tf.where(is_selected, tf.reduce_sum(placed * shown[..., None], axis=1), rows)
 
-        real = tf.not_equal(rows, _PAD)
+        real = tf.not_equal(rows, PAD_ID)
         # A padding example has no real token; letting it attend to position 0
         # keeps its (zero-weight) loss finite, so 0 * loss stays 0, not NaN.
         is_padding = tf.equal(weights, 0.0)

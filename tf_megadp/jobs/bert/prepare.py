@@ -90,7 +90,7 @@ def _corpus_key(config: PretrainConfig) -> str:
         from tf_megadp.jobs.bert import text
 
         try:
-            files = text._expand_sources(config.corpus)
+            files = text.expand_sources(config.corpus)
         except text.CorpusError as error:
             raise PretrainError(str(error)) from None
         sources = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]

@@ -167,7 +167,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
 
     output_dir = config.output_dir or os.path.join(
         "runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))
-    from tf_megadp.checkpointing import has_training_state
+    from tf_megadp.run.training_state import has_training_state
 
     # A checkpoint counts once committed: a run killed before its first one
     # (or while writing it) starts again.

@@ -68,7 +68,7 @@ def saved_settings(output_dir: str) -> dict[str, Any]:
     Raises:
         PretrainError: no committed checkpoint there, or one without settings.
     """
-    from tf_megadp.checkpointing import training_state_extra
+    from tf_megadp.run.training_state import training_state_extra
 
     directory = os.path.join(output_dir, CHECKPOINT_NAME)
     try:

@@ -31,17 +31,17 @@ from tf_megadp.data.shards import MANIFEST_NAME, TokenShards, write_token_shards
 from tf_megadp.files import write_bytes_atomically
 from tf_megadp.jobs.bert.config import SEPARATORS
 from tf_megadp.jobs.bert.corpus import (
-    _CLS,
-    _DEFAULT_PACKAGES,
-    _SEP,
-    _SKIPPED_FOLDERS,
-    _UNK,
+    CLS_ID,
+    DEFAULT_PACKAGES,
+    SEP_ID,
+    SKIPPED_FOLDERS,
     SPECIAL_TOKENS,
+    UNK_ID,
     CorpusError,
     Progress,
-    _expand_sources,
-    _package_roots,
     default_corpus_documents,
+    expand_sources,
+    package_roots,
     read_documents,
     write_synthetic_corpus,
 )
@@ -266,7 +266,7 @@ def _tokenize(documents: Sequence[str], vocabulary: list[str], lowercase: bool,
     import tensorflow as tf
 
     tokenizer = keras_hub.tokenizers.WordPieceTokenizer(
-        vocabulary=vocabulary, lowercase=lowercase, oov_token=SPECIAL_TOKENS[_UNK]
+        vocabulary=vocabulary, lowercase=lowercase, oov_token=SPECIAL_TOKENS[UNK_ID]
     )
     pieces, owners = _as_pieces(documents, piece_characters)
     dataset = tf.data.Dataset.from_tensor_slices(pieces).batch(_TEXT_BATCH).map(tokenizer.tokenize)
@@ -304,9 +304,9 @@ def _pack(
                 bodies.append(chunk)
     rows = np.zeros((len(bodies), sequence_length), np.int32)
     for row, chunk in zip(rows, bodies):
-        row[0] = _CLS
+        row[0] = CLS_ID
         row[1 : 1 + len(chunk)] = chunk
-        row[1 + len(chunk)] = _SEP
+        row[1 + len(chunk)] = SEP_ID
     return rows
 
 
@@ -350,15 +350,15 @@ def _inputs_checksum(
 
     if sources is None:
         feed("default", sys.version, max_characters)
-        for root in _package_roots(_DEFAULT_PACKAGES):
+        for root in package_roots(DEFAULT_PACKAGES):
             for folder, subfolders, files in os.walk(root):
-                subfolders[:] = sorted(d for d in subfolders if d not in _SKIPPED_FOLDERS)
+                subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_FOLDERS)
                 for name in sorted(files):
                     if name.endswith(".py"):
                         info = os.stat(os.path.join(folder, name))
                         feed(os.path.relpath(os.path.join(folder, name), root), info.st_size, info.st_mtime_ns)
     else:
-        for path in _expand_sources(sources):
+        for path in expand_sources(sources):
             with open(path, "rb") as handle:
                 feed("file", path.endswith(".jsonl"), handle.read())
     return digest.hexdigest()
@@ -501,13 +501,13 @@ def prepare_corpus(
     started = time.time()
     if sources is None:
         documents, skipped = default_corpus_documents(max_characters), 0
-        description = f"default corpus: docstrings of {', '.join(_DEFAULT_PACKAGES)}"
+        description = f"default corpus: docstrings of {', '.join(DEFAULT_PACKAGES)}"
     else:
         documents, skipped, *units = read_documents(
             sources, jsonl_field=jsonl_field, skip_undecodable=skip_undecodable,
             separator=separator, progress=progress, unit_field=unit_field,
         )
-        description = f"{len(_expand_sources(sources))} file(s)"
+        description = f"{len(expand_sources(sources))} file(s)"
     if progress:
         progress(f"  {len(documents):,} documents, "
                  f"{sum(len(d) for d in documents):,} characters"
@@ -518,7 +518,7 @@ def prepare_corpus(
                                       progress=progress)
     tokens = _tokenize(documents, vocabulary, lowercase, progress)
     total = sum(len(t) for t in tokens)
-    unknown = sum(int(np.count_nonzero(t == _UNK)) for t in tokens)
+    unknown = sum(int(np.count_nonzero(t == UNK_ID)) for t in tokens)
     if total == 0:
         raise CorpusError("The corpus has no tokens.")
     if unknown / total > max_unknown_fraction:

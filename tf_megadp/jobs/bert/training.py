@@ -202,7 +202,7 @@ class _Checkpointer:
         self.enabled = enabled
 
     def save(self, model) -> None:
-        from tf_megadp.checkpointing import save_training_state
+        from tf_megadp.run.training_state import save_training_state
 
         if not self.enabled:
             return
@@ -440,7 +440,7 @@ def _model_of_this_start(job: _Job, learning_rate_source: str):
 
 def _restore(job: _Job, model, learning_rate_source: str) -> _Start:
     """Restores the run's checkpoint into `model` and says where this start resumes."""
-    from tf_megadp.checkpointing import restore_training_state
+    from tf_megadp.run.training_state import restore_training_state
 
     # Its settings were checked against config before the corpus was prepared.
     state = restore_training_state(
@@ -686,7 +686,7 @@ def _export_release(job: _Job, model) -> None:
 
     The vocabulary is public unless --vocabulary-from-training-corpus.
     """
-    from tf_megadp.checkpointing import export_model
+    from tf_megadp.run.export import export_model
 
     export_model(model, os.path.join(job.output_dir, MODEL_NAME))
     vocabulary_file = os.path.join(job.train.directory, job.train.manifest["vocabulary_file"])
@@ -774,7 +774,7 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     import tf_megadp
     from tf_megadp import distribute
     from tf_megadp.data import sources
-    from tf_megadp.ledger_keeping import LedgerRecorder
+    from tf_megadp.run.ledger_recorder import LedgerRecorder
 
     hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
                                          steps=steps_per_epoch, verbose=0)

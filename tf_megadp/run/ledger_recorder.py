@@ -1,17 +1,26 @@
-"""Recording a DP run's privacy spend: `LedgerRecorder` and the `LedgerKeeper` callback.
+"""`LedgerRecorder`: turns the steps a private run applied into privacy-ledger entries.
 
-`LedgerKeeper` is added by the private `fit` itself, first in the list, so
-no user can forget it: after every batch its `LedgerRecorder` turns the
-steps the compiled step applied (`DPOptimizer.applied_steps`, written in the
-graph with the values that step used) into privacy-ledger entries, adding
-what only the data can tell, N and how each step chose its examples
-(`tf_megadp.data.sources.DataSource`). A custom loop's
-`tf_megadp.PrivateStep` records with the same `LedgerRecorder`. The ledger
-lives in the optimizer's `privacy_ledger` variable, so `model.save`,
-`ModelCheckpoint`, `keras.callbacks.BackupAndRestore` and
-`tf_megadp.save_training_state` carry the spend and a resumed run continues
-it. It also ends partial logical steps where an example could otherwise
-enter one noisy sum twice.
+The compiled step appends every noisy update it applies, with the values
+it used, to the optimizer's buffer of applied steps; the recorder takes
+them (`take_applied_steps`) and records them (`record_steps`), adding what
+only the data can tell: N and how each step chose its examples
+(`tf_megadp.data.sources.DataSource`). The ledger lives in the optimizer's
+`privacy_ledger` variable, so every file that can continue training
+carries the spend and a resumed run continues it.
+
+One recorder serves every way of training, through its public protocol:
+
+* the private `fit`'s `tf_megadp.run.callbacks.LedgerKeeper` (a recorder
+  as a Keras callback) begins it, drains it after every batch and ends
+  partial logical steps where an example could enter one noisy sum twice;
+* a custom loop's `tf_megadp.PrivateStep` begins it, takes the applied
+  steps, checks them against its own calls, and records them
+  (`record_steps`) or, when their data cannot be known,
+  `record_unaccounted`;
+* the BERT job begins one to check a run resumed after its last step.
+
+Besides the optimizer's own ledger module, this is the one module that
+writes the ledger.
 """
 
 from __future__ import annotations
@@ -23,18 +32,18 @@ from typing import Any
 import keras
 import numpy as np
 
-from tf_megadp import _keras_compat, adaptive_clipping, weights_origin
+from tf_megadp import _keras_compat, adaptive_clipping
 from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED, SamplingKind, sampling_kind
 from tf_megadp.accounting.mechanisms import equivalent_noise_multiplier
 from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import APPLIED_STEP_COLUMNS, _number, read_ledger, write_ledger
-from tf_megadp.run_state import EVALUATION_METRICS, _dp_optimizer, run_notes
+from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer, read_ledger, write_ledger
+from tf_megadp.run import weights_origin
+from tf_megadp.run.state import EVALUATION_METRICS, dp_optimizer, run_notes
 from tf_megadp.steps import sampling_rate_of, step_capacity
 
-__all__ = ["LedgerKeeper", "LedgerRecorder"]
+__all__ = ["LedgerRecorder"]
 
 _FIXED_SIZE_WARNING = (
     "{description}: these are fixed-size batches, not Poisson draws, so each "
@@ -49,8 +58,8 @@ class LedgerRecorder:
     """Records every applied logical step in the privacy ledger, with N and the sampling.
 
     One recorder serves every way of training: the private `fit` runs one
-    as a Keras callback (`LedgerKeeper`), and a custom training loop's
-    `tf_megadp.PrivateStep` owns one. What it checks before the first step
+    as a Keras callback (`tf_megadp.run.callbacks.LedgerKeeper`), and a
+    custom training loop's `tf_megadp.PrivateStep` owns one. What it checks before the first step
     (`begin`), each with an error that names the fix:
 
     * N: measured from the data when it can be; a stated
@@ -157,18 +166,18 @@ class LedgerRecorder:
         earlier call, and checks the data against the optimizer. Each
         failure raises before any step runs.
         """
-        optimizer = _dp_optimizer(self.model)
+        optimizer = dp_optimizer(self.model)
         if not optimizer.built:
             optimizer.build(self.model.trainable_variables)
         optimizer.check_ledger_covers(self.model.trainable_variables)
-        if optimizer._carried_from:
+        carried = optimizer.take_carried_over_steps()
+        if carried:
             warnings.warn(
-                f"Compiled with a new DPOptimizer: the {optimizer._carried_from} logical "
+                f"Compiled with a new DPOptimizer: the {carried} logical "
                 "steps of the previous one stay in the privacy ledger.",
                 UserWarning,
                 stacklevel=3,
             )
-        optimizer._carried_from = None
         discarded = optimizer.discard_partial_step()
         if discarded:
             warnings.warn(
@@ -179,12 +188,11 @@ class LedgerRecorder:
                 UserWarning,
                 stacklevel=3,
             )
-        if _number(optimizer.applied_rows):
+        outside = self.take_applied_steps()
+        if len(outside):
             # Steps applied outside fit (train_on_batch, custom loops): their
             # data is unknown here, so their privacy cannot be accounted.
-            steps = int(optimizer.applied_steps.numpy()[: _number(optimizer.applied_rows), 0].sum())
-            self.record_unaccounted(steps)
-            optimizer.applied_rows.assign(0)
+            self.record_unaccounted(int(outside[:, 0].sum()))
         self.num_examples = self._resolve_num_examples()
         if self.num_examples == 0:
             raise PrivacyConfigurationError(
@@ -217,7 +225,7 @@ class LedgerRecorder:
         _check_privacy_unit(source, optimizer)
         schedule = optimizer.schedule
         if source is not None and source.schedule is not None:
-            iterations = _number(optimizer.iterations)
+            iterations = optimizer.logical_step
             if (schedule is not None and iterations >= schedule.total_steps
                     and not self.nothing_to_train):
                 raise PrivacyConfigurationError(
@@ -270,8 +278,13 @@ class LedgerRecorder:
                 "restore_training_state)."
             )
 
-    def _end_partial_step(self, boundary: str) -> None:
-        discarded = _dp_optimizer(self.model).discard_partial_step()
+    def end_partial_step(self, boundary: str) -> None:
+        """Discards the micro-batches of an unfinished logical step at `boundary` (warns).
+
+        Args:
+            boundary: what the step must not span, for the warning ("a fit call").
+        """
+        discarded = dp_optimizer(self.model).discard_partial_step()
         if discarded:
             warnings.warn(
                 f"Discarded the last {discarded} micro-batches: they did not complete "
@@ -293,7 +306,7 @@ class LedgerRecorder:
         Args:
             steps: how many logical steps.
         """
-        optimizer = _dp_optimizer(self.model)
+        optimizer = dp_optimizer(self.model)
         ledger = read_ledger(optimizer)
         ledger.append(LedgerEntry.steps_only(steps, UNACCOUNTED))
         write_ledger(optimizer, ledger)
@@ -301,37 +314,37 @@ class LedgerRecorder:
 
     def drain(self) -> None:
         """Moves the steps the compiled step applied into the ledger."""
-        self._record_rows(self._take_applied_rows())
+        self.record_steps(self.take_applied_steps())
 
-    def _take_applied_rows(self) -> np.ndarray:
-        """The rows (`APPLIED_STEP_COLUMNS`) the compiled step wrote since the last drain.
+    def take_applied_steps(self) -> np.ndarray:
+        """The rows (`APPLIED_STEP_COLUMNS`) the compiled step wrote since the last take.
 
-        They leave the optimizer's buffer: the caller records them.
+        They leave the optimizer's buffer: the caller records them, with
+        `record_steps` or, when their data cannot be known, `record_unaccounted`.
+
+        Raises:
+            PrivacyConfigurationError: more differently configured steps ran
+                than the buffer holds.
         """
-        optimizer = _dp_optimizer(self.model)
-        count = _number(optimizer.applied_rows)
-        if not count:
-            return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
-        capacity = optimizer.applied_steps.shape[0]
-        if count > capacity:
-            raise PrivacyConfigurationError(
-                f"More than {capacity} differently configured logical steps ran "
-                "between two ledger updates, beyond what the step can record. Lower "
-                "steps_per_execution (fit), or call PrivateStep.record() more often "
-                "(a custom loop)."
-            )
-        table = optimizer.applied_steps.numpy()[:count]
-        optimizer.applied_rows.assign(0)
-        return table
+        return dp_optimizer(self.model).take_applied_steps()
 
-    def _record_rows(self, table: np.ndarray) -> None:
-        """Turns applied-step rows into ledger entries and stores the ledger."""
+    def record_steps(self, table: np.ndarray) -> None:
+        """Turns applied-step rows into ledger entries and stores the ledger.
+
+        Args:
+            table: rows of `APPLIED_STEP_COLUMNS`, from `take_applied_steps`.
+
+        Raises:
+            PrivacyConfigurationError: a step does not match what the data
+                planned, held more rows than the data has examples, or (with
+                adaptive clipping) was not noised as planned.
+        """
         if not len(table):
             return
-        optimizer = _dp_optimizer(self.model)
+        optimizer = dp_optimizer(self.model)
         # The ledger holds every step recorded, of every kind; the steps that
         # earlier optimizers applied are not this one's iterations.
-        step = self.ledger.total_steps - _number(optimizer.carried_steps)
+        step = self.ledger.total_steps - optimizer.steps_carried
         for values in table:
             row = dict(zip(APPLIED_STEP_COLUMNS, values.tolist()))
             steps = int(row["steps"])
@@ -400,7 +413,7 @@ class LedgerRecorder:
 
     def next_entry(self, step: int) -> LedgerEntry | None:
         """The ledger entry logical step `step` will get, when it can be known."""
-        optimizer = _dp_optimizer(self.model)
+        optimizer = dp_optimizer(self.model)
         sigma = optimizer.noise_multiplier_at(step)
         if self.num_examples is None or sigma == 0:
             return None
@@ -444,50 +457,3 @@ def _noise_as_planned(row: dict, planned_sigma: float) -> bool:
     Gaussian of the planned sigma; an impossible pair was recorded as NaN."""
     return math.isclose(equivalent_noise_multiplier(
         row["noise_multiplier"], row["count_noise_multiplier"]), planned_sigma, rel_tol=1e-6)
-
-
-class LedgerKeeper(LedgerRecorder, keras.callbacks.Callback):
-    """The private `fit`'s `LedgerRecorder`, as a Keras callback.
-
-    The private `fit` (see `tf_megadp.make_private`) puts one first in the
-    callback list; there is no need to create one. It begins at the start
-    of training, records after every batch, and ends partial logical steps
-    where an example could otherwise enter one noisy sum twice: at the end
-    of every epoch of data that no sampler drew, and at the end of `fit`.
-
-    Args: as `LedgerRecorder` (Keras gives it the model).
-    """
-
-    def __init__(self, *args, **kwargs):
-        keras.callbacks.Callback.__init__(self)
-        LedgerRecorder.__init__(self, *args, **kwargs)
-
-    def on_train_begin(self, logs=None):
-        self.begin()
-        self._batches = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._batches += 1
-        self.drain()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.drain()
-        if self.kind.ends_step_at_pass:
-            # The next epoch is a new pass over the data: a logical step that
-            # continued into it could hold an example twice.
-            self._end_partial_step("an epoch")
-
-    def on_train_end(self, logs=None):
-        self.drain()
-        self._end_partial_step("a fit call")
-        # After Keras's finalize (an EMA average is in the weights by now).
-        run_notes(self.model).end_fit(self.model)
-        if (self.kind.follows_schedule and not self._batches and not self.model.stop_training
-                and not self.nothing_to_train):
-            raise PrivacyConfigurationError(
-                "fit consumed no micro-batch of the sampler's dataset. Under a "
-                "tf.distribute strategy Keras reads one batch to build an unbuilt model "
-                "and restarts the data, which a sampler refuses (its draws are read "
-                "once). Build the model before fit (e.g. call it once on a batch of the "
-                "right shapes, or model.build(...)), then pass a fresh sampler's dataset."
-            )

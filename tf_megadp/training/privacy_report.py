@@ -7,13 +7,13 @@ from typing import Any
 import keras
 
 from tf_megadp.accounting import DEFAULT_ACCOUNTANT
-from tf_megadp.callbacks import _PrivacyReporting
-from tf_megadp.custom_loop import PrivateStep
+from tf_megadp.run.reporting import PrivacyReporting
+from tf_megadp.training.custom_loop import PrivateStep
 
 __all__ = ["PrivacyReport"]
 
 
-class PrivacyReport(_PrivacyReporting):
+class PrivacyReport(PrivacyReporting):
     """Epsilon, the publishable report and the budget of a custom loop's `PrivateStep`.
 
     What `PrivacyCallback` gives a private `fit`, computed by the same code
@@ -46,7 +46,7 @@ class PrivacyReport(_PrivacyReporting):
                  target_epsilon: float | None = None, batch_size: int | None = None):
         if not isinstance(step, PrivateStep):
             raise TypeError(f"PrivacyReport reads a tf_megadp.PrivateStep's ledger, got {step!r}.")
-        self._init_reporting(delta, None, batch_size, accountant, target_epsilon)
+        self.init_reporting(delta, None, batch_size, accountant, target_epsilon)
         self.step = step
         self._refresh()
 
@@ -59,20 +59,20 @@ class PrivacyReport(_PrivacyReporting):
         if self.step.recorder is None:
             raise RuntimeError("Call step.begin(data) before creating its PrivacyReport.")
         self.step.record()
-        if self._keeper is not self.step.recorder:
-            self._attach(self.step.recorder)
+        if self.recorder is not self.step.recorder:
+            self.attach(self.step.recorder)
 
     @property
     def epsilon(self) -> float:
         """Epsilon spent by every noisy update of the model's weights (inf without noise)."""
         self._refresh()
-        return _PrivacyReporting.epsilon.fget(self)
+        return PrivacyReporting.epsilon.fget(self)
 
     @property
     def ledger(self):
         """A copy of the steps recorded so far."""
         self._refresh()
-        return _PrivacyReporting.ledger.fget(self)
+        return PrivacyReporting.ledger.fget(self)
 
     def report(self) -> dict[str, Any]:
         """The publishable report (as `PrivacyCallback.report`)."""
@@ -89,9 +89,9 @@ class PrivacyReport(_PrivacyReporting):
         self._refresh()
         if self.target_epsilon is None:
             return True
-        return self._next_step_fits(self.step.logical_step)
+        return self.next_step_fits(self.step.logical_step)
 
-    def _steps_left_in_fit(self, step: int) -> int | None:
+    def steps_left(self, step: int) -> int | None:
         source = self.step.recorder.source
         end = None if source is None else source.end_step
         return None if end is None else max(1, end - step)

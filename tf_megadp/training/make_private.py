@@ -12,22 +12,21 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from typing import NamedTuple
 
 import keras
 import tensorflow as tf
 
-from tf_megadp import _keras_compat, adaptive_clipping, distribute, preemption, weights_origin
+from tf_megadp import distribute
+from tf_megadp.clipping import independence
 from tf_megadp.data import map_independence, sources, tags
 from tf_megadp.data.fit_inputs import array_micro_batch_size, fit_source
-from tf_megadp.callbacks import PrivacyCallback
-from tf_megadp.checkpointing import _atomic_save, _ledger_preserving_load, _ledger_preserving_save
-from tf_megadp.clipping import base, independence
-from tf_megadp.clipping.base import ClippedBatch, example_weights_present
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.ledger_keeping import LedgerKeeper
-from tf_megadp.optimizer import _PRIVATE_STEP, DPOptimizer, accumulation_dtype
-from tf_megadp.run_state import (
+from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.run import weights_origin
+from tf_megadp.run.backup import PrivateBackup
+from tf_megadp.run.callbacks import LedgerKeeper, PrivacyCallback
+from tf_megadp.run.saving import atomic_save, ledger_preserving_load, ledger_preserving_save
+from tf_megadp.run.state import (
     EVALUATION_METRICS,
     advance_generation,
     current_generation,
@@ -37,11 +36,10 @@ from tf_megadp.run_state import (
     stale_step_error,
 )
 from tf_megadp.steps import BatchSizeSchedule
+from tf_megadp.training.step import check_no_example_mixing, private_step
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]
 
-# Layers whose training-mode output for one example depends on the others.
-_EXAMPLE_MIXING_LAYERS = (keras.layers.BatchNormalization,)
 
 def make_private(
     model: keras.Model,
@@ -68,7 +66,7 @@ def make_private(
 
     A `keras.callbacks.BackupAndRestore` passed to the private `fit` is
     restored before the run starts and written atomically at logical-step
-    boundaries (`tf_megadp.preemption`): a run killed at any moment and
+    boundaries (`tf_megadp.run.backup`): a run killed at any moment and
     started again with the same script continues its ledger and its
     sampler's steps. The model's `save` and `save_weights` write
     atomically, and its `load_weights` builds the `DPOptimizer` first, so
@@ -112,7 +110,7 @@ def make_private(
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"make_private expects a keras.Model, got {type(model).__name__}.")
-    _check_no_example_mixing(model)
+    check_no_example_mixing(model)
     overridden = type(model).train_step is not keras.Model.train_step
     if overridden and not is_private(model):
         raise PrivacyConfigurationError(
@@ -127,9 +125,9 @@ def make_private(
         model.compile = _compile_advancing_generation(model, type(model).compile.__get__(model))
         model.fit = _private_fit(model, type(model).fit.__get__(model))
         model.evaluate = _noted_evaluate(model, type(model).evaluate.__get__(model))
-        model.load_weights = _ledger_preserving_load(model, type(model).load_weights.__get__(model))
-        model.save = _ledger_preserving_save(model, type(model).save.__get__(model))
-        model.save_weights = _atomic_save(type(model).save_weights.__get__(model), model)
+        model.load_weights = ledger_preserving_load(model, type(model).load_weights.__get__(model))
+        model.save = ledger_preserving_save(model, type(model).save.__get__(model))
+        model.save_weights = atomic_save(type(model).save_weights.__get__(model), model)
         model.set_weights = weights_origin.set_weights_guard(
             model, type(model).set_weights.__get__(model))
     # Weights set after this point need a declaration before a first private fit.
@@ -310,7 +308,7 @@ def _private_fit(model: keras.Model, original_fit):
 def _restore_backup(model, arguments, callbacks, source):
     """Restores a `keras.callbacks.BackupAndRestore` backup before `fit` starts.
 
-    The user's `BackupAndRestore` is replaced by a `preemption.PrivateBackup`
+    The user's `BackupAndRestore` is replaced by a `tf_megadp.run.backup.PrivateBackup`
     with its settings. When a backup exists it is loaded now, and `fit`'s
     arguments continue the run from it: a sampler's dataset from the
     restored logical step (and the epoch holding it), other data from the
@@ -328,7 +326,7 @@ def _restore_backup(model, arguments, callbacks, source):
         return callbacks, False
     if len(backups) > 1:
         raise ValueError("Pass at most one keras.callbacks.BackupAndRestore to fit.")
-    backup = preemption.PrivateBackup(backups[0])
+    backup = PrivateBackup(backups[0])
     callbacks = [backup if c is backups[0] else c for c in callbacks]
     position = backup.restore(model)
     if position is None:
@@ -407,201 +405,20 @@ def extend_schedule(
             f"extend_schedule extends a private run; the model is compiled with "
             f"{optimizer!r}, not a tf_megadp.DPOptimizer."
         )
-    schedule = optimizer._extend_schedule(list(phases), truncation_probability)
+    schedule = optimizer.extend_schedule(list(phases), truncation_probability)
     # The compiled step holds the phases as constants: trace it again (and
     # a custom loop's traced step refuses until it is).
     model.train_function = None
     advance_generation(model)
     return schedule
 
-def _check_no_example_mixing(model: keras.Model):
-    for layer in _keras_compat.flatten_layers(model):
-        if isinstance(layer, _EXAMPLE_MIXING_LAYERS):
-            raise PrivacyConfigurationError(
-                f"Layer '{layer.name}' ({type(layer).__name__}) mixes examples "
-                "within a batch during training, which breaks the per-example "
-                "sensitivity bound of DP-SGD. Replace it with "
-                "keras.layers.LayerNormalization or GroupNormalization."
-            )
-
 
 def _private_train_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False):
-    """The train step `make_private` installs: the logs of `_private_step`.
+    """The train step `make_private` installs: the logs of `private_step`.
 
     A train function kept from before a `compile` (or `make_private`) would
     train through the optimizer it was traced with, outside the ledger the
     model reports: it refuses at run time (`current_generation`).
     """
-    return _private_step(model, data, log_nonfinite_examples=log_nonfinite_examples,
-                         admitted=current_generation(model)).logs
-
-
-class _StepOutcome(NamedTuple):
-    """What one micro-batch of the DP step gives its caller (in a replica context).
-
-    Attributes:
-        logs: Keras's logs of the step (`compute_metrics`), as `fit` shows them.
-        applied: bool scalar, whether this micro-batch ended a logical step
-            and the noisy update was applied.
-    """
-
-    logs: dict
-    applied: tf.Tensor
-
-
-# Not converted by autograph: the step's control flow is written with tf.cond
-# (as every backend-neutral Keras layer's is), and converting the hundreds of
-# functions it reaches cost seconds of CPU on every trace.
-@tf.autograph.experimental.do_not_convert
-def _private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = False,
-                  admitted: tf.Tensor | None = None) -> _StepOutcome:
-    """One micro-batch of the DP step: the one implementation `fit` and `PrivateStep` run.
-
-    Clips every example of the micro-batch, hands the clipped sum to the
-    `DPOptimizer` (which applies the noisy update at the end of a logical
-    step), and updates the loss and metrics.
-
-    Args:
-        admitted: a bool scalar of the caller's run-time checks (None: no
-            check). A micro-batch not admitted adds nothing to the sums, as
-            padding does, so that no unchecked data is released where XLA
-            drops the checks' assertions.
-    """
-    optimizer = model.optimizer
-    if not isinstance(optimizer, DPOptimizer):
-        raise PrivacyConfigurationError(
-            "The model was made private but is compiled with "
-            f"{type(optimizer).__name__}, which adds no noise. Compile with "
-            "tf_megadp.DPOptimizer(...). (With the 'mixed_float16' policy Keras "
-            "wraps optimizers in a LossScaleOptimizer; use 'mixed_bfloat16'.)"
-        )
-    _check_no_example_mixing(model)
-    if not model.trainable_weights:
-        raise ValueError("The model has no trainable weights to train privately.")
-    # Traced once per compiled step: a seeded (test) optimizer seeds dropout too.
-    base.set_randomness_seed(model, optimizer.seed, owner=optimizer)
-    if not optimizer.built:
-        optimizer.build(model.trainable_variables)
-    # Before the forward pass: a logical step replayed after a rollback draws
-    # its dropout masks (and later its noise) in a new generation.
-    base.set_draw_generation(
-        model, optimizer.draw_generation(tf.equal(optimizer.micro_steps.value, 0)))
-    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    micro_batch_size = tf.nest.flatten(x)[0].shape[0]
-    if micro_batch_size is None:
-        micro_batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
-    clip_norm = optimizer.current_clip_norm
-    if admitted is not None and sample_weight is not None:
-        # A refused micro-batch is all padding: it skips its pass and adds
-        # exactly nothing (a product of m weights, the cheapest gate).
-        sample_weight = tf.nest.map_structure(
-            lambda weight: weight * tf.cast(admitted, weight.dtype), sample_weight)
-    batch = _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,
-                                         clip_norm)
-    if admitted is not None and sample_weight is None:
-        batch = _admitted_only(batch, admitted)
-    centred_count = None
-    if optimizer.adaptive_clipping is not None:
-        norms, is_real = batch.norms, batch.is_real
-        units = optimizer.examples_per_unit
-        if units > 1:
-            # One count per privacy unit: its norm is repeated on its k rows,
-            # and a count over rows would move by up to k per unit.
-            norms = tf.reshape(norms, [-1, units])[:, 0]
-            is_real = tf.reduce_max(tf.reshape(tf.cast(is_real, tf.float32), [-1, units]), axis=1)
-        centred_count = adaptive_clipping.centred_count(norms, is_real, clip_norm)
-    # The optimizer and its schedule count privacy units (slots of k rows).
-    # After the checks: a micro-batch whose assertion fails moves no counter.
-    with tf.control_dependencies([] if admitted is None else [admitted]):
-        applied = optimizer._accumulate_clipped(
-            _PRIVATE_STEP, batch.gradient_sum, model.trainable_variables,
-            micro_batch_size // optimizer.examples_per_unit, batch.nonfinite, centred_count,
-        )
-    real_examples = tf.reduce_sum(batch.is_real)
-    mean_loss = tf.math.divide_no_nan(tf.reduce_sum(batch.losses), real_examples)
-    _keras_compat.loss_tracker(model).update_state(mean_loss, sample_weight=real_examples)
-    logs = model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
-    if batch.mixing is not None:
-        mixing = tf.cast(batch.mixing, tf.float32)
-        replica_context = tf.distribute.get_replica_context()
-        if replica_context is not None and replica_context.num_replicas_in_sync > 1:
-            # ReduceOp has no MAX: gather every replica's code and take the largest.
-            mixing = tf.reduce_max(replica_context.all_gather(tf.reshape(mixing, [1]), axis=0))
-        logs[independence.LOG_KEY] = mixing
-    if optimizer.adaptive_clipping is not None:
-        # C after this micro-batch (it moves at the end of a logical step): a DP release.
-        logs["clip_norm"] = tf.cast(optimizer.current_clip_norm, tf.float32)
-    if not log_nonfinite_examples:
-        return _StepOutcome(logs, applied)
-    nonfinite = optimizer.nonfinite_examples.value
-    replica_context = tf.distribute.get_replica_context()
-    if replica_context is not None and replica_context.num_replicas_in_sync > 1:
-        # Each replica counts only its own examples and Keras averages logs
-        # over replicas: report the global count.
-        nonfinite = replica_context.all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.cast(nonfinite, tf.float32))
-    logs["nonfinite_examples"] = nonfinite
-    return _StepOutcome(logs, applied)
-
-
-def _admitted_only(batch: ClippedBatch, admitted: tf.Tensor) -> ClippedBatch:
-    """`batch` with its clipped sum, norms and counts zeroed unless `admitted` (data without weights)."""
-    def kept(tensor):
-        return None if tensor is None else tf.where(admitted, tensor, tf.zeros_like(tensor))
-
-    # Adaptive clipping's count reads the norms and is_real: zeroed alike.
-    return batch._replace(gradient_sum=[kept(g) for g in batch.gradient_sum],
-                          norms=kept(batch.norms), is_real=kept(batch.is_real),
-                          nonfinite=kept(batch.nonfinite))
-
-
-def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_batch_size,
-                                 clip):
-    """The strategy's clipped sum, skipping micro-batches that hold only padding.
-
-    Poisson steps are padded to a static k*m capacity above the expected
-    batch, so the last micro-batches of a step are often all padding. Their
-    exact contribution is zero; skipping their per-example pass (the costly
-    part) changes no number and saves up to a third of a small step.
-    """
-    strategy = optimizer.clipping_strategy
-    # Passed only when set, so that a user's strategy written for flat
-    # clipping keeps working (and fails loudly if asked for automatic).
-    scaling = ({} if optimizer.automatic_stability is None
-               else {"automatic_stability": optimizer.automatic_stability})
-    if optimizer.examples_per_unit > 1:
-        scaling["examples_per_unit"] = optimizer.examples_per_unit
-    if sample_weight is None:
-        return strategy.clip_and_sum(model, x, y, sample_weight, clip, **scaling)
-    is_real = example_weights_present(sample_weight, micro_batch_size)
-    variables = model.trainable_variables
-    reached, checked = [], []
-
-    def zeros(variable):
-        return tf.zeros(variable.shape, accumulation_dtype(variable.dtype))
-
-    def compute():
-        batch = strategy.clip_and_sum(model, x, y, sample_weight, clip, **scaling)
-        reached[:] = [g is not None for g in batch.gradient_sum]
-        checked[:] = [batch.mixing is not None]
-        gradients = [zeros(v) if g is None else tf.cast(g, accumulation_dtype(v.dtype))
-                     for g, v in zip(batch.gradient_sum, variables)]
-        mixing = (tf.constant(independence.MIXING_OK, tf.int32) if batch.mixing is None
-                  else tf.cast(batch.mixing, tf.int32))
-        return (gradients, tf.cast(batch.losses, tf.float32), batch.y_pred,
-                tf.cast(batch.norms, tf.float32), batch.is_real, batch.nonfinite, mixing)
-
-    def skip():
-        no_examples = tf.zeros_like(is_real)
-        # Metrics still need predictions; they carry weight zero.
-        y_pred = model(x, training=False)
-        return ([zeros(v) for v in variables], no_examples, y_pred, no_examples, no_examples,
-                tf.constant(0, tf.int64), tf.constant(independence.MIXING_OK, tf.int32))
-
-    gradients, losses, y_pred, norms, is_real, nonfinite, mixing = tf.cond(
-        tf.reduce_any(is_real > 0), compute, skip)
-    # Variables the loss does not reach stay None: neither noised nor updated.
-    gradients = [g if connected else None for g, connected in zip(gradients, reached)]
-    # Only strategies that check independence (ghost, auto) report mixing.
-    return ClippedBatch(gradients, losses, y_pred, norms, is_real, nonfinite,
-                        mixing if checked[0] else None)
+    return private_step(model, data, log_nonfinite_examples=log_nonfinite_examples,
+                        admitted=current_generation(model)).logs

@@ -12,12 +12,12 @@ import tensorflow as tf
 from tf_megadp.accounting import PrivacyLedger
 from tf_megadp.accounting.events import refusal_error
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import _weights_owner, read_ledger
+from tf_megadp.optimizer import DPOptimizer, ledger_owner, read_ledger
 
 __all__ = ["EVALUATION_METRICS", "RELEASED_OUTSIDE_EPSILON", "STALE_STEP_MARKER",
-           "advance_generation", "current_generation", "is_private", "mark_private",
-           "model_ledger", "read_ledger", "run_notes", "stale_step_error", "weights_digest"]
+           "advance_generation", "current_generation", "dp_optimizer", "is_private",
+           "ledger_optimizer", "mark_private",
+           "model_ledger", "run_notes", "stale_step_error", "weights_digest"]
 
 # What a private Keras run publishes that epsilon does not cover.
 RELEASED_OUTSIDE_EPSILON = (
@@ -80,7 +80,7 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
     tf_megadp.PrivacyAccountant(N, 1e-5, ledger=tf_megadp.model_ledger(model)).epsilon()
     ```
     """
-    optimizer = _ledger_optimizer(model)
+    optimizer = ledger_optimizer(model)
     missing = optimizer.unrecorded_steps
     if missing:
         raise PrivacyConfigurationError(
@@ -99,12 +99,17 @@ def model_ledger(model: keras.Model) -> PrivacyLedger:
     return ledger
 
 
-def _ledger_optimizer(model) -> DPOptimizer:
+def ledger_optimizer(model) -> DPOptimizer:
     """The DPOptimizer whose ledger covers `model`'s weights (`model.optimizer` but after a recompile)."""
-    return _weights_owner(model.trainable_variables) or _dp_optimizer(model)
+    return ledger_owner(model.trainable_variables) or dp_optimizer(model)
 
 
-def _dp_optimizer(model) -> DPOptimizer:
+def dp_optimizer(model) -> DPOptimizer:
+    """`model.optimizer`, which must be a `DPOptimizer`.
+
+    Raises:
+        PrivacyConfigurationError: the model is not compiled with one.
+    """
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, DPOptimizer):
         raise PrivacyConfigurationError(

@@ -1,71 +1,42 @@
-"""`DPOptimizer`: accumulate clipped gradients, add Gaussian noise once per logical step.
+"""`DPOptimizer`: the Keras optimizer of a private run, and its logical step.
 
-The optimizer never sees per-example gradients: the private train step (see
-`tf_megadp.make_private`) clips them and hands over each micro-batch's clipped
-sum. This module owns what happens next: the accumulators, the micro-step
-counter, the secret noise key, the single noisy update per logical step, and
-the privacy ledger that travels with every checkpoint.
-
-What is saved and what is not is a privacy decision, not a convenience:
-
-* saved (`model.save`, `save_weights`, `ModelCheckpoint`,
-  `keras.callbacks.BackupAndRestore` in a private `fit`,
-  `tf_megadp.save_training_state`): the inner optimizer's state, the
-  logical-step counter, the privacy ledger, the record of the steps the
-  compiled step applied and, with adaptive clipping, the clip norm C (a
-  function of noisy releases only);
-* never saved, held only in memory: the noise key (whoever holds it can
-  regenerate the noise and subtract it from the released update) and the
-  mid-step state (the accumulators hold the exact, un-noised clipped sum,
-  and adaptive clipping's the exact count of unclipped examples).
-  A restored optimizer therefore resumes at a logical-step boundary with a
-  fresh key (a new process) or, restored in the same process, in a new draw
-  generation for every step it repeats (`tf_megadp.accumulators`): no noise
-  is drawn twice. The discarded partial step was never released, so it cost
-  no privacy, and fresh noise is as private as the old.
-
-Privacy spent is a property of the trained weights, not of one optimizer
-object: a `DPOptimizer` marks the model variables it trains (or whose
-saved state it loads) as covered by its ledger, and a new `DPOptimizer`
-built for variables that carry another one's ledger continues that ledger
-(see `DPOptimizer.build`), whatever the order of `load_model`, `compile`,
-`make_private` and `load_weights` that led there.
+One micro-batch at a time, the private step hands over its clipped sum
+(`add_micro_batch`); the optimizer adds it to its accumulators and, after
+the last micro-batch of a logical step, adds the noise once, applies the
+update through the inner optimizer and appends the step to its ledger
+buffer. Each part of that is one named method, and the decision "is the
+logical step due" is taken in the replica context or, under strategies that
+all-reduce through `merge_call`, in the cross-replica context, as Keras's
+`LossScaleOptimizer` separates its two paths.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tf_megadp import _keras_compat
 from tf_megadp import adaptive_clipping as adaptive
-from tf_megadp.accounting import LEDGER_COLUMNS
-from tf_megadp.accumulators import Accumulators, accumulation_dtype
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer_ledger import (
-    _APPLIED_CAPACITY,
-    APPLIED_STEP_COLUMNS,
-    LEDGER_CAPACITY,
-    LedgerOfWeights,
-)
-from tf_megadp.optimizer_settings import (
-    _FROZEN_SETTINGS,
-    _PER_EXAMPLE_SCALINGS,
-    _check_adaptive_clipping,
-    _check_adaptive_pair,
-    _check_inner_does_not_rescale,
-    _check_schedule_layout,
-    _check_takes_automatic_stability,
-    _positive_finite,
-)
+from tf_megadp.optimizer.accumulators import Accumulators
+from tf_megadp.optimizer.ledger import LedgerOfWeights
+from tf_megadp.optimizer.settings import SETTING_NAMES, DPSettings, check_inner_optimizer
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
 
-__all__ = ["DPOptimizer", "accumulation_dtype"]# Only the private train step may hand clipped sums to the optimizer.
-_PRIVATE_STEP = object()
+__all__ = ["DPOptimizer", "PRIVATE_STEP_TOKEN"]
+
+# Passed by tf_megadp's private step (`tf_megadp.training`) with every clipped
+# sum: a guard against handing the optimizer gradients by accident, not a
+# secret. Gradients from user code are not clipped per example.
+PRIVATE_STEP_TOKEN = object()
+# What cannot change once built: the settings, and the objects built from them.
+_FROZEN = frozenset(SETTING_NAMES) | {"settings", "inner_optimizer", "clipping_strategy"}
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
@@ -163,6 +134,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         name: str | None = None,
         **kwargs,
     ):
+        given = locals()  # The arguments, taken before any other local exists.
         if kwargs:
             raise ValueError(
                 f"DPOptimizer does not take {sorted(kwargs)}: set learning-rate "
@@ -178,47 +150,12 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                 "DPOptimizer cannot wrap another DPOptimizer (noise would be "
                 "added twice and accounted once). Wrap the plain optimizer."
             )
-        _check_inner_does_not_rescale(optimizer)
-        l2_norm_clip = _positive_finite("l2_norm_clip", l2_norm_clip)
-        noise_multiplier = _positive_finite("noise_multiplier", noise_multiplier, allow_zero=True)
-        if isinstance(schedule, dict):
-            schedule = BatchSizeSchedule.from_dict(schedule)
-        if schedule is not None and not isinstance(schedule, BatchSizeSchedule):
-            raise TypeError(f"schedule must be a BatchSizeSchedule, got {schedule!r}.")
-        if schedule is not None and (accumulation_steps is not None or normalize_by is not None):
-            raise ValueError(
-                "With a schedule, accumulation_steps and normalize_by come from "
-                "its phases; do not pass them to DPOptimizer as well."
-            )
-        if accumulation_steps is None:
-            accumulation_steps = 1
-        if (isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int)
-                or accumulation_steps < 1):
-            raise ValueError(
-                f"accumulation_steps must be an integer >= 1, got {accumulation_steps!r}."
-            )
-        if normalize_by is not None:
-            normalize_by = _positive_finite("normalize_by", normalize_by)
-        if per_example_scaling not in _PER_EXAMPLE_SCALINGS:
-            raise ValueError(
-                f"per_example_scaling must be one of {sorted(_PER_EXAMPLE_SCALINGS)}, "
-                f"got {per_example_scaling!r}."
-            )
-        automatic_scaling_stability = _positive_finite(
-            "automatic_scaling_stability", automatic_scaling_stability)
-        if (isinstance(examples_per_unit, bool) or not isinstance(examples_per_unit, int)
-                or examples_per_unit < 1):
-            raise ValueError(
-                f"examples_per_unit must be an integer >= 1, got {examples_per_unit!r}.")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be None or an int, got {seed!r}.")
-        adaptive_clipping = _check_adaptive_clipping(
-            adaptive_clipping, per_example_scaling, noise_multiplier, schedule, normalize_by,
-            l2_norm_clip)
-        if seed is not None:
+        check_inner_optimizer(optimizer)
+        settings = DPSettings(**{setting: given[setting] for setting in SETTING_NAMES})
+        if settings.seed is not None:
             warnings.warn(
-                f"DPOptimizer(seed={seed}) makes the noise reproducible: anyone who "
-                "can guess the seed can regenerate the noise and subtract it from "
+                f"DPOptimizer(seed={settings.seed}) makes the noise reproducible: anyone "
+                "who can guess the seed can regenerate the noise and subtract it from "
                 "the released model, so the run is NOT private against them. The "
                 "privacy report marks it 'seeded noise: not for release'. Use "
                 "seed=None (the default, OS entropy) for any run you publish.",
@@ -226,34 +163,15 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                 stacklevel=2,
             )
         super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
+        self.settings = settings
         self.inner_optimizer = optimizer
-        self.l2_norm_clip = l2_norm_clip
-        self.noise_multiplier = noise_multiplier
-        self.accumulation_steps = accumulation_steps
-        self.normalize_by = normalize_by
-        self.seed = seed
-        self.schedule = schedule
-        self.per_example_scaling = per_example_scaling
-        self.automatic_scaling_stability = automatic_scaling_stability
-        self.examples_per_unit = examples_per_unit
-        self.adaptive_clipping = adaptive_clipping
+        self.clipping_strategy = (settings.clipping if isinstance(settings.clipping, ClippingStrategy)
+                                  else get_clipping_strategy(settings.clipping))
         # (logical step, C) at every ledger update of this process (the report's).
         self.clip_norm_trajectory: list[tuple[int, float]] = []
-        if isinstance(clipping, ClippingStrategy):
-            if per_example_scaling == "automatic":
-                _check_takes_automatic_stability(clipping)
-            self.clipping_strategy = clipping
-            self.clipping = type(clipping).__name__
-        else:
-            self.clipping_strategy = get_clipping_strategy(clipping)
-            self.clipping = clipping
-        # The number of steps taken over from another optimizer when built,
-        # until the private fit has warned about it (see `_continue_ledger_of`).
-        self._carried_from: int | None = None
+        self._carried_from: int | None = None  # See `take_carried_over_steps`.
         self._settings_frozen = True
-        if self.noise_multiplier == 0 or any(
-            p.noise_multiplier == 0 for p in (schedule.phases if schedule else ())
-        ):
+        if settings.noiseless:
             warnings.warn(
                 "DPOptimizer with noise_multiplier=0 adds no noise: training is "
                 "NOT differentially private (epsilon is infinite). Use this only "
@@ -262,7 +180,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             )
 
     def __setattr__(self, name, value):
-        if name in _FROZEN_SETTINGS and getattr(self, "_settings_frozen", False):
+        if name in _FROZEN and getattr(self, "_settings_frozen", False):
             raise PrivacyConfigurationError(
                 f"DPOptimizer.{name} cannot change after construction: Keras "
                 "compiles the train step once, so a new value would be recorded "
@@ -271,12 +189,23 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             )
         super().__setattr__(name, value)
 
-    def _extend_schedule(self, phases, truncation_probability: float) -> BatchSizeSchedule:
-        """Continues the schedule with more phases (see `tf_megadp.extend_schedule`).
+    def extend_schedule(self, phases, truncation_probability: float = 1e-9) -> BatchSizeSchedule:
+        """Continues the schedule with more phases (use `tf_megadp.extend_schedule`).
 
-        The steps already taken keep their phases; the model's compiled step
-        must be traced again afterwards, since it holds the phases as
-        constants.
+        The steps already taken keep their phases, and the settings are
+        validated again with the new ones; the model's compiled step must be
+        traced again afterwards, since it holds the phases as constants
+        (`tf_megadp.extend_schedule` does it).
+
+        Args:
+            phases: `tf_megadp.Phase`s or (steps, expected batch size) pairs.
+            truncation_probability: as in `BatchSizeSchedule.for_poisson`.
+
+        Returns:
+            The extended schedule.
+
+        Raises:
+            PrivacyConfigurationError: this optimizer follows no schedule.
         """
         if self.schedule is None:
             raise PrivacyConfigurationError(
@@ -286,22 +215,37 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                 "(model.optimizer.inner_optimizer): the ledger and the inner "
                 "optimizer's state carry over."
             )
-        schedule = self.schedule.extended(phases, truncation_probability=truncation_probability)
+        settings = self.settings.with_schedule(
+            self.schedule.extended(phases, truncation_probability=truncation_probability))
         # Bypasses the freeze: the caller retraces the step that uses it.
-        super().__setattr__("schedule", schedule)
-        return schedule
+        super().__setattr__("settings", settings)
+        return settings.schedule
 
     @property
     def automatic_stability(self) -> float | None:
         """gamma of automatic clipping, or None for flat clipping (what strategies take)."""
-        if self.per_example_scaling == "automatic":
-            return self.automatic_scaling_stability
-        return None
+        return self.settings.automatic_stability
 
     @property
     def seeded_noise(self) -> bool:
         """Whether the noise comes from an explicit seed (not for release)."""
         return self.seed is not None
+
+    @property
+    def logical_step(self) -> int:
+        """Logical steps completed (`iterations`), as a Python int."""
+        return int(keras.ops.convert_to_numpy(self.iterations))
+
+    def settings_report(self) -> dict[str, Any]:
+        """What the privacy report states of the settings (`DPSettings.report`).
+
+        With the inner optimizer's class and, with adaptive clipping, where C
+        went in this process.
+        """
+        report = self.settings.report()
+        report["optimizer"] = type(self.inner_optimizer).__name__
+        report["adaptive_clipping"] = adaptive.report_section(self)
+        return report
 
     def take_nonfinite_updates(self) -> int:
         """Adaptively clipped updates that left the weights or C non-finite since the last call.
@@ -322,25 +266,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         if self.built:
             return
         self._build_in_memory_state(var_list)
-        self.privacy_ledger = self.add_variable(
-            shape=(LEDGER_CAPACITY, len(LEDGER_COLUMNS)),
-            dtype="float64",
-            name="privacy_ledger",
-        )
-        self.privacy_ledger_rows = self.add_variable(
-            shape=(), dtype="int64", name="privacy_ledger_rows"
-        )
-        # Ledger steps taken by earlier optimizers of the same model.
-        self.carried_steps = self.add_variable(shape=(), dtype="int64", name="carried_steps")
-        self.applied_steps = self.add_variable(
-            shape=(_APPLIED_CAPACITY, len(APPLIED_STEP_COLUMNS)),
-            dtype="float64",
-            aggregation="only_first_replica",
-            name="applied_steps",
-        )
-        self.applied_rows = self.add_variable(
-            shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows"
-        )
+        self._build_ledger_variables()
         if self.adaptive_clipping is not None:
             # C_t, a DP release: saved and restored with the optimizer.
             self.clip_norm = self.add_variable(
@@ -366,8 +292,6 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         return _keras_compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     def load_own_variables(self, store):
-        # An earlier release's layout is migrated, never loaded in part.
-        store = self._migrated_store(store)
         saved = len(store.keys())
         if saved and saved != len(self.variables):
             # Keras would skip them with a warning: the ledger of the steps
@@ -382,13 +306,21 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                 "same DPOptimizer settings; or resume with "
                 "tf_megadp.restore_training_state."
             )
+        for index, variable in enumerate(self.variables if saved else ()):
+            if tuple(variable.shape) != tuple(np.shape(store[str(index)])):
+                raise PrivacyConfigurationError(
+                    f"Saved DPOptimizer variable {index} ({variable.name}) has shape "
+                    f"{tuple(np.shape(store[str(index)]))} but this optimizer's is "
+                    f"{tuple(variable.shape)}: the state was not saved by this model with "
+                    "these DPOptimizer settings, so its ledger cannot be loaded whole. "
+                    "Compile with the settings the file was saved with, or start a new run."
+                )
         super().load_own_variables(store)
         if self.built and saved:
             # A restored optimizer resumes at a logical-step boundary, and its
             # ledger is the one of the weights loaded with it.
             self.discard_partial_step()
-            self._carried_from = None
-            self._claim(_keras_compat.optimizer_trainable_variables(self))
+            self._ledger_loaded(_keras_compat.optimizer_trainable_variables(self))
 
     @property
     def iterations(self):
@@ -464,40 +396,56 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             num_replicas = tf.distribute.get_strategy().num_replicas_in_sync
         return float(step_capacity(self.accumulation_steps, micro_batch_size, num_replicas))
 
-    # -- The private update (graph) -------------------------------------------
+    # -- The logical step (graph) ---------------------------------------------
 
-    def _phase_values(self, step):
-        """(accumulation steps, divisor or None, noise multiplier) as tensors."""
-        if self.schedule is None:
-            divisor = None if self.normalize_by is None else tf.constant(self.normalize_by, tf.float32)
-            return (
-                tf.constant(self.accumulation_steps, tf.int64),
-                divisor,
-                tf.constant(self.noise_multiplier, tf.float32),
-            )
-        return self.schedule.phase_tensors(step, self.noise_multiplier)
+    def add_micro_batch(self, token, gradient_sum, trainable_variables, micro_batch_size,
+                        nonfinite, centred_count=None) -> tf.Tensor:
+        """Adds one micro-batch's clipped sum; ends the logical step when it is due.
 
-    def _accumulate_clipped(self, token, gradient_sum, trainable_variables, micro_batch_size,
-                            nonfinite, centred_count=None):
-        """Adds one micro-batch's clipped sum; applies the noisy update when due.
-
-        Called by the private train step in a replica context, with its token.
+        Called by the private step (`tf_megadp.training`) in a replica
+        context, with `PRIVATE_STEP_TOKEN`.
 
         Args:
+            token: `PRIVATE_STEP_TOKEN`; anything else raises.
             gradient_sum: clipped per-example gradient sum per trainable
                 variable (None where the loss does not reach the variable).
             trainable_variables: the model's trainable variables, aligned.
-            micro_batch_size: m (a Python int or scalar tensor).
+            micro_batch_size: m (a Python int or scalar tensor), in privacy units.
             nonfinite: count of examples dropped for non-finite gradients.
             centred_count: with adaptive clipping, the micro-batch's
                 `adaptive_clipping.centred_count` at the step's C.
+
+        Returns:
+            A bool scalar: whether this micro-batch ended a logical step (the
+            noisy update was applied).
+
+        Raises:
+            PrivacyConfigurationError: the caller is not the private step, or
+                the micro-batches do not fit the settings.
         """
-        if token is not _PRIVATE_STEP:
+        if token is not PRIVATE_STEP_TOKEN:
             self.accumulate()  # Raises, naming make_private.
         if not self.built:
             self.build(trainable_variables)
-        if self.schedule is not None:
-            _check_schedule_layout(self.schedule, micro_batch_size)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        self.settings.check_step_layout(micro_batch_size, replicas)
+        self._accumulate(gradient_sum, micro_batch_size, nonfinite, centred_count)
+        step = tf.cast(self.iterations, tf.int64)
+        accumulation_steps, divisor, noise_multiplier = self._phase(step, micro_batch_size,
+                                                                    replicas)
+        end_step = functools.partial(self._end_logical_step, trainable_variables,
+                                     [g is not None for g in gradient_sum], accumulation_steps)
+        if _keras_compat.strategy_supports_no_merge_call():
+            return tf.cond(self._in_memory.micro_steps >= accumulation_steps,
+                           lambda: end_step(step, divisor, noise_multiplier), _not_applied)
+        # `end_step` is bound to the merge function, not passed as one of its
+        # arguments: merge_call groups each argument into one value per replica.
+        return tf.distribute.get_replica_context().merge_call(
+            functools.partial(self._end_step_in_cross_replica_context, end_step),
+            args=(accumulation_steps, step, divisor, noise_multiplier))
+
+    def _accumulate(self, gradient_sum, micro_batch_size, nonfinite, centred_count) -> None:
+        """Adds a micro-batch's clipped sums and counts to this replica's accumulators."""
         state = self._in_memory
         for accumulator, gradient in zip(state.accumulators, gradient_sum):
             if gradient is not None:
@@ -512,73 +460,72 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
                     "This DPOptimizer clips adaptively but the step gave it no count of "
                     "unclipped examples. Train through tf_megadp.make_private or a "
                     "tf_megadp.PrivateStep.")
-            if isinstance(micro_batch_size, int) and self.schedule is None and (
-                    self.normalize_by is None):
-                _check_adaptive_pair(self.adaptive_clipping, self.noise_multiplier,
-                                     float(micro_batch_size * self.accumulation_steps * replicas))
             state.centred_count.assign_add(tf.cast(centred_count, tf.float64))
-        step = tf.cast(self.iterations, tf.int64)
-        accumulation_steps, divisor, noise_multiplier = self._phase_values(step)
-        if divisor is None:
+
+    def _phase(self, step, micro_batch_size, replicas: int):
+        """(accumulation steps, divisor B, noise multiplier) of logical step `step`, as tensors."""
+        if self.schedule is not None:
+            return self.schedule.phase_tensors(step, self.noise_multiplier)
+        accumulation_steps = tf.constant(self.accumulation_steps, tf.int64)
+        if self.normalize_by is not None:
+            divisor = tf.constant(self.normalize_by, tf.float32)
+        else:
             divisor = tf.cast(step_capacity(
                 accumulation_steps, tf.cast(micro_batch_size, tf.int64), replicas), tf.float32)
-        connected = [g is not None for g in gradient_sum]
+        return accumulation_steps, divisor, tf.constant(self.noise_multiplier, tf.float32)
 
-        def noisy_update(step, divisor, noise_multiplier):
-            count_multiplier = tf.constant(0.0, tf.float32)
-            if self.adaptive_clipping is not None:
-                noise_multiplier, count_multiplier, count_stddev = adaptive.step_noise_multipliers(
-                    self.adaptive_clipping, noise_multiplier, divisor)
-            # A state restored inside the step (without its micro-step counter)
-            # is caught here: the noise never repeats a drawn step's.
-            generation = self.draw_generation(True)
-            # Every noise of the step (gradient and count) uses this step's C.
-            self._noisy_update(trainable_variables, connected, step, generation, divisor,
-                               noise_multiplier)
-            if self.adaptive_clipping is not None:
-                adaptive.release_count_and_update(
-                    self.adaptive_clipping, self.clip_norm, state.centred_count.value,
-                    count_stddev, divisor, tf.random.experimental.stateless_fold_in(
-                        self._step_key(step, generation), len(state.accumulators)),
-                    tf.distribute.get_strategy().num_replicas_in_sync,
-                    self.adaptive_clipping.clip_norm_bounds(self.l2_norm_clip))
-                state.centred_count.assign(0.0)
-                # Read by the ledger keeper, which stops the run once the
-                # step is in the ledger.
-                finite = adaptive.all_finite(self.clip_norm.value, trainable_variables)
-                state.nonfinite_updates.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
-            self._record_applied_step(noise_multiplier, accumulation_steps, divisor,
-                                      count_multiplier)
+    def _end_step_in_cross_replica_context(self, end_step, distribution, accumulation_steps,
+                                           *values):
+        """Ends the logical step, when due, from the cross-replica context.
+
+        MirroredStrategy and MultiWorkerMirroredStrategy (unless XLA on GPUs)
+        and TPUStrategy all-reduce through merge_call, which TensorFlow
+        forbids inside a tf.cond taken in a replica context. Decide in the
+        cross-replica context instead, as Keras's LossScaleOptimizer does:
+        every replica holds the same micro-step count, so replica 0 decides.
+        """
+        due = self._in_memory.micro_steps.value >= distribution.experimental_local_results(
+            accumulation_steps)[0]
+
+        def end_on_every_replica():
+            distribution.extended.call_for_each_replica(end_step, args=values)
             return tf.constant(True)
 
-        def skip():
-            return tf.constant(False)
+        return tf.cond(due, end_on_every_replica, _not_applied)
 
-        if _keras_compat.strategy_supports_no_merge_call():
-            return tf.cond(
-                state.micro_steps >= accumulation_steps,
-                lambda: noisy_update(step, divisor, noise_multiplier),
-                skip,
-            )
+    def _end_logical_step(self, trainable_variables, connected, accumulation_steps, step,
+                          divisor, noise_multiplier) -> tf.Tensor:
+        """The end of a logical step: noise once, the update, C's update, the ledger row."""
+        count_multiplier = tf.constant(0.0, tf.float32)
+        count_stddev = None
+        if self.adaptive_clipping is not None:
+            noise_multiplier, count_multiplier, count_stddev = adaptive.step_noise_multipliers(
+                self.adaptive_clipping, noise_multiplier, divisor)
+        # A state restored inside the step (without its micro-step counter)
+        # is caught here: the noise never repeats a drawn step's.
+        generation = self.draw_generation(True)
+        # Every noise of the step (gradient and count) uses this step's C.
+        self._apply_noise(trainable_variables, connected, step, generation, divisor,
+                          noise_multiplier)
+        if self.adaptive_clipping is not None:
+            self._release_count(trainable_variables, step, generation, divisor, count_stddev)
+        self._record_applied_step(noise_multiplier, accumulation_steps, divisor, count_multiplier)
+        return tf.constant(True)
 
-        # MirroredStrategy and MultiWorkerMirroredStrategy (unless XLA on GPUs)
-        # and TPUStrategy all-reduce through merge_call, which TensorFlow
-        # forbids inside a tf.cond taken in a replica context. Decide in the
-        # cross-replica context instead, as keras' LossScaleOptimizer does:
-        # every replica holds the same micro-step count, so replica 0 decides.
-        def cross_replica(distribution, accumulation_steps, *values):
-            due = state.micro_steps.value >= distribution.experimental_local_results(
-                accumulation_steps)[0]
-
-            def update_every_replica():
-                distribution.extended.call_for_each_replica(noisy_update, args=values)
-                return tf.constant(True)
-
-            return tf.cond(due, update_every_replica, skip)
-
-        return tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(accumulation_steps, step, divisor, noise_multiplier)
-        )
+    def _release_count(self, trainable_variables, step, generation, divisor, count_stddev) -> None:
+        """Adaptive clipping: releases the noisy count of unclipped examples and moves C."""
+        state = self._in_memory
+        adaptive.release_count_and_update(
+            self.adaptive_clipping, self.clip_norm, state.centred_count.value,
+            count_stddev, divisor, tf.random.experimental.stateless_fold_in(
+                self._step_key(step, generation), len(state.accumulators)),
+            tf.distribute.get_strategy().num_replicas_in_sync,
+            self.adaptive_clipping.clip_norm_bounds(self.l2_norm_clip))
+        state.centred_count.assign(0.0)
+        # Read by the ledger recorder, which stops the run once the step is
+        # in the ledger.
+        finite = adaptive.all_finite(self.clip_norm.value, trainable_variables)
+        state.nonfinite_updates.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
 
     # -- Serialization ---------------------------------------------------------
 
@@ -586,18 +533,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "l2_norm_clip": self.l2_norm_clip,
-            "noise_multiplier": self.noise_multiplier,
-            "accumulation_steps": None if self.schedule else self.accumulation_steps,
-            "normalize_by": self.normalize_by,
-            "seed": self.seed,
-            "schedule": self.schedule.to_dict() if self.schedule else None,
-            "clipping": self.clipping,
-            "per_example_scaling": self.per_example_scaling,
-            "automatic_scaling_stability": self.automatic_scaling_stability,
-            "examples_per_unit": self.examples_per_unit,
-            "adaptive_clipping": (None if self.adaptive_clipping is None
-                                  else self.adaptive_clipping.to_dict()),
+            **self.settings.to_config(),
         }
 
     @classmethod
@@ -607,3 +543,18 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+def _not_applied() -> tf.Tensor:
+    return tf.constant(False)
+
+
+def _setting(name: str) -> property:
+    return property(lambda optimizer: getattr(optimizer.settings, name),
+                    doc=f"`DPSettings.{name}`: fixed at construction.")
+
+
+# Each setting reads as an attribute of the optimizer (`optimizer.l2_norm_clip`).
+for _name in SETTING_NAMES:
+    setattr(DPOptimizer, _name, _setting(_name))
+del _name

@@ -1,11 +1,22 @@
-"""The ledger of the weights: which `DPOptimizer`'s privacy ledger covers a model's values.
+"""The ledger of the weights: the `DPOptimizer` variables that hold the privacy spent.
 
-The ledger lives in the optimizer's `privacy_ledger` variable; the model's
-variables name the optimizer whose ledger covers their current value, so a
-model compiled again with a new `DPOptimizer` continues the ledger of the
-weights (`read_ledger`, `write_ledger`, `LedgerOfWeights`). The compiled
-step appends each noisy update it applies to `applied_steps`
-(`APPLIED_STEP_COLUMNS`), which the ledger keeper drains after every batch.
+Every variable of the ledger is declared, read and written in this module
+(`LedgerOfWeights`, the part of `DPOptimizer` that keeps them):
+
+* `privacy_ledger` and `privacy_ledger_rows`: the `PrivacyLedger` of every
+  noisy update the weights received (`read_ledger`, `write_ledger`);
+* `carried_steps`: the logical steps earlier optimizers of the same weights
+  applied (a model compiled again with a new `DPOptimizer` continues the
+  ledger of the weights: the model's variables name the optimizer whose
+  ledger covers their value);
+* `applied_steps` and `applied_rows`: the buffer where the compiled step
+  appends each noisy update as it applied it (`APPLIED_STEP_COLUMNS`), which
+  the run's ledger recorder drains (`take_applied_steps`) and turns into
+  ledger entries, adding N and the sampling.
+
+Outside this module, only the run's ledger recorder
+(`tf_megadp.run.ledger_recorder`) writes the ledger, through the functions
+and methods here.
 """
 
 from __future__ import annotations
@@ -15,17 +26,16 @@ import numpy as np
 import tensorflow as tf
 
 from tf_megadp.accounting import LEDGER_COLUMNS, LedgerEntry, PrivacyLedger
-from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED
+from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.errors import PrivacyConfigurationError
 
-__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "adopt_counters",
-           "checkpoint_counters", "read_ledger", "widen_rows", "with_removed_counters",
-           "write_ledger"]
+__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "ledger_owner",
+           "read_ledger", "write_ledger"]
 
 # Rows of phases the ledger variable can hold; consecutive identical steps share a row.
 LEDGER_CAPACITY = 256
 # What the compiled step records of every noisy update it applies, as it used
-# them; the ledger keeper of the private `fit` turns these rows into ledger
+# them; the ledger recorder of the private `fit` turns these rows into ledger
 # entries (adding N and the sampling) after every batch, so the buffer only
 # needs to hold the steps of one `steps_per_execution` call.
 APPLIED_STEP_COLUMNS = (
@@ -46,7 +56,7 @@ class _LedgerOwner:
         self.optimizer = optimizer
 
 
-def _weights_owner(variables) -> "LedgerOfWeights | None":
+def ledger_owner(variables) -> "LedgerOfWeights | None":
     """The DPOptimizer whose ledger covers `variables` (None if none does).
 
     Raises:
@@ -123,116 +133,35 @@ def write_ledger(optimizer: "LedgerOfWeights", ledger: PrivacyLedger) -> None:
     optimizer.privacy_ledger_rows.assign(len(rows))
 
 
-# Counters that optimizer variables kept beside the ledger before issue 29,
-# saved right after `carried_steps`; their steps are ledger entries now.
-_REMOVED_COUNTERS = (("unaccounted_steps", UNACCOUNTED), ("noiseless_steps", NOISELESS))
-# The ledger's (and `applied_steps`') last column, added with adaptive
-# clipping; a row saved before it released the gradient only, so its 0 is exact.
-_ADDED_COLUMNS = 1
-
-
-def widen_rows(table, columns: int) -> np.ndarray:
-    """`table`'s rows with columns appended as 0s up to `columns` (rows of an older format).
-
-    Args:
-        table: a 2-D array whose rows may lack the last `_ADDED_COLUMNS` columns.
-        columns: the current number of columns.
-
-    Returns:
-        A float64 array of shape (len(table), columns).
-
-    Raises:
-        PrivacyConfigurationError: the rows have another number of columns,
-            which no tf_megadp release saved.
-    """
-    table = np.asarray(table, np.float64)
-    if table.ndim != 2 or table.shape[1] not in (columns, columns - _ADDED_COLUMNS):
-        raise PrivacyConfigurationError(
-            f"Saved ledger rows of shape {table.shape} are neither this release's "
-            f"{columns} columns nor the {columns - _ADDED_COLUMNS} of earlier ones: the "
-            "file was not written by a tf_megadp DPOptimizer. Load the state it was "
-            "saved with, or start a new run.")
-    wide = np.zeros((table.shape[0], columns), np.float64)
-    wide[:, : table.shape[1]] = table
-    return wide
-
-
-def with_removed_counters(ledger: PrivacyLedger, counts: dict[str, int]) -> PrivacyLedger:
-    """`ledger` followed by the steps that a checkpoint's removed counters held.
-
-    Args:
-        ledger: the saved ledger.
-        counts: the value of each counter of `_REMOVED_COUNTERS` by name.
-
-    Returns:
-        A new ledger with one steps-only entry per non-zero counter.
-    """
-    ledger = ledger.copy()
-    for name, kind in _REMOVED_COUNTERS:
-        ledger.append(LedgerEntry.steps_only(int(counts.get(name, 0)), kind))
-    return ledger
-
-
-def checkpoint_counters(save_path: str, optimizer: "LedgerOfWeights",
-                        key: str = "optimizer") -> dict[str, int]:
-    """The removed counters that a `tf.train.Checkpoint` of an earlier release holds.
-
-    `tf.train.Checkpoint` restores variables by name and skips names that no
-    object has, so the steps of the counters `_REMOVED_COUNTERS` would be
-    dropped silently: they are read here, to be added to the ledger
-    (`adopt_counters`) once the checkpoint is restored.
-
-    Args:
-        save_path: the checkpoint's path (prefix).
-        optimizer: the `DPOptimizer` it restores.
-        key: the optimizer's name in the checkpoint.
-
-    Returns:
-        Each removed counter's value by name (empty for a current checkpoint).
-
-    Raises:
-        PrivacyConfigurationError: the checkpoint's ledger has the 5 columns of
-            a release before adaptive clipping, which restoring by name cannot
-            widen; or the optimizer is not built, so its ledger cannot take the
-            counters' steps.
-    """
-    reader = tf.train.load_checkpoint(save_path)
-    shapes = reader.get_variable_to_shape_map()
-
-    def path(name):
-        return f"{key}/{name}/.ATTRIBUTES/VARIABLE_VALUE"
-
-    ledger_shape = shapes.get(path("privacy_ledger"))
-    if ledger_shape is not None and ledger_shape[-1] != len(LEDGER_COLUMNS):
-        raise PrivacyConfigurationError(
-            f"{save_path} holds a privacy ledger of {ledger_shape[-1]} columns, saved by "
-            f"a tf_megadp release before the {len(LEDGER_COLUMNS)}th "
-            "(count_noise_multiplier); a tf.train.Checkpoint cannot widen it on "
-            "restore. Restore it with the release that wrote it, save the run with "
-            "model.save('run.keras') or tf_megadp.save_training_state, and load that "
-            "here: both migrate the ledger exactly.")
-    counts = {name: int(reader.get_tensor(path(name)))
-              for name, _ in _REMOVED_COUNTERS if path(name) in shapes}
-    if any(counts.values()) and not optimizer.built:
-        raise PrivacyConfigurationError(
-            f"{save_path} holds steps of an earlier release's counters, which join the "
-            "privacy ledger on restore, but the DPOptimizer is not built. Build it "
-            "first: optimizer.build(model.trainable_variables).")
-    return counts
-
-
-def adopt_counters(optimizer: "LedgerOfWeights", counts: dict[str, int]) -> None:
-    """Adds the steps of `checkpoint_counters` to a restored optimizer's ledger."""
-    if any(counts.values()):
-        write_ledger(optimizer, with_removed_counters(read_ledger(optimizer), counts))
-
-
 def _number(variable) -> int:
     return int(keras.ops.convert_to_numpy(variable))
 
 
 class LedgerOfWeights:
     """The part of `DPOptimizer` that keeps the ledger of the weights it trains."""
+
+    def _build_ledger_variables(self) -> None:
+        """Declares the ledger's variables (saved with every file of the optimizer).
+
+        Their order is their position in Keras's saved files; the attribute
+        names are their names in a `tf.train.Checkpoint`.
+        """
+        self.privacy_ledger = self.add_variable(
+            shape=(LEDGER_CAPACITY, len(LEDGER_COLUMNS)), dtype="float64", name="privacy_ledger")
+        self.privacy_ledger_rows = self.add_variable(
+            shape=(), dtype="int64", name="privacy_ledger_rows")
+        # Ledger steps taken by earlier optimizers of the same model.
+        self.carried_steps = self.add_variable(shape=(), dtype="int64", name="carried_steps")
+        self.applied_steps = self.add_variable(
+            shape=(_APPLIED_CAPACITY, len(APPLIED_STEP_COLUMNS)), dtype="float64",
+            aggregation="only_first_replica", name="applied_steps")
+        self.applied_rows = self.add_variable(
+            shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows")
+
+    @property
+    def steps_carried(self) -> int:
+        """Logical steps that earlier optimizers of the same weights applied (in the ledger)."""
+        return _number(self.carried_steps) if self.built else 0
 
     @property
     def logical_steps_applied(self) -> int:
@@ -260,73 +189,63 @@ class LedgerOfWeights:
         """
         return self.logical_steps_applied - self.logical_steps_recorded
 
-    def saved_counts_accepted(self) -> tuple[int, ...]:
-        """How many variables a saved state of this optimizer may hold: now, or before issue 29."""
-        current = len(self.variables)
-        return (current, current + len(_REMOVED_COUNTERS))
+    @property
+    def pending_applied_steps(self) -> int:
+        """Logical steps the compiled step applied that no one has taken from its buffer yet."""
+        if not self.built:
+            return 0
+        rows = min(_number(self.applied_rows), self.applied_steps.shape[0])
+        return int(self.applied_steps.numpy()[:rows, 0].sum())
 
-    def _migrated_store(self, store):
-        """The saved variables `store` (Keras's `load_own_variables` layout) in this release's.
+    def take_applied_steps(self) -> np.ndarray:
+        """The rows (`APPLIED_STEP_COLUMNS`) the compiled step appended since the last take.
 
-        Two older layouts are migrated exactly, so that no spent step is
-        lost: ledger rows of 5 columns (before `count_noise_multiplier`,
-        which is then 0), and the `unaccounted_steps` and `noiseless_steps`
-        counters saved after `carried_steps`, whose steps become ledger
-        entries of their kinds. A store of the current layout is returned
-        as it is; one that matches no layout is left to the caller's check.
-
-        Args:
-            store: the saved variables by position ("0", "1", ...).
-
-        Returns:
-            A store with this optimizer's variables, in order.
+        They leave the buffer: the caller (the run's ledger recorder) turns
+        them into ledger entries.
 
         Raises:
-            PrivacyConfigurationError: the migrated values do not fit this
-                optimizer (another model's state, or a full ledger).
+            PrivacyConfigurationError: more differently configured steps ran
+                than the buffer holds, so some were not recorded.
         """
-        if not self.built:
-            return store
-        variables = self.variables
-        names = [variable.name for variable in variables]
-        at = names.index("privacy_ledger")
-        saved = len(store.keys())
-        counters = saved == len(variables) + len(_REMOVED_COUNTERS)
-        columns = self.privacy_ledger.shape[1]
-        if saved not in self.saved_counts_accepted() or (
-                not counters and np.shape(store[str(at)])[1:] == (columns,)):
-            return store
-        values = [store[str(index)] for index in range(saved)]
-        counts = {}
-        if counters:
-            removed = values[at + 3: at + 3 + len(_REMOVED_COUNTERS)]
-            if any(np.shape(value) != () for value in removed):
-                return store  # Not the old layout: the caller's count check refuses it.
-            counts = {name: int(np.asarray(value)) for (name, _), value in
-                      zip(_REMOVED_COUNTERS, removed)}
-            del values[at + 3: at + 3 + len(_REMOVED_COUNTERS)]
-        rows = int(np.asarray(values[at + 1]))
-        ledger = with_removed_counters(
-            PrivacyLedger.from_rows(widen_rows(values[at], columns)[:rows]), counts)
-        table = np.zeros(self.privacy_ledger.shape, np.float64)
-        if len(ledger) > len(table):
+        count = _number(self.applied_rows) if self.built else 0
+        if not count:
+            return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
+        capacity = self.applied_steps.shape[0]
+        if count > capacity:
             raise PrivacyConfigurationError(
-                f"The saved ledger migrates to {len(ledger)} rows, beyond the "
-                f"{len(table)} this optimizer stores. Load it with the tf_megadp release "
-                "that saved it and report its epsilon there.")
-        table[: len(ledger)] = ledger.to_rows()
-        values[at], values[at + 1] = table, np.int64(len(ledger))
-        applied = names.index("applied_steps")
-        values[applied] = widen_rows(values[applied], self.applied_steps.shape[1])
-        for variable, value in zip(variables, values):
-            if tuple(variable.shape) != np.shape(value):
-                raise PrivacyConfigurationError(
-                    f"Saved variable {variable.name} has shape {np.shape(value)} after "
-                    f"migrating an earlier tf_megadp layout, but this optimizer's is "
-                    f"{tuple(variable.shape)}: the state was saved from another model or "
-                    "with other DPOptimizer settings. Compile with the settings it was "
-                    "saved with.")
-        return {str(index): value for index, value in enumerate(values)}
+                f"More than {capacity} differently configured logical steps ran "
+                "between two ledger updates, beyond what the step can record. Lower "
+                "steps_per_execution (fit), or call PrivateStep.record() more often "
+                "(a custom loop)."
+            )
+        table = self.applied_steps.numpy()[:count]
+        self.applied_rows.assign(0)
+        return table
+
+    def take_carried_over_steps(self) -> int | None:
+        """The steps this optimizer took over from another when built, reported once.
+
+        Returns:
+            The previous optimizer's applied steps the first time it is
+            asked after `build` took them over (the private run warns), else None.
+        """
+        carried, self._carried_from = getattr(self, "_carried_from", None), None
+        return carried
+
+    def start_ledger(self, ledger: PrivacyLedger) -> None:
+        """Makes `ledger` the start of this optimizer's, as steps it applied (a release's).
+
+        Args:
+            ledger: the ledger of the weights' earlier steps.
+        """
+        write_ledger(self, ledger)
+        # Those steps were applied to these weights by another optimizer.
+        self.carried_steps.assign(ledger.total_steps)
+
+    def _ledger_loaded(self, variables) -> None:
+        """The saved ledger was just loaded: it is the ledger of `variables`, as they are."""
+        self._carried_from = None
+        self._claim(variables)
 
     def _has_history(self) -> bool:
         return self.built and (self.logical_steps_applied > 0 or self.logical_steps_recorded > 0)
@@ -346,7 +265,7 @@ class LedgerOfWeights:
         optimizer's `iterations`). Wrapping the previous optimizer's inner
         optimizer continues its state (moments, iterations) as well.
         """
-        previous = _weights_owner(variables)
+        previous = ledger_owner(variables)
         self._carried_from = None
         if previous is not None and previous is not self and previous._has_history():
             if previous.inner_optimizer is self.inner_optimizer:
@@ -382,7 +301,7 @@ class LedgerOfWeights:
                 new DPOptimizer, trained, and compiled again with this one),
                 so this ledger misses its steps.
         """
-        owner = _weights_owner(variables)
+        owner = ledger_owner(variables)
         if owner is not None and owner is not self and owner._has_history() and (
             owner.logical_steps_applied != self.logical_steps_applied
             or read_ledger(owner) != read_ledger(self)

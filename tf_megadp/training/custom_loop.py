@@ -6,7 +6,7 @@ Many TensorFlow programs, and most TPU pretraining scripts, do not call
 `PrivacyCallback` gives a `fit`, for a loop without callbacks:
 
 * `PrivateStep` runs the private `fit`'s own step
-  (`tf_megadp.train_step._private_step`: every example clipped, the clipped
+  (`tf_megadp.training.step.private_step`: every example clipped, the clipped
   sum accumulated into the `DPOptimizer`, noise once per logical step) and
   keeps the privacy ledger with the private `fit`'s `LedgerRecorder` (N and
   the sampling from what feeds the loop, with the same checks).
@@ -16,7 +16,7 @@ Many TensorFlow programs, and most TPU pretraining scripts, do not call
 What the compiled step runs is checked when it runs, not only when it is
 traced: a step traced before the model was compiled again (or given a new
 `PrivateStep`, made private again, its schedule extended) refuses
-(`tf_megadp.run_state.current_generation`), and a step begun with a sampler
+(`tf_megadp.run.state.current_generation`), and a step begun with a sampler
 admits only the micro-batches of that sampler's tagged dataset, each at its
 place in the run (`tf_megadp.data.tags`). A refused micro-batch adds nothing
 to any sum, also where XLA drops the assertion.
@@ -66,11 +66,11 @@ from tf_megadp.clipping import independence
 from tf_megadp.data import sources, tags
 from tf_megadp.data.fit_inputs import distinct_real_examples, is_array_input
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.ledger_keeping import LedgerRecorder
-from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import _number, adopt_counters, checkpoint_counters, read_ledger
-from tf_megadp.run_state import advance_generation, current_generation, is_private
-from tf_megadp.train_step import _private_step, make_private
+from tf_megadp.optimizer import DPOptimizer, read_ledger
+from tf_megadp.run.ledger_recorder import LedgerRecorder
+from tf_megadp.run.state import advance_generation, current_generation, is_private
+from tf_megadp.training.make_private import make_private
+from tf_megadp.training.step import private_step
 
 __all__ = ["PrivateStep"]
 
@@ -409,7 +409,7 @@ class PrivateStep:
         if self._tagged:
             data, tag = _split_tag(data)
             admitted = tf.logical_and(admitted, self._tag_admitted(tag))
-        outcome = _private_step(
+        outcome = private_step(
             self.model, data,
             log_nonfinite_examples=getattr(self.model, "_tf_megadp_log_nonfinite", False),
             admitted=admitted)
@@ -474,7 +474,7 @@ class PrivateStep:
     @property
     def logical_step(self) -> int:
         """Logical steps applied to the weights so far (the optimizer's `iterations`)."""
-        return _number(self.optimizer.iterations)
+        return self.optimizer.logical_step
 
     # -- The ledger ------------------------------------------------------------------
 
@@ -503,9 +503,9 @@ class PrivateStep:
                 "PrivateStep was built: its steps are in that optimizer's ledger. Build a "
                 "new PrivateStep.")
         replaced = self._state_replaced()
-        table = self.recorder._take_applied_rows()
+        table = self.recorder.take_applied_steps()
         steps = int(table[:, 0].sum())
-        micro_steps = _number(optimizer.micro_steps)
+        micro_steps = optimizer.micro_step
         problem = None
         if replaced:
             problem = (
@@ -534,7 +534,7 @@ class PrivateStep:
             raise PrivacyConfigurationError(
                 f"{steps} logical steps cannot be accounted and are in no privacy "
                 f"ledger (a report refuses from now on): {problem}.")
-        self.recorder._record_rows(table)
+        self.recorder.record_steps(table)
         self._sync(micro_steps)
         refused = self._read(self._refused)
         if refused:
@@ -569,7 +569,7 @@ class PrivateStep:
                 "whole, and discarding part of one would join the rest of it to the "
                 "next. Call end_pass() only for data begun with micro_batches_per_pass.")
         self.record()
-        self.recorder._end_partial_step("a pass over the data")
+        self.recorder.end_partial_step("a pass over the data")
         self._sync(micro_steps=0)
         self._pass_origin = self._synced_calls
 
@@ -588,9 +588,8 @@ class PrivateStep:
     def _state_replaced(self) -> bool:
         """Whether the optimizer's ledger changed other than through this step."""
         optimizer = self.optimizer
-        pending = optimizer.applied_steps.numpy()[: min(
-            _number(optimizer.applied_rows), optimizer.applied_steps.shape[0]), 0].sum()
-        return (optimizer.logical_steps_applied != self._synced_applied + int(pending)
+        pending = optimizer.pending_applied_steps
+        return (optimizer.logical_steps_applied != self._synced_applied + pending
                 or read_ledger(optimizer) != self.recorder.ledger)
 
     def _sync(self, micro_steps: int) -> None:
@@ -627,29 +626,9 @@ class PrivateStep:
         step.begin(tf_megadp.PoissonSampler(shards, schedule, start_step=step.logical_step))
         ```
         """
-        return _RecordingCheckpoint(self, model=self.model, optimizer=self.optimizer,
-                                    **trackables)
-
-
-class _RecordingCheckpoint(tf.train.Checkpoint):
-    """A `tf.train.Checkpoint` that records a `PrivateStep`'s applied steps before writing."""
-
-    def __init__(self, step: PrivateStep, **trackables):
-        super().__init__(**trackables)
-        self._tf_megadp_recorder = step.record
-
-    # `write`, `save` and `tf.train.CheckpointManager.save` all write through it.
-    def _write(self, file_prefix, options=None):
-        self._tf_megadp_recorder()
-        return super()._write(file_prefix, options=options)
-
-    # `restore` and `tf.train.CheckpointManager` read through it. An earlier
-    # release's counters have no variable now: their steps join the ledger.
-    def read(self, save_path, options=None):
-        counts = checkpoint_counters(save_path, self.optimizer) if save_path else {}
-        status = super().read(save_path, options=options)
-        adopt_counters(self.optimizer, counts)
-        return status
+        # Every write records the applied steps first.
+        return _keras_compat.checkpoint_calling_before_write(
+            self.record, model=self.model, optimizer=self.optimizer, **trackables)
 
 
 def _split_tag(data):

@@ -41,7 +41,6 @@ from tf_megadp.accounting import PrivacyLedger
 from tf_megadp.accounting.report import check_report_format
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
-from tf_megadp.optimizer_ledger import write_ledger
 
 __all__ = ["check_starting_weights", "continue_from_release", "declare_public_weights",
            "note_ledger_loaded", "note_release", "note_starting_weights", "origin_report",
@@ -293,9 +292,7 @@ def continue_from_release(model: keras.Model, report_path: str | os.PathLike) ->
             "weights were exported (PrivacyCallback.save_report right after "
             "export_model), or continue the run from its training checkpoint.")
     ledger = PrivacyLedger.from_list(report["ledger"])
-    write_ledger(optimizer, ledger)
-    # The release's steps were applied to these weights by its optimizer.
-    optimizer.carried_steps.assign(ledger.total_steps)
+    optimizer.start_ledger(ledger)
     origin = _origin(model)
     origin.fingerprint = fingerprint
     origin.spent_privacy = True

@@ -136,11 +136,11 @@ class PrivateBackup(keras.callbacks.Callback):
         if self._batches_since_backup >= self.save_freq:
             self._due = True
         if self._due and self._at_step_boundary():
-            self._write(self._epoch)
+            self._write_backup(self._epoch)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":
-            self._write(epoch + 1)
+            self._write_backup(epoch + 1)
 
     def on_train_end(self, logs=None):
         if self.delete_checkpoint and os.path.exists(self.backup_dir):
@@ -151,7 +151,7 @@ class PrivateBackup(keras.callbacks.Callback):
     def _at_step_boundary(self) -> bool:
         return int(keras.ops.convert_to_numpy(self.model.optimizer.micro_steps)) == 0
 
-    def _write(self, epoch: int) -> None:
+    def _write_backup(self, epoch: int) -> None:
         """Writes the backup atomically: weights, optimizer (with its ledger) and position."""
         import h5py
 

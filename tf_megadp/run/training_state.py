@@ -1,9 +1,10 @@
-"""Training checkpoints that keep the DP state, and the release export.
+"""Training checkpoints that keep the DP state: `save_training_state`, `restore_training_state`.
 
 Which files of a run may be published:
 
-* `export_model(model, path)` writes the model alone (architecture and
-  weights, no optimizer, no compile settings): the file to release.
+* `export_model(model, path)` (`tf_megadp.run.export`) writes the model
+  alone (architecture and weights, no optimizer, no compile settings): the
+  file to release.
 * A training checkpoint (`save_training_state`, `model.save`,
   `ModelCheckpoint`) holds the optimizer state as well: the inner
   optimizer's moments are functions of the noisy updates, like the weights,
@@ -28,7 +29,6 @@ another.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import secrets
@@ -36,12 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from tf_megadp import weights_origin
-from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.files import atomic_write, write_json_atomically
 
-__all__ = ["save_training_state", "restore_training_state", "has_training_state",
-           "training_state_extra", "export_model"]
+__all__ = ["has_training_state", "record_custom_loop", "restore_training_state",
+           "save_training_state", "training_state_extra"]
 
 # Keras (so TensorFlow) and the optimizer are imported by the functions that
 # save or load a model, not here: `has_training_state` and
@@ -156,9 +154,6 @@ def restore_training_state(model: keras.Model, directory: str, compile_kwargs: d
     model.load_weights(os.path.join(directory, files["weights"]))
     with np.load(os.path.join(directory, files["optimizer_variables"])) as saved:
         values = [saved[f"v{i:05d}"] for i in range(len(saved.files))]
-    # A checkpoint of an earlier release's layout is migrated first.
-    migrated = optimizer._migrated_store({str(i): value for i, value in enumerate(values)})
-    values = [migrated[str(i)] for i in range(len(migrated))]
     expected: dict[str, Any] = {}
     optimizer.save_own_variables(expected)
     if len(values) != len(expected):
@@ -196,7 +191,7 @@ def training_state_extra(directory: str) -> dict[str, Any]:
 
     Example:
     ```python
-    from tf_megadp.checkpointing import training_state_extra
+    from tf_megadp.run.training_state import training_state_extra
 
     training_state_extra("run/checkpoint")["epoch"]
     ```
@@ -212,154 +207,3 @@ def training_state_extra(directory: str) -> dict[str, Any]:
     if not isinstance(index, dict) or not isinstance(index.get("extra", {}), dict):
         raise ValueError(f"{index_path} is not a checkpoint index.")
     return index.get("extra", {})
-
-
-def export_model(model: keras.Model, path: str | os.PathLike) -> None:
-    """Writes the model for release: architecture and weights, no optimizer state.
-
-    The file holds no optimizer variables, no compile configuration (so no
-    clipping, noise or seed settings) and no training state; it is what a
-    DP run may publish. Written atomically. A private fit that starts an
-    empty ledger on the exported weights refuses, in this process, until
-    `tf_megadp.continue_from_release` composes the release's ledger (pass it
-    the report saved with the release, which names the weights by their
-    `weights_fingerprint`). A private model whose trainable
-    weights changed outside its private steps (between private fits) is
-    written with a loud warning: epsilon does not cover that change.
-
-    Args:
-        model: the trained model.
-        path: the `.keras` file to write.
-
-    Example:
-    ```python
-    model.fit(...)
-    tf_megadp.export_model(model, "release/model.keras")
-    released = keras.models.load_model("release/model.keras")
-    ```
-    """
-    path = os.fspath(path)
-    if not path.endswith(".keras"):
-        raise ValueError(f"export_model writes a .keras file, got {path!r}.")
-    from tf_megadp.run_state import is_private, run_notes
-
-    if is_private(model):
-        run_notes(model).check_weights(model)  # warns when they changed
-    optimizer = getattr(model, "optimizer", None)
-    compiled = getattr(model, "compiled", False)
-    try:
-        # Keras saves the optimizer and the compile settings of a compiled
-        # model; detach both for the duration of the write.
-        model.optimizer = None
-        model.compiled = False
-        atomic_write(path, model.save)
-    finally:
-        model.optimizer = optimizer
-        model.compiled = compiled
-    # A private fit that starts an empty ledger on these weights refuses.
-    weights_origin.note_release(model, path)
-
-
-# -- Keras save and load of a private model keep the ledger ------------------------
-
-
-def _saved_dp_optimizer_variables(path) -> int:
-    """How many DPOptimizer variables a Keras weights or model file holds (0 if none)."""
-    import zipfile
-
-    import h5py
-
-    path = str(path)
-    try:
-        if path.endswith(".keras"):
-            with zipfile.ZipFile(path) as archive, archive.open("model.weights.h5") as stream:
-                with h5py.File(stream, "r") as handle:
-                    return _dp_variable_count(handle)
-        with h5py.File(path, "r") as handle:
-            return _dp_variable_count(handle)
-    except (OSError, KeyError, zipfile.BadZipFile):
-        return 0  # Not a Keras weights file: Keras itself will say so.
-
-
-def _dp_variable_count(handle) -> int:
-    # A DPOptimizer saves its own variables and, as a child, its inner optimizer's.
-    group = handle.get("optimizer")
-    if group is None or "inner_optimizer" not in group:
-        return 0
-    return len(group.get("vars", {}))
-
-
-def _ledger_preserving_load(model: keras.Model, original_load):
-    from tf_megadp.optimizer import DPOptimizer
-
-    @functools.wraps(original_load)
-    def load_weights(filepath, *args, **kwargs):
-        saved = _saved_dp_optimizer_variables(filepath)
-        optimizer = getattr(model, "optimizer", None)
-        if saved and isinstance(optimizer, DPOptimizer) and not optimizer.built and model.built:
-            # Keras skips the state of an unbuilt optimizer: build it, so
-            # that the ledger in the file is loaded with the weights.
-            optimizer.build(model.trainable_variables)
-        if saved and not (isinstance(optimizer, DPOptimizer) and optimizer.built
-                          and saved in optimizer.saved_counts_accepted()):
-            raise PrivacyConfigurationError(
-                f"{filepath} holds a DPOptimizer's state, with the privacy ledger of "
-                "the steps already taken, but this model is not compiled with a "
-                "DPOptimizer of the same settings: Keras would load the weights and "
-                "drop that ledger, and epsilon would be under-reported. Compile with "
-                "the DPOptimizer first, then load_weights; or load the run with "
-                "keras.models.load_model or tf_megadp.restore_training_state."
-            )
-        if not saved:  # Weights from outside a DP run: the ones they replace started it.
-            weights_origin.note_starting_weights(model)
-        loaded = original_load(filepath, *args, **kwargs)
-        if saved:
-            weights_origin.note_ledger_loaded(model)
-        return loaded
-
-    return load_weights
-
-
-def _atomic_save(original_save, model=None):
-    """`save` / `save_weights` through a temporary file renamed into place.
-
-    A run killed while `ModelCheckpoint` (or the user) writes a checkpoint
-    keeps the previous file whole instead of a truncated one. Given the
-    model, the steps a custom loop applied are recorded in its ledger first.
-    """
-
-    @functools.wraps(original_save)
-    def save(filepath, *args, **kwargs):
-        if model is not None:
-            record_custom_loop(model)
-        path = os.fspath(filepath)
-        if "://" in path or kwargs.get("overwrite", True) is False:
-            # Remote files have no atomic rename; overwrite=False asks first.
-            return original_save(filepath, *args, **kwargs)
-        kwargs["overwrite"] = True
-        atomic_write(path, lambda temporary: original_save(temporary, *args, **kwargs))
-
-    return save
-
-
-def _ledger_preserving_save(model: keras.Model, original_save):
-    import keras
-
-    from tf_megadp.optimizer import DPOptimizer
-
-    atomic_save = _atomic_save(original_save, model)
-
-    @functools.wraps(original_save)
-    def save(filepath, *args, **kwargs):
-        # Keras replays only its own compile on load (keras-hub tasks override it).
-        compile_replayed = type(model).compile is keras.Model.compile
-        if isinstance(getattr(model, "optimizer", None), DPOptimizer) and not compile_replayed:
-            raise PrivacyConfigurationError(
-                f"{type(model).__name__} overrides compile, so keras.models.load_model "
-                "skips it and the DPOptimizer (its privacy ledger) would be lost on "
-                "load. Use tf_megadp.save_training_state(model, directory) to resume a "
-                "run and tf_megadp.export_model(model, path) to publish the model."
-            )
-        return atomic_save(filepath, *args, **kwargs)
-
-    return save

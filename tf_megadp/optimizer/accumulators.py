@@ -147,6 +147,11 @@ class Accumulators:
         return self._in_memory.micro_steps
 
     @property
+    def micro_step(self) -> int:
+        """The number of micro-batches accumulated in the current logical step (Python)."""
+        return int(keras.ops.convert_to_numpy(self._in_memory.micro_steps)) if self.built else 0
+
+    @property
     def nonfinite_examples(self):
         """Examples dropped for a non-finite gradient since the optimizer was built (in memory)."""
         return self._in_memory.nonfinite_examples
@@ -210,8 +215,13 @@ class Accumulators:
         key = tf.random.experimental.stateless_fold_in(key, generation)
         return tf.random.experimental.stateless_fold_in(key, tf.cast(replica_id, tf.int64))
 
-    def _noisy_update(self, trainable_variables, connected, step, generation, divisor,
-                      noise_multiplier):
+    def _apply_noise(self, trainable_variables, connected, step, generation, divisor,
+                     noise_multiplier) -> None:
+        """Adds the step's Gaussian noise to every sum once, divides by B, applies the update.
+
+        Called in a replica context at the end of a logical step; the
+        accumulators and the micro-step count start again from 0.
+        """
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         # Each replica adds independent noise of variance sigma^2 C^2 / R, so the
         # all-reduced SUM carries exactly N(0, sigma^2 C^2) per coordinate.

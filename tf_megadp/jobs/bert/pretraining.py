@@ -43,7 +43,7 @@ from tf_megadp.jobs.bert.config import (  # noqa: F401 (the job's names, for the
 from tf_megadp.jobs.bert.config_file import load_run_config, run_config_from_dict
 from tf_megadp.jobs.bert.prepare import canary_split, prepare_data, vocabulary_report
 from tf_megadp.jobs.bert.run_files import (
-    _TRAINING_CORPUS_VOCABULARY_WARNING,
+    TRAINING_CORPUS_VOCABULARY_WARNING,
     CANARIES_NAME,
     CHECKPOINT_NAME,
     check_same_run,
@@ -163,7 +163,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     phases = config.phases()
     started = time.time()
     if config.vocabulary_from_training_corpus:
-        warnings.warn(_TRAINING_CORPUS_VOCABULARY_WARNING, UserWarning, stacklevel=2)
+        warnings.warn(TRAINING_CORPUS_VOCABULARY_WARNING, UserWarning, stacklevel=2)
 
     output_dir = config.output_dir or os.path.join(
         "runs", time.strftime("pretrain-%Y%m%d-%H%M%S"))

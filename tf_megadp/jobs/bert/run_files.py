@@ -26,7 +26,7 @@ VOCABULARY_NAME = "vocab.txt"
 REPORT_NAME = "report.json"
 PRIVACY_REPORT_NAME = "privacy.json"
 TRAINING_CORPUS_VOCABULARY = "training corpus (NOT private)"
-_TRAINING_CORPUS_VOCABULARY_WARNING = (
+TRAINING_CORPUS_VOCABULARY_WARNING = (
     "--vocabulary-from-training-corpus: the WordPiece vocabulary is learned from "
     "your corpus and published with the model (vocab.txt). It is NOT covered by "
     "epsilon: frequent enough words of the private text, names and identifiers "
@@ -109,7 +109,7 @@ def check_same_run(saved: dict[str, Any], config: PretrainConfig) -> None:
     Only the `OPERATIONAL_FIELDS` may differ from `saved`; any other change
     is refused, naming the field and its two values.
     """
-    current = _config_dict(config)
+    current = config_dict(config)
     changed = sorted(
         name for name in current
         if name not in OPERATIONAL_FIELDS and name in saved and saved[name] != current[name]
@@ -125,7 +125,7 @@ def check_same_run(saved: dict[str, Any], config: PretrainConfig) -> None:
             + ".")
 
 
-def _config_dict(config: PretrainConfig) -> dict[str, Any]:
+def config_dict(config: PretrainConfig) -> dict[str, Any]:
     values = dataclasses.asdict(config)
     values["corpus"] = list(config.corpus) if config.corpus else None
     values["schedule"] = [list(p) for p in config.schedule] if config.schedule else None
@@ -159,7 +159,7 @@ def _learning_lines(report: dict[str, Any]) -> list[str]:
             f"trained on              {population}"]
 
 
-def _summary(report: dict[str, Any], output_dir: str) -> str:
+def run_summary(report: dict[str, Any], output_dir: str) -> str:
     lines = [
         "",
         "=" * 64,

@@ -30,8 +30,8 @@ from tf_megadp.jobs.bert.run_files import (
     RELEASED_OUTSIDE_EPSILON,
     REPORT_NAME,
     VOCABULARY_NAME,
-    _config_dict,
-    _summary,
+    config_dict,
+    run_summary,
 )
 
 
@@ -211,7 +211,7 @@ class _Checkpointer:
             "logical_steps": int(model.optimizer.iterations.numpy()),
             "history": self.history,
             "resumes": self.resumes,
-            "config": _config_dict(self.config),
+            "config": config_dict(self.config),
             # The saved config holds the rate as a number: where it came from
             # is kept beside it, so that a resumed run reports it.
             "learning_rate_source": self.learning_rate_source,
@@ -386,7 +386,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
         write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
         if start.history:
             _plot(start.history, os.path.join(output_dir, PLOT_NAME), job.private)
-    log(_summary(report, output_dir))
+    log(run_summary(report, output_dir))
     return report
 
 
@@ -752,7 +752,7 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
         "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
         "files": _file_guide(config, private),
         "history": history,
-        "config": _config_dict(config),
+        "config": config_dict(config),
     }
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "call_has_training_arg",
     "child_layers",
     "compiled_loss_and_metrics",
+    "concrete_functions",
     "flatten_layers",
     "get_keras_mask",
     "is_keras_own_call",
@@ -195,6 +196,16 @@ def plain_resource_variable(initial_value: Any, **kwargs: Any) -> tf.Variable:
     public constructor.
     """
     return _resource_variable_ops.ResourceVariable(initial_value, **kwargs)
+
+
+def concrete_functions(function: Any) -> list:
+    """Every concrete function a `tf.function` has traced so far.
+
+    `get_concrete_function` traces for given arguments; only the private
+    `_list_all_concrete_functions` lists the traces that already exist
+    (those made while a caller's step was traced included).
+    """
+    return function._list_all_concrete_functions()
 
 
 def pfor_converter_registered(op_type: str) -> bool:

@@ -171,13 +171,11 @@ class GhostClipping(base.ClippingStrategy):
             self._fits[model].forget()
 
     def begin_fit(self, model, data: bytes | None) -> bool:
-        """At the start of a private fit: keeps the last fit's verdicts, or resets them.
+        """At a private fit's start: keeps the last fit's verdicts, or resets them.
 
-        Kept only when the last fit of `model` returned and neither the
-        model's layers, nor the variables its traced passes read, nor the
-        data (`data`, from `tf_megadp.data.fit_inputs.data_identity`)
-        changed since (`verdicts.FitVerdicts`); a new trace (recompile, new
-        input signature) is checked on its first call anyway.
+        Kept only when the last fit of `model` returned and its layers, the
+        variables its traced passes read and the data (`data`:
+        `fit_inputs.data_identity`) did not change since (`verdicts`).
 
         Returns:
             Whether the verdicts were kept.

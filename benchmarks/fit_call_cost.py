@@ -114,8 +114,8 @@ def main(argv=None):
     private, twin = new_model(args, True), new_model(args, False)
     for name, model in (("private", private), ("non-private", twin)):
         seconds, _ = timed_fit(model, data, args)
-        print(f"  first fit, {name}: {seconds:.1f} s (tracing, compilation, first check)",
-              flush=True)
+        print(f"  first fit, {name}: {seconds:.1f} s (tracing, compilation; "
+              f"private: the first check)", flush=True)
     walls = {"keep": [], "reset": [], "non-private": []}
     steady, twin_steady = [], []
     runs = [("keep", private, False), ("reset", private, True), ("non-private", twin, False)]

@@ -36,6 +36,7 @@ __all__ = [
     "checkpoint_calling_before_write",
     "child_layers",
     "compiled_loss_and_metrics",
+    "concrete_functions",
     "flatten_layers",
     "get_keras_mask",
     "is_keras_own_call",
@@ -222,6 +223,16 @@ def checkpoint_calling_before_write(before_write: Callable[[], None],
     exists.
     """
     return _CheckpointCallingBeforeWrite(before_write, **trackables)
+
+
+def concrete_functions(function: Any) -> list:
+    """Every concrete function a `tf.function` has traced so far.
+
+    `get_concrete_function` traces for given arguments; only the private
+    `_list_all_concrete_functions` lists the traces that already exist
+    (those made while a caller's step was traced included).
+    """
+    return function._list_all_concrete_functions()
 
 
 def pfor_converter_registered(op_type: str) -> bool:

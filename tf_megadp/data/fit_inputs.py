@@ -18,7 +18,8 @@ import tensorflow as tf
 
 from tf_megadp.data import sources
 
-__all__ = ["array_micro_batch_size", "distinct_real_examples", "fit_source", "is_array_input"]
+__all__ = ["array_micro_batch_size", "data_identity", "distinct_real_examples", "fit_source",
+           "is_array_input"]
 
 
 def is_array_input(x) -> bool:
@@ -143,7 +144,7 @@ def data_identity(arguments) -> bytes | None:
         A digest, or None.
     """
     x = arguments.get("x")
-    if _is_array_input(x):
+    if is_array_input(x):
         digest = hashlib.blake2b(digest_size=16)
         digest.update(f"{array_micro_batch_size(arguments)} "
                       f"{arguments.get('validation_split') or 0.0};".encode())

@@ -134,6 +134,9 @@ def resumed_capture(workspace):
         captured = Captured(monkeypatch)
         first = run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=2, **RECIPE),
                                 log=captured_log.append)
+        # The stopped start's checkpoint, which the resumed start overwrites.
+        captured.stopped_output = root / "stopped_run"
+        shutil.copytree(output / "checkpoint", captured.stopped_output / "checkpoint")
         resumed_log = []
         report = run_pretraining(tiny_config(corpus, cache, output, resume=True, **RECIPE),
                                  log=resumed_log.append)
@@ -350,6 +353,22 @@ class TestResumeFromTheRunFolder:
             "noise_multiplier", "target_epsilon", "delta", "l2_norm_clip", "batch_size",
             "steps", "schedule", "micro_batch_size", "model", "corpus", "seed", "accountant",
             "non_private", "privacy_unit", "vocabulary_size", "sequence_length", "strategy"}
+
+    def test_resume_alone_goes_past_the_step_where_the_last_start_stopped(
+            self, resumed_capture):
+        # --stop-after-steps ends one invocation: --resume alone took it from
+        # the checkpoint, so a run stopped after step 1 stopped again after
+        # step 2 and never completed (the two-replica resumes of
+        # tests/test_distribute.py ended at step 2 of 3).
+        from tf_megadp.jobs.bert import run_files
+
+        stopped = resumed_capture[3].stopped_output
+        assert run_files.saved_settings(str(stopped))["stop_after_steps"] == 2
+        resume = ["pretrain", "--output-dir", str(stopped), "--resume"]
+        config = cli.run_config_from_args(cli.build_parser().parse_args(resume), None)
+        assert config.stop_after_steps is None
+        again = cli.build_parser().parse_args(resume + ["--stop-after-steps", "1"])
+        assert cli.run_config_from_args(again, None).stop_after_steps == 1
 
     def test_the_resumed_run_says_where_it_resumed(self, resumed_capture):
         first, _, _, captured = resumed_capture

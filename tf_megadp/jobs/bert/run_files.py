@@ -60,6 +60,10 @@ OPERATIONAL_FIELDS = frozenset({
     "resume", "output_dir", "cache_dir", "verbose", "eval_every", "checkpoint_every",
     "checkpoint_minutes", "stop_after_steps",
 })
+# The operational fields that end one invocation, not the run: a resume does
+# not take them from the checkpoint (a run stopped by --stop-after-steps 1
+# and resumed with --resume alone stopped again one step later, each time).
+_INVOCATION_FIELDS = frozenset({"stop_after_steps"})
 
 
 def saved_settings(output_dir: str) -> dict[str, Any]:
@@ -87,7 +91,10 @@ def saved_settings(output_dir: str) -> dict[str, Any]:
 def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:
     """The `PretrainConfig` of a saved run (`saved_settings`), with the fields `given` replaced.
 
-    Fields a saved run lacks (an older release's) take their defaults.
+    Fields a saved run lacks (an older release's) take their defaults, and
+    so do the fields that ended the invocation that saved it
+    (`stop_after_steps`): the resumed run goes on to the end of its schedule
+    unless `given` says otherwise.
     """
     from tf_megadp.jobs.bert.config import Hardware
 
@@ -97,7 +104,7 @@ def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:
         raise PretrainError(
             f"--resume: the run's saved settings name fields this tf_megadp does not have "
             f"({', '.join(unknown)}); resume it with the release that started it.")
-    values = dict(saved)
+    values = {name: value for name, value in saved.items() if name not in _INVOCATION_FIELDS}
     if isinstance(values.get("hardware"), dict):
         values["hardware"] = Hardware(**values["hardware"])
     return dataclasses.replace(PretrainConfig(**values), **given)

@@ -150,21 +150,18 @@ class InitialWeights:
 
     def report(self, config: PretrainConfig) -> dict[str, Any]:
         """report.json's "init": the weights, their origin and, in one line, their effect on epsilon."""
-        if config.non_private:
-            origin, effect = None, "none: this run is the non-private baseline"
+        origin = None if config.non_private else self.origin(config)
+        if origin is None:
+            effect = "none: this run is the non-private baseline"
+        elif origin == "public":
+            effect = f"adds nothing to epsilon: trained by {self.trained}, on public data only"
+        elif origin == "release":
+            effect = (f"its ledger ({self.release['steps']} logical steps, epsilon "
+                      f"{self.release['epsilon']:.4g} at delta {self.release['delta']:.3g} "
+                      "alone) is composed into this run's epsilon: a DP release trained further")
         else:
-            origin = self.origin(config)
-            effect = {
-                "public": f"adds nothing to epsilon: trained by {self.trained}, on public "
-                          "data only",
-                "release": (f"its ledger ({self.release['steps']} logical steps, epsilon "
-                            f"{self.release['epsilon']:.4g} at delta {self.release['delta']:.3g} "
-                            "alone) is composed into this run's epsilon: a DP release trained "
-                            "further"),
-                "disjoint": (f"adds nothing to epsilon: the user states (--init-data-disjoint) "
-                             f"that its training data ({self.trained}) share no example with "
-                             "this corpus"),
-            }[origin]
+            effect = ("adds nothing to epsilon: the user states (--init-data-disjoint) that its "
+                      f"training data ({self.trained}) share no example with this corpus")
         return {"path": self.path, "kind": self.kind, "sha256": self.sha256,
                 "trained": self.trained, "origin": origin, "epsilon": effect,
                 "data_disjoint_stated": bool(config.init_data_disjoint),

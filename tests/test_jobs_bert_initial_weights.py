@@ -29,6 +29,7 @@ from tf_megadp import accounting, cli
 from tf_megadp.jobs.bert import initial_weights, training
 from tf_megadp.jobs.bert.config import PretrainConfig, PretrainError
 from tf_megadp.jobs.bert.corpus import SPECIAL_TOKENS
+from tf_megadp.steps import BatchSizeSchedule
 
 WORDS = [f"word{i}" for i in range(35)]
 VOCABULARY = list(SPECIAL_TOKENS) + WORDS  # the job's order: special tokens 0-4
@@ -273,3 +274,84 @@ def test_a_public_bert_vocabulary_order_is_followed_by_its_token_table(tmp_path)
     theirs = public({"token_ids": np.array(order, "int32")[job_ids], **inputs})
     np.testing.assert_allclose(keras.ops.convert_to_numpy(ours),
                                keras.ops.convert_to_numpy(theirs)[..., order], atol=1e-5)
+
+
+# -- End to end (slow: three job runs; test_pretraining.py continues a release by default) --
+
+
+@pytest.fixture(scope="module")
+def job_workspace(tmp_path_factory):
+    from tests.test_pretraining import write_corpus
+
+    root = tmp_path_factory.mktemp("init-job")
+    return root, write_corpus(root), root / "cache"
+
+
+@pytest.mark.slow
+def test_a_resumed_continuation_keeps_the_releases_ledger_and_its_record(job_workspace):
+    from tests.test_pretraining import tiny_config
+    from tf_megadp.jobs.bert.pretraining import run_pretraining
+
+    root, corpus, cache = job_workspace
+    quiet = dict(log=lambda *_: None)
+    release = run_pretraining(tiny_config(corpus, cache, root / "release", steps=2), **quiet)
+    settings = dict(init_from=str(root / "release" / "model.keras"), lora_rank=2, steps=2,
+                    eval_every=1, vocabulary_size=release["model"]["vocabulary_size"])
+    first = run_pretraining(tiny_config(corpus, cache, root / "continued", stop_after_steps=1,
+                                        **settings), **quiet)
+    # The init may be gone by then: the checkpoint holds the record of the start.
+    (root / "release" / "model.keras").rename(root / "release" / "moved.keras")
+    assert cli.main(["pretrain", "--resume", "--output-dir", str(root / "continued")]) == 0
+    resumed = json.loads((root / "continued" / "report.json").read_text())
+    assert first["init"] == resumed["init"] and resumed["init"]["origin"] == "release"
+    assert resumed["resumed_from_step"] == 1 and resumed["logical_steps"] == 2
+    privacy = json.loads((root / "continued" / "privacy.json").read_text())
+    assert privacy["steps"] == 2 + 2
+    released = json.loads((root / "release" / "privacy.json").read_text())
+    expected = accounting.compute_epsilon(
+        delta=resumed["delta"], schedule=BatchSizeSchedule.from_dict(resumed["schedule"]),
+        noise_multiplier=1.0, accountant="rdp",
+        prior=accounting.PrivacyLedger.from_list(released["ledger"]))
+    assert resumed["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_public_preset_with_frozen_embeddings_adds_nothing_and_keeps_its_tables(
+        job_workspace):
+    import keras
+    import keras_hub
+
+    from tests.test_pretraining import tiny_config
+    from tf_megadp.jobs.bert import prepare
+    from tf_megadp.jobs.bert.pretraining import run_pretraining
+
+    root, corpus, cache = job_workspace
+    config = tiny_config(corpus, cache, root / "unused")
+    vocabulary = prepare._public_vocabulary(config)
+    keras.utils.set_random_seed(3)
+    public = training.build_model(config, len(vocabulary))
+    public.preprocessor = keras_hub.models.BertMaskedLMPreprocessor(
+        keras_hub.models.BertTokenizer(vocabulary=vocabulary, lowercase=True),
+        sequence_length=16)
+    public.save_to_preset(str(root / "preset"))
+    report = run_pretraining(tiny_config(
+        corpus, cache, root / "from-preset", init_from=str(root / "preset"),
+        freeze_embeddings=True, steps=2, eval_every=2, vocabulary_size=len(vocabulary)),
+        log=lambda *_: None)
+    assert report["init"]["origin"] == "public"
+    assert report["init"]["epsilon"].startswith("adds nothing to epsilon")
+    schedule = BatchSizeSchedule.from_dict(report["schedule"])
+    assert report["epsilon"] == pytest.approx(accounting.compute_epsilon(
+        delta=report["delta"], schedule=schedule, noise_multiplier=1.0, accountant="rdp"),
+        rel=1e-9)
+    continued = training.build_model(config, len(vocabulary))
+    continued.load_weights(str(root / "from-preset" / "model.keras"))
+    for name in ("token_embedding", "position_embedding", "segment_embedding"):
+        for old, new in zip(getattr(public.backbone, name).weights,
+                            getattr(continued.backbone, name).weights):
+            np.testing.assert_array_equal(keras.ops.convert_to_numpy(new),
+                                          keras.ops.convert_to_numpy(old))
+    # The rest trained.
+    assert not np.array_equal(
+        keras.ops.convert_to_numpy(continued.masked_lm_head.weights[-1]),
+        keras.ops.convert_to_numpy(public.masked_lm_head.weights[-1]))

@@ -261,7 +261,7 @@ class TestEndToEnd:
         config = tiny_config(corpus, cache, output, **RECIPE)
         _, train, heldout = prepare_data(config)
         batcher = text.MaskedLMBatcher.from_shards(train)
-        x, y, w = training._heldout_batches(heldout, batcher, config.micro_batch_size,
+        x, y, w = training.heldout_batches(heldout, batcher, config.micro_batch_size,
                                                config.seed)
         exported = pretraining.build_model(config, train.vocabulary_size)
         exported.load_weights(str(output / "model.keras"))

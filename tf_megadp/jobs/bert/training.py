@@ -141,8 +141,18 @@ def masked_rows(rows: np.ndarray, batcher, seed: int):
     return {k: v.numpy() for k, v in x.items()}, y.numpy(), w.numpy()
 
 
-def _heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
-    """Fixed masked batches of the held-out set, identical at every evaluation."""
+def heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
+    """Fixed masked batches of the held-out set, identical at every evaluation (and in every run).
+
+    Args:
+        heldout: the held-out `TokenShards`.
+        batcher: the run's `MaskedLMBatcher`.
+        micro_batch_size: m; the rows are cut to a multiple of m.
+        seed: the run's public seed.
+
+    Returns:
+        `(x, y, sample_weight)`, as `masked_rows`.
+    """
     rows = heldout.read(np.arange(len(heldout)))
     size = len(rows) - len(rows) % micro_batch_size or len(rows)
     return masked_rows(rows[:size], batcher, seed)
@@ -418,7 +428,7 @@ def _prepare_evaluation(job: _Job):
     # the noise draw secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
     batcher = text.MaskedLMBatcher.from_shards(job.train, max_predictions=config.max_predictions)
-    x, y, w = _heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
+    x, y, w = heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
     unigram = _unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
     return batcher, _HeldOut(x, y, w, unigram)
 

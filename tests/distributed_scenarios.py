@@ -589,7 +589,7 @@ def run_worker(index, ports, out_path):
     cpu_seconds = {"dense": time.process_time()}
     example = tpu_example(strategy)
     cpu_seconds["example"] = time.process_time() - sum(cpu_seconds.values())
-    from tf_megadp.checkpointing import training_state_extra
+    from tf_megadp.run.training_state import training_state_extra
 
     write_json_atomically(out_path, {
         **secret,

@@ -42,6 +42,7 @@ __all__ = [
     "is_keras_own_call",
     "keras_hub_bias",
     "keras_hub_pretokenize",
+    "lora_base_kernel",
     "loss_tracker",
     "model_strategy",
     "optimizer_learning_rate",
@@ -86,6 +87,11 @@ def own_trainable_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
     Public `trainable_variables` includes every sublayer's.
     """
     return layer._trainable_variables
+
+
+def lora_base_kernel(layer: keras.layers.Layer) -> keras.Variable:
+    """W of a Dense or EinsumDense with LoRA enabled (its public `kernel` is W + s A B)."""
+    return layer._kernel
 
 
 def call_has_training_arg(model: keras.layers.Layer) -> bool:

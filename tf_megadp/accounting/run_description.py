@@ -60,6 +60,9 @@ class RunDescription:
             (reported as Poisson, with a warning).
         max_batch_size: truncation of constant-batch Poisson steps (None or
             0: none); with a schedule, each phase's capacity.
+        prior: the ledger of steps released before this run on the same
+            data, composed first (the release a run continues,
+            `tf_megadp.continue_from_release`); None: none.
 
     Raises:
         PrivacyConfigurationError: both `steps` and `epochs`, or `epochs`
@@ -85,6 +88,7 @@ class RunDescription:
     noise_multiplier: float | None = None
     sampling: str = "poisson"
     max_batch_size: int | None = None
+    prior: PrivacyLedger | None = None
 
     def __post_init__(self):
         sampling_kind(self.sampling)  # Refuses an unknown kind before anything else.
@@ -152,15 +156,17 @@ class RunDescription:
                                 batch_size=self.batch_size, sampling=self.sampling)
 
     def ledger(self) -> PrivacyLedger:
-        """The ledger the run will have: one entry per schedule phase, or one in all.
+        """The ledger the run will have: `prior`'s entries, then one per schedule phase or one in all.
 
         Returns:
             A new `PrivacyLedger`.
         """
+        ledger = PrivacyLedger(self.prior or ())
         if self.schedule is not None:
-            return ledger_from_schedule(self.schedule, self.noise_multiplier,
-                                        sampling=self.sampling, steps=self.steps)
-        ledger = PrivacyLedger()
+            for entry in ledger_from_schedule(self.schedule, self.noise_multiplier,
+                                              sampling=self.sampling, steps=self.steps):
+                ledger.append(entry)
+            return ledger
         ledger.record(
             self._constant_batch_steps(),
             sampling_rate=sampling_rate_of(self.batch_size, self.num_examples),

@@ -51,6 +51,8 @@ RELEASED_OUTSIDE_EPSILON = (
 )
 PLOT_NAME = "report.png"
 HISTORY_NAME = "history.csv"
+# Where report.json and the checkpoint's extra keep the record of --init-from.
+INIT_KEY = "init"
 
 
 # What `--resume` may change: how the run goes on, never what it trains on,
@@ -86,6 +88,15 @@ def saved_settings(output_dir: str) -> dict[str, Any]:
             f"--resume: the checkpoint in {output_dir} holds no run settings; it was not "
             "written by `tf-megadp pretrain`.")
     return saved
+
+
+def saved_initial_weights(output_dir: str):
+    """The `InitialWeights` the run in `output_dir` started from (None: random weights)."""
+    from tf_megadp.run.training_state import training_state_extra
+    from tf_megadp.jobs.bert.initial_weights import InitialWeights
+
+    saved = training_state_extra(os.path.join(output_dir, CHECKPOINT_NAME)).get(INIT_KEY)
+    return InitialWeights.from_dict(saved) if saved else None
 
 
 def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:

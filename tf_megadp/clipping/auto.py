@@ -42,13 +42,13 @@ class AutoClipping(GhostClipping):
         self._vectorized = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
-                     automatic_stability=None, examples_per_unit=1):
+                     automatic_stability=None, examples_per_unit=1, loss_scale=None):
         """See `GhostClipping.clip_and_sum`; falls back per model as described above."""
         vectorized = self._vectorized.get(model)
         if vectorized is None:
             try:
                 return super().clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                            automatic_stability, examples_per_unit)
+                                            automatic_stability, examples_per_unit, loss_scale)
             except GhostClippingUnsupportedError as error:
                 warnings.warn(
                     f"clipping='auto': ghost norms cannot attribute part of model "
@@ -60,4 +60,4 @@ class AutoClipping(GhostClipping):
                 vectorized = VectorizedClipping(jit_compile=self.jit_compile)
                 self._vectorized[model] = vectorized
         return vectorized.clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                       automatic_stability, examples_per_unit)
+                                       automatic_stability, examples_per_unit, loss_scale)

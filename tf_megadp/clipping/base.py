@@ -30,9 +30,11 @@ __all__ = [
     "example_weights_present",
     "override_call",
     "per_example_loss",
+    "scaled_loss",
     "secret_seed_draws",
     "set_draw_generation",
     "set_randomness_seed",
+    "unscaled_gradient",
 ]
 
 
@@ -80,6 +82,7 @@ class ClippingStrategy(abc.ABC):
     def clip_and_sum(
         self, model: keras.Model, x, y, sample_weight, l2_norm_clip: float,
         automatic_stability: float | None = None, examples_per_unit: int = 1,
+        loss_scale: float | None = None,
     ) -> ClippedBatch:
         """Returns the clipped gradient sum of one micro-batch.
 
@@ -89,6 +92,10 @@ class ClippingStrategy(abc.ABC):
             l2_norm_clip: C.
             automatic_stability: None for flat clipping; a float gamma for
                 automatic clipping (see `clip_factors`).
+            loss_scale: None, or the fixed loss scale S of float16 compute:
+                each example's loss is `scaled_loss`, and its gradient (or
+                whatever its norm is formed from) `unscaled_gradient` before
+                the norm. The private step passes it only when set.
             examples_per_unit: k, the rows of one privacy unit: rows
                 [u k, (u + 1) k) are unit u, whose SUMMED gradient is clipped
                 (`tf_megadp.clipping.units`); every row of a unit reports the
@@ -169,6 +176,33 @@ def clip_factors(norms: tf.Tensor, l2_norm_clip, is_real: tf.Tensor,
         tf.cast(tf.logical_and(tf.logical_not(finite), is_real > 0), tf.int64)
     )
     return factors, nonfinite
+
+
+def scaled_loss(loss: tf.Tensor, loss_scale: float | None) -> tf.Tensor:
+    """One example's float32 loss times the fixed loss scale S (None: unchanged).
+
+    Float16 backward passes flush gradients below 6e-8 to zero; scaling the
+    loss by S scales every gradient of the pass by S, above that floor.
+    """
+    if loss_scale is None:
+        return loss
+    return loss * tf.constant(loss_scale, loss.dtype)
+
+
+def unscaled_gradient(gradient, loss_scale: float | None):
+    """A gradient of a `scaled_loss`, cast to float32 (float64 stays) and divided by S.
+
+    Cast first: divided in float16, a gradient the scale lifted above the
+    float16 floor would fall back under it. A gradient that overflowed in
+    float16 stays non-finite, and its example contributes zero
+    (`clip_factors`). Without a loss scale the gradient is returned as it
+    is. With S a power of two the division is exact.
+    """
+    if loss_scale is None or gradient is None:
+        return gradient
+    gradient = dense_gradient(gradient)
+    wide = tf.float64 if gradient.dtype == tf.float64 else tf.float32
+    return tf.cast(gradient, wide) / tf.constant(loss_scale, wide)
 
 
 def per_example_loss(model: keras.Model, x_i, y_i, y_pred_i, w_i) -> tf.Tensor:

@@ -76,7 +76,7 @@ class GhostClipping(base.ClippingStrategy):
         self._fits = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
-                     automatic_stability=None, examples_per_unit=1):
+                     automatic_stability=None, examples_per_unit=1, loss_scale=None):
         """See `ClippingStrategy.clip_and_sum`.
 
         Raises:
@@ -102,16 +102,18 @@ class GhostClipping(base.ClippingStrategy):
                 base.refuse_layers_without_xla(model)
 
             def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability, mixing,
-                             examples_per_unit=1):
+                             examples_per_unit=1, loss_scale=None):
                 return _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
                                      automatic_stability, mixing=mixing,
-                                     examples_per_unit=examples_per_unit)
+                                     examples_per_unit=examples_per_unit,
+                                     loss_scale=loss_scale)
 
             def check(x):
                 return _independence_code(model, rules, x, vectorize=self.jit_compile)
 
-            def check_gradients(x, y, sample_weight, rows_seed):
-                return _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed)
+            def check_gradients(x, y, sample_weight, rows_seed, loss_scale=None):
+                return _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed,
+                                           loss_scale)
 
             # Compiled as the step is: some layers run only under XLA on a CPU
             # (a channels_first convolution). autograph=False: the passes build
@@ -133,7 +135,8 @@ class GhostClipping(base.ClippingStrategy):
         def full_check():
             code = check(x)
             return tf.cond(tf.equal(code, independence.MIXING_OK),
-                           lambda: check_gradients(x, y, sample_weight, rows_seed),
+                           lambda: check_gradients(x, y, sample_weight, rows_seed,
+                                                   loss_scale),
                            lambda: code)
 
         # The checks are their own compiled functions, run before the step
@@ -141,7 +144,7 @@ class GhostClipping(base.ClippingStrategy):
         # hold memory beside the step's records (0.8 GB at BERT-mini, m = 256).
         mixing = tf.cond(first, full_check, lambda: tf.cond(again, lambda: check(x), ok))
         batch = step(x, y, sample_weight, _as_float64(l2_norm_clip), automatic_stability, mixing,
-                     examples_per_unit)
+                     examples_per_unit, loss_scale)
         checked.record(slot, batch.mixing)
         if tf.executing_eagerly():
             if int(batch.mixing) != independence.MIXING_OK:
@@ -325,12 +328,18 @@ def _check_no_regularizers(model):
         )
 
 
-def _forward(model, rules, x, y, sample_weight, apply_seed_updates=True):
+def _forward(model, rules, x, y, sample_weight, apply_seed_updates=True, loss_scale=None):
     """The recorded forward pass.
 
     Args:
         apply_seed_updates: advance the dropout seeds (the step does; a
             check, which must leave no trace, does not).
+        loss_scale: None, or the fixed loss scale of float16 compute: the
+            backward pass carries each example's scaled loss, and every
+            gradient it gives the rules (output gradients, per-example
+            gradients of fallback layers) is unscaled in float32 before a
+            rule reads it, so the records, Gram forms and norms are those of
+            the unscaled gradients.
 
     Returns:
         (records, batch axes ok, losses, y_pred).
@@ -363,11 +372,11 @@ def _forward(model, rules, x, y, sample_weight, apply_seed_updates=True):
     # all of them. (Differentiating through `vectorized_map` instead makes
     # XLA treat inputs and weights as compile-time constants: a recompilation
     # at every step.)
-    losses, loss_gradients = _per_example_losses(model, x, y, y_pred, sample_weight)
+    losses, loss_gradients = _per_example_losses(model, x, y, y_pred, sample_weight, loss_scale)
     gradients = tape.gradient(
         tf.nest.flatten(y_pred), recorder.watched, output_gradients=loss_gradients
     )
-    records = recorder.terms(gradients)
+    records = recorder.terms([base.unscaled_gradient(g, loss_scale) for g in gradients])
     if recorder.violations:
         raise GhostClippingUnsupportedError(
             f"Trainable variables {sorted(set(recorder.violations))} are read "
@@ -410,7 +419,7 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
             rule_layers={id(rule.layer) for rule in rules}, locate=locate, vectorize=vectorize)
 
 
-def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed) -> tf.Tensor:
+def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed, loss_scale=None) -> tf.Tensor:
     """Compares the batched pass's ghost norms with examples' own backward passes.
 
     The forward check (`_independence_code`) cannot see a layer that mixes
@@ -436,7 +445,7 @@ def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed) -> tf.Tens
     with base.example_axis_guards(model), base.secret_seed_draws(model), \
             independence.without_elementwise_randomness(model):
         records, _, losses, _ = _forward(model, rules, x, y, sample_weight,
-                                         apply_seed_updates=False)
+                                         apply_seed_updates=False, loss_scale=loss_scale)
         groups = _grouped(records, variables)
         squared = [tf.cast(squared_norm_of_sum(groups[i]), tf.float64) for i in sorted(groups)]
         batched = (tf.sqrt(tf.maximum(tf.add_n(squared), 0.0)) if squared
@@ -457,7 +466,10 @@ def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed) -> tf.Tens
                 loss, _ = base.stateless_loss(
                     model, trainable, states, base.add_batch_axis(e["x"]),
                     base.add_batch_axis(e.get("y")), base.add_batch_axis(e.get("sample_weight")))
-            gradients = [base.dense_gradient(g) for g in tape.gradient(loss, trainable)]
+                # The same scaling as the step's, so that the same examples overflow.
+                loss = base.scaled_loss(loss, loss_scale)
+            gradients = [base.unscaled_gradient(base.dense_gradient(g), loss_scale)
+                         for g in tape.gradient(loss, trainable)]
             return tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(tf.cast(g, tf.float64)))
                                      for g in gradients if g is not None]))
 
@@ -500,8 +512,8 @@ def _keep_only_seed_updates(model, scope):
         )
 
 
-def _per_example_losses(model, x, y, y_pred, sample_weight):
-    """(losses [m], d loss_i / d y_pred_i for every leaf of y_pred)."""
+def _per_example_losses(model, x, y, y_pred, sample_weight, loss_scale=None):
+    """(losses [m], d (S loss_i) / d y_pred_i for every leaf of y_pred; S = 1 without a scale)."""
     elements = {"x": x, "y_pred": y_pred}
     if y is not None:
         elements["y"] = y
@@ -519,8 +531,9 @@ def _per_example_losses(model, x, y, y_pred, sample_weight):
                 y_pred_i,
                 base.add_batch_axis(e.get("sample_weight")),
             )
+            scaled = base.scaled_loss(loss, loss_scale)
         leaves = tf.nest.flatten(y_pred_i)
-        gradients = tape.gradient(loss, leaves)
+        gradients = tape.gradient(scaled, leaves)
         gradients = [tf.zeros_like(t) if g is None else g for g, t in zip(gradients, leaves)]
         return loss, [g[0] for g in gradients]
 
@@ -548,9 +561,10 @@ def _clipped_sum(terms, factors, keep, variable):
 
 
 def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
-                  automatic_stability=None, *, mixing, examples_per_unit=1):
+                  automatic_stability=None, *, mixing, examples_per_unit=1, loss_scale=None):
     with base.example_axis_guards(model), base.secret_seed_draws(model):
-        records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight)
+        records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight,
+                                                       loss_scale=loss_scale)
     variables = model.trainable_variables
     groups = _grouped(records, variables)
     batch_size = tf.shape(losses)[0]

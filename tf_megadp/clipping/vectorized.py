@@ -46,22 +46,29 @@ class VectorizedClipping(base.ClippingStrategy):
         self._functions = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
-                     automatic_stability=None, examples_per_unit=1):
+                     automatic_stability=None, examples_per_unit=1, loss_scale=None):
         units.check_unit_layout(tf.nest.flatten(x)[0].shape[0], examples_per_unit)
         function = self._function_for(model)
         # float64, so that a float64 model clips at C itself, not at float32(C).
         clip = (tf.cast(l2_norm_clip, tf.float64) if tf.is_tensor(l2_norm_clip)
                 else tf.constant(l2_norm_clip, tf.float64))
-        return function(x, y, sample_weight, clip, automatic_stability, examples_per_unit)
+        return function(x, y, sample_weight, clip, automatic_stability, examples_per_unit,
+                        loss_scale)
 
-    def per_example_gradients(self, model: keras.Model, x, y, sample_weight=None):
+    def per_example_gradients(self, model: keras.Model, x, y, sample_weight=None,
+                              loss_scale=None):
         """Per-example gradients, for tests and diagnostics (eager or graph).
+
+        Args:
+            loss_scale: None, or the fixed loss scale of float16 compute
+                (`ClippingStrategy.clip_and_sum`): the gradients returned
+                are unscaled, in float32.
 
         Returns:
             (gradients, losses, y_pred): `gradients` has one [m, ...] tensor per
             trainable variable, or None where the loss does not reach it.
         """
-        return _per_example_gradients(model, x, y, sample_weight)
+        return _per_example_gradients(model, x, y, sample_weight, loss_scale)
 
     def _function_for(self, model):
         function = self._functions.get(model)
@@ -70,9 +77,9 @@ class VectorizedClipping(base.ClippingStrategy):
                 base.refuse_layers_without_xla(model)
 
             def clip_and_sum(x, y, sample_weight, l2_norm_clip, automatic_stability,
-                             examples_per_unit=1):
+                             examples_per_unit=1, loss_scale=None):
                 return _clip_and_sum(model, x, y, sample_weight, l2_norm_clip,
-                                     automatic_stability, examples_per_unit)
+                                     automatic_stability, examples_per_unit, loss_scale)
 
             # No autograph: the pass needs no conversion (see ghost.py).
             function = tf.function(clip_and_sum, jit_compile=self.jit_compile,
@@ -81,7 +88,7 @@ class VectorizedClipping(base.ClippingStrategy):
         return function
 
 
-def _per_example_gradients(model, x, y, sample_weight):
+def _per_example_gradients(model, x, y, sample_weight, loss_scale=None):
     batch_size = tf.shape(tf.nest.flatten(x)[0])[0]
     trainable_values = [tf.convert_to_tensor(v.value) for v in model.trainable_variables]
     state_values, per_example = base.example_state_values(model, batch_size)
@@ -114,7 +121,11 @@ def _per_example_gradients(model, x, y, sample_weight):
                 base.add_batch_axis(y_i),
                 base.add_batch_axis(w_i),
             )
-        gradients = [base.dense_gradient(g) for g in tape.gradient(loss, trainable_values)]
+            # Float16 compute: the backward pass runs on the scaled loss, and
+            # each gradient is unscaled in float32 before anything reads it.
+            scaled = base.scaled_loss(loss, loss_scale)
+        gradients = [base.unscaled_gradient(base.dense_gradient(g), loss_scale)
+                     for g in tape.gradient(scaled, trainable_values)]
         # Which variables the loss reaches is a property of the graph, fixed
         # at trace time; record it for the caller.
         connected[:] = [g is not None for g in gradients]
@@ -137,8 +148,8 @@ def _per_example_gradients(model, x, y, sample_weight):
 
 
 def _clip_and_sum(model, x, y, sample_weight, l2_norm_clip, automatic_stability=None,
-                  examples_per_unit=1):
-    gradients, losses, y_pred = _per_example_gradients(model, x, y, sample_weight)
+                  examples_per_unit=1, loss_scale=None):
+    gradients, losses, y_pred = _per_example_gradients(model, x, y, sample_weight, loss_scale)
     batch_size = tf.shape(losses)[0]
     # The per-example gradients are `Explicit` terms: their norms and
     # clipped sums are the ones ghost clipping computes for such records, in

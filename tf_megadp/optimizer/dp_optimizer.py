@@ -12,6 +12,7 @@ all-reduce through `merge_call`, in the cross-replica context, as Keras's
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -106,6 +107,19 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             initial C; the count it uses is paid from the same
             `noise_multiplier` (docs/clipping.md, "Adaptive clipping").
             None (default): C stays `l2_norm_clip`.
+        loss_scale: a fixed loss scale S for float16 compute (the
+            `mixed_float16` policy, GPUs without bfloat16): each example's
+            loss is multiplied by S before its backward pass, so that small
+            float16 gradients do not underflow, and its gradient (or ghost
+            records) divided by S in float32 before its norm. An example
+            whose scaled gradient overflows is non-finite and contributes
+            zero, like any other. S never moves: Keras's dynamic scaling
+            reacts to whether any example overflowed, which is not private.
+            None (default): no scaling, or the `initial_scale` of the
+            `LossScaleOptimizer` Keras wraps a `mixed_float16` model's
+            optimizer in (`tf_megadp.make_private` unwraps it). A power of
+            two keeps the unscaling exact (docs/concepts.md, "Float16
+            compute").
         name: optimizer name.
 
     Example:
@@ -131,6 +145,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         automatic_scaling_stability: float = 0.01,
         examples_per_unit: int = 1,
         adaptive_clipping: adaptive.AdaptiveClipping | dict | None = None,
+        loss_scale: float | None = None,
         name: str | None = None,
         **kwargs,
     ):
@@ -221,6 +236,27 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         # Bypasses the freeze: the caller retraces the step that uses it.
         super().__setattr__("settings", settings)
         return settings.schedule
+
+    def adopt_loss_scale(self, loss_scale: float) -> None:
+        """Sets the fixed loss scale of an optimizer built without one (`mixed_float16`).
+
+        `tf_megadp.make_private` calls it with the `initial_scale` of the
+        `LossScaleOptimizer` Keras wrapped this optimizer in. The scale is
+        numerics, not privacy (each example's gradient is unscaled before
+        its norm), but a step traced with another scale would keep it, so
+        it is taken only before the first step.
+
+        Raises:
+            PrivacyConfigurationError: this optimizer already has a loss
+                scale or was built.
+        """
+        if self.loss_scale is not None or self.built:
+            raise PrivacyConfigurationError(
+                "The loss scale of a DPOptimizer is fixed once it has one or took a step; "
+                "build a new DPOptimizer(..., loss_scale=...) and compile the model again "
+                "(the privacy ledger carries over).")
+        # Bypasses the freeze: nothing was traced with the previous value.
+        super().__setattr__("settings", dataclasses.replace(self.settings, loss_scale=loss_scale))
 
     @property
     def automatic_stability(self) -> float | None:

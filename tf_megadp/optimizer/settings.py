@@ -53,6 +53,7 @@ class DPSettings:
         automatic_scaling_stability: gamma > 0 of automatic clipping.
         examples_per_unit: k >= 1 rows per privacy unit.
         adaptive_clipping: a `tf_megadp.AdaptiveClipping` (or its dict), or None.
+        loss_scale: a fixed loss scale S > 0 (mixed_float16), or None.
 
     Raises:
         ValueError, TypeError, PrivacyConfigurationError: a setting is out of
@@ -76,6 +77,7 @@ class DPSettings:
     automatic_scaling_stability: float = 0.01
     examples_per_unit: int = 1
     adaptive_clipping: adaptive.AdaptiveClipping | None = None
+    loss_scale: float | None = None
 
     def __post_init__(self):
         self._set("l2_norm_clip", _positive_finite("l2_norm_clip", self.l2_norm_clip))
@@ -114,9 +116,19 @@ class DPSettings:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be None or an int, got {seed!r}.")
         self._set("adaptive_clipping", self._checked_adaptive_clipping())
+        if self.loss_scale is not None:
+            self._set("loss_scale", _positive_finite("loss_scale", self.loss_scale))
         if isinstance(self.clipping, ClippingStrategy):
             if self.per_example_scaling == "automatic":
-                _check_takes_automatic_stability(self.clipping)
+                _check_takes_argument(self.clipping, "automatic_stability",
+                                      "per_example_scaling='automatic'",
+                                      "pass it to tf_megadp.clipping.base.clip_factors",
+                                      "use per_example_scaling='clip'")
+            if self.loss_scale is not None:
+                _check_takes_argument(self.clipping, "loss_scale", "loss_scale",
+                                      "multiply each example's loss by it and divide its "
+                                      "gradient by it in float32 before the norm",
+                                      "use clipping='vectorized' or 'auto'")
         else:
             get_clipping_strategy(self.clipping)  # Raises for an unknown name.
 
@@ -292,8 +304,9 @@ def check_inner_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
             "wrapper such as LossScaleOptimizer): the DP step clips unscaled "
             "gradients, so every update would be divided by the loss scale. Wrap "
             "the plain optimizer (e.g. DPOptimizer(keras.optimizers.SGD(...))); "
-            "for mixed precision use the 'mixed_bfloat16' policy, which needs no "
-            "loss scaling."
+            "for float16 compute ('mixed_float16') give the DPOptimizer a fixed "
+            "DPOptimizer(..., loss_scale=...), which unscales each example's "
+            "gradient before its norm."
         )
     if getattr(optimizer, "gradient_accumulation_steps", None):
         raise PrivacyConfigurationError(
@@ -303,18 +316,18 @@ def check_inner_optimizer(optimizer: keras.optimizers.Optimizer) -> None:
         )
 
 
-def _check_takes_automatic_stability(strategy: ClippingStrategy) -> None:
-    """Automatic clipping needs a strategy whose `clip_and_sum` takes `automatic_stability`.
+def _check_takes_argument(strategy: ClippingStrategy, argument: str, setting: str,
+                          how: str, instead: str) -> None:
+    """A setting needs a strategy whose `clip_and_sum` takes `argument`.
 
-    The DP step passes the keyword only for automatic clipping, so a strategy
-    written for flat clipping would otherwise fail with a bare TypeError at
-    the first step.
+    The DP step passes such keywords only when the setting is used, so a
+    strategy written without it would otherwise fail with a bare TypeError
+    at the first step.
     """
     parameters = inspect.signature(strategy.clip_and_sum).parameters.values()
-    if not any(p.name == "automatic_stability" or p.kind is p.VAR_KEYWORD for p in parameters):
+    if not any(p.name == argument or p.kind is p.VAR_KEYWORD for p in parameters):
         raise TypeError(
-            f"per_example_scaling='automatic' needs a clipping strategy whose "
-            f"clip_and_sum accepts `automatic_stability`; {type(strategy).__name__}."
-            "clip_and_sum does not. Add the argument (pass it to "
-            "tf_megadp.clipping.base.clip_factors), or use per_example_scaling='clip'."
+            f"{setting} needs a clipping strategy whose clip_and_sum accepts "
+            f"`{argument}`; {type(strategy).__name__}.clip_and_sum does not. Add the "
+            f"argument ({how}), or {instead}."
         )

@@ -112,9 +112,14 @@ def dp_optimizer(model) -> DPOptimizer:
     """
     optimizer = getattr(model, "optimizer", None)
     if not isinstance(optimizer, DPOptimizer):
+        wrapped = isinstance(getattr(optimizer, "inner_optimizer", None), DPOptimizer)
         raise PrivacyConfigurationError(
             "Private training needs a model compiled with tf_megadp.DPOptimizer "
             f"(and made private with tf_megadp.make_private); got {optimizer!r}."
+            + (" Keras wrapped the DPOptimizer in a LossScaleOptimizer (the "
+               "'mixed_float16' policy): tf_megadp.make_private(model) replaces it by "
+               "the DPOptimizer's fixed loss scale (DPOptimizer(..., loss_scale=...))."
+               if wrapped else "")
         )
     return optimizer
 

@@ -36,6 +36,7 @@ from tf_megadp.run.state import (
     stale_step_error,
 )
 from tf_megadp.steps import BatchSizeSchedule
+from tf_megadp.training.loss_scaling import unwrap_loss_scale_optimizer
 from tf_megadp.training.step import check_no_example_mixing, private_step
 
 __all__ = ["make_private", "make_private_with_epsilon", "is_private", "extend_schedule"]
@@ -111,6 +112,8 @@ def make_private(
     if not isinstance(model, keras.Model):
         raise TypeError(f"make_private expects a keras.Model, got {type(model).__name__}.")
     check_no_example_mixing(model)
+    # mixed_float16: the DPOptimizer scales each example's loss itself.
+    unwrap_loss_scale_optimizer(model)
     overridden = type(model).train_step is not keras.Model.train_step
     if overridden and not is_private(model):
         raise PrivacyConfigurationError(
@@ -147,6 +150,7 @@ def _compile_advancing_generation(model: keras.Model, original_compile):
     @functools.wraps(original_compile)
     def compile(*args, **kwargs):
         result = original_compile(*args, **kwargs)
+        unwrap_loss_scale_optimizer(model)
         advance_generation(model)
         return result
 

@@ -78,8 +78,7 @@ def private_step(model: keras.Model, data, *, log_nonfinite_examples: bool = Fal
         raise PrivacyConfigurationError(
             "The model was made private but is compiled with "
             f"{type(optimizer).__name__}, which adds no noise. Compile with "
-            "tf_megadp.DPOptimizer(...). (With the 'mixed_float16' policy Keras "
-            "wraps optimizers in a LossScaleOptimizer; use 'mixed_bfloat16'.)"
+            "tf_megadp.DPOptimizer(...)."
         )
     check_no_example_mixing(model)
     if not model.trainable_weights:
@@ -177,6 +176,8 @@ def _clip_and_sum_unless_padding(model, optimizer, x, y, sample_weight, micro_ba
                else {"automatic_stability": optimizer.automatic_stability})
     if optimizer.examples_per_unit > 1:
         scaling["examples_per_unit"] = optimizer.examples_per_unit
+    if optimizer.loss_scale is not None:
+        scaling["loss_scale"] = optimizer.loss_scale
     if sample_weight is None:
         return strategy.clip_and_sum(model, x, y, sample_weight, clip, **scaling)
     is_real = example_weights_present(sample_weight, micro_batch_size)

@@ -41,18 +41,18 @@ def mixed_float16():
         keras.mixed_precision.set_global_policy("float32")
 
 
-def _dense(seed=1):
+def _dense(activation="tanh"):
     """Float16 hidden layer, float32 output (as Keras's mixed precision guide keeps logits)."""
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"),
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation=activation),
                              keras.layers.Dense(2, dtype="float32")])
 
 
-def _float32_twin(model):
+def _float32_twin(model, activation="tanh"):
     """The same architecture and weights in float32: the reference's model."""
     keras.mixed_precision.set_global_policy("float32")
     try:
-        twin = _dense()
+        twin = _dense(activation)
     finally:
         keras.mixed_precision.set_global_policy("mixed_float16")
     twin.set_weights(model.get_weights())
@@ -146,6 +146,33 @@ def test_an_example_that_overflows_contributes_zero_and_the_others_update_is_app
     # One step is one step of the ledger, overflow or not.
     assert int(model.optimizer.iterations.numpy()) == 1
     assert tf_megadp.model_ledger(model).total_steps == 1
+
+
+@pytest.mark.parametrize("clipping", [
+    "vectorized", pytest.param(lambda: tf_megadp.GhostClipping(jit_compile=False), id="ghost")])
+def test_an_example_whose_own_weight_gradients_overflow_moves_the_sum_by_at_most_c(
+        mixed_float16, clipping):
+    # A linear hidden layer and an input of 300: the example's float16 weight
+    # gradient (300 x its scaled output gradient) overflows, while its ghost
+    # records (the input, the output gradient) and their float32 Gram forms
+    # do not. Vectorized drops it; ghost clips it from its records. Before,
+    # ghost's backward independence check compared its finite norm with the
+    # example's own overflowing pass and stopped the run as "mixing".
+    x, y = _examples()
+    model = tf_megadp.make_private(_dense(activation=None))
+    clipping = clipping if isinstance(clipping, str) else clipping()
+    model.compile(optimizer=_dp_optimizer(loss_scale=SCALE, clipping=clipping), loss="mse")
+    x[3] = 300.0
+    y[3] = np.asarray(model(x[3:4]))[0] + 1.0
+    twin = _float32_twin(model, activation=None)
+    before = reference.weights(model)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    # The un-noised sum (B = 4, SGD(1)) less the float32 reference of the others.
+    summed = -4 * reference.flat([a - b for a, b in zip(reference.weights(model), before)])
+    others = -4 * reference.flat(reference.naive_clipped_update(
+        twin, keras.losses.MeanSquaredError(), x[:3], y[:3], CLIP, 4))
+    assert np.linalg.norm(summed - others) <= CLIP * 1.01
+    assert int(model.optimizer.iterations.numpy()) == 1
 
 
 def test_the_loss_scale_keeps_small_float16_gradients_exact(mixed_float16):

@@ -106,6 +106,22 @@ class TestKerasLossScaleOptimizer:
         with pytest.raises(PrivacyConfigurationError, match="make_private"):
             tf_megadp.model_ledger(model)
 
+    def test_a_saved_model_loads_its_dp_optimizer_and_ledger_unwrapped(
+            self, mixed_float16, tmp_path):
+        # Keras saves compile's arguments but not auto_scale_loss: loading
+        # wrapped the saved DPOptimizer again, and its state (the ledger)
+        # could not load into the wrapper.
+        x, y = _examples()
+        model = tf_megadp.make_private(_dense())
+        model.compile(optimizer=_dp_optimizer(loss_scale=SCALE, clipping="vectorized"),
+                      loss="mse")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        model.save(tmp_path / "model.keras")
+        loaded = keras.models.load_model(tmp_path / "model.keras")
+        assert isinstance(loaded.optimizer, tf_megadp.DPOptimizer)
+        assert loaded.optimizer.loss_scale == SCALE
+        assert tf_megadp.model_ledger(tf_megadp.make_private(loaded)).total_steps == 1
+
     @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), "big"])
     def test_a_loss_scale_must_be_a_finite_positive_number(self, value):
         with pytest.raises(ValueError, match="loss_scale"):

@@ -132,6 +132,18 @@ def compiled_loss_and_metrics(model: keras.Model) -> tuple[Any, Any]:
     return model._compile_loss, model._compile_metrics
 
 
+def compile_without_loss_scaling_on_load(model: keras.Model) -> None:
+    """Makes the compile config `load_model` replays pass `auto_scale_loss=False`.
+
+    Keras saves `compile`'s arguments but not `auto_scale_loss`, so loading
+    a `mixed_float16` model wraps its saved optimizer in a new
+    `LossScaleOptimizer`, under which the saved optimizer state does not load.
+    """
+    config = getattr(model, "_compile_config", None)
+    if config is not None:
+        config.config["auto_scale_loss"] = False
+
+
 def model_strategy(model: keras.Model) -> tf.distribute.Strategy | None:
     """The strategy `model` was created under, or None.
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import keras
 
+from tf_megadp import _keras_compat
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
 
@@ -34,6 +35,8 @@ def unwrap_loss_scale_optimizer(model: keras.Model) -> None:
     The `DPOptimizer` then scales each example's loss by its fixed
     `loss_scale`: the one it was given, else the wrapper's `initial_scale`.
     The wrapper's dynamic scaling is never used (see the module docstring).
+    The model's saved compile config is marked so that `load_model` does
+    not wrap the `DPOptimizer` again.
 
     Args:
         model: a compiled (or not yet compiled) Keras model.
@@ -45,19 +48,22 @@ def unwrap_loss_scale_optimizer(model: keras.Model) -> None:
             another scale.
     """
     wrapper = getattr(model, "optimizer", None)
-    if not isinstance(wrapper, keras.optimizers.LossScaleOptimizer):
-        return
-    optimizer = wrapper.inner_optimizer
-    if not isinstance(optimizer, DPOptimizer):
-        return  # The private step refuses it, naming DPOptimizer.
-    scale = float(wrapper.initial_scale)
-    if optimizer.loss_scale is None:
-        optimizer.adopt_loss_scale(scale)
-    elif scale not in (optimizer.loss_scale, _KERAS_DEFAULT_SCALE):
-        raise PrivacyConfigurationError(
-            f"The LossScaleOptimizer around the DPOptimizer asks for initial_scale={scale:g}, "
-            f"the DPOptimizer for loss_scale={optimizer.loss_scale:g}. Private training "
-            "scales the loss by one fixed value: pass it once, as "
-            "DPOptimizer(..., loss_scale=...), and compile with the DPOptimizer itself."
-        )
-    model.optimizer = optimizer
+    if isinstance(wrapper, keras.optimizers.LossScaleOptimizer) and isinstance(
+            wrapper.inner_optimizer, DPOptimizer):
+        optimizer = wrapper.inner_optimizer
+        scale = float(wrapper.initial_scale)
+        if optimizer.loss_scale is None:
+            optimizer.adopt_loss_scale(scale)
+        elif scale not in (optimizer.loss_scale, _KERAS_DEFAULT_SCALE):
+            raise PrivacyConfigurationError(
+                f"The LossScaleOptimizer around the DPOptimizer asks for "
+                f"initial_scale={scale:g}, the DPOptimizer for "
+                f"loss_scale={optimizer.loss_scale:g}. Private training scales the loss by "
+                "one fixed value: pass it once, as DPOptimizer(..., loss_scale=...), and "
+                "compile with the DPOptimizer itself."
+            )
+        model.optimizer = optimizer
+    if isinstance(getattr(model, "optimizer", None), DPOptimizer):
+        # `load_model` then compiles the saved DPOptimizer without a wrapper,
+        # so that its state (the ledger) loads.
+        _keras_compat.compile_without_loss_scaling_on_load(model)

@@ -6,6 +6,8 @@
 * `make_private`: `make_private`, `make_private_with_epsilon`,
   `extend_schedule`, and the private `fit`, `evaluate`, `compile`, `save`
   and `load_weights` they install;
+* `loss_scaling`: `mixed_float16`, Keras's `LossScaleOptimizer` replaced by
+  the `DPOptimizer`'s fixed loss scale;
 * `custom_loop`: `PrivateStep`, the step of a custom training loop;
 * `privacy_report`: `PrivacyReport`, a custom loop's epsilon and budget.
 """

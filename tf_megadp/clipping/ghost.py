@@ -419,7 +419,8 @@ def _independence_code(model, rules, x, locate=False, vectorize=True) -> tf.Tens
             rule_layers={id(rule.layer) for rule in rules}, locate=locate, vectorize=vectorize)
 
 
-def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed, loss_scale=None) -> tf.Tensor:
+def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed,
+                        loss_scale=None) -> tf.Tensor:
     """Compares the batched pass's ghost norms with examples' own backward passes.
 
     The forward check (`_independence_code`) cannot see a layer that mixes

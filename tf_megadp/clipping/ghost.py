@@ -435,7 +435,9 @@ def _gradient_norm_code(model, rules, x, y, sample_weight, rows_seed,
     examples show it, at a cost that does not grow with m. Element-wise
     random layers (Dropout, GaussianNoise, ...) are the identity in both
     passes, so that both see the same computation; other random layers
-    were already refused by the forward check.
+    were already refused by the forward check. With a `loss_scale` both
+    passes scale each loss alike and unscale in float32, so that the same
+    examples overflow.
 
     Returns:
         int32 scalar: `independence.MIXING_OK` or `independence.BACKWARD_MIXES`.

@@ -7,7 +7,7 @@ Modules:
 * `plan`: the cost model behind `tf-megadp plan` (FLOPs, memory, epsilon).
 * `text`: the corpus, WordPiece vocabulary and `MaskedLMBatcher`.
 * `pretraining`: data preparation, canaries, model presets (`build_model`,
-  mixed_bfloat16 included), training on any strategy, the report.
+  mixed_bfloat16 and mixed_float16 included), training on any strategy, the report.
 
 The audit of a finished run is `tf_megadp.jobs.bert.audit.audit_pretraining_run`
 (`tf-megadp audit`).

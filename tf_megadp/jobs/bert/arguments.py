@@ -81,8 +81,13 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                        help="keep the token, position and segment embeddings (and so the "
                             "tied MLM decoder) as they start")
     model.add_argument("--precision", choices=list(PRECISIONS), default=hidden,
-                       help="dtype policy: mixed_bfloat16 computes in bfloat16, keeps "
+                       help="dtype policy: mixed_bfloat16 (TPUs) computes in bfloat16, "
+                            "mixed_float16 (GPUs without bfloat16) in float16; both keep "
                             "variables, norms, accumulators, noise and logits in float32")
+    model.add_argument("--loss-scale", type=float, metavar="S", default=hidden,
+                       help="the fixed loss scale of a private mixed_float16 run (default "
+                            f"{defaults.loss_scale:g}, Keras's initial scale; a power of two); "
+                            "an example whose scaled gradient overflows contributes zero")
     model.add_argument("--learning-rate", type=float, default=hidden,
                        help=f"peak AdamW learning rate (default {DP_LEARNING_RATE:g}; "
                             f"{NON_PRIVATE_LEARNING_RATE:g} with --non-private)")

@@ -41,8 +41,8 @@ def _masked_batches(rows: np.ndarray, batcher: text.MaskedLMBatcher, batch_size:
 def load_run_model(config: PretrainConfig, vocabulary_size: int, model_path: str) -> keras.Model:
     """The run's trained model: the job's `build_model` with the saved weights.
 
-    `keras.models.load_model` rebuilds a mixed_bfloat16 run with its MLM
-    head in bfloat16 too (the head's float32 policy is set after
+    `keras.models.load_model` rebuilds a mixed_bfloat16 (mixed_float16) run
+    with its MLM head in bfloat16 (float16) too (the head's float32 policy is set after
     construction and is not in its config), and that head raises on its
     first call; building the model the way the job did keeps every layer's
     policy.

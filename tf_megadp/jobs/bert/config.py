@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from tf_megadp.accounting import accountant_names
 
-__all__ = ["DP_LEARNING_RATE", "LEARNING_RATE_SCALINGS", "MODEL_PRESETS",
+__all__ = ["DEFAULT_LOSS_SCALE", "DP_LEARNING_RATE", "LEARNING_RATE_SCALINGS", "MODEL_PRESETS",
            "NON_PRIVATE_LEARNING_RATE", "PER_EXAMPLE_SCALINGS", "PRECISIONS",
            "SEPARATORS", "Hardware", "PretrainConfig", "PretrainError",
            "default_delta", "parse_schedule"]
@@ -38,7 +38,10 @@ MODEL_PRESETS = {
     "large": (24, 1024, 16, 4096),
 }
 
-PRECISIONS = ("float32", "mixed_bfloat16")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+# The fixed loss scale of a private mixed_float16 run when none is given:
+# Keras's own initial scale (`LossScaleOptimizer(initial_scale=2**15)`).
+DEFAULT_LOSS_SCALE = 2.0**15
 # The learning rate of a run that sets none: each kind of run has its own,
 # as the non-private baseline collapses to the unigram plateau at the DP
 # rate (issue 41). DP: the best change of docs/results.md's ablation at
@@ -63,7 +66,8 @@ class Hardware:
         name: e.g. "v3-128".
         replicas: R, replicas in sync (v3: 2 per chip; v4: 1 per chip).
         hbm_gib_per_replica: memory each replica may use.
-        peak_tflops_per_replica: peak bfloat16 TFLOP/s of one replica.
+        peak_tflops_per_replica: peak 16-bit (bfloat16, or float16 under
+            mixed_float16) TFLOP/s of one replica.
         utilization: fraction of peak assumed for the step-time estimate.
     """
 
@@ -216,9 +220,15 @@ class PretrainConfig:
         cpu_replicas: split the host CPU into this many logical devices and
             run `MirroredStrategy` over them (tests of multi-replica runs
             on machines without accelerators); needs strategy "mirrored".
-        precision: "float32" or "mixed_bfloat16" (the TPU dtype policy):
+        precision: "float32", "mixed_bfloat16" (the TPU dtype policy:
             compute in bfloat16, variables, per-example norms, accumulators,
-            noise and the MLM logits in float32.
+            noise and the MLM logits in float32) or "mixed_float16" (the
+            same in float16, for GPUs without bfloat16; the private step
+            scales each example's loss by the fixed `loss_scale`).
+        loss_scale: S, the fixed loss scale of a private mixed_float16 run
+            (`DPOptimizer(loss_scale=S)`; docs/concepts.md, "Float16
+            compute"); a power of two keeps the unscaling exact. The
+            non-private baseline uses Keras's dynamic `LossScaleOptimizer`.
         init_from: continue pretraining from this model instead of random
             weights: the `model.keras` of a run of this job, or a local
             keras-hub preset directory (`tf_megadp.jobs.bert.initial_weights`).
@@ -294,6 +304,7 @@ class PretrainConfig:
     hardware: Any = None  # a tf_megadp plan Hardware: the run is then planned, and checked
     cpu_replicas: int | None = None
     precision: str = "float32"
+    loss_scale: float = DEFAULT_LOSS_SCALE
     init_from: str | None = None
     init_data_disjoint: bool = False
     max_sequence_length: int | None = None
@@ -355,7 +366,7 @@ class PretrainConfig:
                      "beta_2", "max_truncation_probability", "automatic_scaling_stability",
                      "ema_momentum", "adaptive_clipping_quantile",
                      "adaptive_clipping_learning_rate", "adaptive_clipping_count_stddev",
-                     "checkpoint_minutes"):
+                     "checkpoint_minutes", "loss_scale"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
@@ -504,6 +515,16 @@ class PretrainConfig:
         if self.precision not in PRECISIONS:
             raise PretrainError(
                 f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}.")
+        if not self.loss_scale > 0:
+            raise PretrainError(f"loss_scale must be > 0, got {self.loss_scale!r}.")
+        if self.loss_scale != DEFAULT_LOSS_SCALE and (
+                self.precision != "mixed_float16" or self.non_private):
+            raise PretrainError(
+                f"--loss-scale {self.loss_scale:g} is the fixed loss scale of a private "
+                "mixed_float16 run; this run (precision "
+                f"{self.precision}{', non-private' if self.non_private else ''}) would not "
+                "use it: pass --precision mixed_float16 without --non-private, or drop "
+                "--loss-scale.")
         if self.cpu_replicas is not None:
             if isinstance(self.cpu_replicas, bool) or not isinstance(self.cpu_replicas, int) \
                     or self.cpu_replicas < 1:

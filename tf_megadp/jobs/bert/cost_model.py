@@ -40,8 +40,9 @@ All estimates are arithmetic on the BERT architecture:
   the weights (float32, one copy per parameter each); step
   buffers = two float32 gradients the DP step holds besides its state (the
   micro-batch's clipped sum before it enters the accumulator, and the noisy
-  mean gradient handed to the inner optimizer); activations with bfloat16
-  compute (precision mixed_bfloat16) about 34 T H + 5 heads T^2 bytes per
+  mean gradient handed to the inner optimizer); activations with 16-bit
+  compute (precision mixed_bfloat16, or mixed_float16 on GPUs without
+  bfloat16: 2 bytes per value either way) about 34 T H + 5 heads T^2 bytes per
   layer per sequence (no rematerialisation), twice that in float32, plus
   float32 MLM logits. Vectorized clipping materialises m float32
   per-example gradients (m * 4 * params bytes). Ghost clipping (and auto,
@@ -365,7 +366,8 @@ class ModelSpec:
         """Activation memory of one sequence kept for the backward pass.
 
         Args:
-            bytes_per_value: 2 for bfloat16 compute (mixed_bfloat16), 4 for float32.
+            bytes_per_value: 2 for 16-bit compute (mixed_bfloat16, mixed_float16),
+                4 for float32.
         """
         t, h = self.sequence_length, self.hidden_dim
         per_layer = (34.0 * t * h + 5.0 * self.num_heads * t * t) * bytes_per_value / 2
@@ -451,7 +453,7 @@ def _ghost_held_floats(model: ModelSpec, precision: str) -> float:
         else:
             copied_inputs[record.input] = t * layer_input  # one cast per input tensor
     if precision != "float32":
-        # The float32 casts of bfloat16 layer inputs (`flat_tokens`); in
+        # The float32 casts of 16-bit layer inputs (`flat_tokens`); in
         # float32 the factor is the activation itself, counted there.
         floats += sum(copied_inputs.values())
     floats += sum(t * width for t, width in model.embedding_lookups())  # Gather values
@@ -466,7 +468,8 @@ def memory(model: ModelSpec, m: int, clipping: str, precision: str,
         model: the architecture.
         m: examples per micro-batch and core.
         clipping: "vectorized", "ghost" or "auto".
-        precision: "float32" or "mixed_bfloat16".
+        precision: "float32", "mixed_bfloat16" or "mixed_float16" (the
+            16-bit policies cost the same bytes).
         ema: the inner optimizer keeps a moving average of the weights.
 
     Returns:

@@ -39,8 +39,8 @@ from tf_megadp.jobs.bert.run_files import (
 def build_model(config: PretrainConfig, vocabulary_size: int):
     """The job's `keras_hub.models.BertMaskedLM` for `config` (preset, L, dropout, precision).
 
-    Under `precision="mixed_bfloat16"` the encoder computes in bfloat16 and
-    the MLM head in float32. keras-hub 0.32's `MaskedLMHead` does not
+    Under `precision="mixed_bfloat16"` (or "mixed_float16") the encoder
+    computes in bfloat16 (float16) and the MLM head in float32. keras-hub 0.32's `MaskedLMHead` does not
     autocast its variables (`autocast=False`, as it reads the shared token
     embedding) and adds its float32 output bias to logits cast to the
     compute dtype: in bfloat16 that addition raises. With a float32 head the
@@ -71,7 +71,7 @@ def build_model(config: PretrainConfig, vocabulary_size: int):
     model = keras_hub.models.BertMaskedLM(backbone, preprocessor=None)
     if config.precision != "float32":
         # The head's own call (gather, dense, norm, projection, bias) follows
-        # its policy; its sub-layers keep the backbone's bfloat16 policy.
+        # its policy; its sub-layers keep the backbone's 16-bit policy.
         model.masked_lm_head.dtype_policy = "float32"
     return model
 
@@ -272,6 +272,11 @@ def _compile_kwargs(private: bool):
         # Keras leaves XLA off on CPU-only machines; the DP step compiles its
         # per-example pass with XLA, so the baseline must too to compare fairly.
         "jit_compile": not private,
+        # mixed_float16: the DPOptimizer scales each example's loss by its fixed
+        # loss_scale; Keras's LossScaleOptimizer (a dynamic scale, not private)
+        # is left out, also when a checkpoint's optimizer is compiled on resume.
+        # The baseline keeps it.
+        "auto_scale_loss": not private,
     }
 
 
@@ -468,10 +473,19 @@ def _model_of_this_start(job: _Job, learning_rate_source: str):
             if job.init is not None and not job.config.resume:
                 # A release's ledger starts this run's; other weights are named.
                 initial_weights.declare(model, job.init, job.config)
-        elif isinstance(model.optimizer, tf_megadp.DPOptimizer):
+        elif isinstance(_unwrapped(model.optimizer), tf_megadp.DPOptimizer):
             raise PretrainError(
                 f"{job.output_dir} holds a private run; resume it without --non-private.")
     return model, start
+
+
+def _unwrapped(optimizer):
+    """The optimizer inside the `LossScaleOptimizer` a baseline's mixed_float16 compile adds."""
+    import keras
+
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
 
 
 def _restore(job: _Job, model, learning_rate_source: str) -> _Start:
@@ -511,6 +525,8 @@ def _new_optimizer(job: _Job):
         automatic_scaling_stability=config.automatic_scaling_stability,
         examples_per_unit=config.examples_per_unit if config.privacy_unit else 1,
         adaptive_clipping=config.adaptive_clipping(),
+        # Fixed, never Keras's dynamic scale (docs/concepts.md, "Float16 compute").
+        loss_scale=config.loss_scale if config.precision == "mixed_float16" else None,
         seed=None if job.testing is None else job.testing.noise_seed)
 
 

@@ -181,6 +181,9 @@ def make_plan(config, *, vocabulary_size: int | None = None, init=None) -> dict[
         "init": init.report(config) if init is not None else None,
         "micro_batch_size": config.micro_batch_size,
         "precision": config.precision,
+        # The DPOptimizer's fixed loss scale (a private mixed_float16 run only).
+        "loss_scale": (config.loss_scale if config.precision == "mixed_float16"
+                       and not config.non_private else None),
         "replicas": hardware.replicas,
         "clipping": config.clipping,
         "optimizer": {"name": "adamw", "learning_rate": config.learning_rate_choice()[0],

@@ -141,8 +141,12 @@ def test_the_float16_step_scales_by_a_fixed_scale_and_agrees_with_float32(steps)
     assert half["variables"] == {"float32"} and half["accumulators"] == {"float32"}
     assert half["norms"] == "float32" and half["clipped_sum"] == {"float32"}
     difference = np.linalg.norm(half["update"] - full["update"]) / np.linalg.norm(full["update"])
-    # float16 keeps 11 significant bits (bfloat16 8): closer to float32.
-    assert 1e-6 < difference < 0.02, difference
+    cosine = np.dot(half["update"], full["update"]) / (
+        np.linalg.norm(half["update"]) * np.linalg.norm(full["update"]))
+    # float16 keeps 11 significant bits (bfloat16 8): 6.7e-4 measured (bfloat16
+    # 0.5 %), cosine 0.9999997; not float32 in disguise either.
+    assert 1e-6 < difference < 0.005, difference
+    assert cosine > 0.99999, cosine
 
 
 def test_mixed_float16_is_accepted_and_planned_like_bfloat16(capsys):

@@ -40,13 +40,14 @@ def build_model(config: PretrainConfig, vocabulary_size: int):
     """The job's `keras_hub.models.BertMaskedLM` for `config` (preset, L, dropout, precision).
 
     Under `precision="mixed_bfloat16"` (or "mixed_float16") the encoder
-    computes in bfloat16 (float16) and the MLM head in float32. keras-hub 0.32's `MaskedLMHead` does not
-    autocast its variables (`autocast=False`, as it reads the shared token
-    embedding) and adds its float32 output bias to logits cast to the
-    compute dtype: in bfloat16 that addition raises. With a float32 head the
-    tied embedding still runs the vocabulary projection in bfloat16 (its
-    own layer autocasts), the logits are cast to float32 before the bias,
-    and the softmax over V classes is float32, as TPU recipes keep it.
+    computes in bfloat16 (float16) and the MLM head in float32. keras-hub
+    0.32's `MaskedLMHead` does not autocast its variables (`autocast=False`,
+    as it reads the shared token embedding) and adds its float32 output bias
+    to logits cast to the compute dtype: in bfloat16 that addition raises.
+    With a float32 head the tied embedding still runs the vocabulary
+    projection in 16 bits (its own layer autocasts), the logits are cast to
+    float32 before the bias, and the softmax over V classes is float32, as
+    TPU recipes keep it.
     Variables stay float32 either way; tf_megadp keeps per-example norms,
     accumulators and noise in float32.
 

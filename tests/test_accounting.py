@@ -20,6 +20,7 @@ from scipy import stats
 
 from tf_megadp import accounting
 from tf_megadp.accounting import engines, events
+from tf_megadp.accounting import matrix_factorization as mf
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.accounting import (
     LedgerEntry,
@@ -475,6 +476,32 @@ SAMPLING_ROWS = {
     "shuffle": (1, _poisson_step, False, True),  # accounted as if Poisson, with a warning
 }
 
+
+# The kinds accounted by noise segment (correlated noise's samplers): the noise
+# fields of an entry of the kind, and the event of a segment of that one entry
+# (7 steps, N = 1,000) built directly from matrix_factorization and dp_accounting.
+def _cyclic_segment(entry, num_examples):
+    # 7 steps in windows of L = 4 from group 0: 2 rounds over groups of 250.
+    if entry.max_batch_size:
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            250, entry.sampling_rate, entry.max_batch_size, entry.noise_multiplier), 2)
+    return mf.cyclic_poisson_event(entry.noise_multiplier, num_examples=num_examples,
+                                   batch_size=5, steps=7, cycle_length=4, num_bands=4)
+
+
+def _fixed_order_segment(entry, num_examples):
+    return mf.fixed_order_event(entry.noise_multiplier, mf.Sensitivity(1.9, True))
+
+
+SEGMENT_ROWS = {
+    # kind: (code, noise fields, reference segment event, truncates, warns)
+    "cyclic_poisson": (2, dict(noise="bandmf", strategy_hash=3, bands=4, cycle_length=4),
+                       _cyclic_segment, True, False),
+    # Warns of its (zero-out) adjacency.
+    "fixed_order": (3, dict(noise="blt", strategy_hash=3, bands=2, steps_per_epoch=2,
+                            participations=4, sensitivity=1.9), _fixed_order_segment, False, True),
+}
+
 # One row per registered accountant: a fresh dp_accounting reference engine.
 ACCOUNTANT_ROWS = {
     "pld": lambda: pld.PLDAccountant(value_discretization_interval=1e-4),
@@ -504,8 +531,8 @@ def test_samplers_name_their_kind_whose_event_is_registered_once():
 
 
 def test_every_sampling_kind_has_a_test_row():
-    assert set(accounting.sampling_kinds()) == set(SAMPLING_ROWS)
-    assert set(events._KINDS) == set(SAMPLING_ROWS) | set(REFUSED_ROWS)
+    assert set(accounting.sampling_kinds()) == set(SAMPLING_ROWS) | set(SEGMENT_ROWS)
+    assert set(events._KINDS) == set(SAMPLING_ROWS) | set(SEGMENT_ROWS) | set(REFUSED_ROWS)
 
 
 @pytest.mark.parametrize("kind", sorted(REFUSED_ROWS))
@@ -561,6 +588,23 @@ def test_each_sampling_kind_makes_its_reference_event(kind, recwarn):
             LedgerEntry(7, 0.02, 1.3, 30, kind)
     report = PrivacyAccountant(1_000, 1e-4, accountant="rdp",
                                ledger=PrivacyLedger([LedgerEntry(7, 0.02, 1.3, 0, kind)])).report()
+    assert bool(report["warnings"]) == warns
+
+
+@pytest.mark.parametrize("kind", sorted(SEGMENT_ROWS))
+def test_each_segment_kind_makes_its_reference_event(kind, recwarn):
+    code, fields, reference, truncates, warns = SEGMENT_ROWS[kind]
+    registered = events.sampling_kind(kind)
+    assert (registered.code, registered.truncates, bool(registered.warning)) == (
+        code, truncates, warns)
+    assert registered.step_event is None and registered.accounted
+    for max_batch_size in (0, 30) if truncates else (0,):
+        entry = LedgerEntry(7, 0.02, 1.3, max_batch_size, kind, segment_start=True, **fields)
+        assert LedgerEntry.from_row(entry.to_row()) == entry
+        assert events.ledger_event([entry], 1_000) == dp_accounting.ComposedDpEvent(
+            [reference(entry, 1_000)])
+    report = PrivacyAccountant(1_000, 1e-4, accountant="rdp", ledger=PrivacyLedger([
+        LedgerEntry(7, 0.02, 1.3, 0, kind, segment_start=True, **fields)])).report()
     assert bool(report["warnings"]) == warns
 
 

@@ -49,7 +49,7 @@ def _applied(model, rows=ROWS):
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
     optimizer._in_memory.step_rows.assign(rows)
-    optimizer._record_applied_step(SIGMA, 1, float(rows), 0.0)
+    optimizer._record_applied_step(SIGMA, 1, float(rows), 0.0, False)
     optimizer.iterations.assign_add(1)
 
 

@@ -462,6 +462,15 @@ class NoiseStrategy:
         n, s, k = _fixed_order_participation(num_steps, steps_per_epoch)
         return mf.minsep_sensitivity(self.column(n), n, min_separation=s, max_participations=k)
 
+    def buffer_bytes(self, parameters: int, bytes_per_value: int = 4) -> int:
+        """Memory of the noise buffers of one replica: buffers x parameters x bytes (float32: 4).
+
+        Every replica streams its own share of the noise through its own
+        buffers (`tf_megadp.optimizer.noise_buffers`).
+        """
+        return self.noise_buffers * check_positive_int("parameters", parameters) * int(
+            bytes_per_value)
+
     def describe(self) -> dict[str, Any]:
         """The strategy as the privacy report states it."""
         return {"kind": self.kind, "bands": self.bands, "noise_buffers": self.noise_buffers,

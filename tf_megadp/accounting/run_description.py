@@ -250,12 +250,13 @@ class RunDescription:
         segment = PrivacyLedger()
         step = 0
         for entry in ledger:
-            segment.append(LedgerEntry(
-                entry.steps, **segment_fields(
-                    entry, strategy, sampling=self.sampling, num_examples=self.num_examples,
-                    first_step=step,
-                    segment_start=step == 0, cycle_length=self.cycle_length,
-                    steps_per_epoch=steps_per_epoch, planned_steps=total)))
+            segment.append(LedgerEntry(entry.steps, **segment_fields(
+                strategy, sampling=self.sampling, sampling_rate=entry.sampling_rate,
+                noise_multiplier=entry.noise_multiplier, max_batch_size=entry.max_batch_size,
+                count_noise_multiplier=entry.count_noise_multiplier,
+                num_examples=self.num_examples, first_step=step, segment_start=step == 0,
+                cycle_length=self.cycle_length, steps_per_epoch=steps_per_epoch,
+                planned_steps=total)))
             step += entry.steps
         return segment
 
@@ -264,22 +265,24 @@ class RunDescription:
         return ledger_event(self.ledger(), self.num_examples)
 
 
-def segment_fields(entry: LedgerEntry, strategy: NoiseStrategy, *, sampling: str,
+def segment_fields(strategy: NoiseStrategy, *, sampling: str, sampling_rate: float,
+                   noise_multiplier: float, max_batch_size: int, count_noise_multiplier: float,
                    num_examples: int, first_step: int, segment_start: bool, cycle_length: int,
                    steps_per_epoch: int | None, planned_steps: int) -> dict:
-    """The fields of a segment entry: `entry`'s step (q = B / N), with its mechanism.
+    """The `LedgerEntry` fields (but `steps`) of a step of a segment kind, with its mechanism.
 
     One function for a planned run (`RunDescription.ledger`) and an applied
     one (the ledger recorder), so both record a step alike.
 
     Args:
-        entry: the step as Poisson or fixed-size steps record it (q = B / N,
-            the truncation, sigma).
         strategy: the noise's `NoiseStrategy`.
         sampling: "cyclic_poisson" or "fixed_order".
+        sampling_rate: q = B / N of the step's expected batch B.
+        noise_multiplier: sigma.
+        max_batch_size: the step's truncation (cyclic Poisson), else 0.
+        count_noise_multiplier: adaptive clipping's count multiplier, or 0.
         num_examples: N.
-        first_step: the logical step of the entry's first step (its cycle
-            position is that mod L).
+        first_step: the logical step (its group is that mod L).
         segment_start: it opens a noise segment.
         cycle_length: L (cyclic Poisson).
         steps_per_epoch: s (fixed order), else None.
@@ -287,22 +290,22 @@ def segment_fields(entry: LedgerEntry, strategy: NoiseStrategy, *, sampling: str
             participation and sensitivity are counted.
 
     Returns:
-        The `LedgerEntry` keywords but `steps`.
+        The keywords.
 
     Raises:
         PrivacyConfigurationError: q = B L / N > 1 for a cyclic run.
     """
     fields = {
-        "sampling_rate": entry.sampling_rate, "noise_multiplier": entry.noise_multiplier,
-        "max_batch_size": entry.max_batch_size, "sampling": sampling,
-        "count_noise_multiplier": entry.count_noise_multiplier, "noise": strategy.kind,
+        "sampling_rate": sampling_rate, "noise_multiplier": noise_multiplier,
+        "max_batch_size": max_batch_size, "sampling": sampling,
+        "count_noise_multiplier": count_noise_multiplier, "noise": strategy.kind,
         "strategy_hash": strategy.strategy_hash, "bands": strategy.bands,
         "segment_start": segment_start,
     }
     if sampling == CYCLIC_POISSON:
-        rate = entry.sampling_rate * cycle_length
+        rate = sampling_rate * cycle_length
         if rate > 1 + 1e-12:
-            batch = entry.sampling_rate * num_examples
+            batch = sampling_rate * num_examples
             raise PrivacyConfigurationError(
                 f"Cyclic Poisson sampling at batch_size {batch:g} with cycle_length "
                 f"{cycle_length} needs q = B L / N = {rate:.4g} > 1 ({num_examples} examples "
@@ -311,8 +314,8 @@ def segment_fields(entry: LedgerEntry, strategy: NoiseStrategy, *, sampling: str
         fields.update(sampling_rate=min(rate, 1.0), cycle_length=cycle_length,
                       cycle_position=first_step % cycle_length)
     else:
-        participations = math.ceil(planned_steps / steps_per_epoch)
-        fields.update(max_batch_size=0, steps_per_epoch=steps_per_epoch, participations=participations,
+        fields.update(max_batch_size=0, steps_per_epoch=steps_per_epoch,
+                      participations=math.ceil(planned_steps / steps_per_epoch),
                       sensitivity=strategy.sensitivity(
                           planned_steps, steps_per_epoch=steps_per_epoch).value)
     return fields

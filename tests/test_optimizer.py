@@ -189,6 +189,51 @@ class TestSettings:
         assert restored.get_config() == config
 
 
+class TestCorrelatedNoiseSettings:
+    """`DPOptimizer(noise=...)`: a frozen setting whose config is the mechanism's public description."""
+
+    SCHEDULE = BatchSizeSchedule([Phase(20, 8, 2)], num_examples=100, micro_batch_size=4)
+
+    def test_the_mechanism_is_a_setting_saved_by_its_description(self):
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 2.0,
+                                          schedule=self.SCHEDULE,
+                                          noise=tf_megadp.BLT(num_buffers=2))
+        config = optimizer.get_config()
+        assert config["noise"] == {"kind": "blt", "num_buffers": 2, "buffer_decays": None,
+                                   "output_scales": None}
+        clone = tf_megadp.DPOptimizer.from_config(config)
+        assert clone.noise == tf_megadp.BLT(2) and clone.get_config() == config
+        # The strategy it streams: optimized for the schedule's 20 steps and
+        # its epochs of N // B = 12 steps.
+        assert clone.noise_strategy == tf_megadp.BLT(2).resolve(20, steps_per_epoch=12)
+        assert optimizer.settings_report()["noise"]["kind"] == "blt"
+        with pytest.raises(PrivacyConfigurationError, match="cannot change"):
+            optimizer.noise = None
+
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"noise_multiplier": 0.0}, "adds no noise to correlate"),
+        ({"schedule": BatchSizeSchedule([Phase(2, 8, 2), Phase(2, 8, 2, noise_multiplier=3.0)],
+                                        num_examples=100, micro_batch_size=4)},
+         "one sigma for the run"),
+        ({"schedule": None}, "which only a schedule gives"),
+        ({"noise": tf_megadp.BandMF(40)}, "exceeds the run's 20 steps"),
+        ({"noise": "bandmf"}, "noise must be None, a tf_megadp.BandMF"),
+    ])
+    def test_noise_without_a_stream_is_refused_when_built(self, kwargs, message):
+        settings = {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "schedule": self.SCHEDULE,
+                    "noise": tf_megadp.BandMF(4), **kwargs}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sigma = 0 warns too.
+            with pytest.raises((PrivacyConfigurationError, TypeError), match=message):
+                tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), **settings)
+
+    def test_given_coefficients_need_no_schedule(self):
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0,
+                                          noise=tf_megadp.BandMF(2, coefficients=[1.0, 0.5]))
+        assert optimizer.noise_strategy.coefficients == pytest.approx(
+            (1 / math.sqrt(1.25), 0.5 / math.sqrt(1.25)))
+
+
 @pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
 class TestSchedule:
     def test_accumulation_steps_and_divisor_follow_the_phases(self):

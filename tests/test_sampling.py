@@ -710,11 +710,12 @@ class TestDataSource:
     def test_token_shard_samplers_attach_their_source(self, small):
         shards, _ = small
         schedule = BatchSizeSchedule([Phase(3, 20, 3), Phase(3, 40, 6)], num_examples=200, micro_batch_size=8)
-        dataset = PoissonSampler(shards, schedule, start_step=2).as_dataset(lambda rows, weights: (rows, rows, weights))
+        sampler = PoissonSampler(shards, schedule, start_step=2)
+        dataset = sampler.as_dataset(lambda rows, weights: (rows, rows, weights))
         assert source_of(dataset) == DataSource(
             sampling="poisson", num_examples=200, num_examples_measured=True,
             description="PoissonSampler over 200 token rows", schedule=schedule, start_step=2, seeded=False,
-            end_step=6)
+            end_step=6, assignment=sampler.assignment)
         with pytest.warns(UserWarning, match="Chua"):
             shuffled = ShuffleSampler(shards, schedule).as_dataset()
         source = source_of(shuffled)

@@ -88,6 +88,11 @@ All estimates are arithmetic on the BERT architecture (no TensorFlow):
   records: by the tensors the check compares (the model's outputs and its
   Dropout layers' inputs, in the per-example and the batched pass) about
   0.15 GiB of that peak.
+* Correlated noise (`tf_megadp.BandMF`, `tf_megadp.BLT`), which this job
+  does not use yet: the plan states what its buffers would add per core,
+  b - 1 float32 copies of the parameters for BandMF with b bands (b = 4,
+  16, 64), d for a BLT with d buffers (every replica streams its own share
+  of the noise through its own buffers: docs/tpu.md).
 
 Example:
 ```python
@@ -104,6 +109,7 @@ import os
 from typing import Any, NamedTuple
 
 from tf_megadp import accounting
+from tf_megadp.accounting.correlated_noise import NoiseStrategy
 from tf_megadp.clipping_memory import outer_is_materialised
 from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta
 from tf_megadp.jobs.bert.config_file import load_run_config
@@ -128,6 +134,8 @@ OPTIMIZER_SLOTS = 2
 # the records pins that no layer gets the exact fallback), so its step is
 # ghost's step.
 CLIPPING = {"vectorized": "vectorized", "ghost": "ghost", "auto": "ghost"}
+# The bands whose noise buffers every plan states (issue 39).
+NOISE_BANDS = (4, 16, 64)
 # Always shown side by side in a plan's memory table (and the selected one).
 COMPARED = ("vectorized", "ghost")
 
@@ -480,6 +488,12 @@ def make_plan(config, *, vocabulary_size: int | None = None) -> dict[str, Any]:
         "training_seconds": total_seconds,
         "memory_bytes": memory,
         "hbm_bytes": hbm,
+        # Per core, float32, for BandMF(num_bands=b) with the given
+        # coefficients' shape (the optimization does not change their number).
+        "noise_buffer_bytes": {
+            f"bandmf_{bands}": NoiseStrategy(
+                "bandmf", (1.0,) * bands).buffer_bytes(model.parameter_count())
+            for bands in NOISE_BANDS},
     }
 
 
@@ -535,4 +549,10 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{memory['activations'] / GIB:.2f} + clipping {memory['clipping'] / GIB:.2f} = "
             f"{memory['total'] / GIB:.2f} GiB of {plan['hbm_bytes'] / GIB:g}"
         )
+    buffers = ", ".join(
+        f"b = {name.split('_')[1]}: {value / GIB:.2f} GiB"
+        for name, value in plan["noise_buffer_bytes"].items())
+    lines.append(
+        f"  noise buffers : correlated noise (BandMF, b - 1 model copies) would add per core "
+        f"{buffers} (this run: independent noise, none)")
     return "\n".join(lines)

@@ -194,3 +194,23 @@ def test_a_resumed_run_opens_a_new_segment_and_reuses_no_noise(tmp_path):
     assert [(e.steps, e.segment_start, e.cycle_position) for e in ledger] == [
         (4, True, 0), (2, True, 0)]
 
+
+
+@pytest.mark.slow
+def test_the_example_trains_dp_sgd_bandmf_and_blt_at_one_epsilon(capsys):
+    """examples/correlated_noise.py at test size: one epoch of B = 64 each (RDP).
+
+    Slow (three models traced and fitted, 35 s at load 7 on two cores):
+    `pytest -m slow -k example tests/test_noise_buffers.py`.
+    """
+    import runpy
+
+    example = runpy.run_path("examples/correlated_noise.py")
+    results = example["main"](["--epochs", "1", "--accountant", "rdp"])
+    assert [(r["sampling"], r["noise_buffers"]) for r in results] == [
+        ("poisson", 0), ("cyclic_poisson", 3), ("fixed_order", 2)]
+    for result in results:
+        assert 0.99 * 4.0 <= result["epsilon"] <= 4.0
+    # Cycles of 4 cost amplification: BandMF needs a larger sigma than DP-SGD.
+    assert results[1]["noise_multiplier"] > results[0]["noise_multiplier"]
+    assert "BandMF b=4" in capsys.readouterr().out

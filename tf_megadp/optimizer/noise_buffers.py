@@ -151,11 +151,15 @@ class NoiseBuffers:
         buffers = self._in_memory.noise_buffers[index]
         dtype = noise.dtype
         if strategy.kind == "blt":
-            decays = [tf.constant(v, dtype) for v in strategy.buffer_decays]
             scales = [tf.constant(v, dtype) for v in strategy.output_scales]
-            output = noise - tf.add_n([w * b.value for w, b in zip(scales, buffers)])
-            for decay, buffer in zip(decays, buffers):
-                buffer.assign(decay * buffer.value + output)
+            output = noise - _weighted_sum(scales, buffers)
+            previous = [output]
+            for decay, buffer in zip(strategy.buffer_decays, buffers):
+                # One buffer at a time: one or two model-sized temporaries, not d.
+                with tf.control_dependencies(previous):
+                    updated = tf.constant(decay, dtype) * buffer.value + output
+                buffer.assign(updated)
+                previous = [updated]
             return output
         # BandMF: slot s holds x_u for the u < t with u = s mod (b - 1), so
         # its coefficient is c_j with j = t - u = ((t - 1 - s) mod (b - 1)) + 1.
@@ -163,9 +167,8 @@ class NoiseBuffers:
         coefficients = tf.constant(strategy.coefficients, dtype)
         lags = tf.math.floormod(step - 1 - tf.range(slots, dtype=tf.int64), slots) + 1
         weights = tf.gather(coefficients, lags)
-        correlated = tf.add_n([weights[slot] * buffer.value
-                               for slot, buffer in enumerate(buffers)])
-        output = (noise - correlated) / coefficients[0]
+        output = (noise - _weighted_sum([weights[slot] for slot in range(slots)], buffers)
+                  ) / coefficients[0]
         if slots == 1:
             buffers[0].assign(output)
         else:
@@ -173,6 +176,21 @@ class NoiseBuffers:
             tf.switch_case(tf.cast(tf.math.floormod(step, slots), tf.int32), [
                 (lambda buffer=buffer: _assigned(buffer, output)) for buffer in buffers])
         return output
+
+
+def _weighted_sum(weights, buffers) -> tf.Tensor:
+    """sum_i weights[i] * buffers[i], one product at a time.
+
+    Each product waits for the partial sum before it, so that the step holds
+    one or two model-sized temporaries, never one per buffer (`tf.add_n`
+    would materialise all b - 1 products at once: b - 1 more model copies
+    at the peak).
+    """
+    total = weights[0] * buffers[0].value
+    for weight, buffer in zip(weights[1:], buffers[1:]):
+        with tf.control_dependencies([total]):
+            total = total + weight * buffer.value
+    return total
 
 
 def _assigned(buffer, value) -> tf.Tensor:

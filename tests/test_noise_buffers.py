@@ -58,7 +58,7 @@ class _Updates(keras.callbacks.Callback):
 
 
 def _zero_gradient_run(noise):
-    """(streamed noise u (P x T), the optimizer) of a seeded run: u_t = -(B / (sigma C)) update_t."""
+    """(u (P x T), the model, its report) of a seeded run: u_t = -(B / (sigma C)) update_t."""
     model = tf_megadp.make_private(_wide_model())
     sampler = _sampler(noise)
     optimizer = tf_megadp.DPOptimizer(
@@ -67,17 +67,20 @@ def _zero_gradient_run(noise):
     model.compile(optimizer=optimizer, loss=reference.zero_loss)
     updates = _Updates()
     updates.weights[0] = reference.flat(reference.weights(model))
-    model.fit(sampler.as_dataset(), verbose=0, callbacks=[updates])
+    # batch_size=BATCH: each step's expected batch is B, also for a cyclic
+    # step (one group of N / L at q = B L / N).
+    privacy = tf_megadp.PrivacyCallback(delta=1e-3, batch_size=BATCH)
+    model.fit(sampler.as_dataset(), verbose=0, callbacks=[updates, privacy])
     weights = np.stack([updates.weights[t] for t in range(STEPS + 1)])
-    return -(BATCH / (SIGMA * CLIP)) * np.diff(weights, axis=0).T, model
+    return -(BATCH / (SIGMA * CLIP)) * np.diff(weights, axis=0).T, model, privacy.report()
 
 
 @pytest.fixture(scope="module", params=[BandMF(num_bands=4), BLT(num_buffers=2)],
                 ids=["bandmf", "blt"])
 def run(request):
     with pytest.warns(UserWarning, match="seed"):
-        streamed, model = _zero_gradient_run(request.param)
-    return request.param, streamed, model
+        streamed, model, report = _zero_gradient_run(request.param)
+    return request.param, streamed, model, report
 
 
 def _strategy_matrix(column):
@@ -85,7 +88,7 @@ def _strategy_matrix(column):
 
 
 def test_the_noise_covariance_is_sigma_c_over_b_squared_times_c_inverse_c_inverse_transposed(run):
-    _, streamed, model = run
+    _, streamed, model, _ = run
     column = model.optimizer.noise_strategy.column(STEPS)
     inverse = np.linalg.inv(_strategy_matrix(column))
     assert streamed.shape == (100_250, STEPS)
@@ -94,7 +97,7 @@ def test_the_noise_covariance_is_sigma_c_over_b_squared_times_c_inverse_c_invers
 
 
 def test_the_covariance_test_fails_for_a_wrong_coefficient(run):
-    _, streamed, model = run
+    _, streamed, model, _ = run
     column = model.optimizer.noise_strategy.column(STEPS).copy()
     column[1] *= 1.1  # One planted coefficient, 10 % off.
     inverse = np.linalg.inv(_strategy_matrix(column))
@@ -103,7 +106,7 @@ def test_the_covariance_test_fails_for_a_wrong_coefficient(run):
 
 
 def test_the_noise_is_the_reference_stream_of_the_draws(run):
-    noise, streamed, model = run
+    noise, streamed, model, _ = run
     strategy = model.optimizer.noise_strategy
     shapes = [tuple(v.shape) for v in model.trainable_variables]
     draws = np.stack([reference.flat(reference.noise_draws(SEED, t, shapes))
@@ -117,7 +120,7 @@ def test_the_noise_is_the_reference_stream_of_the_draws(run):
 
 
 def test_the_ledger_records_one_segment_with_the_mechanism(run):
-    noise, _, model = run
+    noise, _, model, _ = run
     [entry] = tf_megadp.model_ledger(model).entries
     strategy = model.optimizer.noise_strategy
     assert (entry.steps, entry.noise, entry.strategy_hash, entry.bands, entry.segment_start) == (
@@ -132,8 +135,17 @@ def test_the_ledger_records_one_segment_with_the_mechanism(run):
         assert entry.sensitivity == strategy.sensitivity(STEPS, steps_per_epoch=s).value
 
 
+def test_the_report_names_the_segment_and_the_strategy_never_the_buffers(run):
+    noise, _, model, report = run
+    strategy = model.optimizer.noise_strategy
+    kind = "cyclic_poisson" if isinstance(noise, BandMF) else "fixed_order"
+    assert report["sampling"]["accounted_as"] == f"noise segments (1): {kind}"
+    assert report["settings"]["noise_strategy"] == strategy.describe()
+    assert report["settings"]["noise_strategy"]["strategy_hash"] == strategy.strategy_hash
+
+
 def test_the_buffers_hold_the_last_outputs_and_nothing_is_saved_of_them(run):
-    noise, streamed, model = run
+    noise, streamed, model, _ = run
     buffers = model.optimizer._in_memory.noise_buffers
     assert len(buffers) == 2 and all(len(slots) == noise.noise_buffers for slots in buffers)
     names = {v.name for v in model.optimizer.variables}

@@ -258,12 +258,15 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
     def settings_report(self) -> dict[str, Any]:
         """What the privacy report states of the settings (`DPSettings.report`).
 
-        With the inner optimizer's class and, with adaptive clipping, where C
-        went in this process.
+        With the inner optimizer's class, with adaptive clipping where C
+        went in this process, and with correlated noise its resolved strategy.
         """
         report = self.settings.report()
         report["optimizer"] = type(self.inner_optimizer).__name__
         report["adaptive_clipping"] = adaptive.report_section(self)
+        if self.noise is not None:
+            # The strategy the noise streamed: public numbers (never the buffers).
+            report["noise_strategy"] = self.noise_strategy.describe()
         return report
 
     def take_nonfinite_updates(self) -> int:

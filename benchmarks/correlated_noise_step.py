@@ -18,9 +18,10 @@ left out); the first round of every model is warm-up (compilation). The
 summary is the median over the other rounds.
 
 Memory: the exact bytes of the noise buffers per replica ((b - 1) or d
-float32 copies of the trainable weights), and the resident-memory growth
-when the optimizer is built (accumulators, ledger and buffers; the
-independent optimizer's is the baseline).
+float32 copies of the trainable weights), the resident-memory growth when
+the optimizer is built (accumulators, ledger and buffers; beyond the
+independent optimizer's), and the largest peak growth of resident memory
+during a timed round (the step's temporaries; `_measure.PeakRss`).
 
 Each row prints the 1-minute load average: the machine may be shared.
 
@@ -46,7 +47,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_megadp  # noqa: E402
-from _measure import rss_bytes  # noqa: E402
+from _measure import PeakRss, rss_bytes  # noqa: E402
 from step_overhead import (  # noqa: E402
     add_model_arguments,
     build_model,
@@ -87,7 +88,7 @@ class Mechanism:
         self.build_bytes = rss_bytes() - before
         self.parameters = sum(v.shape.num_elements() for v in self.model.trainable_variables)
         self.buffer_bytes = optimizer.noise_strategy.noise_buffers * 4 * self.parameters
-        self.seconds = []
+        self.seconds, self.peaks = [], []
 
     def sampler(self, start, end):
         x, y, w = self.data
@@ -99,12 +100,15 @@ class Mechanism:
     def round(self, index):
         steps = self.args.steps
         timer = _StepTimes()
-        self.model.fit(self.sampler(index * steps, (index + 1) * steps).as_dataset(),
-                       verbose=0, callbacks=[timer])
+        dataset = self.sampler(index * steps, (index + 1) * steps).as_dataset()
+        gc.collect()
+        with PeakRss() as memory:
+            self.model.fit(dataset, verbose=0, callbacks=[timer])
         steps_done = [t for step, t in timer.ends]
         seconds = (steps_done[-1] - steps_done[0]) / (len(steps_done) - 1)
         if index >= self.args.warmup:
             self.seconds.append(seconds)
+            self.peaks.append(memory.peak_increase)
 
 
 def main(argv=None):
@@ -153,13 +157,14 @@ def main(argv=None):
     base = mechanisms[0]
     base_time = float(np.median(base.seconds))
     print(f"{'noise':14} {'ms/step':>9} {'x indep.':>9} {'+ % step':>9} {'buffers MiB':>12} "
-          f"{'build MiB':>10}  rounds (ms/step)")
+          f"{'build MiB':>10} {'round peak MiB':>15}  rounds (ms/step)")
     for mechanism in mechanisms:
         seconds = float(np.median(mechanism.seconds))
         extra = mechanism.build_bytes - base.build_bytes
         print(f"{mechanism.name:14} {seconds * 1e3:9.1f} {seconds / base_time:9.3f} "
               f"{100 * (seconds - base_time) / base_time:+9.1f} "
-              f"{mechanism.buffer_bytes / 2**20:12.1f} {extra / 2**20:+10.1f}  "
+              f"{mechanism.buffer_bytes / 2**20:12.1f} {extra / 2**20:+10.1f} "
+              f"{max(mechanism.peaks) / 2**20:15.1f}  "
               + " ".join(f"{s * 1e3:.0f}" for s in mechanism.seconds), flush=True)
     print(f"load average at the end: {load_average():.2f}; uptime: "
           + subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())

@@ -76,13 +76,13 @@ def _refused_resume_argv(folder: str) -> list[str]:
     """
     import tf_megadp_cli  # noqa: F401 (first, as the launcher: this process loads no TensorFlow)
     from tf_megadp.jobs.bert.config import PretrainConfig
-    from tf_megadp.jobs.bert.run_files import _config_dict
+    from tf_megadp.jobs.bert.run_files import config_dict
 
     saved = PretrainConfig(output_dir=folder, noise_multiplier=1.0, target_epsilon=None)
     checkpoint = pathlib.Path(folder, "checkpoint")
     checkpoint.mkdir(parents=True)
     (checkpoint / "training_state.json").write_text(json.dumps(
-        {"extra": {"logical_steps": 100, "config": _config_dict(saved)}}))
+        {"extra": {"logical_steps": 100, "config": config_dict(saved)}}))
     return ["pretrain", "--output-dir", folder, "--resume", "--noise-multiplier", "2.0"]
 
 

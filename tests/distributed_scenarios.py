@@ -128,15 +128,27 @@ def replicas_identical(strategy, variables):
 # -- Scenario sets ---------------------------------------------------------------
 
 
-def run_private_step(step, strategy, data, micro_steps):
-    """The user's custom loop: one tf.function call of `step.run` per micro-step."""
+def run_private_step(step, strategy, data, micro_steps, chief_saves_to=None):
+    """The user's custom loop: one tf.function call of `step.run` per micro-step.
+
+    With `chief_saves_to`, the chief alone saves the training state there
+    after the first logical step, as the job's checkpoints do under several
+    workers: the save records the step's ledger first, on the chief only.
+    """
     import tensorflow as tf
+
+    import tf_megadp
+    from tf_megadp import distribute
 
     train = tf.function(lambda iterator: step.run(next(iterator)))
     iterator = iter(data)
     logs = {}
-    for _ in range(micro_steps):
+    for micro_step in range(micro_steps):
         logs = train(iterator)
+        if (chief_saves_to and micro_step == ACCUMULATION - 1
+                and distribute.is_chief(strategy)):
+            tf_megadp.save_training_state(step.model, chief_saves_to,
+                                          extra={"logical_steps": step.logical_step})
     step.record()
     return {name: np.asarray(value).item() for name, value in logs.items()}
 
@@ -616,6 +628,8 @@ def run_worker(index, ports, out_path):
     import tf_megadp
 
     micro_steps = ACCUMULATION * LOGICAL_STEPS
+    # In the folder of both workers' results, as the job's shared output.
+    checkpoint = os.path.join(os.path.dirname(out_path), "chief_checkpoint")
     with strategy.scope():
         model = compiled(dense_model())
         noisy = compiled(dense_model(), noise_multiplier=1.0, seed=WORKER_NOISE_SEED)
@@ -626,7 +640,11 @@ def run_worker(index, ports, out_path):
             step = tf_megadp.PrivateStep(each)
         data = distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w))
         step.begin(data, num_examples=len(x), micro_batches_per_pass=micro_steps)
-        logs = run_private_step(step, strategy, data, micro_steps)
+        # The other worker trains on meanwhile: a save that waited for it in
+        # a collective (PrivateStep.record's read of the refused count did)
+        # fails or hangs.
+        logs = run_private_step(step, strategy, data, micro_steps,
+                                chief_saves_to=checkpoint if each is model else None)
         if each is model:
             model_logs = logs
     secret = {}
@@ -634,9 +652,12 @@ def run_worker(index, ports, out_path):
     cpu_seconds = {"dense": time.process_time()}
     example = tpu_example(strategy)
     cpu_seconds["example"] = time.process_time() - sum(cpu_seconds.values())
+    from tf_megadp.run.training_state import training_state_extra
+
     write_json_atomically(out_path, {
         **secret,
         "replicas": replicas,
+        "chief_checkpoint": training_state_extra(checkpoint),
         "logical_steps": int(model.optimizer.iterations.numpy()),
         "nonfinite_logged": float(model_logs["nonfinite_examples"]),
         "weights": [v.numpy().tolist() for v in model.trainable_variables],

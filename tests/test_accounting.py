@@ -291,6 +291,24 @@ def test_calibration_round_trips_within_one_percent_pld():
     assert 0.99 * 2.0 <= epsilon <= 2.0
 
 
+def test_a_prior_ledger_is_composed_first_and_calibration_spends_what_it_leaves():
+    # A run that continues a DP release on the same data (the BERT job's
+    # --init-from): its epsilon composes the release's steps, and a target
+    # epsilon bounds the whole.
+    prior = PrivacyLedger()
+    prior.record(300, sampling_rate=0.004, noise_multiplier=0.9)
+    settings = dict(num_examples=60_000, batch_size=480, steps=200)
+    epsilon = compute_epsilon(noise_multiplier=1.2, delta=1e-6, accountant="rdp",
+                              prior=prior, **settings)
+    assert epsilon == pytest.approx(reference_epsilon(
+        [poisson(300, 0.004, 0.9), poisson(200, 0.008, 1.2)], 1e-6, "rdp"), rel=1e-12)
+    alone = calibrate_noise_multiplier(3.0, 1e-6, accountant="rdp", **settings)
+    sigma = calibrate_noise_multiplier(3.0, 1e-6, accountant="rdp", prior=prior, **settings)
+    assert sigma > alone
+    assert 0.99 * 3.0 <= compute_epsilon(noise_multiplier=sigma, delta=1e-6, accountant="rdp",
+                                         prior=prior, **settings) <= 3.0
+
+
 def test_calibration_with_a_schedule_keeps_phases_that_fix_their_noise():
     schedule = BatchSizeSchedule.for_poisson(
         [(100, 1_000), (100, 4_000)], num_examples=1_000_000, micro_batch_size=1_024,
@@ -759,6 +777,26 @@ def test_bandmf_with_cyclic_poisson_equals_the_amplified_bandmf_event(accountant
     event = mf.cyclic_poisson_event(1.0, num_examples=60_000, batch_size=250, steps=1_000,
                                     cycle_length=8, num_bands=8)
     assert got == pytest.approx(reference_epsilon([event], 1e-6, accountant), rel=1e-9)
+
+
+def test_a_correlated_noise_run_after_a_release_composes_the_release_then_its_segment():
+    # --init-from a release, continued with BandMF: the release's Poisson steps,
+    # then the run's own segment from its step 0.
+    prior = PrivacyLedger()
+    prior.record(300, sampling_rate=0.004, noise_multiplier=0.9)
+    noise = accounting.correlated_noise.BandMF(num_bands=4)
+    got = compute_epsilon(num_examples=60_000, batch_size=250, steps=400, noise_multiplier=1.0,
+                          delta=1e-6, noise=noise, cycle_length=4, accountant="rdp",
+                          prior=prior)
+    event = mf.cyclic_poisson_event(1.0, num_examples=60_000, batch_size=250, steps=400,
+                                    cycle_length=4, num_bands=4)
+    assert got == pytest.approx(
+        reference_epsilon([poisson(300, 0.004, 0.9), event], 1e-6, "rdp"), rel=1e-9)
+    [released, segment] = RunDescription(
+        num_examples=60_000, batch_size=250, steps=400, noise_multiplier=1.0, noise=noise,
+        cycle_length=4, prior=prior).ledger().entries
+    assert (released.sampling, segment.sampling, segment.segment_start) == (
+        "poisson", "cyclic_poisson", True)
 
 
 def test_a_growing_schedule_of_whole_rounds_accounts_each_round_with_its_own_q():

@@ -239,6 +239,47 @@ def test_weights_of_a_release_set_into_a_fresh_private_model_need_its_ledger(rel
         tf_megadp.continue_from_release(fresh, folder / "release.privacy.json")
 
 
+def lora_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    dense = keras.layers.Dense(2)
+    model = tf_megadp.make_private(keras.Sequential([keras.Input((3,)), dense]))
+    dense.enable_lora(1)
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.Adam(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
+        accumulation_steps=2, seed=3), loss="mse")
+    return model
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_lora_release_continues_from_its_file(tmp_path):
+    # Keras writes a LoRA layer as its merged kernel W + s A B (no factors):
+    # the report's fingerprint must be the file's, or the release of a LoRA
+    # run could never be continued (issue 40). Enabling LoRA (B = 0) on
+    # loaded weights keeps their fingerprint, so a LoRA continuation of a
+    # release composes its ledger too.
+    x, y = _continuation_data()
+    run = lora_model()
+    privacy = _fit(run, x[:8], y[:8])
+    tf_megadp.export_model(run, tmp_path / "lora.keras")
+    privacy.save_report(tmp_path / "lora.privacy.json")
+    # The file holds W + s A B as the kernel; Keras enables LoRA again on
+    # load (the layer's config names the rank), with fresh factors B = 0.
+    loaded = tf_megadp.make_private(keras.models.load_model(tmp_path / "lora.keras"))
+    merged = keras.ops.convert_to_numpy(loaded.layers[0].kernel)
+    bias = keras.ops.convert_to_numpy(loaded.layers[0].bias)
+    np.testing.assert_allclose(merged, keras.ops.convert_to_numpy(run.layers[0].kernel))
+    assert not np.any(keras.ops.convert_to_numpy(loaded.layers[0].lora_kernel_b))
+    loaded.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.Adam(0.1), 1.0, 1.0, accumulation_steps=2, seed=3), loss="mse")
+    tf_megadp.continue_from_release(loaded, tmp_path / "lora.privacy.json")
+    assert _fit(loaded, x[:8], y[:8]).ledger.total_steps == 4
+
+    # Set into a model without LoRA, the same values are the same release.
+    plain = private_model(seed=1)
+    plain.set_weights([merged, bias])
+    assert tf_megadp.continue_from_release(plain, tmp_path / "lora.privacy.json").total_steps == 2
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_an_export_the_steps_left_as_it_started_is_no_release(tmp_path):
     # Before: a run at learning rate 0 exported its initial weights; every

@@ -426,7 +426,9 @@ def test_each_call_site_of_a_traced_step_has_its_own_flag():
 def test_data_dependent_mixing_is_checked_at_the_first_step_of_every_fit(clipping):
     """Case 4. Before, the check ran once per signature, ever: a model that mixes
     only on large inputs passed on an ordinary first batch, then trained on
-    large ones unchecked (6.30 C in the issue; 3.23 C below, vectorized 1.00 C)."""
+    large ones unchecked (6.30 C in the issue; 3.23 C below, vectorized 1.00 C).
+    Since issue 42 "every fit" is every fit on new data, a changed model or
+    changed state (tests/test_clipping_verdicts.py): 100 x the arrays is new data."""
     import tf_megadp
 
     model = tf_megadp.make_private(_mixes_on_large_inputs_model())

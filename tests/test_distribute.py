@@ -346,6 +346,15 @@ class TestMultiWorker:
         for distributed, single in zip(first["weights"], reference):
             np.testing.assert_allclose(distributed, single, rtol=1e-5, atol=1e-7)
 
+    def test_the_chief_saves_alone_while_the_other_worker_trains_on(self, two_workers):
+        # As the job checkpoints under several workers: the chief's save
+        # records the ledger first, on the chief only. It waited in a
+        # collective that the other worker never joined (the job on two
+        # workers failed with a CollectiveReduceV2 shape mismatch).
+        for worker in two_workers:
+            assert worker["chief_checkpoint"] == {"logical_steps": 1}
+            assert worker["logical_steps"] == scenarios.LOGICAL_STEPS
+
     def test_seeded_noise_equals_fit_on_two_mirrored_replicas(self, two_workers,
                                                               scenario_results):
         # The same key, steps and replica ids: the workers' custom loop adds

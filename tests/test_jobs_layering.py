@@ -342,7 +342,7 @@ _PRIVATE_ATTRIBUTES = {
     "__internal__", "_flatten_layers", "_layers", "_trainable_variables", "_call_has_training_arg",
     "_symbolic_build", "_maybe_symbolic_build", "_distribute_strategy", "_distribution_strategy",
     "_compile_loss", "_compile_metrics", "_loss_tracker", "_learning_rate", "_bias",
-    "_pfor_converter_registry", "_variables", "_write",
+    "_pfor_converter_registry", "_variables", "_write", "_list_all_concrete_functions",
 }
 
 

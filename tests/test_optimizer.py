@@ -858,3 +858,18 @@ class TestWeightAveraging:
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
         for got, expected in zip(reference.weights(model), self._ema(history)):
             np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_clipping_strategy_instance_serves_one_optimizer():
+    # Issue 42's review: a GhostClipping given to a second DPOptimizer (a
+    # layer swapped, the model compiled again) ran the first optimizer's
+    # traced passes, which neither trained nor checked the new layer.
+    from tf_megadp.clipping.ghost import GhostClipping
+
+    strategy = GhostClipping()
+    first = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, clipping=strategy)
+    assert first.clipping_strategy is strategy
+    with pytest.raises(PrivacyConfigurationError, match=r"GhostClipping\(\.\.\.\) again"):
+        tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, clipping=strategy)
+    fresh = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, clipping="ghost")
+    assert fresh.clipping_strategy is not strategy

@@ -7,6 +7,7 @@ of infeasibility must fail with an error naming the failing number.
 """
 
 import copy
+import dataclasses
 import glob
 import json
 import math
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from tf_megadp import accounting, cli
-from tf_megadp.jobs.bert import plan
+from tf_megadp.jobs.bert import cost_model, plan
 from tf_megadp.steps import BatchSizeSchedule, Phase
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -222,8 +223,8 @@ class TestArithmetic:
         )
         assert ghost_extra == 10696
         # No second backward pass: training is 3 F either way.
-        assert plan._example_flops(spec, "ghost") == 3 * forward + ghost_extra == 44488
-        assert plan._example_flops(spec, "vectorized") == 3 * forward + 4 * parameters == 38960
+        assert cost_model.example_flops(spec, "ghost") == 3 * forward + ghost_extra == 44488
+        assert cost_model.example_flops(spec, "vectorized") == 3 * forward + 4 * parameters == 38960
         m = 3
         # Held until the clipped sums: the built [p, d] gradients of the materialised
         # kernels; for each Gram-form one its output-gradient factor (the decoder's is
@@ -235,14 +236,14 @@ class TestArithmetic:
                   + 3 * 6 * 8                              # token, position, segment lookups
                   + (2 * 8 + (4 * 8 + 32 + 8 + 4 * 8) + (8 + 2 * 8 + 20)))
         assert floats == 1020
-        memory = plan._memory(spec, m, "ghost", "float32")
+        memory = cost_model.memory(spec, m, "ghost", "float32")
         assert memory["clipping"] == m * 4 * floats == 12240
         # mixed_bfloat16: the float32 casts of the Gram-form layers' inputs too
         # (MLP input 8 wide, intermediate 32, head input 8, decoder hidden state 8).
         casts = 6 * 8 + 6 * 32 + 2 * 8 + 2 * 8
-        memory = plan._memory(spec, m, "ghost", "mixed_bfloat16")
+        memory = cost_model.memory(spec, m, "ghost", "mixed_bfloat16")
         assert memory["clipping"] == m * 4 * (floats + casts) == 15504
-        assert plan._memory(spec, m, "vectorized", "float32")["clipping"] == m * 4 * parameters
+        assert cost_model.memory(spec, m, "vectorized", "float32")["clipping"] == m * 4 * parameters
 
     def test_ghost_costs_when_every_layer_is_materialised(self):
         """L=1, h=4, i=8, V=10, T=16, P=4: every p d <= T (p + d) (16 <= 128, 32 <= 192,
@@ -255,13 +256,13 @@ class TestArithmetic:
                        + 3 * (2 * 256 * (4 + 1) + 2 * 16 * 4)  # lookups
                        + 2 * 4 * 16 * (4 + 1)                  # cross term
                        + 4 * (2 * 4 + (4 * 4 + 8 + 4 + 4 * 4) + (4 + 2 * 4 + 10)))
-        assert plan._example_flops(spec, "ghost") == 3 * forward + ghost_extra == 35656
+        assert cost_model.example_flops(spec, "ghost") == 3 * forward + ghost_extra == 35656
         m = 5
         # The built gradients replace their factors, so no input cast is held either.
         floats = ((4 * 16 + 2 * 32 + 16 + 40) + 3 * 16 * 4
                   + (2 * 4 + (4 * 4 + 8 + 4 + 4 * 4) + (4 + 2 * 4 + 10)))
         for precision in ("float32", "mixed_bfloat16"):
-            memory = plan._memory(spec, m, "ghost", precision)
+            memory = cost_model.memory(spec, m, "ghost", precision)
             assert memory["clipping"] == m * 4 * floats == 9000
 
     @pytest.mark.parametrize("shape, materialised", [
@@ -279,7 +280,7 @@ class TestArithmetic:
         # The form the hand arithmetic above assumes, the one the records
         # take, and the one the plan costs.
         assert term.materialised is materialised
-        assert plan.outer_is_materialised(tokens, p, d) is materialised
+        assert cost_model.outer_is_materialised(tokens, p, d) is materialised
 
     def test_the_records_ghost_clipping_makes_are_the_ones_costed(self):
         """A keras-hub BERT's ghost records: Outer kernels, Gather lookups, Explicit rest.
@@ -333,6 +334,97 @@ class TestArithmetic:
                        for seen in distinct):
                 distinct.append(value)
         assert len(distinct) == len({r.input for r in spec.outer_records()}) == 2 * 4 + 2
+
+    @pytest.mark.parametrize("lora_rank, freeze_embeddings", [(2, False), (0, True)],
+                             ids=["lora", "frozen-embeddings"])
+    def test_lora_and_frozen_embeddings_cost_what_trains(self, lora_rank, freeze_embeddings):
+        """Issue 40: the weights, trained weights and ghost records of the job's model.
+
+        `--lora-rank` is keras-hub's `enable_lora` (backbone frozen, factors
+        on query and value, MLM head trained); `--freeze-embeddings` freezes
+        the three tables and with them the tied decoder. Frozen weights get
+        no record, so the plan costs none.
+        """
+        import keras
+        import numpy as np
+        import tensorflow as tf
+
+        from tf_megadp.clipping import ghost
+        from tf_megadp.clipping.ghost_rules import plan_rules
+        from tf_megadp.clipping.ghost_rules.fallback import PerExampleRule, ReplayRule
+        from tf_megadp.clipping.terms import Explicit, Gather, Outer
+        from tf_megadp.jobs.bert import trainable
+        from tf_megadp.jobs.bert.config import PretrainConfig
+
+        spec = plan.ModelSpec(num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=24,
+                              vocabulary_size=37, sequence_length=8, max_predictions=3,
+                              lora_rank=lora_rank, freeze_embeddings=freeze_embeddings)
+        model = keras_hub_bert(spec)
+        trainable.restrict_training(model, PretrainConfig(
+            lora_rank=lora_rank or None, freeze_embeddings=freeze_embeddings))
+        model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert spec.parameter_count() == model.count_params()
+        assert spec.trainable_parameter_count() == sum(
+            math.prod(v.shape) for v in model.trainable_variables)
+        rng = np.random.default_rng(0)
+        x = {"token_ids": tf.constant(rng.integers(0, 37, (2, 8)), tf.int32),
+             "segment_ids": tf.zeros((2, 8), tf.int32),
+             "padding_mask": tf.ones((2, 8), tf.int32),
+             "mask_positions": tf.constant([[1, 4, 6], [0, 2, 7]], tf.int32)}
+        y = tf.constant(rng.integers(0, 37, (2, 3)), tf.int32)
+        rules = plan_rules(model, "small")
+        assert not any(isinstance(r, (PerExampleRule, ReplayRule)) for r in rules)
+        records, *_ = ghost._forward(model, rules, x, y, None)
+        outer = sorted((t.left.shape[1], t.left.shape[2], t.right.shape[2])
+                       for _, t in records if isinstance(t, Outer))
+        gather = sorted((t.values.shape[1], t.values.shape[2])
+                        for _, t in records if isinstance(t, Gather))
+        explicit = sum(math.prod(t.shape) for _, t in records if isinstance(t, Explicit))
+        assert outer == sorted(spec.dense_layers())
+        assert gather == sorted(spec.embedding_lookups())
+        assert explicit == spec.small_parameter_count()
+
+    def test_lora_training_flops_by_hand(self):
+        """L=1, h=8, S=2 heads, i=32, V=20, T=6, P=2, r=1: frozen kernels skip their weight gradient.
+
+        A kernel's product 2 T p d runs forward and for the input gradient
+        (x2), a trained one's also for its weight gradient (x3); a LoRA path,
+        x A (2 T p S r) and (x A) B (2 T r d), runs three times.
+        """
+        spec = plan.ModelSpec(num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=32,
+                              vocabulary_size=20, sequence_length=6, max_predictions=2,
+                              lora_rank=1)
+        attention_kernel = 2 * 6 * 8 * 8
+        lora_path = 2 * 6 * 8 * 2 * 1 + 2 * 6 * 1 * 8
+        flops = (2 * (2 * attention_kernel + 3 * lora_path)   # query, value: frozen W, LoRA
+                 + 2 * attention_kernel * 2                    # key, attention output: frozen
+                 + 2 * (2 * 2 * 6 * 8 * 32)                    # MLP in and out: frozen
+                 + 3 * (2 * 2 * 8 * 8)                         # head transform: trained
+                 + 2 * (2 * 2 * 20 * 8)                        # tied decoder: frozen table
+                 + 3 * (4 * 6 * 6 * 8))                        # attention scores, context
+        assert spec.training_flops() == flops == 25664
+        full = dataclasses.replace(spec, lora_rank=0)
+        assert full.training_flops() == 3 * full.forward_flops()
+
+    def test_bert_large_lora_and_frozen_embeddings_are_planned(self, capsys):
+        path = [p for p in CONFIGS if "bert_large" in p][0]
+        full = plan.make_plan(plan.load_config(path))
+        lora = plan.make_plan(dataclasses.replace(plan.load_config(path), lora_rank=8))
+        frozen = plan.make_plan(dataclasses.replace(plan.load_config(path),
+                                                    freeze_embeddings=True))
+        for result in (lora, frozen):
+            assert result["parameters"] >= full["parameters"] > result["trainable_parameters"]
+            for clipping in ("ghost", "vectorized"):
+                assert (result["memory_bytes"][clipping]["total"]
+                        < full["memory_bytes"][clipping]["total"])
+                assert (result["flops_per_example"][clipping]
+                        < full["flops_per_example"][clipping])
+        # LoRA rank 8 trains about 2 % of BERT-Large's weights (Keras's A factor
+        # of a [h, S, L] projection is [h, S, r]: 131k weights per kernel).
+        assert lora["trainable_parameters"] < 0.025 * lora["parameters"]
+        status, out, err = run_cli(capsys, path, "--lora-rank", "8")
+        assert status == 0, err
+        assert "(LoRA rank 8 on query and value, and the MLM head)" in out
 
     def test_auto_is_planned_as_ghost(self, tmp_path, capsys):
         config = raw([p for p in CONFIGS if "v3_1024" in p][0])

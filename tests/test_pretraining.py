@@ -134,6 +134,9 @@ def resumed_capture(workspace):
         captured = Captured(monkeypatch)
         first = run_pretraining(tiny_config(corpus, cache, output, stop_after_steps=2, **RECIPE),
                                 log=captured_log.append)
+        # The stopped start's checkpoint, which the resumed start overwrites.
+        captured.stopped_output = root / "stopped_run"
+        shutil.copytree(output / "checkpoint", captured.stopped_output / "checkpoint")
         resumed_log = []
         report = run_pretraining(tiny_config(corpus, cache, output, resume=True, **RECIPE),
                                  log=resumed_log.append)
@@ -261,7 +264,7 @@ class TestEndToEnd:
         config = tiny_config(corpus, cache, output, **RECIPE)
         _, train, heldout = prepare_data(config)
         batcher = text.MaskedLMBatcher.from_shards(train)
-        x, y, w = training._heldout_batches(heldout, batcher, config.micro_batch_size,
+        x, y, w = training.heldout_batches(heldout, batcher, config.micro_batch_size,
                                                config.seed)
         exported = pretraining.build_model(config, train.vocabulary_size)
         exported.load_weights(str(output / "model.keras"))
@@ -350,6 +353,22 @@ class TestResumeFromTheRunFolder:
             "noise_multiplier", "target_epsilon", "delta", "l2_norm_clip", "batch_size",
             "steps", "schedule", "micro_batch_size", "model", "corpus", "seed", "accountant",
             "non_private", "privacy_unit", "vocabulary_size", "sequence_length", "strategy"}
+
+    def test_resume_alone_goes_past_the_step_where_the_last_start_stopped(
+            self, resumed_capture):
+        # --stop-after-steps ends one invocation: --resume alone took it from
+        # the checkpoint, so a run stopped after step 1 stopped again after
+        # step 2 and never completed (the two-replica resumes of
+        # tests/test_distribute.py ended at step 2 of 3).
+        from tf_megadp.jobs.bert import run_files
+
+        stopped = resumed_capture[3].stopped_output
+        assert run_files.saved_settings(str(stopped))["stop_after_steps"] == 2
+        resume = ["pretrain", "--output-dir", str(stopped), "--resume"]
+        config = cli.run_config_from_args(cli.build_parser().parse_args(resume), None)
+        assert config.stop_after_steps is None
+        again = cli.build_parser().parse_args(resume + ["--stop-after-steps", "1"])
+        assert cli.run_config_from_args(again, None).stop_after_steps == 1
 
     def test_the_resumed_run_says_where_it_resumed(self, resumed_capture):
         first, _, _, captured = resumed_capture
@@ -665,6 +684,92 @@ class TestReleasedStatistics:
             assert "compile_config" not in config or not config["compile_config"]
             with h5py.File(io.BytesIO(archive.read("model.weights.h5")), "r") as weights:
                 assert "optimizer" not in weights
+
+
+@pytest.fixture(scope="module")
+def continued_release(resumed_run, workspace):
+    """The resumed run's release continued with LoRA rank 2 for one logical step (issue 40).
+
+    Returns:
+        (the release's report, the continuation's report and folder, the release's folder).
+    """
+    root, corpus, cache = workspace
+    _, release, output = resumed_run
+    folder = root / "continued"
+    report = run_pretraining(
+        tiny_config(corpus, cache, folder, init_from=str(output / "model.keras"), lora_rank=2,
+                    steps=1, eval_every=1, checkpoint_every=0,
+                    vocabulary_size=release["model"]["vocabulary_size"]),
+        log=lambda *_: None)
+    return release, report, folder, output
+
+
+class TestContinuingARelease:
+    """--init-from a private run's model.keras: a DP release, whose ledger the new epsilon composes."""
+
+    def test_epsilon_composes_the_releases_steps_as_dp_accounting_does(self, continued_release):
+        release, report, folder, output = continued_release
+        released = json.loads((output / "privacy.json").read_text())
+        schedule = BatchSizeSchedule.from_dict(report["schedule"])
+        steps = [(entry["steps"], entry["sampling_rate"], entry["noise_multiplier"])
+                 for entry in released["ledger"]]
+        steps.append((1, schedule.phases[0].batch_size / schedule.num_examples, 1.0))
+        import dp_accounting
+        from dp_accounting import rdp
+
+        both = rdp.RdpAccountant().compose(dp_accounting.ComposedDpEvent([
+            dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+                q, dp_accounting.GaussianDpEvent(sigma)), count) for count, q, sigma in steps
+        ])).get_epsilon(report["delta"])
+        # Truncation at the static capacity (probability < 1e-9 per step)
+        # moves delta by about 1e-7 of itself in the accountant's bound.
+        assert report["epsilon"] == pytest.approx(both, rel=1e-6)
+        assert report["epsilon"] > released["epsilon"]
+        privacy = json.loads((folder / "privacy.json").read_text())
+        assert privacy["steps"] == released["steps"] + 1 == 5
+        assert privacy["initial_weights"]["origin"] == "release"
+
+    def test_the_report_records_the_init(self, continued_release):
+        from tf_megadp.files import sha256_of_file
+
+        _, report, _, output = continued_release
+        init = report["init"]
+        assert init["path"] == str(output / "model.keras")
+        assert init["sha256"] == sha256_of_file(output / "model.keras")
+        assert (init["origin"], init["trained"]) == ("release", "a private run of this job")
+        assert "is composed into this run's epsilon" in init["epsilon"]
+        assert report["vocabulary"]["source"].startswith("public: the vocabulary")
+
+    def test_lora_trains_only_the_factors_and_the_head_the_rest_bit_identical(
+            self, continued_release, workspace):
+        """Frozen weights are never noised: every one of them is the release's, bit for bit.
+
+        The release of a LoRA run holds W + s A B (Keras merges the factors
+        on save): only the query and value projections, their biases and the
+        MLM head may differ from the init.
+        """
+        import keras
+
+        from tf_megadp.jobs.bert import pretraining
+
+        release, report, folder, output = continued_release
+        root, corpus, cache = workspace
+        config = tiny_config(corpus, cache, folder, vocabulary_size=report["model"][
+            "vocabulary_size"])
+        before = pretraining.build_model(config, config.vocabulary_size)
+        before.load_weights(str(output / "model.keras"))
+        after = pretraining.build_model(config, config.vocabulary_size)
+        after.load_weights(str(folder / "model.keras"))
+        trained = ("query/", "value/", "mlm_head/")
+        assert report["model"]["trainable_parameters"] < report["model"]["parameters"] / 5
+        changed = set()
+        for old, new in zip(before.weights, after.weights):
+            same = np.array_equal(keras.ops.convert_to_numpy(old), keras.ops.convert_to_numpy(new))
+            if not any(part in old.path for part in trained):
+                assert same, old.path
+            elif not same:
+                changed.add(old.path.split("/")[-2])
+        assert {"query", "value", "intermediate_dense"} <= changed
 
 
 class TestBadInput:

@@ -36,11 +36,13 @@ __all__ = [
     "checkpoint_calling_before_write",
     "child_layers",
     "compiled_loss_and_metrics",
+    "concrete_functions",
     "flatten_layers",
     "get_keras_mask",
     "is_keras_own_call",
     "keras_hub_bias",
     "keras_hub_pretokenize",
+    "lora_base_kernel",
     "loss_tracker",
     "model_strategy",
     "optimizer_learning_rate",
@@ -85,6 +87,11 @@ def own_trainable_variables(layer: keras.layers.Layer) -> list[keras.Variable]:
     Public `trainable_variables` includes every sublayer's.
     """
     return layer._trainable_variables
+
+
+def lora_base_kernel(layer: keras.layers.Layer) -> keras.Variable:
+    """W of a Dense or EinsumDense with LoRA enabled (its public `kernel` is W + s A B)."""
+    return layer._kernel
 
 
 def call_has_training_arg(model: keras.layers.Layer) -> bool:
@@ -222,6 +229,16 @@ def checkpoint_calling_before_write(before_write: Callable[[], None],
     exists.
     """
     return _CheckpointCallingBeforeWrite(before_write, **trackables)
+
+
+def concrete_functions(function: Any) -> list:
+    """Every concrete function a `tf.function` has traced so far.
+
+    `get_concrete_function` traces for given arguments; only the private
+    `_list_all_concrete_functions` lists the traces that already exist
+    (those made while a caller's step was traced included).
+    """
+    return function._list_all_concrete_functions()
 
 
 def pfor_converter_registered(op_type: str) -> bool:

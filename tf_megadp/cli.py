@@ -431,7 +431,14 @@ def run_config_from_args(args: argparse.Namespace, config_path: str | None):
     unknown = sorted(set(given) - fields)
     if unknown:
         raise UsageError(f"no run configuration field for {unknown}")
-    return dataclasses.replace(config, **given)
+    config = dataclasses.replace(config, **given)
+    if config.init_from and not config.resume:
+        # The shape comes from the init: a shape flag given is checked
+        # against it, even one equal to the default.
+        from tf_megadp.jobs.bert.initial_weights import configured
+
+        config = configured(config, given=given)
+    return config
 
 
 def _add_pretrain_parser(subparsers) -> None:

@@ -37,8 +37,10 @@ def compute_epsilon(*, delta: float, accountant: str = DEFAULT_ACCOUNTANT, **run
             with a schedule; as many steps as the sampler of `sampling`
             draws, see `tf_megadp.steps.steps_for_epochs`),
             `noise_multiplier`, `sampling` (``"poisson"``, or ``"shuffle"``,
-            reported as Poisson with a warning) and `max_batch_size`
-            (truncation of constant-batch Poisson steps).
+            reported as Poisson with a warning), `max_batch_size`
+            (truncation of constant-batch Poisson steps) and `prior` (the
+            ledger of a release on the same data the run continues, composed
+            first).
 
     Returns:
         epsilon (a float; 0.0 for zero steps).

@@ -82,6 +82,10 @@ class RunDescription:
         cycle_length: L of cyclic Poisson sampling: step t samples group
             t mod L of the N examples at q = B L / N (None or 1: Poisson
             without cycles).
+        prior: the ledger of steps released before this run on the same
+            data, composed first (the release a run continues,
+            `tf_megadp.continue_from_release`); None: none. A correlated-noise
+            run opens its own noise segment after them.
 
     Raises:
         PrivacyConfigurationError: both `steps` and `epochs`, or `epochs`
@@ -113,6 +117,7 @@ class RunDescription:
     max_batch_size: int | None = None
     noise: BandMF | BLT | None = None
     cycle_length: int | None = None
+    prior: PrivacyLedger | None = None
 
     def __post_init__(self):
         sampling_kind(self.sampling)  # Refuses an unknown kind before anything else.
@@ -207,7 +212,7 @@ class RunDescription:
                                 batch_size=self.batch_size, sampling=self.sampling)
 
     def ledger(self) -> PrivacyLedger:
-        """The ledger the run will have: one entry per schedule phase, or one in all.
+        """The ledger the run will have: `prior`'s entries, then one per schedule phase or one in all.
 
         A cyclic or fixed-order run is one noise segment from step 0: its
         entries carry the mechanism (`NoiseStrategy`, resolved for the run's
@@ -231,7 +236,11 @@ class RunDescription:
                 max_batch_size=self.max_batch_size or 0,
                 sampling=sampling,
             )
-        return self._segment(ledger) if self.segmented else ledger
+        if self.segmented:
+            ledger = self._segment(ledger)
+        # Released steps first: the run's own steps (a correlated-noise run's
+        # one segment) follow them.
+        return PrivacyLedger(list(self.prior or ()) + list(ledger))
 
     def _segment(self, ledger: PrivacyLedger) -> PrivacyLedger:
         """The planned entries as one noise segment from step 0, with the run's mechanism."""

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tf_megadp import _keras_compat
 from tf_megadp.clipping import base, independence, units
+from tf_megadp.clipping.verdicts import FitVerdicts
 from tf_megadp.clipping.ghost_rules import plan_rules
 from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
 from tf_megadp.clipping.terms import squared_norm_of_sum
@@ -72,6 +73,7 @@ class GhostClipping(base.ClippingStrategy):
         self.recheck_probability = float(recheck_probability)
         self._functions = weakref.WeakKeyDictionary()
         self._checked = weakref.WeakKeyDictionary()
+        self._fits = weakref.WeakKeyDictionary()
 
     def clip_and_sum(self, model, x, y, sample_weight, l2_norm_clip,
                      automatic_stability=None, examples_per_unit=1):
@@ -81,10 +83,11 @@ class GhostClipping(base.ClippingStrategy):
             PrivacyConfigurationError: the model has a layer ghost clipping
                 cannot attribute to examples, or its batched pass mixes
                 examples: checked on the first call of every traced input
-                signature (again after `reset_checks`, which the private
-                `fit` calls at its start), forward and backward, before that
-                call releases anything, and on secret random calls after
-                that, forward only (see `_CheckedSignatures`). Called eagerly, the
+                signature (again after `reset_checks`: a private `fit` on
+                other data, model or state, `begin_fit`), forward and
+                backward, before that call releases anything, and on secret
+                random calls after that, forward only
+                (`_CheckedSignatures`). Called eagerly, the
                 error is raised here. Inside a traced step (`fit`), a failed
                 check zeroes the micro-batch's contribution, returns its code
                 in `ClippedBatch.mixing`, and asserts; XLA drops assertions,
@@ -158,13 +161,35 @@ class GhostClipping(base.ClippingStrategy):
     def reset_checks(self, model) -> None:
         """Makes the next call of every signature of `model` check again, forward and backward.
 
-        The private `fit` calls it at its start: mixing that depends on the
-        data is then looked for at the first step of every fit, not only
-        on the first call the strategy ever made.
+        `begin_fit` calls it unless nothing that can change mixing changed
+        since the last fit; a `PrivateStep.begin` calls it always.
         """
         checked = self._checked.get(model)
         if checked is not None:
             checked.reset()
+        if model in self._fits:
+            self._fits[model].forget()
+
+    def begin_fit(self, model, data: bytes | None) -> bool:
+        """At a private fit's start: keeps the last fit's verdicts, or resets them.
+
+        Kept only when the last fit of `model` returned and its layers, the
+        variables its traced passes read and the data (`data`:
+        `fit_inputs.data_identity`) did not change since (`verdicts`).
+
+        Returns:
+            Whether the verdicts were kept.
+        """
+        kept = self._fits.setdefault(model, FitVerdicts()).begin(
+            model, self._functions.get(model, ()), data)
+        if not kept:
+            self.reset_checks(model)
+        return kept
+
+    def end_fit(self, model) -> None:
+        """A private fit returned: records what its verdicts stand for."""
+        if model in self._fits:
+            self._fits[model].end(model, self._functions.get(model, ()))
 
     def locate_mixing(self, model, x, y=None, sample_weight=None) -> int:
         """Runs the full independence check on one batch (eagerly, no XLA).
@@ -203,12 +228,13 @@ class _CheckedSignatures:
     computation, so the full check (forward, then the per-example gradient
     norms against each example's own backward pass) runs on the first call
     of each traced signature, and again on the first call after `reset`
-    (the start of every private `fit`). A model can also mix only on some
-    data (a threshold, capacity-limited routing), which a first call with
-    ordinary data does not show; so every later call also runs the forward
-    check with probability `probability`, decided by Philox draws from a
-    secret key held in memory (drawn from OS entropy): neither the data nor
-    anyone who reads the code can tell which calls are checked. Fail
+    (a private `fit` whose data, model or state changed: `verdicts`). A
+    model can also mix only on some data (a threshold, capacity-limited
+    routing), which a first call with ordinary data does not show; so
+    every later call also runs the forward check with probability
+    `probability`, decided by Philox draws from a secret key held in memory
+    (drawn from OS entropy): neither the data nor anyone who reads the code
+    can tell which calls are checked. Fail
     closed: the flag of a signature is set only by a call whose check
     passed, in the same step that released its clipped sum, and a call
     whose check failed has already zeroed its micro-batch.

@@ -7,7 +7,9 @@ copies counted once), and the batches are fixed-size.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
 import warnings
 
 import keras
@@ -16,7 +18,8 @@ import tensorflow as tf
 
 from tf_megadp.data import sources
 
-__all__ = ["array_micro_batch_size", "distinct_real_examples", "fit_source", "is_array_input"]
+__all__ = ["array_micro_batch_size", "data_identity", "distinct_real_examples", "fit_source",
+           "is_array_input"]
 
 
 def is_array_input(x) -> bool:
@@ -117,3 +120,45 @@ def array_micro_batch_size(arguments) -> int | None:
         return None
     # Keras's default batch size for arrays.
     return int(arguments.get("batch_size") or 32)
+
+
+# The attribute that names a dataset object for `data_identity`.
+_IDENTITY = "_tf_megadp_data_identity"
+
+
+def data_identity(arguments) -> bytes | None:
+    """Which data a `fit` reads, for `clipping.verdicts`: equal only for the same data.
+
+    Arrays (NumPy or tensors, nested): a digest of every value, shape and
+    dtype of `x`, `y` and `sample_weight` with the batch size and the
+    validation split, so arrays changed in place are other data. A
+    `tf.data.Dataset` (a sampler's or not) or a distributed dataset: the
+    object itself (a random name set on it once; a dataset built again,
+    even of the same arrays, is other data). Anything else (a Python
+    generator, a `PyDataset`): None, which equals nothing.
+
+    Args:
+        arguments: `fit`'s arguments by name.
+
+    Returns:
+        A digest, or None.
+    """
+    x = arguments.get("x")
+    if is_array_input(x):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(f"{array_micro_batch_size(arguments)} "
+                      f"{arguments.get('validation_split') or 0.0};".encode())
+        for part in ("x", "y", "sample_weight"):
+            for leaf in tf.nest.flatten(arguments.get(part)):
+                value = np.ascontiguousarray(np.asarray(leaf))
+                digest.update(f"{part} {value.dtype} {value.shape};".encode())
+                digest.update(value.astype(str).tobytes() if value.dtype.kind == "O"
+                              else value.tobytes())
+        return b"arrays" + digest.digest()
+    if isinstance(x, (tf.data.Dataset, tf.distribute.DistributedDataset)):
+        identity = getattr(x, _IDENTITY, None)
+        if identity is None:
+            identity = secrets.token_bytes(16)
+            setattr(x, _IDENTITY, identity)
+        return b"dataset" + identity
+    return None

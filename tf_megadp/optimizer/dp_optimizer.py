@@ -180,7 +180,8 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
         super().__init__(learning_rate=0.0, name=name or "dp_optimizer")
         self.settings = settings
         self.inner_optimizer = optimizer
-        self.clipping_strategy = (settings.clipping if isinstance(settings.clipping, ClippingStrategy)
+        self.clipping_strategy = (_claimed(settings.clipping)
+                                  if isinstance(settings.clipping, ClippingStrategy)
                                   else get_clipping_strategy(settings.clipping))
         # (logical step, C) at every ledger update of this process (the report's).
         self.clip_norm_trajectory: list[tuple[int, float]] = []
@@ -584,3 +585,23 @@ def _setting(name: str) -> property:
 for _name in SETTING_NAMES:
     setattr(DPOptimizer, _name, _setting(_name))
 del _name
+
+
+# A strategy instance caches its traced passes per model: given to a second
+# DPOptimizer (after a layer was swapped and the model compiled again, say),
+# it would run the first optimizer's passes, which neither train nor check
+# the new layer.
+_CLAIMED = "_tf_megadp_claimed_by_an_optimizer"
+
+
+def _claimed(strategy: ClippingStrategy) -> ClippingStrategy:
+    """`strategy`, marked as serving one DPOptimizer; refuses one that already serves another."""
+    if getattr(strategy, _CLAIMED, False):
+        raise PrivacyConfigurationError(
+            f"This {type(strategy).__name__} instance already serves another DPOptimizer, "
+            "and it keeps that optimizer's traced passes. Give each DPOptimizer its own: "
+            f"clipping={type(strategy).__name__}(...) again, or a name such as "
+            f"clipping={getattr(strategy, 'name', 'auto')!r}.")
+    setattr(strategy, _CLAIMED, True)
+    return strategy
+

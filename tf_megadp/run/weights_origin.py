@@ -37,6 +37,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from tf_megadp import _keras_compat
 from tf_megadp.accounting import PrivacyLedger
 from tf_megadp.accounting.report import check_report_format
 from tf_megadp.errors import PrivacyConfigurationError
@@ -77,13 +78,31 @@ def weights_fingerprint(model: keras.Model) -> str:
     changes nothing; integer state (random seed generators) is left out.
     Names are left out too, so a fresh copy of an architecture (whose layer
     names differ) holding the same weights has the same fingerprint.
+
+    A layer with LoRA enabled (`enable_lora`) counts as the file Keras
+    writes of it: its merged kernel W + s A B in place of W, A and B. So the
+    fingerprint of a LoRA run is that of its released file (which a
+    `continue_from_release` of that file checks), and enabling LoRA (B = 0)
+    leaves the fingerprint of the weights it starts from unchanged.
     """
     digest = hashlib.blake2b(digest_size=16)
-    for variable in _float_weights(model):
-        value = np.ascontiguousarray(keras.ops.convert_to_numpy(variable))
+    for value in _saved_values(model):
+        value = np.ascontiguousarray(keras.ops.convert_to_numpy(value))
         digest.update(f"{value.dtype}{value.shape}".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
+
+
+def _saved_values(model) -> list:
+    """The float weights' values in order, each LoRA layer's factors merged as Keras saves it."""
+    merged, factors = {}, set()
+    for layer in _keras_compat.flatten_layers(model, include_self=False):
+        if getattr(layer, "lora_enabled", False):
+            # `kernel` is the merged value Keras's save_own_variables writes.
+            merged[id(_keras_compat.lora_base_kernel(layer))] = layer.kernel
+            factors.update((id(layer.lora_kernel_a), id(layer.lora_kernel_b)))
+    return [merged.get(id(variable), variable) for variable in _float_weights(model)
+            if id(variable) not in factors]
 
 
 def _float_weights(model) -> list:

@@ -222,8 +222,8 @@ class PrivateStep:
                 [0, 0], dtype=tf.int64, trainable=False, name="private_step_tag_key",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
             # Micro-batches refused (not added to any sum) since the last
-            # record, summed over replicas: where XLA drops the assertions,
-            # record() raises instead.
+            # record, summed over this worker's replicas: where XLA drops the
+            # assertions, record() raises instead.
             self._refused = tf.Variable(
                 0, dtype=tf.int64, trainable=False, name="private_step_refused",
                 synchronization=tf.VariableSynchronization.ON_READ,
@@ -536,7 +536,13 @@ class PrivateStep:
                 f"ledger (a report refuses from now on): {problem}.")
         self.recorder.record_steps(table)
         self._sync(micro_steps)
-        refused = self._read(self._refused)
+        # This worker's replicas, read without a collective: under several
+        # workers the chief alone records again before it saves
+        # (checkpointing.record_custom_loop), and a cross-worker sum there
+        # waited for an all-reduce that no other worker joined. Each worker
+        # records its own micro-steps, so each raises for its own replicas.
+        refused = sum(int(value.numpy()) for value in
+                      self.model.distribute_strategy.experimental_local_results(self._refused))
         if refused:
             self._refused.assign(0)
             # Where XLA dropped the assertion: the steps recorded are honest

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tf_megadp import distribute
 from tf_megadp.clipping import independence
 from tf_megadp.data import map_independence, sources, tags
-from tf_megadp.data.fit_inputs import array_micro_batch_size, fit_source
+from tf_megadp.data.fit_inputs import array_micro_batch_size, data_identity, fit_source
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import DPOptimizer
 from tf_megadp.run import weights_origin
@@ -282,21 +282,27 @@ def _private_fit(model: keras.Model, original_fit):
         # examples.
         arguments["callbacks"] = [keeper, independence.RefuseMixingCallback()] + callbacks
         notes = run_notes(model)
-        # The first step of every fit checks independence again, forward and
-        # backward: mixing that depends on the data shows on new data.
-        reset = getattr(getattr(model.optimizer, "clipping_strategy", None), "reset_checks", None)
-        if reset is not None:
-            reset(model)
+        # The first step of a fit checks independence again, forward and
+        # backward, unless it continues the last fit on the same data, model
+        # and state (clipping.verdicts): mixing that depends on the data
+        # shows on new data.
+        strategy = getattr(model.optimizer, "clipping_strategy", None)
+        if hasattr(strategy, "begin_fit"):
+            strategy.begin_fit(model, data_identity(arguments))
+        elif hasattr(strategy, "reset_checks"):
+            strategy.reset_checks(model)
         try:
             with warnings.catch_warnings():
                 if ran_out:
                     # Expected: see _restore_backup.
                     warnings.filterwarnings("ignore", message="Your input ran out of data")
-                return original_fit(**arguments)
+                history = original_fit(**arguments)
+            if hasattr(strategy, "end_fit"):
+                strategy.end_fit(model)
+            return history
         except tf.errors.InvalidArgumentError as error:
             # The independence assertions: the clipping strategy's in the
             # step, the sampler's on its map_fn in the input pipeline.
-            strategy = getattr(model.optimizer, "clipping_strategy", None)
             converted = (independence.error_from_assertion(
                 model, error, getattr(strategy, "name", "ghost"))
                 or map_independence.error_from_assertion(error)

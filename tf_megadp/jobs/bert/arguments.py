@@ -64,6 +64,22 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model and optimizer")
     model.add_argument("--model", choices=list(MODEL_PRESETS), default=hidden,
                        help=f"preset (default {defaults.model})")
+    model.add_argument("--init-from", metavar="PATH", default=hidden,
+                       help="continue pretraining from PATH: the model.keras of a run of "
+                            "this job or a local keras-hub preset directory; its shape and "
+                            "vocabulary are the run's, and a DP release's ledger "
+                            "(privacy.json beside it) is composed into epsilon")
+    model.add_argument("--init-data-disjoint", action="store_true", default=hidden,
+                       help="state that --init-from was trained on data sharing no example "
+                            "with this corpus: its ledger is not composed (recorded in the "
+                            "report)")
+    model.add_argument("--lora-rank", type=int, metavar="R", default=hidden,
+                       help="train LoRA factors of rank R on the backbone's attention query "
+                            "and value projections (keras-hub enable_lora), the rest of the "
+                            "backbone frozen, the MLM head trained")
+    model.add_argument("--freeze-embeddings", action="store_true", default=hidden,
+                       help="keep the token, position and segment embeddings (and so the "
+                            "tied MLM decoder) as they start")
     model.add_argument("--precision", choices=list(PRECISIONS), default=hidden,
                        help="dtype policy: mixed_bfloat16 computes in bfloat16, keeps "
                             "variables, norms, accumulators, noise and logits in float32")

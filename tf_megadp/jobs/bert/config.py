@@ -219,6 +219,24 @@ class PretrainConfig:
         precision: "float32" or "mixed_bfloat16" (the TPU dtype policy):
             compute in bfloat16, variables, per-example norms, accumulators,
             noise and the MLM logits in float32.
+        init_from: continue pretraining from this model instead of random
+            weights: the `model.keras` of a run of this job, or a local
+            keras-hub preset directory (`tf_megadp.jobs.bert.initial_weights`).
+            Its shape and vocabulary are the run's; a private run's release
+            composes its ledger (privacy.json) into this run's epsilon.
+        init_data_disjoint: the user's statement that the training data of
+            `init_from` share no example with `corpus`: its ledger is not
+            composed (and a non-private init is accepted); recorded in the
+            report.
+        max_sequence_length: rows of the model's position table (None:
+            `sequence_length`); set from `init_from`, whose table may be
+            longer than the run's sequences.
+        lora_rank: None (train every weight), or r: keras-hub's
+            `backbone.enable_lora(r)` freezes the backbone and trains LoRA
+            factors of rank r on each layer's query and value projections
+            (and their biases); the MLM head trains.
+        freeze_embeddings: keep the token, position and segment embedding
+            tables (so the tied MLM decoder) as they start.
     """
 
     corpus: Sequence[str] | None = None
@@ -276,6 +294,11 @@ class PretrainConfig:
     hardware: Any = None  # a tf_megadp plan Hardware: the run is then planned, and checked
     cpu_replicas: int | None = None
     precision: str = "float32"
+    init_from: str | None = None
+    init_data_disjoint: bool = False
+    max_sequence_length: int | None = None
+    lora_rank: int | None = None
+    freeze_embeddings: bool = False
 
     def adaptive_clipping(self):
         """The run's `tf_megadp.AdaptiveClipping`, or None for a fixed C."""
@@ -311,7 +334,8 @@ class PretrainConfig:
         The checks run in this order, each group a method: the types of the
         numbers, the model and the sizes, clipping, the training's ranges,
         the privacy unit, checkpointing, the privacy settings, the files,
-        the hardware, and the data's numbers.
+        the initial weights and what trains, the hardware, and the data's
+        numbers.
         """
         self._check_numbers()
         self._check_model_and_sizes()
@@ -321,6 +345,7 @@ class PretrainConfig:
         self._check_checkpointing()
         self._check_privacy()
         self._check_files()
+        self._check_initial_weights()
         self._check_hardware()
         self._check_data_numbers()
 
@@ -453,6 +478,27 @@ class PretrainConfig:
             )
         if self.vocabulary and not os.path.isfile(self.vocabulary):
             raise PretrainError(f"--vocabulary {self.vocabulary}: no such file.")
+
+    def _check_initial_weights(self) -> None:
+        if self.lora_rank is not None and (isinstance(self.lora_rank, bool)
+                                           or not isinstance(self.lora_rank, int)
+                                           or self.lora_rank < 1):
+            raise PretrainError(
+                f"lora_rank must be a positive integer (or None: no LoRA), got "
+                f"{self.lora_rank!r}.")
+        if self.max_sequence_length is not None and (
+                isinstance(self.max_sequence_length, bool)
+                or not isinstance(self.max_sequence_length, int)
+                or self.max_sequence_length < self.sequence_length):
+            raise PretrainError(
+                f"max_sequence_length must be an integer >= sequence_length="
+                f"{self.sequence_length}, got {self.max_sequence_length!r}.")
+        if self.init_data_disjoint and not self.init_from:
+            raise PretrainError(
+                "--init-data-disjoint states that the data of --init-from are disjoint from "
+                "this corpus: pass --init-from PATH, or drop it.")
+        if self.init_from and not self.resume and not os.path.exists(self.init_from):
+            raise PretrainError(f"--init-from {self.init_from}: no such file or directory.")
 
     def _check_hardware(self) -> None:
         if self.precision not in PRECISIONS:

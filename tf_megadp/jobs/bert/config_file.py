@@ -20,7 +20,10 @@ __all__ = ["load_run_config", "run_config_from_dict"]
 _YAML_FIELDS = {
     "model": {"preset": "model", "vocabulary_size": "vocabulary_size",
               "sequence_length": "sequence_length", "max_predictions": "max_predictions",
-              "dropout": "dropout", "precision": "precision"},
+              "dropout": "dropout", "precision": "precision",
+              "max_sequence_length": "max_sequence_length", "init_from": "init_from",
+              "init_data_disjoint": "init_data_disjoint", "lora_rank": "lora_rank",
+              "freeze_embeddings": "freeze_embeddings"},
     "training": {"num_examples": "num_examples", "micro_batch_size": "micro_batch_size",
                  "clipping": "clipping", "l2_norm_clip": "l2_norm_clip",
                  "per_example_scaling": "per_example_scaling",

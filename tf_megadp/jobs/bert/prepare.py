@@ -72,7 +72,10 @@ def vocabulary_report(config: PretrainConfig) -> dict[str, Any]:
     ```
     """
     plan = _vocabulary_plan(config)
-    if plan["kind"] == "file":
+    if plan["kind"] == "file" and config.init_from:
+        source, public = (f"public: the vocabulary {config.vocabulary} of the initial "
+                          f"weights {config.init_from}"), True
+    elif plan["kind"] == "file":
         source, public = f"public: the file {config.vocabulary} (named public by the user)", True
     elif plan["kind"] == "training corpus":
         source, public = TRAINING_CORPUS_VOCABULARY, False

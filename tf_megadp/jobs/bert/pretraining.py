@@ -47,6 +47,7 @@ from tf_megadp.jobs.bert.run_files import (
     CANARIES_NAME,
     CHECKPOINT_NAME,
     check_same_run,
+    saved_initial_weights,
     saved_settings,
 )
 from tf_megadp.jobs.bert.training import build_model, run_training
@@ -57,7 +58,7 @@ __all__ = ["MODEL_PRESETS", "PRECISIONS", "PretrainConfig", "PretrainError", "bu
 
 
 def _check_planned_hardware(config: PretrainConfig, replicas: int,
-                            vocabulary_size: int) -> dict[str, Any]:
+                            vocabulary_size: int, init=None) -> dict[str, Any]:
     """A planned run trains on the hardware and model its plan was made for.
 
     Returns:
@@ -81,15 +82,17 @@ def _check_planned_hardware(config: PretrainConfig, replicas: int,
             f"vocabulary has {vocabulary_size} tokens; set model.vocabulary_size to "
             f"{vocabulary_size} and plan again.")
     # Raises InfeasiblePlanError naming the number, exactly as `tf-megadp plan` does.
-    return plan.make_plan(config, vocabulary_size=vocabulary_size)
+    return plan.make_plan(config, vocabulary_size=vocabulary_size, init=init)
 
 
-def _plan_privacy(config: PretrainConfig, schedule,
-                  plan: dict[str, Any] | None = None) -> tuple[float, float, float]:
+def _plan_privacy(config: PretrainConfig, schedule, plan: dict[str, Any] | None = None,
+                  prior=None) -> tuple[float, float, float]:
     """(sigma, delta, epsilon of the full schedule).
 
     A planned run's `plan` has calibrated sigma and accounted this same
     schedule already: its numbers are taken, not computed a second time.
+    `prior` is the ledger of a release the run continues (--init-from):
+    epsilon composes it first, and a target epsilon bounds the whole.
     """
     from tf_megadp import accounting
 
@@ -102,9 +105,11 @@ def _plan_privacy(config: PretrainConfig, schedule,
     if config.noise_multiplier is not None:
         sigma = float(config.noise_multiplier)
     else:
+        _check_prior_below_target(config, prior, n, delta)
         try:
             sigma = accounting.calibrate_noise_multiplier(
-                config.target_epsilon, delta, schedule=schedule, accountant=config.accountant)
+                config.target_epsilon, delta, schedule=schedule, accountant=config.accountant,
+                prior=prior)
         except (ValueError, RuntimeError) as error:
             raise PretrainError(
                 f"target epsilon {config.target_epsilon} is unreachable for this schedule "
@@ -112,7 +117,7 @@ def _plan_privacy(config: PretrainConfig, schedule,
                 "smaller batch or a larger epsilon."
             ) from None
     epsilon = accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma,
-                                         accountant=config.accountant)
+                                         accountant=config.accountant, prior=prior)
     if config.target_epsilon is not None and epsilon > config.target_epsilon * 1.0001:
         raise PretrainError(
             f"noise multiplier {sigma:g} spends epsilon {epsilon:.3f} over the "
@@ -120,6 +125,22 @@ def _plan_privacy(config: PretrainConfig, schedule,
             "raise --noise-multiplier or drop it to calibrate."
         )
     return sigma, delta, epsilon
+
+
+def _check_prior_below_target(config: PretrainConfig, prior, n: int, delta: float) -> None:
+    """A release whose ledger alone spends the target leaves nothing to calibrate."""
+    from tf_megadp import accounting
+
+    if prior is None:
+        return
+    spent = accounting.PrivacyAccountant(n, delta, accountant=config.accountant,
+                                         ledger=prior).epsilon()
+    if spent >= config.target_epsilon:
+        raise PretrainError(
+            f"--init-from {config.init_from} is a DP release whose ledger alone spends epsilon "
+            f"{spent:.4g} at this run's delta {delta:.3g}, at least --target-epsilon "
+            f"{config.target_epsilon}: raise --target-epsilon, or pass --init-data-disjoint "
+            "if its training data share no example with this corpus.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +176,18 @@ def run_pretraining(config: PretrainConfig, *, log=print,
         log: where progress lines go.
         testing: tests only (`_TestingSeeds`); never set it for a real run.
     """
+    from tf_megadp.jobs.bert import initial_weights
+
     config.validate()
+    init = None
+    # A resume takes the record of its start from its checkpoint; its
+    # settings may still name the init's shape by the defaults.
+    if config.init_from and (not config.resume or os.path.exists(config.init_from)):
+        # Shape, vocabulary and origin from the init: refused here, before
+        # the corpus is read.
+        init = initial_weights.read_initial_weights(config.init_from)
+        config = initial_weights.configured(config, init)
+        config.validate()
     # The run trains with (and its checkpoint keeps) a number; where the
     # number came from goes to the report.
     learning_rate, learning_rate_source = config.learning_rate_choice()
@@ -175,6 +207,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     if config.resume:
         # Before the corpus and TensorFlow: a refused resume fails at once.
         check_same_run(saved_settings(output_dir), config)
+        init = saved_initial_weights(output_dir)
     if not config.resume and has_checkpoint:
         raise PretrainError(
             f"{output_dir} already holds a run; pass --resume to continue it or choose "
@@ -240,9 +273,10 @@ def run_pretraining(config: PretrainConfig, *, log=print,
             "and plan again.")
     plan = None
     if config.hardware is not None:
-        plan = _check_planned_hardware(config, replicas, train.vocabulary_size)
+        plan = _check_planned_hardware(config, replicas, train.vocabulary_size, init)
     schedule = config.make_schedule(population, replicas)
-    sigma, delta, planned_epsilon = _plan_privacy(config, schedule, plan)
+    prior = init.composed_ledger(config) if init is not None else None
+    sigma, delta, planned_epsilon = _plan_privacy(config, schedule, plan, prior)
     if testing is not None and testing.noise_multiplier is not None:
         sigma = testing.noise_multiplier
 
@@ -258,7 +292,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
             save_canaries(os.path.join(output_dir, CANARIES_NAME), canaries)
         return run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout,
                             strategy, output_dir, started, log, testing,
-                            learning_rate_source=learning_rate_source)
+                            learning_rate_source=learning_rate_source, init=init)
     except BaseException:
         if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
             shutil.rmtree(output_dir, ignore_errors=True)

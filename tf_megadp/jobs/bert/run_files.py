@@ -51,6 +51,8 @@ RELEASED_OUTSIDE_EPSILON = (
 )
 PLOT_NAME = "report.png"
 HISTORY_NAME = "history.csv"
+# Where report.json and the checkpoint's extra keep the record of --init-from.
+INIT_KEY = "init"
 
 
 # What `--resume` may change: how the run goes on, never what it trains on,
@@ -60,6 +62,10 @@ OPERATIONAL_FIELDS = frozenset({
     "resume", "output_dir", "cache_dir", "verbose", "eval_every", "checkpoint_every",
     "checkpoint_minutes", "stop_after_steps",
 })
+# The operational fields that end one invocation, not the run: a resume does
+# not take them from the checkpoint (a run stopped by --stop-after-steps 1
+# and resumed with --resume alone stopped again one step later, each time).
+_INVOCATION_FIELDS = frozenset({"stop_after_steps"})
 
 
 def saved_settings(output_dir: str) -> dict[str, Any]:
@@ -84,10 +90,22 @@ def saved_settings(output_dir: str) -> dict[str, Any]:
     return saved
 
 
+def saved_initial_weights(output_dir: str):
+    """The `InitialWeights` the run in `output_dir` started from (None: random weights)."""
+    from tf_megadp.run.training_state import training_state_extra
+    from tf_megadp.jobs.bert.initial_weights import InitialWeights
+
+    saved = training_state_extra(os.path.join(output_dir, CHECKPOINT_NAME)).get(INIT_KEY)
+    return InitialWeights.from_dict(saved) if saved else None
+
+
 def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:
     """The `PretrainConfig` of a saved run (`saved_settings`), with the fields `given` replaced.
 
-    Fields a saved run lacks (an older release's) take their defaults.
+    Fields a saved run lacks (an older release's) take their defaults, and
+    so do the fields that ended the invocation that saved it
+    (`stop_after_steps`): the resumed run goes on to the end of its schedule
+    unless `given` says otherwise.
     """
     from tf_megadp.jobs.bert.config import Hardware
 
@@ -97,7 +115,7 @@ def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:
         raise PretrainError(
             f"--resume: the run's saved settings name fields this tf_megadp does not have "
             f"({', '.join(unknown)}); resume it with the release that started it.")
-    values = dict(saved)
+    values = {name: value for name, value in saved.items() if name not in _INVOCATION_FIELDS}
     if isinstance(values.get("hardware"), dict):
         values["hardware"] = Hardware(**values["hardware"])
     return dataclasses.replace(PretrainConfig(**values), **given)

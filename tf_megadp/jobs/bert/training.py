@@ -24,6 +24,7 @@ from tf_megadp.jobs.bert.run_files import (
     CANARY_REPETITIONS,
     CHECKPOINT_NAME,
     HISTORY_NAME,
+    INIT_KEY,
     MODEL_NAME,
     PLOT_NAME,
     PRIVACY_REPORT_NAME,
@@ -62,7 +63,7 @@ def build_model(config: PretrainConfig, vocabulary_size: int):
         num_heads=heads,
         hidden_dim=hidden,
         intermediate_dim=intermediate,
-        max_sequence_length=config.sequence_length,
+        max_sequence_length=config.max_sequence_length or config.sequence_length,
         dropout=config.dropout,
         # float32 is Keras's default: only a mixed policy is passed on.
         dtype=None if config.precision == "float32" else config.precision,
@@ -140,8 +141,18 @@ def masked_rows(rows: np.ndarray, batcher, seed: int):
     return {k: v.numpy() for k, v in x.items()}, y.numpy(), w.numpy()
 
 
-def _heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
-    """Fixed masked batches of the held-out set, identical at every evaluation."""
+def heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
+    """Fixed masked batches of the held-out set, identical at every evaluation (and in every run).
+
+    Args:
+        heldout: the held-out `TokenShards`.
+        batcher: the run's `MaskedLMBatcher`.
+        micro_batch_size: m; the rows are cut to a multiple of m.
+        seed: the run's public seed.
+
+    Returns:
+        `(x, y, sample_weight)`, as `masked_rows`.
+    """
     rows = heldout.read(np.arange(len(heldout)))
     size = len(rows) - len(rows) % micro_batch_size or len(rows)
     return masked_rows(rows[:size], batcher, seed)
@@ -193,29 +204,39 @@ class _Checkpointer:
     """
 
     def __init__(self, output_dir: str, history: list, config: PretrainConfig, resumes: list,
-                 learning_rate_source: str, enabled: bool = True):
+                 learning_rate_source: str, enabled: bool = True, init=None):
         self.directory = os.path.join(output_dir, CHECKPOINT_NAME)
         self.history = history
         self.config = config
         self.learning_rate_source = learning_rate_source
         self.resumes = resumes
         self.enabled = enabled
+        self.init = init
 
     def save(self, model) -> None:
+        from tf_megadp.jobs.bert import trainable
         from tf_megadp.run.training_state import save_training_state
 
         if not self.enabled:
             return
-
+        steps = int(model.optimizer.iterations.numpy())
+        # Before the state that names it is committed: a kill in between
+        # leaves the last committed checkpoint and its own factors whole.
+        factors = trainable.save_lora_factors(model, self.directory, steps)
         save_training_state(model, self.directory, extra={
-            "logical_steps": int(model.optimizer.iterations.numpy()),
+            "logical_steps": steps,
             "history": self.history,
             "resumes": self.resumes,
             "config": config_dict(self.config),
             # The saved config holds the rate as a number: where it came from
             # is kept beside it, so that a resumed run reports it.
             "learning_rate_source": self.learning_rate_source,
+            # Where the run started (a resume reports it and composes the
+            # same release ledger when it plans sigma again).
+            INIT_KEY: self.init.to_dict() if self.init else None,
+            trainable.LORA_FACTORS_KEY: factors,
         })
+        trainable.remove_other_lora_factors(self.directory, factors)
 
 
 def _history_csv_class():
@@ -269,6 +290,7 @@ class _Job:
         started: `time.time()` when the job started.
         log: prints one progress message.
         testing: the test-only seeds, or None.
+        init: the `InitialWeights` the run started from (--init-from), or None.
     """
 
     config: PretrainConfig
@@ -282,6 +304,7 @@ class _Job:
     started: float
     log: Callable[[str], None]
     testing: Any = None
+    init: Any = None
 
     @property
     def private(self) -> bool:
@@ -317,7 +340,7 @@ class _Start:
 
 def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout,
                  strategy, output_dir, started, log, testing=None,
-                 learning_rate_source="given") -> dict[str, Any]:
+                 learning_rate_source="given", init=None) -> dict[str, Any]:
     """Trains the planned run (or continues it with --resume), releases it and reports.
 
     Args:
@@ -332,6 +355,8 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
         log: prints one progress message.
         testing: test-only seeds, or None.
         learning_rate_source: where the learning rate came from.
+        init: the `InitialWeights` of --init-from (of the run's first
+            start, on a resume), or None.
 
     Returns:
         The run's report (report.json).
@@ -339,7 +364,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
     from tf_megadp import distribute
 
     job = _Job(config, schedule, sigma, delta, train, heldout, strategy, output_dir, started,
-               log, testing)
+               log, testing, init)
     batcher, heldout_set = _prepare_evaluation(job)
     model, start = _model_of_this_start(job, learning_rate_source)
     logical_done = _announce_progress(job, model)
@@ -364,7 +389,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
     chief = distribute.is_chief(strategy)
     privacy = _privacy_callback(job, chief) if job.private else None
     checkpointer = _Checkpointer(output_dir, start.history, config, start.resumes,
-                                 start.learning_rate_source, enabled=chief)
+                                 start.learning_rate_source, enabled=chief, init=job.init)
     callbacks = [privacy] if privacy else []
     callbacks.append(_evaluation_callback(job, heldout_set, start.history, privacy, checkpointer,
                                           logical_done, several_workers))
@@ -403,7 +428,7 @@ def _prepare_evaluation(job: _Job):
     # the noise draw secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
     batcher = text.MaskedLMBatcher.from_shards(job.train, max_predictions=config.max_predictions)
-    x, y, w = _heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
+    x, y, w = heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
     unigram = _unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
     return batcher, _HeldOut(x, y, w, unigram)
 
@@ -417,13 +442,21 @@ def _model_of_this_start(job: _Job, learning_rate_source: str):
     """
     import tf_megadp
 
+    from tf_megadp.jobs.bert import initial_weights, trainable
+
     start = _Start(history=[], resumes=[], resumed_from=0,
                    learning_rate_source=learning_rate_source)
     with job.strategy.scope():
         model = build_model(job.config, job.train.vocabulary_size)
         if job.config.resume:
+            # LoRA first: the checkpoint holds the factors' optimizer state.
+            trainable.restrict_training(model, job.config)
             start = _restore(job, model, learning_rate_source)
         else:
+            if job.init is not None:
+                # Before LoRA, whose factors a load would zero.
+                initial_weights.load_into(model, job.init)
+            trainable.restrict_training(model, job.config)
             model.compile(optimizer=_new_optimizer(job), **_compile_kwargs(job.private))
             model.optimizer.build(model.trainable_variables)
         if job.private:
@@ -432,6 +465,9 @@ def _model_of_this_start(job: _Job, learning_rate_source: str):
                     f"{job.output_dir} holds a non-private run; resume it with --non-private.")
             # Strict: data that no tf_megadp Poisson sampler drew is refused.
             tf_megadp.make_private(model, require_poisson_sampling=True)
+            if job.init is not None and not job.config.resume:
+                # A release's ledger starts this run's; other weights are named.
+                initial_weights.declare(model, job.init, job.config)
         elif isinstance(model.optimizer, tf_megadp.DPOptimizer):
             raise PretrainError(
                 f"{job.output_dir} holds a private run; resume it without --non-private.")
@@ -442,9 +478,13 @@ def _restore(job: _Job, model, learning_rate_source: str) -> _Start:
     """Restores the run's checkpoint into `model` and says where this start resumes."""
     from tf_megadp.run.training_state import restore_training_state
 
+    from tf_megadp.jobs.bert import trainable
+
     # Its settings were checked against config before the corpus was prepared.
-    state = restore_training_state(
-        model, os.path.join(job.output_dir, CHECKPOINT_NAME), _compile_kwargs(job.private))
+    directory = os.path.join(job.output_dir, CHECKPOINT_NAME)
+    state = restore_training_state(model, directory, _compile_kwargs(job.private))
+    # Keras loads a LoRA layer's merged kernel into W and zeros A and B.
+    trainable.restore_lora_factors(model, directory, state.get(trainable.LORA_FACTORS_KEY))
     resumed_from = int(model.optimizer.iterations.numpy())
     return _Start(
         history=state.get("history", []),
@@ -646,8 +686,14 @@ def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: fl
     """Says what is trained on what, with which learning rate, schedule and privacy."""
     from tf_megadp.jobs.bert.units import describe_population
 
+    from tf_megadp.jobs.bert import trainable
+
     config, schedule, train = job.config, job.schedule, job.train
     layers, hidden, _, _ = MODEL_PRESETS[config.model]
+    if job.init is not None:
+        job.log(f"Initial weights: {job.init.path} ({job.init.trained}); "
+                + job.init.report(config)["epsilon"] + ".")
+    job.log(f"Trains {trainable.describe(config)}.")
     job.log(
         f"Training BERT-{config.model} ({layers} layers, hidden {hidden}) on "
         f"{describe_population(config.privacy_unit, schedule.num_examples, len(train))}, "
@@ -698,6 +744,7 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
             final_steps: int, train_seconds: float) -> dict[str, Any]:
     """The run's report.json: what it learned, what it spent, what it trained on, its files."""
     import tf_megadp
+    from tf_megadp.jobs.bert import trainable
     from tf_megadp.jobs.bert.baselines import learning_verdict
 
     config, schedule, private, train = job.config, job.schedule, job.private, job.train
@@ -734,7 +781,13 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
         "resumes": start.resumes,
         "model": {"preset": config.model, "layers": layers, "hidden": hidden, "heads": heads,
                   "vocabulary_size": train.vocabulary_size,
-                  "sequence_length": train.sequence_length},
+                  "sequence_length": train.sequence_length,
+                  "max_sequence_length": config.max_sequence_length or train.sequence_length,
+                  "parameters": _count(model.weights),
+                  "trainable_parameters": _count(model.trainable_variables),
+                  "trains": trainable.describe(config)},
+        # Where the weights started: --init-from, or random (None).
+        INIT_KEY: job.init.report(config) if job.init else None,
         "num_examples": schedule.num_examples,
         # What epsilon protects: one sequence, or every sequence of one unit.
         # privacy.json's spelling: "example" (here one sequence), or the unit's field.
@@ -754,6 +807,10 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
         "history": history,
         "config": config_dict(config),
     }
+
+
+def _count(variables) -> int:
+    return int(sum(np.prod(variable.shape) for variable in variables))
 
 
 def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_epoch: int,

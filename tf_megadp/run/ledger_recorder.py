@@ -490,8 +490,15 @@ class LedgerRecorder:
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
             if kind.segment_event is not None:
-                return self._segment_entry(optimizer, step, sigma, 0.0,
-                                           not optimizer.noise_segment_continues(step))
+                new_segment = not optimizer.noise_segment_continues(step)
+                count_sigma = 0.0
+                if not new_segment and len(self.ledger):
+                    # A continued segment keeps the noise its steps recorded
+                    # (the step's float32 sigma; a fixed-order segment refuses
+                    # any other, and the budget's next step would not differ).
+                    last = self.ledger.entries[-1]
+                    sigma, count_sigma = last.noise_multiplier, last.count_noise_multiplier
+                return self._segment_entry(optimizer, step, sigma, count_sigma, new_segment)
             return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
                                schedule.capacity(phase) if kind.truncates else 0, kind.name)
         rows = self._last_rows

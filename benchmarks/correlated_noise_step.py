@@ -23,6 +23,12 @@ the optimizer is built (accumulators, ledger and buffers; beyond the
 independent optimizer's), and the largest peak growth of resident memory
 during a timed round (the step's temporaries; `_measure.PeakRss`).
 
+The noise update alone: after the rounds, the optimizer's own update of
+every variable's correlated noise from one draw ((C^-1 z)_t and its buffer
+writes), compiled once and timed `--update-repeats` times (median), as a
+share of the independent step: the step-time difference of two loaded
+runs is noisier than the update it would measure.
+
 Each row prints the 1-minute load average: the machine may be shared.
 
     python benchmarks/correlated_noise_step.py                  # b = 4, 16; BLT d = 4
@@ -47,7 +53,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_megadp  # noqa: E402
-from _measure import PeakRss, rss_bytes  # noqa: E402
+from _measure import PeakRss, rss_bytes, time_per_call  # noqa: E402
 from step_overhead import (  # noqa: E402
     add_model_arguments,
     build_model,
@@ -97,6 +103,27 @@ class Mechanism:
         return kind.from_arrays(x, y, w, schedule=self.schedule, start_step=start,
                                 end_step=end, seed=0, **extra)
 
+    def noise_update_seconds(self, repeats):
+        """Median seconds of the step's noise update alone: (C^-1 z)_t of every variable.
+
+        The optimizer's own graph code (`NoiseBuffers._correlate`) on one
+        fixed draw per variable, compiled once and called `repeats` times:
+        what correlated noise adds to a step beyond the draw that
+        independent noise makes too, measured directly rather than as the
+        difference of two loaded step times.
+        """
+        optimizer = self.model.optimizer
+        draws = [tf.random.normal(v.shape) for v in self.model.trainable_variables]
+
+        @tf.function
+        def update(step):
+            return tf.add_n([tf.reduce_sum(optimizer._correlate(index, z, step))
+                             for index, z in enumerate(draws)])
+
+        steps = iter(range(1, 10**6))
+        return time_per_call(lambda: update(tf.constant(next(steps), tf.int64)).numpy(),
+                             warmup=2, repeats=repeats)
+
     def round(self, index):
         steps = self.args.steps
         timer = _StepTimes()
@@ -119,6 +146,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10, help="logical steps per round")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, warm-up included")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--update-repeats", type=int, default=30,
+                        help="calls of the noise update alone, timed after the rounds")
     add_model_arguments(parser)
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")  # seeded noise, zero-out adjacency: once per model
@@ -154,15 +183,21 @@ def main(argv=None):
             mechanism.round(index)
         print(f"  round {index} done, load {load_average():.2f}", flush=True)
 
+    for mechanism in mechanisms:
+        mechanism.update = mechanism.noise_update_seconds(args.update_repeats)
     base = mechanisms[0]
     base_time = float(np.median(base.seconds))
-    print(f"{'noise':14} {'ms/step':>9} {'x indep.':>9} {'+ % step':>9} {'buffers MiB':>12} "
-          f"{'build MiB':>10} {'round peak MiB':>15}  rounds (ms/step)")
+    print(f"{'noise':14} {'ms/step':>9} {'x indep.':>9} {'+ % step':>9} {'update ms':>10} "
+          f"{'% of step':>10} {'buffers MiB':>12} {'build MiB':>10} {'round peak MiB':>15}  "
+          "rounds (ms/step)")
     for mechanism in mechanisms:
         seconds = float(np.median(mechanism.seconds))
         extra = mechanism.build_bytes - base.build_bytes
+        # The update alone against the independent step: the share of a step
+        # that correlating its noise costs.
         print(f"{mechanism.name:14} {seconds * 1e3:9.1f} {seconds / base_time:9.3f} "
               f"{100 * (seconds - base_time) / base_time:+9.1f} "
+              f"{mechanism.update * 1e3:10.2f} {100 * mechanism.update / base_time:10.2f} "
               f"{mechanism.buffer_bytes / 2**20:12.1f} {extra / 2**20:+10.1f} "
               f"{max(mechanism.peaks) / 2**20:15.1f}  "
               + " ".join(f"{s * 1e3:.0f}" for s in mechanism.seconds), flush=True)

@@ -40,7 +40,8 @@ from step_overhead import load_average  # noqa: E402
 from tf_megadp.jobs.bert.config import PretrainConfig, default_delta  # noqa: E402
 from tf_megadp.jobs.bert.masking import MaskedLMBatcher  # noqa: E402
 from tf_megadp.jobs.bert.prepare import prepare_data  # noqa: E402
-from tf_megadp.jobs.bert.training import build_model, masked_rows  # noqa: E402
+from tf_megadp.jobs.bert.training import (  # noqa: E402
+    build_model, masked_rows, unigram_accuracy)
 
 
 def _sampler(mechanism, train, args):
@@ -90,8 +91,8 @@ def run(mechanism, seed, data, args) -> dict:
     return result
 
 
-def plot(results, path, title) -> None:
-    """Held-out accuracy per mechanism: one point per seed, the mean as a bar."""
+def plot(results, path, title, unigram=None) -> None:
+    """Held-out accuracy per mechanism: one point per seed, the mean as a bar; the unigram line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,6 +106,9 @@ def plot(results, path, title) -> None:
         axis.plot([index] * len(accuracies), accuracies, "o", color="#1f4e79", ms=4)
     labels = {"dpsgd": "DP-SGD", "bandmf": "BandMF", "blt": "BLT"}
     axis.set_xticks(range(len(mechanisms)), [labels.get(m, m) for m in mechanisms])
+    if unigram is not None:
+        axis.axhline(unigram, color="gray", ls=":", label="unigram baseline")
+        axis.legend(fontsize=7, loc="lower right")
     axis.set_ylabel("held-out MLM accuracy")
     axis.set_title(title, fontsize=8)
     figure.tight_layout()
@@ -135,6 +139,7 @@ def main(argv=None):
     heldout_x, heldout_y, heldout_w = masked_rows(
         heldout.read(np.arange(len(heldout))), batcher, config.seed)
     delta = default_delta(len(train))
+    unigram = unigram_accuracy(train, heldout_y, heldout_w, vocabulary_size)
     commit = subprocess.run(["git", "log", "--oneline", "-1"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     print(f"commit: {commit}")
@@ -143,7 +148,7 @@ def main(argv=None):
           f"model {config.model}; B = {args.batch_size}, m = {args.micro_batch_size}, "
           f"{args.steps} steps; epsilon {args.target_epsilon} at delta {delta:.3g} "
           f"({args.accountant}); BandMF b = {args.bands} (cycle {args.bands}), "
-          f"BLT d = {args.buffers}")
+          f"BLT d = {args.buffers}; unigram baseline accuracy {unigram:.4f}")
     data = (train, heldout_x, heldout_y, heldout_w, vocabulary_size, config, delta)
     results = [run(mechanism, int(seed), data, args)
                for seed in args.seeds.split(",") for mechanism in args.mechanisms.split(",")]
@@ -155,7 +160,8 @@ def main(argv=None):
     if args.plot:
         plot(results, args.plot,
              f"nano BERT, default corpus, epsilon {args.target_epsilon}: {args.steps} steps of "
-             f"B = {args.batch_size}; BandMF b = {args.bands}, BLT d = {args.buffers}")
+             f"B = {args.batch_size}; BandMF b = {args.bands}, BLT d = {args.buffers}",
+             unigram)
 
 
 if __name__ == "__main__":

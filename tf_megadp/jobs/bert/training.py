@@ -158,7 +158,7 @@ def heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
     return masked_rows(rows[:size], batcher, seed)
 
 
-def _unigram_accuracy(train, heldout_y, heldout_w, vocabulary_size: int) -> float:
+def unigram_accuracy(train, heldout_y, heldout_w, vocabulary_size: int) -> float:
     """Accuracy of always predicting the most frequent training token (id > 4)."""
     counts = np.zeros(vocabulary_size, np.int64)
     for start in range(0, len(train), 65536):
@@ -429,7 +429,7 @@ def _prepare_evaluation(job: _Job):
     keras.utils.set_random_seed(config.seed)
     batcher = text.MaskedLMBatcher.from_shards(job.train, max_predictions=config.max_predictions)
     x, y, w = heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
-    unigram = _unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
+    unigram = unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
     return batcher, _HeldOut(x, y, w, unigram)
 
 

@@ -159,7 +159,7 @@ def main(argv=None):
     print("uptime: " + subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     if args.plot:
         plot(results, args.plot,
-             f"nano BERT, default corpus, epsilon {args.target_epsilon}: {args.steps} steps of "
+             f"nano BERT, default corpus, epsilon {args.target_epsilon}\n{args.steps} steps of "
              f"B = {args.batch_size}; BandMF b = {args.bands}, BLT d = {args.buffers}",
              unigram)
 

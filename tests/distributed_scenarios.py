@@ -344,6 +344,68 @@ def noise_checks(strategy, replicas, result):
     }
 
 
+def correlated_noise_checks(strategy, replicas, result):
+    """BandMF noise on R replicas, every gradient zero: one C^{-1} z in total (issue 39).
+
+    Each replica streams its own draws z_r of variance 1/R through its own
+    buffers; the all-reduced update must be -(sigma C / B) (C^{-1} z)_t with
+    z = sum_r z_r / sqrt(R), the draws regenerated from the seed, and the
+    ledger one cyclic segment.
+    """
+    import keras
+    import tensorflow as tf
+
+    import tf_megadp
+    from tests import reference
+    from tf_megadp.accounting import matrix_factorization as mf
+
+    steps, batch, cycle, width, seed = 6, 4, 4, 2_000, 77
+    schedule = tf_megadp.BatchSizeSchedule([tf_megadp.Phase(steps, batch, 1)], num_examples=64,
+                                           micro_batch_size=8, num_replicas=replicas)
+    x = np.arange(128, dtype="float32").reshape(64, 2) / 128
+    sampler = tf_megadp.PoissonSampler.from_arrays(
+        x, np.zeros((64, width), "float32"), schedule=schedule, cycle_length=cycle, seed=5)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = tf_megadp.make_private(keras.Sequential([keras.Input((2,)),
+                                                         keras.layers.Dense(width)]))
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=NOISE_CLIP, noise_multiplier=NOISE_SIGMA,
+            schedule=schedule, noise=tf_megadp.BandMF(num_bands=cycle), seed=seed),
+            loss=reference.zero_loss)
+    weights = [reference.flat(reference.weights(model))]
+
+    class EveryStep(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch_index, logs=None):
+            weights.append(reference.flat(reference.weights(self.model)))
+
+    model.fit(sampler.as_dataset(), verbose=0, callbacks=[EveryStep()])
+    streamed = -(batch / (NOISE_SIGMA * NOISE_CLIP)) * np.diff(np.stack(weights), axis=0)
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    draws = np.stack([sum(reference.flat(reference.noise_draws(seed, t, shapes, replica=r))
+                          for r in range(replicas)) / np.sqrt(replicas) for t in range(steps)])
+    strategy_column = model.optimizer.noise_strategy.column(steps)
+    expected = mf.banded_inverse_stream(model.optimizer.noise_strategy.coefficients, draws)
+    inverse = np.linalg.inv(np.tril(np.array(
+        [[strategy_column[i - j] if i >= j else 0.0 for j in range(steps)]
+         for i in range(steps)])))
+    try:
+        reference.assert_covariance_is(streamed.T, inverse @ inverse.T)
+        covariance_ok = True
+    except AssertionError:
+        covariance_ok = False
+    result["correlated_noise"] = {
+        "steps": int(model.optimizer.iterations.numpy()),
+        "max_error": float(np.max(np.abs(streamed - expected))),
+        "max_error_full_noise_per_replica": float(np.max(np.abs(
+            streamed - expected * np.sqrt(replicas)))),
+        "covariance_ok": covariance_ok,
+        "identical_across_replicas": replicas_identical(strategy, model.trainable_variables),
+        "ledger": [[e.sampling, e.noise, e.steps, e.segment_start]
+                   for e in tf_megadp.model_ledger(model)],
+    }
+
+
 def mixed_bfloat16_checks(strategy, replicas, result):
     """The full run under mixed_bfloat16, distributed, vs the float32 result."""
     import keras
@@ -539,6 +601,7 @@ def run_replicas(replicas, out_path):
         # Noise added on every replica would show as R times the variance
         # on two replicas as on four; four would cost CI the check again.
         noise_checks(strategy, replicas, result)
+        correlated_noise_checks(strategy, replicas, result)
     seconds["noise"] = time.perf_counter() - start - seconds["equality"]
     accounting_checks(strategy, replicas, result)
     seconds["accounting"] = time.perf_counter() - start - sum(seconds.values())

@@ -20,6 +20,7 @@ from scipy import stats
 
 from tf_megadp import accounting
 from tf_megadp.accounting import engines, events
+from tf_megadp.accounting import matrix_factorization as mf
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.accounting import (
     LedgerEntry,
@@ -29,6 +30,7 @@ from tf_megadp.accounting import (
     compute_epsilon,
     ledger_from_schedule,
 )
+from tf_megadp.accounting import RunDescription
 from tf_megadp.steps import BatchSizeSchedule, Phase
 from tests.log_records import logged_messages
 
@@ -493,6 +495,32 @@ SAMPLING_ROWS = {
     "shuffle": (1, _poisson_step, False, True),  # accounted as if Poisson, with a warning
 }
 
+
+# The kinds accounted by noise segment (correlated noise's samplers): the noise
+# fields of an entry of the kind, and the event of a segment of that one entry
+# (7 steps, N = 1,000) built directly from matrix_factorization and dp_accounting.
+def _cyclic_segment(entry, num_examples):
+    # 7 steps in windows of L = 4 from group 0: 2 rounds over groups of 250.
+    if entry.max_batch_size:
+        return dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            250, entry.sampling_rate, entry.max_batch_size, entry.noise_multiplier), 2)
+    return mf.cyclic_poisson_event(entry.noise_multiplier, num_examples=num_examples,
+                                   batch_size=5, steps=7, cycle_length=4, num_bands=4)
+
+
+def _fixed_order_segment(entry, num_examples):
+    return mf.fixed_order_event(entry.noise_multiplier, mf.Sensitivity(1.9, True))
+
+
+SEGMENT_ROWS = {
+    # kind: (code, noise fields, reference segment event, truncates, warns)
+    "cyclic_poisson": (2, dict(noise="bandmf", strategy_hash=3, bands=4, cycle_length=4),
+                       _cyclic_segment, True, False),
+    # Warns of its (zero-out) adjacency.
+    "fixed_order": (3, dict(noise="blt", strategy_hash=3, bands=2, steps_per_epoch=2,
+                            participations=4, sensitivity=1.9), _fixed_order_segment, False, True),
+}
+
 # One row per registered accountant: a fresh dp_accounting reference engine.
 ACCOUNTANT_ROWS = {
     "pld": lambda: pld.PLDAccountant(value_discretization_interval=1e-4),
@@ -522,8 +550,8 @@ def test_samplers_name_their_kind_whose_event_is_registered_once():
 
 
 def test_every_sampling_kind_has_a_test_row():
-    assert set(accounting.sampling_kinds()) == set(SAMPLING_ROWS)
-    assert set(events._KINDS) == set(SAMPLING_ROWS) | set(REFUSED_ROWS)
+    assert set(accounting.sampling_kinds()) == set(SAMPLING_ROWS) | set(SEGMENT_ROWS)
+    assert set(events._KINDS) == set(SAMPLING_ROWS) | set(SEGMENT_ROWS) | set(REFUSED_ROWS)
 
 
 @pytest.mark.parametrize("kind", sorted(REFUSED_ROWS))
@@ -579,6 +607,23 @@ def test_each_sampling_kind_makes_its_reference_event(kind, recwarn):
             LedgerEntry(7, 0.02, 1.3, 30, kind)
     report = PrivacyAccountant(1_000, 1e-4, accountant="rdp",
                                ledger=PrivacyLedger([LedgerEntry(7, 0.02, 1.3, 0, kind)])).report()
+    assert bool(report["warnings"]) == warns
+
+
+@pytest.mark.parametrize("kind", sorted(SEGMENT_ROWS))
+def test_each_segment_kind_makes_its_reference_event(kind, recwarn):
+    code, fields, reference, truncates, warns = SEGMENT_ROWS[kind]
+    registered = events.sampling_kind(kind)
+    assert (registered.code, registered.truncates, bool(registered.warning)) == (
+        code, truncates, warns)
+    assert registered.step_event is None and registered.accounted
+    for max_batch_size in (0, 30) if truncates else (0,):
+        entry = LedgerEntry(7, 0.02, 1.3, max_batch_size, kind, segment_start=True, **fields)
+        assert LedgerEntry.from_row(entry.to_row()) == entry
+        assert events.ledger_event([entry], 1_000) == dp_accounting.ComposedDpEvent(
+            [reference(entry, 1_000)])
+    report = PrivacyAccountant(1_000, 1e-4, accountant="rdp", ledger=PrivacyLedger([
+        LedgerEntry(7, 0.02, 1.3, 0, kind, segment_start=True, **fields)])).report()
     assert bool(report["warnings"]) == warns
 
 
@@ -705,3 +750,136 @@ def test_coupling_bound_is_as_tight_as_the_exact_truncated_pld():
     )
     got = compute_epsilon(schedule=schedule, noise_multiplier=1.0, delta=1e-6)
     assert got == pytest.approx(exact, rel=1e-3)
+
+
+# -- Correlated noise (issue 39): every epsilon against dp_accounting's own events ------
+
+
+def _gaussian_reference(sigma, delta, accountant):
+    return reference_epsilon([dp_accounting.GaussianDpEvent(sigma)], delta, accountant)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_an_unsampled_gaussian_is_accounted_as_dp_accounting_accounts_it(accountant):
+    # A fixed-order segment's event; the PLD accountant used to refuse it.
+    event = dp_accounting.ComposedDpEvent([
+        dp_accounting.GaussianDpEvent(3.0),
+        dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(2.0), 3)])
+    got = engines.TruncationAwareAccountant(accountant).compose(event).get_epsilon(1e-6)
+    assert got == pytest.approx(reference_epsilon([event], 1e-6, accountant), rel=1e-12)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_bandmf_with_cyclic_poisson_equals_the_amplified_bandmf_event(accountant):
+    noise = accounting.correlated_noise.BandMF(num_bands=8)
+    got = compute_epsilon(num_examples=60_000, batch_size=250, steps=1_000, noise_multiplier=1.0,
+                          delta=1e-6, noise=noise, cycle_length=8, accountant=accountant)
+    event = mf.cyclic_poisson_event(1.0, num_examples=60_000, batch_size=250, steps=1_000,
+                                    cycle_length=8, num_bands=8)
+    assert got == pytest.approx(reference_epsilon([event], 1e-6, accountant), rel=1e-9)
+
+
+def test_a_correlated_noise_run_after_a_release_composes_the_release_then_its_segment():
+    # --init-from a release, continued with BandMF: the release's Poisson steps,
+    # then the run's own segment from its step 0.
+    prior = PrivacyLedger()
+    prior.record(300, sampling_rate=0.004, noise_multiplier=0.9)
+    noise = accounting.correlated_noise.BandMF(num_bands=4)
+    got = compute_epsilon(num_examples=60_000, batch_size=250, steps=400, noise_multiplier=1.0,
+                          delta=1e-6, noise=noise, cycle_length=4, accountant="rdp",
+                          prior=prior)
+    event = mf.cyclic_poisson_event(1.0, num_examples=60_000, batch_size=250, steps=400,
+                                    cycle_length=4, num_bands=4)
+    assert got == pytest.approx(
+        reference_epsilon([poisson(300, 0.004, 0.9), event], 1e-6, "rdp"), rel=1e-9)
+    [released, segment] = RunDescription(
+        num_examples=60_000, batch_size=250, steps=400, noise_multiplier=1.0, noise=noise,
+        cycle_length=4, prior=prior).ledger().entries
+    assert (released.sampling, segment.sampling, segment.segment_start) == (
+        "poisson", "cyclic_poisson", True)
+
+
+def test_a_growing_schedule_of_whole_rounds_accounts_each_round_with_its_own_q():
+    noise = accounting.correlated_noise.BandMF(num_bands=4)
+    schedule = BatchSizeSchedule([Phase(40, 100, 4), Phase(20, 300, 8)], num_examples=10_000,
+                                 micro_batch_size=64)
+    run = RunDescription(schedule=schedule, noise_multiplier=1.2, noise=noise, cycle_length=4)
+    # 10 rounds at q = 4 * 100 / N and 5 at 4 * 300 / N, over groups of N / 4,
+    # truncated at each phase's capacity (256, 512).
+    assert run.dp_event() == dp_accounting.ComposedDpEvent([dp_accounting.ComposedDpEvent([
+        dp_accounting.SelfComposedDpEvent(dp_accounting.TruncatedSubsampledGaussianDpEvent(
+            2_500, q, capacity, 1.2), count)
+        for count, q, capacity in [(10, 0.04, 256), (5, 0.12, 512)]])])
+    # Truncation is rare: RDP's coupling bound, within its slack of the untruncated rounds.
+    got = compute_epsilon(schedule=schedule, noise_multiplier=1.2, delta=1e-6, noise=noise,
+                          cycle_length=4, accountant="rdp")
+    untruncated = reference_epsilon([dp_accounting.SelfComposedDpEvent(
+        dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.2)), count)
+        for count, q in [(10, 0.04), (5, 0.12)]], 1e-6, "rdp")
+    assert untruncated <= got <= untruncated * 1.01
+    with pytest.raises(PrivacyConfigurationError, match="belong to one round"):
+        compute_epsilon(schedule=BatchSizeSchedule([Phase(42, 100, 4), Phase(18, 300, 8)],
+                                                   num_examples=10_000, micro_batch_size=64),
+                        noise_multiplier=1.2, delta=1e-6, noise=noise, cycle_length=4)
+
+
+@pytest.mark.parametrize("mechanism", ["bandmf", "blt"])
+def test_fixed_order_epochs_are_one_gaussian_of_sigma_over_the_minsep_sensitivity(mechanism):
+    noise = (accounting.correlated_noise.BandMF(num_bands=16) if mechanism == "bandmf"
+             else accounting.correlated_noise.BLT(num_buffers=3))
+    with pytest.warns(UserWarning, match="zero-out adjacency"):
+        got = compute_epsilon(num_examples=10_000, batch_size=100, steps=400,
+                              noise_multiplier=6.0, delta=1e-6, noise=noise,
+                              sampling="fixed_order")
+    # 4 epochs of s = 100 steps; the strategy's column from the mechanism itself.
+    strategy = noise.resolve(400, steps_per_epoch=100)
+    sens = mf.minsep_sensitivity(strategy.column(400), 400, min_separation=100,
+                                 max_participations=4)
+    assert sens.exact and (mechanism == "blt" or sens.value == pytest.approx(2.0))
+    assert got == pytest.approx(_gaussian_reference(6.0 / sens.value, 1e-6, "pld"), rel=1e-9)
+
+
+def test_two_noise_segments_compose_each_on_its_own_steps():
+    """A run restarted at step 6 (cycle 4): two segments, the second from group 2."""
+    common = dict(sampling="cyclic_poisson", noise="bandmf", strategy_hash=9, bands=4,
+                  cycle_length=4)
+    ledger = PrivacyLedger([
+        LedgerEntry(6, 0.08, 1.1, segment_start=True, **common),
+        LedgerEntry(10, 0.08, 1.1, segment_start=True, cycle_position=2, **common)])
+    got = PrivacyAccountant(1_000, 1e-5, accountant="rdp", ledger=ledger).epsilon()
+    # Steps 0..5: rounds [0, 4) and [4, 6); steps 6..15: [6, 8), [8, 12), [12, 16).
+    rounds = dp_accounting.PoissonSampledDpEvent(0.08, dp_accounting.GaussianDpEvent(1.1))
+    assert got == pytest.approx(reference_epsilon(
+        [dp_accounting.SelfComposedDpEvent(rounds, 2),
+         dp_accounting.SelfComposedDpEvent(rounds, 3)], 1e-5, "rdp"), rel=1e-9)
+    # One segment of the 16 steps would be 4 rounds: the restart costs one.
+    one = PrivacyLedger([LedgerEntry(16, 0.08, 1.1, segment_start=True, **common)])
+    assert PrivacyAccountant(1_000, 1e-5, accountant="rdp", ledger=one).epsilon() < got
+
+
+@pytest.mark.parametrize("run, message", [
+    (dict(noise="bandmf"), "Poisson sampling without cycles under BandMF"),
+    (dict(noise="bandmf", cycle_length=2), "cycle_length = 2 is smaller than num_bands = 4"),
+    (dict(noise="blt", cycle_length=4), "no privacy proof under Poisson or cyclic Poisson"),
+    (dict(noise="bandmf", sampling="shuffle"), "no privacy proof with 'shuffle' batches"),
+    (dict(noise=None, cycle_length=4, sampling="shuffle"), "describes cyclic Poisson"),
+    (dict(noise=None, cycle_length=40), r"q = B L / N = 4 > 1"),
+])
+def test_a_run_without_a_proof_is_refused_naming_the_fix(run, message):
+    noise = {"bandmf": accounting.correlated_noise.BandMF(4),
+             "blt": accounting.correlated_noise.BLT(2), None: None}[run.pop("noise")]
+    with pytest.raises(PrivacyConfigurationError, match=message):
+        compute_epsilon(num_examples=1_000, batch_size=100, steps=40, noise_multiplier=2.0,
+                        delta=1e-5, noise=noise, **run)
+
+
+def test_calibration_takes_the_mechanism():
+    noise = accounting.correlated_noise.BandMF(num_bands=4)
+    run = dict(num_examples=60_000, batch_size=250, steps=1_000, noise=noise, cycle_length=4)
+    sigma = calibrate_noise_multiplier(4.0, 1e-6, accountant="rdp", **run)
+    assert 0.99 * 4.0 <= compute_epsilon(noise_multiplier=sigma, delta=1e-6, accountant="rdp",
+                                         **run) <= 4.0
+    # The rounds of L = 4 steps amplify like DP-SGD at 4 B over T / 4 steps.
+    assert sigma == pytest.approx(calibrate_noise_multiplier(
+        4.0, 1e-6, accountant="rdp", num_examples=60_000, batch_size=1_000, steps=250),
+        rel=1e-6)

@@ -117,9 +117,13 @@ def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     assert report["settings"]["l2_norm_clip"] == 1.0
     assert report["settings"]["per_example_scaling"] == "clip"
     assert report["settings"]["automatic_scaling_stability"] is None
+    # Independent noise: the mechanism's columns (issue 39) at their defaults.
     assert report["ledger"] == [dict(steps=8, sampling_rate=BATCH / N, noise_multiplier=1.0,
                                      max_batch_size=0, sampling="shuffle",
-                                     count_noise_multiplier=0.0)]
+                                     count_noise_multiplier=0.0, noise="independent",
+                                     strategy_hash=0, bands=0, cycle_length=0, cycle_position=0,
+                                     steps_per_epoch=0, participations=0, sensitivity=0.0,
+                                     segment_start=False)]
     assert report["data"]["poisson_guarantee"] is False
     assert report["seeded_noise"] is True
     assert any("seeded noise: not for release" in w for w in report["warnings"])

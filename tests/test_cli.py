@@ -44,6 +44,26 @@ def test_epsilon_json_matches_dp_accounting(capsys):
     assert report["privacy_unit"] == "example"
 
 
+def test_epsilon_of_bandmf_with_cycles_matches_the_amplified_event(capsys):
+    from tf_megadp.accounting import matrix_factorization as mf
+
+    status, out, err = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
+                           "--accountant", "rdp", "--noise", "bandmf", "--bands", "4",
+                           "--cycle-length", "4", "--json")
+    assert status == 0 and err == ""
+    report = json.loads(out)
+    assert report["epsilon"] == pytest.approx(rdp_epsilon([mf.cyclic_poisson_event(
+        1.1, num_examples=60000, batch_size=256, steps=1000, cycle_length=4, num_bands=4)],
+        1e-5), rel=1e-12)
+    [entry] = report["ledger"]
+    assert (entry["noise"], entry["bands"], entry["cycle_length"], entry["segment_start"]) == (
+        "bandmf", 4, 4, True)
+    status, out, _ = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
+                         "--accountant", "rdp", "--noise", "bandmf", "--bands", "4",
+                         "--cycle-length", "4")
+    assert "(B = 256), sigma = 1.1, bandmf noise (4 bands" in out and "cycle 4" in out
+
+
 def test_epsilon_prints_a_privacy_statement(capsys):
     status, out, _ = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
                          "--accountant", "rdp")
@@ -156,6 +176,12 @@ def test_shuffle_is_reported_with_the_warning_on_stderr(capsys):
         (["calibrate", "--target-epsilon", "-1", *RUN], "target_epsilon must be"),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
+        (["epsilon", *RUN, "--noise-multiplier", "1", "--bands", "4"], "--bands needs --noise"),
+        (["epsilon", *RUN, "--noise-multiplier", "1", "--noise", "bandmf"], "needs --bands"),
+        (["epsilon", *RUN, "--noise-multiplier", "1", "--noise", "bandmf", "--bands", "4"],
+         "Poisson sampling without cycles under BandMF.*cycle_length >= 4"),
+        (["calibrate", "--target-epsilon", "2", *RUN, "--noise", "blt", "--bands", "2",
+          "--cycle-length", "4"], "BLT.*no privacy proof"),
     ],
 )
 def test_bad_arguments_print_one_line_and_exit_2(capsys, tmp_path, argv, message):
@@ -230,7 +256,8 @@ print(status, ",".join(loaded))
     ["--help"],
     ["epsilon", *RUN, "--noise-multiplier", "1.1", "--accountant", "rdp", "--sampling",
      "shuffle", "--count-stddev", "10"],
-    ["calibrate", "--target-epsilon", "2", *RUN, "--accountant", "rdp"],
+    ["calibrate", "--target-epsilon", "2", *RUN, "--accountant", "rdp", "--noise", "bandmf",
+     "--bands", "4", "--cycle-length", "4"],
     ["plan", str(pathlib.Path(__file__).parents[1] / "tpu_configs" / "bert_base_v3_8.yaml"),
      "--accountant", "pld"],
 ], ids=["help", "epsilon", "calibrate", "plan"])

@@ -196,6 +196,20 @@ class TestMirroredReplicas:
         assert stats.chi2.cdf(statistic / replicas, dof) < 1e-12
 
 
+    def test_correlated_noise_is_streamed_once_in_total(self, replicated):
+        """Issue 39: each replica streams its share through its own buffers; C^{-1} is linear."""
+        if replicated["replicas"] != 2:
+            pytest.skip("the noise is checked on the 2-replica run")
+        noise = replicated["correlated_noise"]
+        assert noise["steps"] == 6 and noise["identical_across_replicas"]
+        # The update is sigma C (C^{-1} z)_t / B for z = (z_0 + z_1) / sqrt(2) ...
+        assert noise["max_error"] < 1e-3
+        # ... not sqrt(R) times it (every replica's full noise), which the test rejects.
+        assert noise["max_error_full_noise_per_replica"] > 0.1
+        assert noise["covariance_ok"]
+        assert noise["ledger"] == [["cyclic_poisson", "bandmf", 6, True]]
+
+
 class TestCustomLoopOnReplicas:
     """A custom loop of `tf_megadp.PrivateStep` under MirroredStrategy: fit's updates."""
 

@@ -302,3 +302,46 @@ class TestRecipeOptions:
         for step in range(10):
             # The optimizer's schedule object, called at logical step `step`.
             assert float(optimizer._learning_rate(step)) == pytest.approx(reference(step), rel=1e-5)
+
+
+class TestCorrelatedNoise:
+    """--noise bandmf|blt --bands b: the mechanism, its sampling and its calibration."""
+
+    def test_the_flags_choose_the_mechanism_and_the_sampling_its_proof_needs(self):
+        bandmf = parsed("pretrain", "--noise", "bandmf", "--bands", "8")
+        assert (bandmf.noise, bandmf.bands) == ("bandmf", 8)
+        accounting = bandmf.noise_accounting()
+        assert accounting["cycle_length"] == 8 and accounting["noise"].num_bands == 8
+        blt = parsed("pretrain", "--noise", "blt", "--bands", "3").noise_accounting()
+        assert blt["sampling"] == "fixed_order" and blt["noise"].num_buffers == 3
+        assert parsed("pretrain").noise_accounting() == {}
+
+    @pytest.mark.parametrize("fields, message", [
+        (dict(noise="dpftrl"), "noise must be one of bandmf, blt"),
+        (dict(noise="bandmf", bands=0), "bands must be a positive integer"),
+        (dict(noise="bandmf", non_private=True, target_epsilon=None),
+         "the non-private baseline adds none"),
+        (dict(noise="bandmf", privacy_unit="author", corpus=["a.jsonl"]),
+         "Drop --noise \\(independent noise\\) for a user-level run"),
+        (dict(noise="blt", schedule=[(4, 16), (4, 64)]),
+         "pass --batch-size and --steps, or --noise bandmf"),
+    ])
+    def test_settings_without_a_proof_are_refused_naming_the_fix(self, fields, message):
+        with pytest.raises(pretraining.PretrainError, match=message):
+            dataclasses.replace(pretraining.PretrainConfig(), **fields).validate()
+
+    def test_sigma_is_calibrated_for_the_mechanism(self):
+        from tf_megadp import accounting
+
+        config = pretraining.PretrainConfig(noise="bandmf", bands=4, accountant="rdp",
+                                            target_epsilon=2.0, batch_size=64, steps=40)
+        schedule = config.make_schedule(num_examples=4096, num_replicas=1)
+        sigma, delta, epsilon = pretraining._plan_privacy(config, schedule)
+        assert epsilon == pytest.approx(accounting.compute_epsilon(
+            delta=delta, schedule=schedule, noise_multiplier=sigma, accountant="rdp",
+            noise=config.noise_accounting()["noise"], cycle_length=4), rel=1e-12)
+        assert 0.99 * 2.0 <= epsilon <= 2.0
+        # Each example joins one step in 4 at 4 times the rate: not DP-SGD's sigma.
+        independent, _, _ = pretraining._plan_privacy(
+            dataclasses.replace(config, noise=None), schedule)
+        assert sigma != pytest.approx(independent, rel=1e-3)

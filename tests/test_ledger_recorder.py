@@ -49,7 +49,7 @@ def _applied(model, rows=ROWS):
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
     optimizer._in_memory.step_rows.assign(rows)
-    optimizer._record_applied_step(SIGMA, 1, float(rows), 0.0)
+    optimizer._record_applied_step(SIGMA, 1, float(rows), 0.0, False)
     optimizer.iterations.assign_add(1)
 
 
@@ -157,3 +157,60 @@ def test_the_ledger_variables_are_written_in_the_optimizers_ledger_module_only()
     # release's continuation starts a ledger.
     assert calling == {"tf_megadp.optimizer.ledger", "tf_megadp.run.ledger_recorder",
                        "tf_megadp.run.weights_origin"}
+
+
+# -- Correlated noise (issue 39) ----------------------------------------------------------
+
+_SCHEDULE = tf_megadp.BatchSizeSchedule([tf_megadp.Phase(8, 4, 1)], num_examples=64,
+                                        micro_batch_size=4)
+
+
+@pytest.mark.parametrize("noise, sampling, cycle, message", [
+    (tf_megadp.BandMF(4), "poisson", 1, "Poisson sampling without cycles under BandMF.*"
+                                        "cycle_length >= 4"),
+    (tf_megadp.BandMF(4), "cyclic_poisson", 2, "cycle_length = 2 is smaller than num_bands = 4"),
+    (tf_megadp.BLT(2), "cyclic_poisson", 4, "BLT.*no privacy proof under Poisson.*fixed-order"),
+    (tf_megadp.BandMF(4), "shuffle", 1, "no privacy proof with 'shuffle' batches.*"
+                                        "FixedOrderSampler"),
+])
+def test_a_fit_refuses_correlated_noise_its_sampling_has_no_proof_for(noise, sampling, cycle,
+                                                                     message):
+    keras.utils.set_random_seed(0)
+    model = tf_megadp.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=SIGMA,
+        schedule=_SCHEDULE, noise=noise), loss="mse")
+    source = DataSource(sampling=sampling, num_examples=64, num_examples_measured=True,
+                        description="test data",
+                        schedule=_SCHEDULE if sampling != "shuffle" else None,
+                        cycle_length=cycle)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(PrivacyConfigurationError, match=message):
+            LedgerRecorder(source, model=model).begin()
+    # Nothing ran: the refusal comes before any step.
+    assert model.optimizer.iterations.numpy() == 0
+
+
+def test_a_new_sampler_opens_a_new_noise_segment_and_its_own_continues_it():
+    keras.utils.set_random_seed(0)
+    model = tf_megadp.make_private(keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]))
+    model.compile(optimizer=tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=SIGMA,
+        schedule=_SCHEDULE, noise=tf_megadp.BandMF(4)), loss="mse")
+    optimizer = model.optimizer
+    optimizer.build(model.trainable_variables)
+    state = optimizer._in_memory
+    # As after a step of a segment drawing assignment "a" (the next step is 3).
+    state.segment_generation.assign(0)
+    state.segment_next_step.assign(3)
+    optimizer.continue_noise_segment("a")
+    assert not optimizer.noise_segment_continues(3)  # No data was known: a new one.
+    state.segment_generation.assign(0)
+    optimizer.continue_noise_segment("a")
+    assert optimizer.noise_segment_continues(3)      # The same sampler's continuation.
+    optimizer.continue_noise_segment("b")
+    assert not optimizer.noise_segment_continues(3)  # Another sampler's groups.
+    state.segment_generation.assign(0)
+    optimizer.continue_noise_segment(None)           # Data no sampler drew.
+    assert not optimizer.noise_segment_continues(3)

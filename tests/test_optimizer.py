@@ -3,6 +3,8 @@
 import dataclasses
 import inspect
 import math
+import os
+import pathlib
 import warnings
 
 import keras
@@ -185,6 +187,51 @@ class TestSettings:
         restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
         assert isinstance(restored, tf_megadp.DPOptimizer)
         assert restored.get_config() == config
+
+
+class TestCorrelatedNoiseSettings:
+    """`DPOptimizer(noise=...)`: a frozen setting whose config is the mechanism's public description."""
+
+    SCHEDULE = BatchSizeSchedule([Phase(20, 8, 2)], num_examples=100, micro_batch_size=4)
+
+    def test_the_mechanism_is_a_setting_saved_by_its_description(self):
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 2.0,
+                                          schedule=self.SCHEDULE,
+                                          noise=tf_megadp.BLT(num_buffers=2))
+        config = optimizer.get_config()
+        assert config["noise"] == {"kind": "blt", "num_buffers": 2, "buffer_decays": None,
+                                   "output_scales": None}
+        clone = tf_megadp.DPOptimizer.from_config(config)
+        assert clone.noise == tf_megadp.BLT(2) and clone.get_config() == config
+        # The strategy it streams: optimized for the schedule's 20 steps and
+        # its epochs of N // B = 12 steps.
+        assert clone.noise_strategy == tf_megadp.BLT(2).resolve(20, steps_per_epoch=12)
+        assert optimizer.settings_report()["noise"]["kind"] == "blt"
+        with pytest.raises(PrivacyConfigurationError, match="cannot change"):
+            optimizer.noise = None
+
+    @pytest.mark.parametrize("kwargs, message", [
+        ({"noise_multiplier": 0.0}, "adds no noise to correlate"),
+        ({"schedule": BatchSizeSchedule([Phase(2, 8, 2), Phase(2, 8, 2, noise_multiplier=3.0)],
+                                        num_examples=100, micro_batch_size=4)},
+         "one sigma for the run"),
+        ({"schedule": None}, "which only a schedule gives"),
+        ({"noise": tf_megadp.BandMF(40)}, "exceeds the run's 20 steps"),
+        ({"noise": "bandmf"}, "noise must be None, a tf_megadp.BandMF"),
+    ])
+    def test_noise_without_a_stream_is_refused_when_built(self, kwargs, message):
+        settings = {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "schedule": self.SCHEDULE,
+                    "noise": tf_megadp.BandMF(4), **kwargs}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # sigma = 0 warns too.
+            with pytest.raises((PrivacyConfigurationError, TypeError), match=message):
+                tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), **settings)
+
+    def test_given_coefficients_need_no_schedule(self):
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0,
+                                          noise=tf_megadp.BandMF(2, coefficients=[1.0, 0.5]))
+        assert optimizer.noise_strategy.coefficients == pytest.approx(
+            (1 / math.sqrt(1.25), 0.5 / math.sqrt(1.25)))
 
 
 @pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
@@ -547,6 +594,81 @@ class TestSecrets:
             accumulation_steps=2, normalize_by=DIVISOR), loss="mse")
         again.checkpoint().read(files["CheckpointManager"]).assert_existing_objects_matched()
         assert tf_megadp.model_ledger(restored).total_steps == again.logical_step == 1
+
+    def test_no_file_holds_the_correlated_noise_buffers(self, tmp_path):
+        """Issue 39: the BandMF buffers (the last noise outputs) are in no file, log or config.
+
+        Whoever holds them predicts the noise still to come (x_t subtracts
+        c_j x_(t-j)) and holds noise already added. Every format a run
+        writes is searched: the arrays of each file, and the raw bytes of
+        each file (and of every member of a .keras archive) for the bytes of
+        any 4 consecutive float32 buffer values.
+        """
+        import zipfile
+
+        x = np.arange(64 * 3, dtype="float32").reshape(64, 3) / 64.0
+        y = np.zeros((64, 2), "float32")
+        schedule = BatchSizeSchedule([Phase(6, 4, 1)], num_examples=64, micro_batch_size=16)
+        sampler = tf_megadp.PoissonSampler.from_arrays(x, y, schedule=schedule, cycle_length=4)
+        keras.utils.set_random_seed(1)
+        model = tf_megadp.make_private(keras.Sequential([keras.Input((3,)),
+                                                         keras.layers.Dense(2)]))
+        optimizer = tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=SIGMA,
+            schedule=schedule, noise=tf_megadp.BandMF(num_bands=4))
+        model.compile(optimizer=optimizer, loss="mse")
+        files = {"checkpoint": tmp_path / "checkpoint.keras"}
+        logged = []
+        model.fit(sampler.as_dataset(), verbose=0, callbacks=[
+            keras.callbacks.ModelCheckpoint(files["checkpoint"], save_freq=5),
+            keras.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=1,
+                                             delete_checkpoint=False),
+            keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: logged.append(
+                repr(logs)))])
+        files["backup"] = tmp_path / "backup" / "latest.weights.h5"
+        buffers = [b.numpy() for slots in optimizer._in_memory.noise_buffers for b in slots]
+        assert len(buffers) == 6 and all(np.any(b != 0) for b in buffers)  # In memory, live.
+        files["model"] = tmp_path / "model.keras"
+        model.save(files["model"])
+        model.save_weights(tmp_path / "model.weights.h5")
+        files["weights"] = tmp_path / "model.weights.h5"
+        tf_megadp.save_training_state(model, str(tmp_path / "state"))
+        [files["state"]] = (tmp_path / "state").glob("optimizer-*.npz")
+        [files["state_weights"]] = (tmp_path / "state").glob("model-*.weights.h5")
+        tf_megadp.export_model(model, tmp_path / "release.keras")
+        files["release"] = tmp_path / "release.keras"
+        import tensorflow as tf
+
+        files["tf.train.Checkpoint"] = tf.train.Checkpoint(
+            model=model, optimizer=optimizer).write(str(tmp_path / "plain"))
+        patterns = [b.ravel()[i:i + 4].astype("float32").tobytes()
+                    for b in buffers for i in range(0, b.size - 3)]
+        for name, path in files.items():
+            for array in _file_arrays(path):
+                for buffer in buffers:
+                    assert not (array.size >= buffer.size and np.isin(
+                        buffer.ravel().astype("float32"), array.ravel()).all()), name
+            blobs = []
+            paths = [str(path)] if os.path.exists(str(path)) else [
+                str(p) for p in pathlib.Path(str(path)).parent.glob(pathlib.Path(str(path)).name + "*")]
+            for file_path in paths:
+                with open(file_path, "rb") as stream:
+                    blobs.append(stream.read())
+                if zipfile.is_zipfile(file_path):
+                    with zipfile.ZipFile(file_path) as archive:
+                        blobs += [archive.read(member) for member in archive.namelist()]
+            assert blobs, name
+            for blob in blobs:
+                assert not any(pattern in blob for pattern in patterns), name
+        # Neither the logs nor the saved config show them: the config is the
+        # mechanism's public description.
+        config = repr(optimizer.get_config())
+        assert optimizer.get_config()["noise"] == {"kind": "bandmf", "num_bands": 4,
+                                                   "coefficients": None}
+        for buffer in buffers:
+            for value in buffer.ravel()[:8]:
+                assert repr(float(value))[:8] not in config + "".join(logged)
+        assert "noise buffers, not shown" in repr(vars(optimizer))
 
     def test_the_release_file_has_no_optimizer(self, tmp_path):
         model = _private_dense()

@@ -152,6 +152,19 @@ class TestArithmetic:
         assert vectorized["clipping"] == config.micro_batch_size * 4 * params
         assert vectorized["parameters"] == 4 * params
 
+    def test_correlated_noise_buffers_are_b_minus_one_float32_models_per_core(self, capsys):
+        """Issue 39: BERT-Large's BandMF buffers at b = 4, 16, 64, stated by every plan."""
+        path = [p for p in CONFIGS if raw(p)["model"]["num_layers"] == 24][0]
+        result = plan.make_plan(plan.load_config(path))
+        params = result["parameters"]
+        assert 330e6 < params < 340e6  # BERT-Large
+        assert result["noise_buffer_bytes"] == {
+            f"bandmf_{b}": (b - 1) * 4 * params for b in (4, 16, 64)}
+        # 3.75, 18.77 and 78.82 GiB: b = 16 already exceeds a 16 GiB v3 core.
+        status, out, _ = run_cli(capsys, path)
+        assert status == 0 and re.search(
+            r"noise buffers : .*b = 4: 3\.7\d GiB, b = 16: 18\.7\d GiB, b = 64: 78\.8\d GiB", out)
+
     @pytest.mark.parametrize("ema_momentum", [None, 0.999])
     def test_optimizer_state_is_what_the_jobs_inner_optimizer_builds(self, tmp_path,
                                                                       ema_momentum):

@@ -512,6 +512,34 @@ class TestTheUnigramBaseline:
         assert report["heldout_mlm_accuracy"] > report["learned_threshold"]
 
 
+# Two whole job runs (about 40 CPU-seconds each): slow (CI time, issue 26).
+@pytest.mark.slow
+@pytest.mark.parametrize("noise, sampling", [("bandmf", "cyclic_poisson"),
+                                             ("blt", "fixed_order")])
+def test_the_job_trains_with_correlated_noise_at_the_epsilon_it_calibrated(
+        workspace, tmp_path, noise, sampling):
+    _, corpus, cache = workspace
+    # PLD: RDP's coupling bound for truncation is too loose at this tiny N.
+    config = tiny_config(corpus, cache, tmp_path / "run", noise=noise, bands=2,
+                         noise_multiplier=None, target_epsilon=8.0, checkpoint_every=0,
+                         accountant="pld")
+    report = run_pretraining(config, log=lambda *_: None)
+    privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    assert report["sampling"] == sampling and report["noise"]["kind"] == noise
+    assert privacy["settings"]["noise_strategy"] == report["noise"]
+    [entry] = privacy["ledger"]
+    assert (entry["sampling"], entry["noise"], entry["steps"], entry["segment_start"]) == (
+        sampling, noise, 4, True)
+    # The ledger's epsilon is the one sigma was calibrated for, as
+    # dp_accounting computes it for the mechanism over the job's schedule
+    # (up to the float32 sigma the steps recorded).
+    schedule = BatchSizeSchedule.from_dict(report["schedule"])
+    assert report["epsilon"] == pytest.approx(accounting.compute_epsilon(
+        delta=report["delta"], schedule=schedule, noise_multiplier=report["noise_multiplier"],
+        accountant="pld", **config.noise_accounting()), rel=1e-6)
+    assert report["epsilon"] <= 8.0
+
+
 class TestPreemption:
     """Issue #27: `tf-megadp pretrain --resume` after SIGKILLs at random points."""
 

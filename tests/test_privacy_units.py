@@ -309,6 +309,26 @@ def test_epsilon_equals_dp_accounting_over_units_and_the_report_names_the_unit(t
     assert rdp.RdpAccountant().compose(per_sequence).get_epsilon(DELTA) < 0.7 * expected
 
 
+def test_cyclic_unit_sampling_is_accounted_per_group_and_refuses_bands_beyond_its_cycle():
+    sizes = [10, 8] + [1, 2, 3] * 9 + [1]
+    x, y, ids = skewed_data(sizes)
+    schedule = tf_megadp.BatchSizeSchedule(
+        [tf_megadp.Phase(6, 2, 12)], num_examples=len(sizes), micro_batch_size=2)
+    with pytest.warns(UserWarning, match="seed"):
+        sampler = PrivacyUnitSampler.from_arrays(
+            x, y, unit_ids=ids, examples_per_unit=K, privacy_unit="author",
+            schedule=schedule, seed=0, cycle_length=2)
+    # BandMF with b = L = 2: each unit joins every other step, as a unit of
+    # one group of 15 sampled at q = B L / U; 3 rounds, truncated at 24 units.
+    assert sampler.dp_event(1.0, noise=tf_megadp.BandMF(num_bands=2)) == (
+        dp_accounting.ComposedDpEvent([dp_accounting.SelfComposedDpEvent(
+            dp_accounting.TruncatedSubsampledGaussianDpEvent(
+                dataset_size=15, sampling_probability=2 * 2 / 30, truncated_batch_size=24,
+                noise_multiplier=1.0), 3)]))
+    with pytest.raises(PrivacyConfigurationError, match="Raise cycle_length to at least 4"):
+        sampler.dp_event(1.0, noise=tf_megadp.BandMF(num_bands=4))
+
+
 def test_an_optimizer_that_clips_another_unit_than_the_data_lays_out_is_refused():
     x, y, ids = skewed_data()
     sampler = PrivacyUnitSampler.from_arrays(

@@ -416,6 +416,130 @@ class TestShuffleSampler:
         assert PoissonSampler(shards, schedule, seed=0).sampling_kind == "poisson"
 
 
+# -- Correlated noise's samplers (issue 39) -----------------------------------------------
+
+
+def one_residue_per_example(matrix, cycle_length):
+    """Whether every example joined only steps of one residue mod L (its group's)."""
+    steps, examples = np.nonzero(matrix)
+    residues = {}
+    for step, example in zip(steps, examples):
+        residues.setdefault(example, set()).add(step % cycle_length)
+    return all(len(r) == 1 for r in residues.values())
+
+
+class TestCyclicPoisson:
+    """`cycle_length=L`: L secret groups; step t Poisson-samples group t mod L at q = B L / N."""
+
+    N, B, L, STEPS = 100, 5, 4, 800  # q = 0.2 per group of 25; 200 rounds.
+
+    @pytest.fixture(scope="class")
+    def matrix(self):
+        x, y = example_data(self.N)
+        sampler = PoissonSampler.from_arrays(
+            x, y, batch_size=self.B, epochs=self.STEPS * self.B / self.N, micro_batch_size=5,
+            cycle_length=self.L, seed=4)
+        assert (sampler.sampling_kind, sampler.source.sampling) == ("cyclic_poisson",) * 2
+        assert sampler.source.cycle_length == self.L
+        return emitted_inclusions(sampler)
+
+    def test_each_example_joins_only_the_steps_of_its_group(self, matrix):
+        assert one_residue_per_example(matrix, self.L)
+        # Negative control: a Poisson sampler without cycles fails the check.
+        x, y = example_data(self.N)
+        plain = PoissonSampler.from_arrays(x, y, batch_size=self.B, epochs=8,
+                                           micro_batch_size=5, seed=4)
+        assert not one_residue_per_example(emitted_inclusions(plain), self.L)
+
+    def test_the_groups_split_the_examples_evenly(self, matrix):
+        groups = np.zeros(self.N, int)
+        for example in range(self.N):
+            [step] = np.nonzero(matrix[:, example])[0][:1]
+            groups[example] = step % self.L
+        assert np.bincount(groups, minlength=self.L).tolist() == [25] * 4
+
+    def test_every_example_joins_its_groups_steps_at_q_b_l_over_n(self, matrix):
+        q = self.B * self.L / self.N
+        counts = matrix.sum(axis=0)
+        chi_square, smallest = inclusion_pvalues(counts, self.STEPS // self.L, q)
+        assert chi_square > ALPHA and smallest > ALPHA
+        # Negative control: at q = B / N (no cycles' rate) the same test rejects.
+        assert min(inclusion_pvalues(counts, self.STEPS // self.L, self.B / self.N)) < ALPHA
+        # Each step's size is Binomial(25, q): the expected batch stays B.
+        assert chi_square_binomial_sizes(matrix.sum(axis=1), 25, q) > ALPHA
+
+    @pytest.mark.parametrize("phases, cycle, message", [
+        ([Phase(8, 5, 1)], 30, r"q = B L / N = 1.5 > 1.*at most 20"),
+        ([Phase(6, 5, 1), Phase(8, 10, 2)], 4, "starts at step 6, inside a round.*multiple of 4"),
+    ])
+    def test_a_schedule_it_cannot_draw_is_refused(self, phases, cycle, message):
+        x, y = example_data(self.N)
+        schedule = BatchSizeSchedule(phases, num_examples=self.N, micro_batch_size=5)
+        with pytest.raises(PrivacyConfigurationError, match=message):
+            PoissonSampler.from_arrays(x, y, schedule=schedule, cycle_length=cycle, seed=0)
+
+    def test_a_growing_schedule_whose_phases_start_on_a_round_is_drawn(self):
+        x, y = example_data(self.N)
+        schedule = BatchSizeSchedule([Phase(8, 5, 1), Phase(8, 10, 2)], num_examples=self.N,
+                                     micro_batch_size=5)
+        sampler = PoissonSampler.from_arrays(x, y, schedule=schedule, cycle_length=4, seed=0)
+        assert one_residue_per_example(emitted_inclusions(sampler), 4)
+
+    def test_samplers_without_cycles_refuse_a_cycle_length(self, small):
+        shards, _ = small
+        schedule = BatchSizeSchedule([Phase(4, 40, 5)], num_examples=200, micro_batch_size=8)
+        with pytest.raises(PrivacyConfigurationError, match="has no cycles"):
+            ShuffleSampler(shards, schedule, seed=0, cycle_length=4)
+
+
+class TestFixedOrder:
+    """`FixedOrderSampler`: one secret order; every example in the same slot of every epoch."""
+
+    def test_every_example_keeps_its_slot_in_every_epoch(self, small):
+        shards, _ = small
+        schedule = BatchSizeSchedule([Phase(14, 40, 5)], num_examples=200, micro_batch_size=8)
+        sampler = data.FixedOrderSampler(shards, schedule, seed=0)
+        assert (sampler.sampling_kind, sampler.steps_per_epoch) == ("fixed_order", 5)
+        matrix = inclusion_matrix(sampler, 14)
+        # Steps s apart hold the same examples; one epoch's steps are disjoint.
+        np.testing.assert_array_equal(matrix[:9], matrix[5:14])
+        assert matrix[:5].sum(axis=0).max() == 1 and matrix[:5].sum() == 200
+        # Negative control: a shuffled epoch moves the examples.
+        with pytest.warns(UserWarning):
+            shuffled = ShuffleSampler(shards, schedule, seed=0)
+        moved = inclusion_matrix(shuffled, 14)
+        assert not np.array_equal(moved[:5], moved[5:10])
+
+    def test_the_order_is_secret_and_a_continuation_keeps_it(self, small):
+        shards, _ = small
+        schedule = BatchSizeSchedule([Phase(8, 30, 4)], num_examples=200, micro_batch_size=8)
+        first, second = (data.FixedOrderSampler(shards, schedule) for _ in range(2))
+        assert not np.array_equal(first.draw(0).indices, second.draw(0).indices)
+        # 6 steps of 30 per epoch: 20 rows never join.
+        assert len(np.unique(np.concatenate([first.draw(t).indices for t in range(8)]))) == 180
+        continued = first._continued_at(3)
+        assert np.array_equal(continued.draw(7).indices, first.draw(1).indices)
+        assert continued.assignment == first.assignment != second.assignment
+
+    def test_from_arrays_counts_whole_epochs(self):
+        x, y = example_data(100)
+        sampler = data.FixedOrderSampler.from_arrays(x, y, batch_size=30, epochs=2.5,
+                                                     micro_batch_size=10)
+        assert sampler.schedule.total_steps == 7 and sampler.schedule.phases[0].accumulation_steps == 3
+
+    @pytest.mark.parametrize("settings, message", [
+        (dict(schedule=BatchSizeSchedule([Phase(4, 10, 1), Phase(4, 20, 2)], num_examples=100,
+                                         micro_batch_size=10)), "keeps one batch size"),
+        (dict(batch_size=10, epochs=1, micro_batch_size=10, cycle_length=2), "has no cycles"),
+        (dict(batch_size=10, epochs=1, micro_batch_size=10, truncation_probability=1e-6),
+         "never truncates"),
+    ])
+    def test_what_has_no_fixed_slots_is_refused(self, settings, message):
+        x, y = example_data(100)
+        with pytest.raises(ValueError, match=message):
+            data.FixedOrderSampler.from_arrays(x, y, **settings)
+
+
 # -- Secret sampling randomness ---------------------------------------------------------
 
 
@@ -586,11 +710,12 @@ class TestDataSource:
     def test_token_shard_samplers_attach_their_source(self, small):
         shards, _ = small
         schedule = BatchSizeSchedule([Phase(3, 20, 3), Phase(3, 40, 6)], num_examples=200, micro_batch_size=8)
-        dataset = PoissonSampler(shards, schedule, start_step=2).as_dataset(lambda rows, weights: (rows, rows, weights))
+        sampler = PoissonSampler(shards, schedule, start_step=2)
+        dataset = sampler.as_dataset(lambda rows, weights: (rows, rows, weights))
         assert source_of(dataset) == DataSource(
             sampling="poisson", num_examples=200, num_examples_measured=True,
             description="PoissonSampler over 200 token rows", schedule=schedule, start_step=2, seeded=False,
-            end_step=6)
+            end_step=6, assignment=sampler.assignment)
         with pytest.warns(UserWarning, match="Chua"):
             shuffled = ShuffleSampler(shards, schedule).as_dataset()
         source = source_of(shuffled)

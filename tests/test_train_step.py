@@ -363,6 +363,35 @@ def test_make_private_with_epsilon_spends_the_target_over_the_samplers_run():
     assert callback.epsilon == pytest.approx(untruncated, rel=1e-3)
 
 
+def test_make_private_with_epsilon_calibrates_correlated_noise_for_the_samplers_cycles():
+    import dp_accounting
+    from dp_accounting import rdp
+
+    from tf_megadp.accounting import matrix_factorization as mf
+
+    x, y = dense_data(n=64)
+    sampler = tf_megadp.PoissonSampler.from_arrays(
+        x, y, batch_size=8, epochs=1, micro_batch_size=8, cycle_length=2)
+    model = tf_megadp.make_private_with_epsilon(
+        dense_model(), keras.optimizers.SGD(0.1), sampler, target_epsilon=4.0, delta=1e-3,
+        l2_norm_clip=1.0, accountant="rdp", noise=tf_megadp.BandMF(num_bands=2), loss=LOSS)
+    callback = tf_megadp.PrivacyCallback(1e-3, accountant="rdp")
+    model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+    assert model.optimizer.noise == tf_megadp.BandMF(2)
+    assert 0.99 * 4.0 <= callback.epsilon <= 4.0
+    # 8 steps in 4 rounds of 2, each a Poisson-sampled Gaussian at q = 2 * 8 / 64.
+    sigma = model.optimizer.noise_multiplier
+    untruncated = rdp.RdpAccountant().compose(mf.cyclic_poisson_event(
+        sigma, num_examples=64, batch_size=8, steps=8, cycle_length=2,
+        num_bands=2)).get_epsilon(1e-3)
+    assert callback.epsilon == pytest.approx(untruncated, rel=1e-3)
+    with pytest.raises(PrivacyConfigurationError, match="BLT.*no privacy proof under Poisson"):
+        tf_megadp.make_private_with_epsilon(
+            dense_model(), keras.optimizers.SGD(0.1), tf_megadp.PoissonSampler.from_arrays(
+                x, y, batch_size=8, epochs=1, micro_batch_size=8), target_epsilon=4.0,
+            delta=1e-3, l2_norm_clip=1.0, noise=tf_megadp.BLT(2), loss=LOSS)
+
+
 def test_make_private_with_epsilon_refuses_data_no_poisson_sampler_drew():
     with pytest.raises(PrivacyConfigurationError, match="Poisson sampler"):
         tf_megadp.make_private_with_epsilon(

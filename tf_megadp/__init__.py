@@ -40,6 +40,7 @@ _LAZY = {
 _LIBRARY = {
     "distribute": ("tf_megadp.distribute", None),
     "AdaptiveClipping": ("tf_megadp.adaptive_clipping", "AdaptiveClipping"),
+    **{name: ("tf_megadp.accounting.correlated_noise", name) for name in ("BLT", "BandMF")},
     **{name: ("tf_megadp.accounting", name)
        for name in ("LedgerEntry", "PrivacyAccountant", "PrivacyLedger",
                     "calibrate_noise_multiplier", "compute_epsilon", "ledger_from_schedule")},
@@ -51,8 +52,8 @@ _LIBRARY = {
        for name in ("AutoClipping", "ClippingStrategy", "GhostClipping", "VectorizedClipping")},
     "PrivateStep": ("tf_megadp.training", "PrivateStep"),
     **{name: ("tf_megadp.data", name)
-       for name in ("DataSource", "PoissonSampler", "PrivacyUnitSampler", "ShuffleSampler",
-                    "TokenShards", "write_token_shards")},
+       for name in ("DataSource", "FixedOrderSampler", "PoissonSampler", "PrivacyUnitSampler",
+                    "ShuffleSampler", "TokenShards", "write_token_shards")},
     **{name: ("tf_megadp.errors", name)
        for name in ("GhostClippingUnsupportedError", "PrivacyConfigurationError")},
     "BatchScaledSchedule": ("tf_megadp.learning_rate", "BatchScaledSchedule"),
@@ -72,11 +73,14 @@ __all__ = [
     "AdaptiveClipping",
     "AuditCallback",
     "AutoClipping",
+    "BLT",
+    "BandMF",
     "BatchScaledSchedule",
     "BatchSizeSchedule",
     "ClippingStrategy",
     "DPOptimizer",
     "DataSource",
+    "FixedOrderSampler",
     "GhostClipping",
     "GhostClippingUnsupportedError",
     "LedgerEntry",

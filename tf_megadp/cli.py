@@ -115,7 +115,20 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
                         help="delta, in (0, 1); at most 1/N")
     parser.add_argument("--sampling", choices=sampling_kinds(), default="poisson",
                         help="how batches are drawn (default: poisson; shuffle is "
-                             "reported as Poisson, which understates the loss)")
+                             "reported as Poisson, which understates the loss; "
+                             "fixed_order: one secret order, the same every epoch)")
+    noise = parser.add_argument_group("correlated noise (default: independent, DP-SGD)")
+    noise.add_argument("--noise", choices=("independent", "bandmf", "blt"),
+                       default="independent",
+                       help="the gradient noise: bandmf (banded matrix factorization, with "
+                            "--cycle-length >= --bands or --sampling fixed_order) or blt "
+                            "(buffered linear Toeplitz, with --sampling fixed_order); sigma "
+                            "is then the noise multiplier on its unit-norm strategy")
+    noise.add_argument("--bands", type=int, metavar="B",
+                       help="bands of --noise bandmf, buffers of --noise blt")
+    noise.add_argument("--cycle-length", type=int, metavar="L",
+                       help="cyclic Poisson sampling: L groups, step t samples group t mod L "
+                            "at q = B L / N (default 1: Poisson)")
     parser.add_argument("--accountant", choices=accountant_names(), default=DEFAULT_ACCOUNTANT,
                         help="privacy accountant (default: pld)")
     parser.add_argument("--privacy-unit", metavar="NAME",
@@ -167,6 +180,8 @@ def _run_keywords(args: argparse.Namespace) -> dict[str, Any]:
         "sampling": args.sampling,
         "accountant": args.accountant,
         "schedule": _load_schedule(args.schedule) if args.schedule else None,
+        "noise": _noise(args),
+        "cycle_length": args.cycle_length,
     }
     if keywords["schedule"] is None:
         for flag, name in (("--num-examples", "num_examples"), ("--batch-size", "batch_size")):
@@ -177,6 +192,40 @@ def _run_keywords(args: argparse.Namespace) -> dict[str, Any]:
     # Both, or --epochs with --schedule, are refused by the accounting code,
     # whose message names the fix in terms of these same flags' names.
     return keywords
+
+
+def _noise(args: argparse.Namespace):
+    """The `BandMF` or `BLT` of --noise and --bands (None: independent noise)."""
+    if args.noise == "independent":
+        if args.bands is not None:
+            raise UsageError("--bands needs --noise bandmf or --noise blt.")
+        return None
+    if args.bands is None:
+        raise UsageError(f"--noise {args.noise} needs --bands (its bands or buffers).")
+    from tf_megadp.accounting.correlated_noise import BLT, BandMF
+
+    try:
+        return BandMF(num_bands=args.bands) if args.noise == "bandmf" else BLT(
+            num_buffers=args.bands)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
+def _noise_phrase(entry: dict[str, Any]) -> str:
+    """How a ledger entry's noise and participation read in the statement ("" for DP-SGD)."""
+    parts = []
+    if entry.get("noise", "independent") != "independent":
+        parts.append(f"{entry['noise']} noise ({entry['bands']} "
+                     f"{'bands' if entry['noise'] == 'bandmf' else 'buffers'}, strategy "
+                     f"{entry['strategy_hash']:012x})")
+    if entry.get("cycle_length"):
+        parts.append(f"cycle {entry['cycle_length']}")
+    if entry.get("steps_per_epoch"):
+        parts.append(f"fixed order, {entry['participations']} epochs of "
+                     f"{entry['steps_per_epoch']} steps, sensitivity {entry['sensitivity']:.4g}")
+    if entry.get("segment_start"):
+        parts.append("opens a noise segment")
+    return "".join(f", {part}" for part in parts)
 
 
 def _statement(report: dict[str, Any]) -> str:
@@ -201,7 +250,9 @@ def _statement(report: dict[str, Any]) -> str:
         + (", accounted as truncated Poisson" if sampling["truncated"] else "")
     )
     for index, entry in enumerate(report["ledger"]):
-        batch = entry["sampling_rate"] * report["num_examples"]
+        # A cyclic step samples one group of N / L at q = B L / N.
+        batch = entry["sampling_rate"] * report["num_examples"] / max(
+            1, entry.get("cycle_length", 0))
         truncation = (
             f", truncated at {entry['max_batch_size']}" if entry["max_batch_size"] else ""
         )
@@ -211,6 +262,7 @@ def _statement(report: dict[str, Any]) -> str:
             + (f", count sigma = {entry['count_noise_multiplier']:.4g} (adaptive clipping; "
                f"together sigma = {_equivalent(entry):.4g})"
                if entry.get("count_noise_multiplier") else "")
+            + _noise_phrase(entry)
         )
     for message in report["warnings"]:
         lines.append(f"  WARNING: {message}")

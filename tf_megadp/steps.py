@@ -110,8 +110,10 @@ def steps_for_epochs(
     One epoch of Poisson steps is N / B steps in expectation (each example
     joins each step with probability q = B / N), as in tensorflow-privacy's
     `compute_dp_sgd_privacy` and Opacus; the count is rounded up, so the
-    accounted run is never shorter than the one asked for. A shuffled epoch
-    is floor(N / B) full batches (the leftover examples are skipped), and
+    accounted run is never shorter than the one asked for (cyclic Poisson
+    alike: each of its L groups is sampled at L B / N once every L steps).
+    A shuffled or fixed-order epoch is floor(N / B) full batches (the
+    leftover examples are skipped), and
     E epochs are floor(E * floor(N / B)) steps. `epochs` is read as the
     decimal the user wrote (0.3 epochs of N = 1000, B = 100 is 3 steps, not 4
     from binary round-off), so the sampler, the accountant and the CLI count
@@ -121,7 +123,8 @@ def steps_for_epochs(
         epochs: passes over the data, a finite number > 0.
         num_examples: N.
         batch_size: expected logical batch B.
-        sampling: ``"poisson"`` or ``"shuffle"``.
+        sampling: ``"poisson"``, ``"cyclic_poisson"``, ``"shuffle"`` or
+            ``"fixed_order"``.
 
     Returns:
         The number of logical steps, an int >= 1.
@@ -148,7 +151,8 @@ def steps_for_epochs(
     num_examples = check_num_examples(num_examples)
     batch_size = check_positive_int("batch_size", batch_size)
     decimal_epochs = fractions.Fraction(repr(float(epochs)))
-    if sampling == "shuffle":
+    # Fixed-size epochs (shuffled, or one fixed order) skip the leftover examples.
+    if sampling in ("shuffle", "fixed_order"):
         steps = math.floor(decimal_epochs * (num_examples // batch_size))
         if steps < 1:
             raise PrivacyConfigurationError(
@@ -156,8 +160,10 @@ def steps_for_epochs(
                 "is less than one step; raise epochs."
             )
         return steps
-    if sampling != "poisson":
-        raise ValueError(f"sampling must be 'poisson' or 'shuffle', got {sampling!r}.")
+    if sampling not in ("poisson", "cyclic_poisson"):
+        raise ValueError(
+            "sampling must be 'poisson', 'cyclic_poisson', 'shuffle' or 'fixed_order', got "
+            f"{sampling!r}.")
     return max(1, math.ceil(decimal_epochs * num_examples / batch_size))
 
 

@@ -23,18 +23,19 @@ Independent noise (DP-SGD) is no mechanism object: it is the absence of one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import dp_accounting
 import numpy as np
 
 from tf_megadp._validate import check_num_examples, check_positive_int
 from tf_megadp.accounting import matrix_factorization as mf
-from tf_megadp.accounting.calibration import calibrate_noise_multiplier
+from tf_megadp.accounting.mechanisms import INDEPENDENT_NOISE
 from tf_megadp.errors import PrivacyConfigurationError
 
-__all__ = ["BLT", "BandMF"]
+__all__ = ["BLT", "BandMF", "INDEPENDENT", "NoiseStrategy", "mechanism_from_dict", "resolve_noise"]
 
 
 def _fixed_order_participation(steps: int, steps_per_epoch: int) -> tuple[int, int, int]:
@@ -75,6 +76,9 @@ class BandMF:
     num_bands: int
     coefficients: tuple[float, ...] | None = None
 
+    # Its noise kind in ledgers and reports (`mechanisms.NOISE_CODES`).
+    kind = "bandmf"
+
     def __post_init__(self):
         bands = check_positive_int("num_bands", self.num_bands)
         object.__setattr__(self, "num_bands", bands)
@@ -91,6 +95,20 @@ class BandMF:
     def noise_buffers(self) -> int:
         """Model-sized buffers the noise keeps in memory: b - 1."""
         return self.num_bands - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public description (`mechanism_from_dict` rebuilds it); no secret is in it."""
+        return {"kind": self.kind, "num_bands": self.num_bands,
+                "coefficients": None if self.coefficients is None else list(self.coefficients)}
+
+    def resolve(self, num_steps: int, *, steps_per_epoch: int | None = None) -> "NoiseStrategy":
+        """The exact strategy of a run of `num_steps` steps (the optimized one, or the given).
+
+        Args:
+            num_steps: n, the run's logical steps.
+            steps_per_epoch: unused (BandMF's optimum does not depend on it).
+        """
+        return NoiseStrategy(self.kind, tuple(float(c) for c in self.strategy(num_steps)))
 
     def strategy(self, num_steps: int) -> np.ndarray:
         """The unit-norm coefficients c_0..c_(b-1) of C for a run of `num_steps` steps.
@@ -207,6 +225,9 @@ class BandMF:
                 "and bands past the last step never act."
             )
 
+        # Here, not at the top: calibration's run description takes a mechanism.
+        from tf_megadp.accounting.calibration import calibrate_noise_multiplier
+
         def rmse(bands: int) -> float:
             # The cyclic Poisson event of b bands and cycle b is DP-SGD's
             # Poisson event at q = B b / N over ceil(T / b) steps
@@ -254,6 +275,9 @@ class BLT:
     buffer_decays: tuple[float, ...] | None = None
     output_scales: tuple[float, ...] | None = None
 
+    # Its noise kind in ledgers and reports (`mechanisms.NOISE_CODES`).
+    kind = "blt"
+
     def __post_init__(self):
         buffers = check_positive_int("num_buffers", self.num_buffers)
         object.__setattr__(self, "num_buffers", buffers)
@@ -276,6 +300,24 @@ class BLT:
     def noise_buffers(self) -> int:
         """Model-sized buffers the noise keeps in memory: d."""
         return self.num_buffers
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public description (`mechanism_from_dict` rebuilds it); no secret is in it."""
+        return {"kind": self.kind, "num_buffers": self.num_buffers,
+                "buffer_decays": None if self.buffer_decays is None else list(self.buffer_decays),
+                "output_scales": None if self.output_scales is None else list(self.output_scales)}
+
+    def resolve(self, num_steps: int, *, steps_per_epoch: int | None = None) -> "NoiseStrategy":
+        """The exact strategy of a fixed-order run of `num_steps` steps, s per epoch.
+
+        The parameters (given, or optimized for the run's participation) and
+        the factor 1 / ||c|| (over the n steps) that scales c (c_0 = 1) to
+        unit norm.
+        """
+        theta, omega = self.parameters(num_steps, steps_per_epoch=steps_per_epoch)
+        norm = float(np.linalg.norm(mf.blt_coefficients(theta, omega, num_steps)))
+        return NoiseStrategy(self.kind, (), tuple(float(v) for v in theta),
+                             tuple(float(v) for v in omega), 1.0 / norm)
 
     def parameters(self, steps: int, *, steps_per_epoch: int | None = None
                    ) -> tuple[np.ndarray, np.ndarray]:
@@ -328,3 +370,130 @@ class BLT:
         """The run's event for a fixed-order epoch pass: Gaussian(sigma / sens), no amplification."""
         return mf.fixed_order_event(
             noise_multiplier, self.sensitivity(steps, steps_per_epoch=steps_per_epoch))
+
+
+_MECHANISMS = {BandMF.kind: BandMF, BLT.kind: BLT}
+
+
+def mechanism_from_dict(config: dict[str, Any] | None) -> "BandMF | BLT | None":
+    """The mechanism of a `to_dict` (None: independent noise).
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    if config is None:
+        return None
+    config = dict(config)
+    kind = config.pop("kind", None)
+    if kind not in _MECHANISMS:
+        raise ValueError(f"noise must describe one of {sorted(_MECHANISMS)}, got kind {kind!r}.")
+    return _MECHANISMS[kind](**{name: tuple(value) if isinstance(value, list) else value
+                                for name, value in config.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class NoiseStrategy:
+    """A mechanism resolved for one run: the exact unit-norm strategy the noise streams.
+
+    What the optimizer's buffers compute (`tf_megadp.optimizer.noise_buffers`)
+    and what the ledger recorder needs of the noise: its kind, a hash of its
+    numbers, its bands and, for a fixed-order run, its sensitivity. All of it
+    is public (the strategy is no secret; the buffers' values are).
+
+    Args:
+        kind: "independent", "bandmf" or "blt" (`mechanisms.NOISE_CODES`).
+        coefficients: BandMF: the unit-norm c_0..c_(b-1); independent
+            noise: (1.0,) (C = I); BLT: ().
+        buffer_decays: BLT's theta (empty otherwise).
+        output_scales: BLT's omega (empty otherwise).
+        unit_scale: BLT: 1 / ||c|| over the run's n steps, the factor that
+            makes its strategy (c_0 = 1) unit norm; 1 otherwise.
+
+    Example:
+    ```python
+    strategy = BandMF(num_bands=4).resolve(1000)
+    strategy.noise_buffers, strategy.column(6)   # 3, c_0..c_3 then 0, 0
+    ```
+    """
+
+    kind: str
+    coefficients: tuple[float, ...] = (1.0,)
+    buffer_decays: tuple[float, ...] = ()
+    output_scales: tuple[float, ...] = ()
+    unit_scale: float = 1.0
+
+    @property
+    def bands(self) -> int:
+        """b of a BandMF, d of a BLT (its buffers), 0 for independent noise (a ledger column)."""
+        if self.kind == "blt":
+            return len(self.buffer_decays)
+        return 0 if self.kind == INDEPENDENT_NOISE else len(self.coefficients)
+
+    @property
+    def noise_buffers(self) -> int:
+        """Model-sized buffers the noise keeps in memory: b - 1, d, or 0."""
+        if self.kind == "blt":
+            return len(self.buffer_decays)
+        return len(self.coefficients) - 1
+
+    @property
+    def strategy_hash(self) -> int:
+        """48 bits of SHA-256 of the kind and every number (exact in a float64 ledger cell); 0 for independent noise."""
+        if self.kind == INDEPENDENT_NOISE:
+            return 0
+        numbers = np.array(self.coefficients + self.buffer_decays + self.output_scales
+                           + (self.unit_scale,), np.float64)
+        digest = hashlib.sha256(self.kind.encode() + numbers.tobytes()).digest()
+        return int.from_bytes(digest[:6], "big")
+
+    def column(self, num_steps: int) -> np.ndarray:
+        """The first column of the unit-norm C over `num_steps` steps."""
+        num_steps = check_positive_int("num_steps", num_steps)
+        if self.kind == "blt":
+            return self.unit_scale * mf.blt_coefficients(self.buffer_decays, self.output_scales,
+                                                         num_steps)
+        column = np.zeros(num_steps)
+        given = np.array(self.coefficients[:num_steps])
+        column[: given.size] = given
+        return column
+
+    def sensitivity(self, num_steps: int, *, steps_per_epoch: int) -> mf.Sensitivity:
+        """sens of C x for a fixed-order pass of `num_steps` steps, s per epoch (exact or flagged)."""
+        n, s, k = _fixed_order_participation(num_steps, steps_per_epoch)
+        return mf.minsep_sensitivity(self.column(n), n, min_separation=s, max_participations=k)
+
+    def buffer_bytes(self, parameters: int, bytes_per_value: int = 4) -> int:
+        """Memory of the noise buffers of one replica: buffers x parameters x bytes (float32: 4).
+
+        Every replica streams its own share of the noise through its own
+        buffers (`tf_megadp.optimizer.noise_buffers`).
+        """
+        return self.noise_buffers * check_positive_int("parameters", parameters) * int(
+            bytes_per_value)
+
+    def describe(self) -> dict[str, Any]:
+        """The strategy as the privacy report states it."""
+        return {"kind": self.kind, "bands": self.bands, "noise_buffers": self.noise_buffers,
+                "strategy_hash": self.strategy_hash, "coefficients": list(self.coefficients),
+                "buffer_decays": list(self.buffer_decays),
+                "output_scales": list(self.output_scales), "unit_scale": self.unit_scale}
+
+
+# C = I: DP-SGD's independent noise, as a strategy.
+INDEPENDENT = NoiseStrategy(INDEPENDENT_NOISE)
+
+
+def resolve_noise(mechanism: "BandMF | BLT | None", num_steps: int, *,
+                  steps_per_epoch: int | None = None) -> NoiseStrategy:
+    """The strategy of `mechanism` for a run of `num_steps` steps (`INDEPENDENT` for None).
+
+    Args:
+        mechanism: a `BandMF`, a `BLT` or None.
+        num_steps: n, the run's logical steps.
+        steps_per_epoch: s of a fixed-order run (a BLT is optimized for it).
+    """
+    if mechanism is None:
+        return INDEPENDENT
+    if not isinstance(mechanism, (BandMF, BLT)):
+        raise TypeError(f"noise must be None, a BandMF or a BLT, got {mechanism!r}.")
+    return mechanism.resolve(num_steps, steps_per_epoch=steps_per_epoch)

@@ -143,6 +143,22 @@ def _step_pld(event: dp_accounting.DpEvent) -> pld.privacy_loss_distribution.Pri
     )
 
 
+@functools.lru_cache(maxsize=16)
+def _gaussian_pld(standard_deviation: float
+                  ) -> pld.privacy_loss_distribution.PrivacyLossDistribution:
+    """The PLD of an unsampled Gaussian, as dp_accounting's `PLDAccountant` builds it.
+
+    `PLDAccountant` composes a `GaussianDpEvent` taken `count` times as one
+    Gaussian of standard deviation sigma / sqrt(count) (Gaussians compose
+    exactly); so does this one, for the same epsilon.
+    """
+    return pld.privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=standard_deviation,
+        value_discretization_interval=_PLD_DISCRETIZATION,
+        neighboring_relation=dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    )
+
+
 class _StepAccountant(dp_accounting.PrivacyAccountant):
     """A dp_accounting accountant that composes a run step by step.
 
@@ -190,8 +206,11 @@ class _CachedPLDAccountant(_StepAccountant):
     The same operations as `pld.PLDAccountant` in the same order (identity,
     then for each event `compose(step_pld.self_compose(count))`), so the
     epsilon is the same number; only `_step_pld` is cached. It accounts the
-    events `events.entry_event` makes, with positive rates, sizes and noise;
-    anything else is refused rather than accounted some other way.
+    events `events.ledger_event` makes, with positive rates, sizes and noise:
+    Poisson-sampled and truncated Gaussian steps, and the unsampled Gaussian
+    of a fixed-order noise segment (composed as `PLDAccountant` composes a
+    `GaussianDpEvent`); anything else is refused rather than accounted some
+    other way.
     """
 
     def __init__(self):
@@ -200,6 +219,14 @@ class _CachedPLDAccountant(_StepAccountant):
             value_discretization_interval=_PLD_DISCRETIZATION)
 
     def _maybe_compose_step(self, event, count, do_compose):
+        if isinstance(event, dp_accounting.GaussianDpEvent):
+            if not event.noise_multiplier > 0:
+                return self.CompositionErrorDetails(
+                    event, "tf_megadp's PLD accountant accounts only Gaussians with noise")
+            if do_compose and count > 0:
+                self._pld = self._pld.compose(
+                    _gaussian_pld(event.noise_multiplier / math.sqrt(count)))
+            return None
         if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
             valid = (event.dataset_size > 0 and event.truncated_batch_size > 0
                      and event.sampling_probability > 0 and event.noise_multiplier > 0)
@@ -211,7 +238,7 @@ class _CachedPLDAccountant(_StepAccountant):
         if not valid:
             return self.CompositionErrorDetails(
                 event, "tf_megadp's PLD accountant accounts only Poisson-sampled and "
-                "truncated Gaussian steps with positive rate and noise")
+                "truncated Gaussian steps with positive rate and noise, and Gaussians")
         if do_compose and count > 0:
             self._pld = self._pld.compose(_step_pld(event).self_compose(count))
         return None

@@ -15,6 +15,15 @@ with the samplers: `tf-megadp epsilon` and `calibrate` account Poisson and
 shuffled runs without importing the data pipeline (nor TensorFlow, which it
 needs).
 
+Two kinds are accounted by noise segment, not step by step: "cyclic_poisson"
+(a Poisson sampler with `cycle_length` L > 1: step t draws from group
+t mod L only) and "fixed_order" (`FixedOrderSampler`: one secret order,
+the same slot every epoch). They are what correlated noise (BandMF, BLT)
+needs for a proof, and their `segment_event` composes the steps of one
+segment of noise (`LedgerEntry.segment_start`) at once;
+`check_noise_sampling` refuses every pairing of noise and sampling that has
+no proof, with the fix.
+
 Two kinds belong to the ledger itself, not to a sampler: `NOISELESS` (steps
 applied with noise multiplier 0, which make epsilon infinite) and
 `UNACCOUNTED` (steps whose data is unknown). Their entries record a count of
@@ -25,18 +34,27 @@ accountant refuses them, each with its own message.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+import math
+from typing import Any, Callable, Iterable, Sequence
 
 import dp_accounting
 
 from tf_megadp.accounting import mechanisms
+from tf_megadp.accounting.mechanisms import INDEPENDENT_NOISE, NOISE_CODES
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
+    "CYCLIC_POISSON",
+    "FIXED_ORDER",
+    "FIXED_ORDER_WARNING",
     "NOISELESS",
     "SHUFFLE_WARNING",
     "UNACCOUNTED",
     "SamplingKind",
+    "check_noise_fields",
+    "check_noise_sampling",
+    "cyclic_poisson_segment_event",
+    "fixed_order_segment_event",
     "refusal_error",
     "entry_event",
     "ledger_event",
@@ -80,6 +98,12 @@ class SamplingKind:
             steps of another refused kind make every report refuse.
         refusal: why the accountant refuses such steps and what to do,
             formatted with `steps` (their count); None for the generic text.
+        segment_event: instead of `step_event`, for kinds whose steps are
+            accounted by noise segment: the event of one segment's entries
+            (`segment_event(entries, num_examples)`).
+        check_noise: checks the noise fields of an entry of this kind
+            (`LedgerEntry.noise`, `cycle_length`, ...), raising what has no
+            proof; None for a kind that takes independent noise only.
 
     Example:
     ```python
@@ -98,6 +122,13 @@ class SamplingKind:
     steps_only: bool = False
     infinite_epsilon: bool = False
     refusal: str | None = None
+    segment_event: Callable[[Sequence[Any], int], dp_accounting.DpEvent] | None = None
+    check_noise: Callable[[Any], None] | None = None
+
+    @property
+    def accounted(self) -> bool:
+        """Whether the accountant has a rule for its steps (step by step or by segment)."""
+        return self.step_event is not None or self.segment_event is not None
 
 
 _KINDS: dict[str, SamplingKind] = {}
@@ -162,7 +193,7 @@ def refusal_error(name: str, steps: int) -> PrivacyConfigurationError:
     kind = sampling_kind(name)
     if kind.refusal is not None:
         return PrivacyConfigurationError(kind.refusal.format(steps=steps))
-    accounted = [other for other in sampling_kinds() if _KINDS[other].step_event]
+    accounted = [other for other in sampling_kinds() if _KINDS[other].accounted]
     return PrivacyConfigurationError(
         f"No accounting rule for sampling kind {name!r}: tf_megadp "
         f"accounts only {accounted} ('shuffle' as Poisson, with a warning). "
@@ -189,26 +220,80 @@ def entry_event(entry: Any, num_examples: int) -> dp_accounting.DpEvent:
         PrivacyConfigurationError: `entry.sampling` has no accounting rule
             (with the kind's own message).
     """
-    step_event = sampling_kind(entry.sampling).step_event
-    if step_event is None:
+    kind = sampling_kind(entry.sampling)
+    if kind.segment_event is not None:
+        return kind.segment_event((entry,), num_examples)
+    if kind.step_event is None:
         raise refusal_error(entry.sampling, entry.steps)
-    return dp_accounting.SelfComposedDpEvent(step_event(entry, num_examples), entry.steps)
+    return dp_accounting.SelfComposedDpEvent(kind.step_event(entry, num_examples), entry.steps)
+
+
+def _segment_fields(entry: Any) -> tuple:
+    """What every entry of one noise segment shares: its sampling and its mechanism."""
+    return (entry.sampling, entry.noise, entry.strategy_hash, entry.bands, entry.cycle_length,
+            entry.steps_per_epoch, entry.participations, entry.sensitivity)
+
+
+def _segments(entries: Iterable[Any]) -> Iterable[list[Any]]:
+    """The ledger's entries in order: one list per segment, a single entry for the others.
+
+    A segment is the entries of a kind with a `segment_event` from one that
+    opens it (`segment_start`, or the first of a run of such entries) up to
+    the next that opens one or is of another kind.
+
+    Raises:
+        ValueError: an entry continues a segment with another mechanism.
+    """
+    segment: list[Any] = []
+    for entry in entries:
+        if sampling_kind(entry.sampling).segment_event is None:
+            if segment:
+                yield segment
+                segment = []
+            yield [entry]
+            continue
+        if segment and not entry.segment_start:
+            if _segment_fields(entry) != _segment_fields(segment[0]):
+                raise ValueError(
+                    f"A ledger entry continues a noise segment with another mechanism or "
+                    f"sampling ({entry!r} after {segment[0]!r}): a change of either opens a "
+                    "new segment (segment_start=True).")
+            segment.append(entry)
+            continue
+        if segment:
+            yield segment
+        segment = [entry]
+    if segment:
+        yield segment
 
 
 def ledger_event(entries: Iterable[Any], num_examples: int) -> dp_accounting.DpEvent:
     """The `dp_accounting` event of a whole run: its ledger entries' events, in order.
+
+    Entries of the kinds accounted step by step each give `entry_event`;
+    those of the kinds accounted by noise segment give one
+    `SamplingKind.segment_event` per segment. Segments use independent
+    noise draws, so their events compose like any others.
 
     Args:
         entries: the `LedgerEntry`s of a ledger.
         num_examples: N.
 
     Returns:
-        A `ComposedDpEvent` of `entry_event` of each entry.
+        A `ComposedDpEvent` of those events, in order.
 
     Raises:
-        PrivacyConfigurationError: an entry's kind has no accounting rule.
+        PrivacyConfigurationError: an entry's kind has no accounting rule,
+            or a segment has no proof (as its kind's event says).
     """
-    return dp_accounting.ComposedDpEvent([entry_event(entry, num_examples) for entry in entries])
+    events = []
+    for group in _segments(entries):
+        kind = sampling_kind(group[0].sampling)
+        if kind.segment_event is None:
+            events.append(entry_event(group[0], num_examples))
+        else:
+            events.append(kind.segment_event(tuple(group), num_examples))
+    return dp_accounting.ComposedDpEvent(events)
 
 
 # The ledger's own kinds. Their codes are stored in checkpoints and never
@@ -294,3 +379,243 @@ register_sampling_kind(SamplingKind("poisson", 0, poisson_step_event, truncates=
                                     follows_schedule=True, proven_guarantee=True,
                                     ends_step_at_pass=False))
 register_sampling_kind(SamplingKind("shuffle", 1, shuffle_step_event, warning=SHUFFLE_WARNING))
+
+
+# -- Correlated noise's kinds: cyclic Poisson and fixed order (issue 39) --------------
+
+CYCLIC_POISSON = "cyclic_poisson"
+FIXED_ORDER = "fixed_order"
+
+FIXED_ORDER_WARNING = (
+    "Fixed-order epochs are accounted without amplification by sampling, for adding or "
+    "removing one example that leaves every other example in its slot (zero-out "
+    "adjacency, as in Kairouz et al. 2021 and Choquette-Choo et al. 2023): the sampler "
+    "keeps every slot of its secret order, a removed example's slot then holds padding."
+)
+
+
+def check_noise_sampling(noise: str, bands: int, sampling: str, cycle_length: int = 1) -> None:
+    """Refuses a pairing of gradient noise and sampling that no theorem covers, naming the fix.
+
+    Independent noise goes with every sampling. Correlated noise needs one
+    of two proofs: BandMF with cyclic Poisson sampling of cycle_length
+    L >= b (amplified: Choquette-Choo et al. 2023, Theorem 4), or BandMF or
+    BLT with fixed-order epochs (no amplification, the minsep sensitivity).
+
+    Args:
+        noise: "independent", "bandmf" or "blt".
+        bands: b of a BandMF (d of a BLT).
+        sampling: the registered sampling kind of the steps.
+        cycle_length: L (1 for Poisson without cycles).
+
+    Raises:
+        PrivacyConfigurationError: BandMF with Poisson sampling without cycles
+            or with L < b; a BLT with (cyclic) Poisson sampling; correlated
+            noise with shuffled fixed-size batches or any other kind.
+        ValueError: an unknown noise kind.
+    """
+    if noise not in NOISE_CODES:
+        raise ValueError(f"noise must be one of {sorted(NOISE_CODES)}, got {noise!r}.")
+    if noise == INDEPENDENT_NOISE or sampling == FIXED_ORDER:
+        return
+    poisson = sampling in ("poisson", CYCLIC_POISSON)
+    if noise == "blt" and poisson:
+        raise PrivacyConfigurationError(
+            f"BLT(num_buffers={bands}) has no privacy proof under Poisson or cyclic Poisson "
+            "sampling: its strategy is not banded, so every participation's noise is "
+            "correlated with every other's and amplification by sampling does not apply. "
+            "Train it with fixed-order epochs (tf_megadp.FixedOrderSampler, accounted "
+            f"without amplification), or use BandMF(num_bands=b) with cyclic Poisson "
+            "sampling (cycle_length >= b).")
+    if noise == "bandmf" and poisson and cycle_length <= 1:
+        raise PrivacyConfigurationError(
+            f"Poisson sampling without cycles under BandMF(num_bands={bands}) has no privacy "
+            "proof: an example can join two steps fewer than b apart, whose noise the "
+            "bands correlate, and amplification by sampling no longer applies step by step. "
+            f"Sample with cycle_length >= {bands} (e.g. PoissonSampler.from_arrays(..., "
+            f"cycle_length={bands}), which amplifies most), train with fixed-order epochs "
+            "(tf_megadp.FixedOrderSampler), or use noise=None (independent noise).")
+    if noise == "bandmf" and poisson and cycle_length < bands:
+        raise PrivacyConfigurationError(
+            f"cycle_length = {cycle_length} is smaller than num_bands = {bands}: an "
+            "example's participations would share bands, which the cyclic Poisson "
+            f"accounting does not cover. Raise cycle_length to at least {bands}, or lower "
+            f"num_bands to at most {cycle_length}.")
+    if not poisson:
+        raise PrivacyConfigurationError(
+            f"{noise} noise has no privacy proof with {sampling!r} batches: correlated "
+            "noise is accounted only with cyclic Poisson sampling (BandMF, cycle_length >= "
+            "num_bands) or fixed-order epochs (tf_megadp.FixedOrderSampler). Feed one of "
+            "those samplers' datasets, or use noise=None.")
+
+
+def check_noise_fields(entry: Any) -> None:
+    """Checks an entry's noise fields against its sampling kind (`LedgerEntry` calls it).
+
+    Raises:
+        ValueError: an unknown noise kind, or numbers the kind does not take.
+        PrivacyConfigurationError: a pairing without proof (`check_noise_sampling`).
+    """
+    if entry.noise not in NOISE_CODES:
+        raise ValueError(f"noise must be one of {sorted(NOISE_CODES)}, got {entry.noise!r}.")
+    if entry.noise == INDEPENDENT_NOISE and (entry.strategy_hash or entry.bands):
+        raise ValueError(
+            "Independent noise has no strategy: strategy_hash and bands are 0, got "
+            f"{entry.strategy_hash} and {entry.bands}.")
+    if entry.noise != INDEPENDENT_NOISE and (int(entry.bands) < 1 or int(entry.strategy_hash) < 0):
+        raise ValueError(
+            f"{entry.noise} noise needs bands >= 1 and its strategy's hash, got bands "
+            f"{entry.bands}, hash {entry.strategy_hash}.")
+    kind = sampling_kind(entry.sampling)
+    check_noise_sampling(entry.noise, int(entry.bands), entry.sampling,
+                         max(1, int(entry.cycle_length)))
+    if kind.check_noise is not None:
+        kind.check_noise(entry)
+        return
+    given = {name: getattr(entry, name) for name in (
+        "cycle_length", "cycle_position", "steps_per_epoch", "participations", "sensitivity",
+        "segment_start")}
+    if any(given.values()):
+        raise ValueError(
+            f"{entry.sampling!r} steps are accounted step by step: they have no cycle, "
+            f"participation or noise segment, got {given}.")
+
+
+def _check_cyclic_entry(entry: Any) -> None:
+    cycle = int(entry.cycle_length)
+    if cycle < 1 or not 0 <= int(entry.cycle_position) < cycle:
+        raise ValueError(
+            f"A cyclic Poisson entry needs cycle_length L >= 1 and 0 <= cycle_position < L, "
+            f"got L = {entry.cycle_length}, position {entry.cycle_position}.")
+    if entry.steps_per_epoch or entry.participations or entry.sensitivity:
+        raise ValueError(
+            "A cyclic Poisson entry has no fixed-order participation: steps_per_epoch, "
+            "participations and sensitivity are 0.")
+
+
+def _check_fixed_order_entry(entry: Any) -> None:
+    if int(entry.steps_per_epoch) < 1 or int(entry.participations) < 1:
+        raise ValueError(
+            "A fixed-order entry needs steps_per_epoch >= 1 and participations >= 1, got "
+            f"{entry.steps_per_epoch} and {entry.participations}.")
+    if not (math.isfinite(entry.sensitivity) and entry.sensitivity > 0):
+        raise ValueError(
+            f"A fixed-order entry needs its segment's sensitivity > 0, got {entry.sensitivity}.")
+    if entry.cycle_length or entry.cycle_position:
+        raise ValueError("A fixed-order entry has no cycle: cycle_length and position are 0.")
+
+
+def _round_key(entry: Any) -> tuple:
+    """What one round of a cyclic Poisson segment releases: q, the noise, the truncation."""
+    return (entry.sampling_rate, entry.noise_multiplier, entry.count_noise_multiplier,
+            entry.max_batch_size)
+
+
+def cyclic_poisson_segment_event(entries: Sequence[Any], num_examples: int
+                                 ) -> dp_accounting.DpEvent:
+    """The event of one noise segment of cyclic Poisson steps (amplified BandMF).
+
+    The examples are split into L = `cycle_length` groups of at most
+    ceil(N / L); step t Poisson-samples group t mod L at q = B L / N. The
+    windows of L consecutive steps that start at a multiple of L each hold
+    one step of every group, so an example can join at most one step per
+    window, and with a b-banded unit-norm C (b <= L) the columns of two of
+    its steps never overlap: the segment is the adaptive composition of its
+    windows, each a Poisson-sampled Gaussian (truncated at the step's
+    capacity, over a group, if it is), as in Choquette-Choo et al. 2023,
+    Theorem 4, and `matrix_factorization.cyclic_poisson_event` (a segment
+    starting at step 0 gives exactly that event). Independent noise is the
+    case b = 0.
+
+    Args:
+        entries: the segment's ledger entries, in order (its first one's
+            `cycle_position` is the group of its first step).
+        num_examples: N.
+
+    Returns:
+        The composition, per run of identical windows, of SelfComposed(round, windows).
+
+    Raises:
+        PrivacyConfigurationError: one window mixes two sampling rates,
+            noises or truncations (its groups' guarantees would differ).
+    """
+    first = entries[0]
+    cycle = first.cycle_length
+    offset = first.cycle_position
+    group_size = -(-num_examples // cycle)
+    runs: list[tuple[int, int, Any]] = []  # [start, end) of the segment's steps, entry.
+    start = 0
+    for entry in entries:
+        if runs and _round_key(runs[-1][2]) == _round_key(entry):
+            runs[-1] = (runs[-1][0], start + entry.steps, runs[-1][2])
+        else:
+            runs.append((start, start + entry.steps, entry))
+        start += entry.steps
+    events = []
+    for index, (begin, end, entry) in enumerate(runs):
+        first_window = (begin + offset) // cycle
+        last_window = (end - 1 + offset) // cycle
+        if index and (runs[index - 1][1] - 1 + offset) // cycle == first_window:
+            raise PrivacyConfigurationError(
+                f"Steps {begin - 1} and {begin} of a cyclic Poisson noise segment "
+                f"(cycle_length {cycle}) belong to one round but differ in sampling rate, "
+                "noise or truncation: a round must sample every group alike, or the groups' "
+                f"guarantees differ. Start each batch-size phase at a multiple of "
+                f"cycle_length = {cycle}, or keep the batch size constant.")
+        events.append(dp_accounting.SelfComposedDpEvent(
+            poisson_step_event(entry, group_size), last_window - first_window + 1))
+    return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+
+
+def fixed_order_segment_event(entries: Sequence[Any], num_examples: int
+                              ) -> dp_accounting.DpEvent:
+    """The event of one noise segment of fixed-order epochs: one Gaussian mechanism.
+
+    The segment releases C x + sigma C_clip z over its planned steps, each
+    example in the same slot of every epoch: the Gaussian mechanism of
+    sensitivity sens * C_clip (`LedgerEntry.sensitivity`, the minsep
+    sensitivity for s = `steps_per_epoch` and k' = `participations`), so
+    Gaussian(sigma / sens) (`matrix_factorization.fixed_order_event`). It is
+    counted in full from the segment's first step: a prefix of it releases
+    less. With adaptive clipping each of the k' steps an example joins also
+    releases a count of multiplier sigma_count, and Gaussians compose into
+    one: (sens^2 / sigma^2 + k' / sigma_count^2)^-1/2.
+
+    Args:
+        entries: the segment's ledger entries.
+        num_examples: N (unused: no sampling).
+
+    Returns:
+        A `GaussianDpEvent`.
+
+    Raises:
+        ValueError: the entries differ in noise, or hold more steps than the
+            participation accounted (s * k').
+    """
+    first = entries[0]
+    if any((e.noise_multiplier, e.count_noise_multiplier) != (
+            first.noise_multiplier, first.count_noise_multiplier) for e in entries):
+        raise ValueError(
+            "A fixed-order noise segment must keep one noise multiplier: the strategy's "
+            "noise is sigma C^-1 z for one sigma.")
+    steps = sum(e.steps for e in entries)
+    if steps > first.steps_per_epoch * first.participations:
+        raise ValueError(
+            f"A fixed-order noise segment holds {steps} steps, more than the "
+            f"{first.participations} epochs of {first.steps_per_epoch} steps it was accounted "
+            "for: an example could join more steps than the sensitivity counts.")
+    precision = (first.sensitivity / first.noise_multiplier) ** 2
+    if first.count_noise_multiplier:
+        precision += first.participations / first.count_noise_multiplier ** 2
+    return dp_accounting.GaussianDpEvent(precision ** -0.5)
+
+
+# Their ledger codes are stored in checkpoints: they never change.
+register_sampling_kind(SamplingKind(
+    CYCLIC_POISSON, 2, step_event=None, truncates=True, follows_schedule=True,
+    proven_guarantee=True, ends_step_at_pass=False,
+    segment_event=cyclic_poisson_segment_event, check_noise=_check_cyclic_entry))
+register_sampling_kind(SamplingKind(
+    FIXED_ORDER, 3, step_event=None, warning=FIXED_ORDER_WARNING, follows_schedule=True,
+    proven_guarantee=True, ends_step_at_pass=False,
+    segment_event=fixed_order_segment_event, check_noise=_check_fixed_order_entry))

@@ -15,7 +15,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from tf_megadp.accounting import mechanisms
-from tf_megadp.accounting.events import sampling_kind, sampling_kind_of_code
+from tf_megadp.accounting.events import check_noise_fields, sampling_kind, sampling_kind_of_code
+from tf_megadp.accounting.mechanisms import INDEPENDENT_NOISE, NOISE_CODES, noise_of_code
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, sampling_rate_of
 
 __all__ = ["LEDGER_COLUMNS", "LedgerEntry", "PrivacyLedger", "ledger_from_schedule"]
@@ -27,7 +28,22 @@ LEDGER_COLUMNS = (
     "max_batch_size",
     "sampling_kind",
     "count_noise_multiplier",
+    # The noise's mechanism (independent, or correlated: issue 39).
+    "noise",
+    "strategy_hash",
+    "bands",
+    "cycle_length",
+    "cycle_position",
+    "steps_per_epoch",
+    "participations",
+    "sensitivity",
+    "segment_start",
 )
+# The fields of a correlated-noise segment, with their values for independent
+# noise and for the steps-only kinds.
+_NOISE_DEFAULTS = {"strategy_hash": 0, "bands": 0, "cycle_length": 0, "cycle_position": 0,
+                   "steps_per_epoch": 0, "participations": 0, "sensitivity": 0.0,
+                   "segment_start": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +68,27 @@ class LedgerEntry:
             releases (its noise over its sensitivity 1/2; see
             `tf_megadp.accounting.mechanisms`), and `noise_multiplier` is the
             gradient's; 0 when the step releases the gradient only.
+        noise: the gradient noise's kind (`mechanisms.NOISE_CODES`):
+            ``"independent"`` (DP-SGD), ``"bandmf"`` or ``"blt"`` (correlated
+            by a strategy C, `tf_megadp.accounting.correlated_noise`; then
+            `noise_multiplier` is sigma on the unit-norm C).
+        strategy_hash: `NoiseStrategy.strategy_hash` of the strategy (0 for
+            independent noise): which coefficients the noise streamed.
+        bands: b of a BandMF, d of a BLT; 0 for independent noise.
+        cycle_length: L of cyclic Poisson sampling ("cyclic_poisson"); 0
+            for every other kind.
+        cycle_position: cyclic Poisson: the group (t mod L) of the entry's
+            first step.
+        steps_per_epoch: s of a fixed-order pass ("fixed_order"); 0 otherwise.
+        participations: a fixed-order segment's planned epochs k' (the most
+            steps one example joins in it); 0 otherwise.
+        sensitivity: a fixed-order segment's sensitivity of C over its
+            planned steps (units of C_clip); 0 otherwise.
+        segment_start: the entry's first step opened a new noise segment
+            (fresh buffers: the first step of a run, after a restart or a
+            restore, or with other data); the kinds accounted by segment
+            (`SamplingKind.segment_event`) compose the segments. False for
+            the kinds accounted step by step.
     """
 
     steps: int
@@ -60,6 +97,15 @@ class LedgerEntry:
     max_batch_size: int = 0
     sampling: str = "poisson"
     count_noise_multiplier: float = 0.0
+    noise: str = INDEPENDENT_NOISE
+    strategy_hash: int = 0
+    bands: int = 0
+    cycle_length: int = 0
+    cycle_position: int = 0
+    steps_per_epoch: int = 0
+    participations: int = 0
+    sensitivity: float = 0.0
+    segment_start: bool = False
 
     def __post_init__(self):
         if isinstance(self.steps, bool) or not isinstance(
@@ -73,6 +119,11 @@ class LedgerEntry:
         else:
             self._check_mechanism()
         # Normalise numpy scalars so that entries compare and serialise alike.
+        for name in ("strategy_hash", "bands", "cycle_length", "cycle_position",
+                     "steps_per_epoch", "participations"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "sensitivity", float(self.sensitivity))
+        object.__setattr__(self, "segment_start", bool(self.segment_start))
         object.__setattr__(self, "count_noise_multiplier", float(self.count_noise_multiplier))
         object.__setattr__(self, "steps", int(self.steps))
         object.__setattr__(self, "sampling_rate", float(self.sampling_rate))
@@ -95,8 +146,9 @@ class LedgerEntry:
     def _check_steps_only(self) -> None:
         """A steps-only kind's entry has no mechanism: any number but steps would be invented."""
         numbers = (self.sampling_rate, self.noise_multiplier, self.max_batch_size,
-                   self.count_noise_multiplier)
-        if any(float(value) != 0.0 for value in numbers):
+                   self.count_noise_multiplier) + tuple(
+            getattr(self, name) for name in _NOISE_DEFAULTS)
+        if any(float(value) != 0.0 for value in numbers) or self.noise != INDEPENDENT_NOISE:
             raise ValueError(
                 f"A {self.sampling!r} ledger entry records a count of steps only; its "
                 "sampling_rate, noise_multiplier, max_batch_size and "
@@ -142,6 +194,7 @@ class LedgerEntry:
             raise ValueError(
                 "count_noise_multiplier must be a finite number >= 0 (0: no count), got "
                 f"{self.count_noise_multiplier!r}.")
+        check_noise_fields(self)
 
     @property
     def equivalent_noise_multiplier(self) -> float:
@@ -150,10 +203,16 @@ class LedgerEntry:
             self.noise_multiplier, self.count_noise_multiplier)
 
     def same_mechanism(self, other: "LedgerEntry") -> bool:
-        """Whether `other` describes steps identical to these (any count)."""
-        return dataclasses.replace(self, steps=0) == dataclasses.replace(
-            other, steps=0
-        )
+        """Whether `other` describes steps identical to these (any count).
+
+        Where a segment starts and a cyclic entry's group are positions, not
+        the mechanism: `PrivacyLedger.append` merges an entry that does not
+        open a segment into the last one when this holds.
+        """
+        def mechanism(entry):
+            return dataclasses.replace(entry, steps=0, segment_start=False, cycle_position=0)
+
+        return mechanism(self) == mechanism(other)
 
     def to_row(self) -> list[float]:
         """The entry as one row of the optimizer's `privacy_ledger` variable."""
@@ -164,6 +223,15 @@ class LedgerEntry:
             float(self.max_batch_size),
             float(sampling_kind(self.sampling).code),
             self.count_noise_multiplier,
+            float(NOISE_CODES[self.noise]),
+            float(self.strategy_hash),
+            float(self.bands),
+            float(self.cycle_length),
+            float(self.cycle_position),
+            float(self.steps_per_epoch),
+            float(self.participations),
+            self.sensitivity,
+            float(self.segment_start),
         ]
 
     @classmethod
@@ -174,14 +242,20 @@ class LedgerEntry:
                 f"A ledger row has {len(LEDGER_COLUMNS)} columns {LEDGER_COLUMNS}, "
                 f"got {len(row)}."
             )
-        steps, q, sigma, max_batch_size, kind, count = (float(value) for value in row)
+        values = dict(zip(LEDGER_COLUMNS, (float(value) for value in row)))
         return cls(
-            steps=int(steps),
-            sampling_rate=q,
-            noise_multiplier=sigma,
-            max_batch_size=int(max_batch_size),
-            sampling=sampling_kind_of_code(kind).name,
-            count_noise_multiplier=count,
+            steps=int(values["steps"]),
+            sampling_rate=values["sampling_rate"],
+            noise_multiplier=values["noise_multiplier"],
+            max_batch_size=int(values["max_batch_size"]),
+            sampling=sampling_kind_of_code(values["sampling_kind"]).name,
+            count_noise_multiplier=values["count_noise_multiplier"],
+            noise=noise_of_code(values["noise"]),
+            sensitivity=values["sensitivity"],
+            segment_start=bool(values["segment_start"]),
+            **{name: int(values[name]) for name in (
+                "strategy_hash", "bands", "cycle_length", "cycle_position", "steps_per_epoch",
+                "participations")},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -229,7 +303,7 @@ class PrivacyLedger:
     def unreportable_steps(self) -> tuple[str, int] | None:
         """The first kind in the ledger whose steps make any epsilon a lie, and its steps.
 
-        A kind the accountant refuses (no `step_event`) and whose epsilon is
+        A kind the accountant refuses (no accounting rule) and whose epsilon is
         not simply infinite: no report may state an epsilon while such
         steps are in the ledger.
 
@@ -239,17 +313,22 @@ class PrivacyLedger:
         counts: dict[str, int] = {}
         for entry in self._entries:
             kind = sampling_kind(entry.sampling)
-            if kind.step_event is None and not kind.infinite_epsilon:
+            if not kind.accounted and not kind.infinite_epsilon:
                 counts[entry.sampling] = counts.get(entry.sampling, 0) + entry.steps
         return next(iter(counts.items()), None)
 
     def append(self, entry: LedgerEntry) -> None:
-        """Adds `entry`, merging it into the last entry if the steps match."""
+        """Adds `entry`, merging it into the last entry if the steps match.
+
+        An entry that opens a noise segment (`segment_start`) is never
+        merged: the segments are accounted one by one.
+        """
         if not isinstance(entry, LedgerEntry):
             raise TypeError(f"Expected a LedgerEntry, got {entry!r}.")
         if entry.steps == 0:
             return
-        if self._entries and self._entries[-1].same_mechanism(entry):
+        if (self._entries and not entry.segment_start
+                and self._entries[-1].same_mechanism(entry)):
             last = self._entries[-1]
             self._entries[-1] = dataclasses.replace(
                 last, steps=last.steps + entry.steps
@@ -292,7 +371,7 @@ class PrivacyLedger:
         except TypeError as error:
             raise ValueError(
                 f"A ledger entry needs the fields {LEDGER_COLUMNS[:3]} and may have "
-                f"max_batch_size and sampling: {error}"
+                f"the others of {[f.name for f in dataclasses.fields(LedgerEntry)]}: {error}"
             ) from error
 
     def __len__(self) -> int:

@@ -17,6 +17,13 @@ def privacy_report(accountant: Any, settings: dict[str, Any] | None = None) -> d
     """The report of a `PrivacyAccountant`'s run (which imports this module); see its `report`."""
     kinds = sorted({entry.sampling for entry in accountant.ledger})
     truncated = any(entry.max_batch_size for entry in accountant.ledger)
+    # Correlated noise is accounted by segment (cyclic Poisson rounds or a
+    # fixed-order Gaussian): the report names the segments it composed.
+    segments = sum(1 for entry in accountant.ledger if entry.segment_start)
+    accounted_as = "truncated_poisson" if truncated else "poisson"
+    if any(sampling_kind(kind).segment_event is not None for kind in kinds):
+        accounted_as = f"noise segments ({segments}): " + ", ".join(
+            kind for kind in kinds if sampling_kind(kind).segment_event is not None)
     warnings_ = [sampling_kind(kind).warning for kind in kinds if sampling_kind(kind).warning]
     # Steps without noise: the accountant refuses them, and the report states
     # what they spent, an infinite epsilon.
@@ -40,7 +47,7 @@ def privacy_report(accountant: Any, settings: dict[str, Any] | None = None) -> d
         "sampling": {
             "kinds": kinds,
             "truncated": truncated,
-            "accounted_as": "truncated_poisson" if truncated else "poisson",
+            "accounted_as": accounted_as,
         },
         "ledger": accountant.ledger.to_list(),
         "settings": dict(settings or {}),

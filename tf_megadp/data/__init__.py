@@ -11,13 +11,14 @@ dataset carries to `fit` (`sources`), and the check that a sampler's
 
 from tf_megadp.data.base import StepDraw
 from tf_megadp.data.privacy_units import PrivacyUnitSampler
-from tf_megadp.data.samplers import PoissonSampler, ShuffleSampler
+from tf_megadp.data.samplers import FixedOrderSampler, PoissonSampler, ShuffleSampler
 from tf_megadp.data.shards import MANIFEST_NAME, TokenShards, token_dtype, write_token_shards
 from tf_megadp.data.sources import DataSource, attach_source, resumed_at, source_of
 
 __all__ = [
     "MANIFEST_NAME",
     "DataSource",
+    "FixedOrderSampler",
     "PoissonSampler",
     "PrivacyUnitSampler",
     "ShuffleSampler",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import inspect
+import secrets
 from typing import Any, Callable, Iterator, Self
 
 import numpy as np
@@ -89,6 +90,12 @@ def _takes_keyword_only(function: Callable[..., Any], name: str) -> bool:
     return parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY
 
 
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
 def _tensor_spec(shape: tuple[int, ...], dtype: np.dtype):
     import tensorflow as tf
 
@@ -99,6 +106,8 @@ class Sampler(abc.ABC):
     """Shared machinery: secret randomness, phases, static micro-batches, tf.data."""
 
     sampling_kind: str = ""
+    # Whether the sampler draws cyclically (`SamplerSettings.cycle_length`).
+    takes_cycles: bool = False
 
     def __init__(self, shards: TokenShards, schedule: BatchSizeSchedule, **randomness: Any):
         """A sampler over `shards` that follows `schedule`.
@@ -109,7 +118,8 @@ class Sampler(abc.ABC):
             schedule: the `BatchSizeSchedule` shared with the optimizer and
                 the accountant; its N must be the data's.
             **randomness: `seed`, `shared_secret`, `start_step`, `end_step`,
-                as in `tf_megadp.data.sampler_settings.SamplerSettings`.
+                `cycle_length`, as in
+                `tf_megadp.data.sampler_settings.SamplerSettings`.
         """
         store = record_store(shards, type(self).__name__)
         if not isinstance(schedule, BatchSizeSchedule):
@@ -138,6 +148,19 @@ class Sampler(abc.ABC):
         self.start_step = start_step
         self.end_step = end_step
         self.micro_batch_rows = step_capacity(1, schedule.micro_batch_size, schedule.num_replicas)
+        self.cycle_length = 1 if settings.cycle_length is None else _positive(
+            "cycle_length", settings.cycle_length)
+        if self.cycle_length > 1 and not self.takes_cycles:
+            raise PrivacyConfigurationError(
+                f"{type(self).__name__} has no cycles (cycle_length={self.cycle_length}): "
+                "cyclic sampling is Poisson sampling of one group of examples per step. Use "
+                "tf_megadp.PoissonSampler (or PrivacyUnitSampler) with cycle_length, or drop "
+                "cycle_length.")
+        # A public name for this sampler's secret assignment of examples to
+        # steps (its groups or its order), shared by its continuations: a
+        # noise segment continues only over the data it was drawing. Random,
+        # so it says nothing of the secret.
+        self.assignment = secrets.token_hex(8)
         self._consumed = False
         self._generations = _DrawGenerations()
         entropy, self.seeded = sampling_entropy(settings.seed, settings.shared_secret)
@@ -274,6 +297,8 @@ class Sampler(abc.ABC):
             start_step=self.start_step,
             seeded=self.seeded,
             end_step=self.end_step,
+            cycle_length=self.cycle_length,
+            assignment=self.assignment,
         )
 
     # -- Micro-batches -----------------------------------------------------------

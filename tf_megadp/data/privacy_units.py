@@ -335,22 +335,25 @@ class PrivacyUnitSampler(PoissonSampler):
                                    examples_per_unit=self.examples_per_unit)
 
     def dp_event(self, noise_multiplier: float | None = None,
-                 steps: int | None = None) -> dp_accounting.DpEvent:
+                 steps: int | None = None, noise=None) -> dp_accounting.DpEvent:
         """The run's `dp_accounting` event over units.
 
-        Each step is Poisson sampling of the U units with q_t, truncated at
-        the step's capacity in units, followed by the Gaussian mechanism of
-        sensitivity C (a unit's clipped summed gradient).
+        Each step is Poisson sampling of the U units with q_t (of one group
+        of U / L at q_t L with `cycle_length` L), truncated at the step's
+        capacity in units, followed by the Gaussian mechanism of sensitivity
+        C (a unit's clipped summed gradient), independent or correlated.
 
         Args:
             noise_multiplier: sigma for phases that set none.
             steps: logical steps (default: the schedule's).
+            noise: None (independent noise), or the run's `tf_megadp.BandMF`.
 
         Returns:
             A `dp_accounting.ComposedDpEvent`.
         """
         return RunDescription(schedule=self.schedule, noise_multiplier=noise_multiplier,
-                              steps=steps).dp_event()
+                              steps=steps, cycle_length=self.cycle_length,
+                              noise=noise).dp_event()
 
     # -- Micro-batches -------------------------------------------------------------
 

@@ -53,6 +53,13 @@ class SamplerSettings:
             on resume).
         end_step: logical step to stop before; default the schedule's
             total.
+        cycle_length: L (default 1: Poisson sampling). With L > 1 a Poisson
+            sampler assigns every example (or unit) to one of L groups by its
+            secret, and step t Poisson-samples group t mod L only, at
+            q = B L / N, so the expected batch stays B (cyclic Poisson
+            sampling, what `tf_megadp.BandMF` noise needs with
+            L >= num_bands). Static shapes, padding and truncation as with
+            L = 1.
 
     Raises:
         ValueError: `schedule` together with any of the five settings that
@@ -78,6 +85,7 @@ class SamplerSettings:
     shared_secret: int | None = dataclasses.field(default=None, repr=False)
     start_step: int = 0
     end_step: int | None = None
+    cycle_length: int | None = None
 
     def __post_init__(self):
         given = self.schedule_settings_given()

@@ -28,6 +28,12 @@ sampler returns carries its `tf_megadp.data.sources.DataSource`.
 want them. Its privacy is *not* what Poisson accounting reports (Chua et al.,
 2024): see its docstring.
 
+Correlated noise (`tf_megadp.BandMF`, `tf_megadp.BLT`) needs samplers whose
+examples join steps at known distances: `PoissonSampler(cycle_length=L)`
+(cyclic Poisson: each example belongs to one of L secret groups and can
+join only the steps of its group, L apart) and `FixedOrderSampler` (one
+secret order, each example in the same slot of every epoch).
+
 Each sampler names its sampling kind (`sampling_kind`); the kind, with the
 `dp_accounting` event of one step, is registered once in
 `tf_megadp.accounting.events`, where the "poisson" and "shuffle" kinds live,
@@ -44,14 +50,19 @@ from typing import Any
 
 import numpy as np
 
-from tf_megadp.accounting.events import SHUFFLE_WARNING
+from tf_megadp.accounting.events import CYCLIC_POISSON, FIXED_ORDER, SHUFFLE_WARNING
 from tf_megadp.data.base import Sampler, StepDraw
 from tf_megadp.data.entropy import warn_at_caller
 from tf_megadp.data.sampler_settings import SamplerSettings
 from tf_megadp.data.shards import TokenShards
+from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.steps import BatchSizeSchedule, Phase, steps_for_epochs
 
-__all__ = ["PoissonSampler", "ShuffleSampler", "SHUFFLE_WARNING"]
+__all__ = ["FixedOrderSampler", "PoissonSampler", "ShuffleSampler", "SHUFFLE_WARNING"]
+
+# The spawn keys of the secret streams of a cyclic sampler's groups and of a
+# fixed-order sampler's order (PoissonSampler uses 0 to 4 for its draws).
+_GROUPS, _ORDER = 5, 6
 
 # Exact uniform subsets are drawn block by block so that no step allocates
 # anything proportional to N (a permutation of 1e9 rows would be 8 GB).
@@ -107,6 +118,15 @@ class PoissonSampler(Sampler):
     it draws fresh steps, as private as the ones they replace. Randomness is
     expanded by NumPy's PCG64, which is not a cryptographic generator.
 
+    With `cycle_length=L > 1` (cyclic Poisson sampling, for `tf_megadp.BandMF`
+    noise with L >= its bands): the sampler's secret splits the N examples
+    into L groups of floor(N / L) or ceil(N / L) (a secret permutation, 4
+    bytes per example), and step t samples every example of group t mod L
+    independently at q_t = B_t L / N, so the expected batch stays B_t and an
+    example can join only steps L apart. Its steps are of kind
+    "cyclic_poisson". Each phase of the schedule must start at a multiple
+    of L (one q per round of L steps) and have B_t L <= N.
+
     Args:
         shards: the corpus, a `TokenShards`; N = len(shards) must equal
             `schedule.num_examples`.
@@ -129,12 +149,30 @@ class PoissonSampler(Sampler):
     """
 
     sampling_kind = "poisson"
+    takes_cycles = True
 
     def __init__(self, shards: TokenShards, schedule: BatchSizeSchedule, **randomness: Any):
         super().__init__(shards, schedule, **randomness)
         self.steps_drawn = 0
         self.truncated_steps = 0
         self.truncated_examples = 0
+        self._groups: tuple[np.ndarray, np.ndarray] | None = None
+        if self.cycle_length > 1:
+            self.sampling_kind = CYCLIC_POISSON
+            _check_cycles(schedule, self.cycle_length)
+
+    def _group(self, group: int) -> np.ndarray:
+        """The examples of group `group` of a cyclic sampler (a view of its secret permutation)."""
+        if self._groups is None:
+            population = self.schedule.num_examples
+            dtype = np.uint32 if population < 1 << 32 else np.int64
+            permutation = np.arange(population, dtype=dtype)
+            self._rng(_GROUPS).shuffle(permutation)
+            # Group g is positions [g N // L, (g + 1) N // L): sizes differ by at most one.
+            starts = (np.arange(self.cycle_length + 1) * population) // self.cycle_length
+            self._groups = (permutation, starts)
+        permutation, starts = self._groups
+        return permutation[starts[group]:starts[group + 1]]
 
     @classmethod
     def _schedule_for(cls, num_examples: int, settings: SamplerSettings) -> BatchSizeSchedule:
@@ -163,10 +201,16 @@ class PoissonSampler(Sampler):
         """
         phase = self.schedule.phase_at(step)
         capacity = self.schedule.capacity(phase)
-        population = self.schedule.num_examples
         rng = self._step_rng(0, step)
-        size = int(rng.binomial(population, self.schedule.sampling_rate(step)))
-        indices = _uniform_subset(rng, population, size)
+        rate = self.schedule.sampling_rate(step)
+        if self.cycle_length > 1:
+            members = self._group(step % self.cycle_length)
+            size = int(rng.binomial(members.size, rate * self.cycle_length))
+            indices = np.sort(members[_uniform_subset(rng, members.size, size)].astype(np.int64))
+        else:
+            population = self.schedule.num_examples
+            size = int(rng.binomial(population, rate))
+            indices = _uniform_subset(rng, population, size)
         if size > capacity:
             keep = rng.choice(size, size=capacity, replace=False, shuffle=False)
             indices = indices[np.sort(keep)]
@@ -266,3 +310,107 @@ class ShuffleSampler(Sampler):
         chosen = self._permutation[offset : offset + phase.batch_size]
         indices = np.sort(chosen.astype(np.int64))
         return StepDraw(step, indices, phase.batch_size, self.schedule.capacity(phase))
+
+
+def _check_cycles(schedule: BatchSizeSchedule, cycle_length: int) -> None:
+    """Refuses a schedule that cyclic Poisson sampling of `cycle_length` groups cannot draw.
+
+    Every group is sampled at q = B L / N <= 1, and every round of L steps
+    (from a multiple of L) at one q, capacity and noise: the accountant
+    composes rounds, and a round whose groups are sampled differently has
+    no single event.
+    """
+    for index, phase in enumerate(schedule.phases):
+        if phase.batch_size * cycle_length > schedule.num_examples:
+            raise PrivacyConfigurationError(
+                f"Cyclic Poisson sampling of phase {index} (batch size {phase.batch_size}) in "
+                f"{cycle_length} groups needs q = B L / N = "
+                f"{phase.batch_size * cycle_length / schedule.num_examples:.4g} > 1 "
+                f"({schedule.num_examples} examples). Lower cycle_length to at most "
+                f"{schedule.num_examples // phase.batch_size}, or the batch size.")
+    for index, end in enumerate(schedule.phase_ends[:-1]):
+        before, after = schedule.phases[index], schedule.phases[index + 1]
+        if end % cycle_length and (
+                (before.batch_size, before.accumulation_steps, before.noise_multiplier)
+                != (after.batch_size, after.accumulation_steps, after.noise_multiplier)):
+            raise PrivacyConfigurationError(
+                f"Phase {index + 1} of the schedule starts at step {end}, inside a round of "
+                f"cycle_length = {cycle_length} steps: that round would sample its groups at "
+                "two rates, and its groups' guarantees would differ. Start every phase at a "
+                f"multiple of {cycle_length} (e.g. phases of {cycle_length * (end // cycle_length + 1)} "
+                "steps), or keep one batch size.")
+
+
+class FixedOrderSampler(Sampler):
+    """One secret order of the examples, the same every epoch: (k, s)-participation.
+
+    The sampler's secret draws one permutation of the N examples (or
+    units) once; epoch e takes its first s * B of them in s = floor(N / B)
+    steps of B, in the same order every epoch, so every example sits in the
+    same slot of every epoch: it joins at most one step in s, at least s
+    steps apart, and at most k of them in k epochs (the N - s B leftover
+    examples never join). This is the participation under which
+    matrix-factorization noise (`tf_megadp.BandMF`, `tf_megadp.BLT`) is
+    accounted without amplification (kind "fixed_order": one Gaussian
+    mechanism of sensitivity sens(C) per noise segment, for removing an
+    example that leaves every other example in its slot). With independent
+    noise it is accounted the same way (C = I: sens = sqrt(k)).
+
+    Static shapes as `ShuffleSampler`: every step is k micro-batches of
+    m * R rows, the unused slots padding. One batch size for the whole run
+    (the slots would move otherwise). A continued sampler, and a replayed
+    step, keep the order: it is what the accounting counts on.
+
+    Args:
+        shards, schedule, seed, shared_secret, start_step, end_step: as in
+            `PoissonSampler` (no `cycle_length`).
+
+    Example:
+    ```python
+    sampler = tf_megadp.FixedOrderSampler.from_arrays(
+        x, y, batch_size=250, epochs=4, micro_batch_size=50)
+    optimizer = tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(0.5), l2_norm_clip=1.0, noise_multiplier=4.0,
+        schedule=sampler.schedule, noise=tf_megadp.BLT(num_buffers=4))
+    ```
+    """
+
+    sampling_kind = FIXED_ORDER
+
+    def __init__(self, shards: TokenShards, schedule: BatchSizeSchedule, **randomness: Any):
+        super().__init__(shards, schedule, **randomness)
+        sizes = sorted({phase.batch_size for phase in schedule.phases})
+        if len(sizes) > 1:
+            raise PrivacyConfigurationError(
+                f"A FixedOrderSampler keeps one batch size, so that every example keeps its "
+                f"slot in every epoch; the schedule has {sizes}. Use one batch size, or "
+                "PoissonSampler(cycle_length=L) (cyclic Poisson) for a growing batch.")
+        self.steps_per_epoch = schedule.num_examples // sizes[0]
+        self._order: np.ndarray | None = None
+
+    @classmethod
+    def _schedule_for(cls, num_examples: int, settings: SamplerSettings) -> BatchSizeSchedule:
+        if settings.truncation_probability is not None:
+            raise ValueError("FixedOrderSampler never truncates: drop truncation_probability.")
+        steps = steps_for_epochs(settings.epochs, num_examples=num_examples,
+                                 batch_size=settings.batch_size, sampling=FIXED_ORDER)
+        slots = settings.micro_batch_size * settings.replicas
+        return BatchSizeSchedule(
+            [Phase(steps, settings.batch_size, math.ceil(settings.batch_size / slots))],
+            num_examples=num_examples,
+            micro_batch_size=settings.micro_batch_size,
+            num_replicas=settings.replicas,
+        )
+
+    def draw(self, step: int) -> StepDraw:
+        """The examples of step `step`: slot `step mod s` of the secret order."""
+        if self._order is None:
+            population = self.schedule.num_examples
+            order = np.arange(population, dtype=np.uint32 if population < 1 << 32 else np.int64)
+            self._rng(_ORDER).shuffle(order)
+            self._order = order
+        phase = self.schedule.phase_at(step)
+        slot = step % self.steps_per_epoch
+        chosen = self._order[slot * phase.batch_size:(slot + 1) * phase.batch_size]
+        return StepDraw(step, np.sort(chosen.astype(np.int64)), phase.batch_size,
+                        self.schedule.capacity(phase))

@@ -69,6 +69,11 @@ class DataSource:
             examples by ("user", a JSONL field name).
         examples_per_unit: k, the rows of one unit's slot in a micro-batch
             (1 for "example"); the optimizer must clip with the same k.
+        cycle_length: L of cyclic Poisson sampling (1: none).
+        assignment: a public, random name of the sampler's secret
+            assignment of examples to steps, the same for its continuations
+            (None: data no sampler drew). Correlated noise continues a
+            segment only over the same assignment.
     """
 
     sampling: str
@@ -81,6 +86,8 @@ class DataSource:
     end_step: int | None = None
     privacy_unit: str = "example"
     examples_per_unit: int = 1
+    cycle_length: int = 1
+    assignment: str | None = None
 
     def __post_init__(self):
         kind = sampling_kind(self.sampling)  # A ValueError for an unregistered kind.
@@ -113,6 +120,7 @@ class DataSource:
             "seeded_sampling": self.seeded,
             "privacy_unit": self.privacy_unit,
             "examples_per_unit": self.examples_per_unit,
+            "cycle_length": self.cycle_length,
         }
 
 

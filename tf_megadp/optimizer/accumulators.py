@@ -59,7 +59,8 @@ class _InMemoryState:
     """
 
     def __repr__(self) -> str:
-        return "<DPOptimizer in-memory state: noise key and accumulators, not shown>"
+        return ("<DPOptimizer in-memory state: noise key, accumulators and noise buffers, "
+                "not shown>")
 
     noise_key: Any = None
     # The draw generation and the last logical step whose noise it drew (-1:
@@ -74,6 +75,13 @@ class _InMemoryState:
     centred_count: Any = None
     # Adaptive clipping's noisy updates that left the weights or C non-finite.
     nonfinite_updates: Any = None
+    # Correlated noise (`noise_buffers`): the open segment's draw generation
+    # and next step, the strategy's buffers (per trainable variable), and the
+    # token of the data the segment draws (Python).
+    segment_generation: Any = None
+    segment_next_step: Any = None
+    noise_buffers: list = dataclasses.field(default_factory=list)
+    segment_data: Any = None
 
 
 class Accumulators:
@@ -102,6 +110,7 @@ class Accumulators:
         state.draw_generation = self._in_memory_variable("draw_generation", (), "int64")
         state.last_drawn_step = self._in_memory_variable(
             "last_drawn_step", (), "int64", initializer=keras.initializers.Constant(-1))
+        self._build_noise_buffers(state, var_list)
         self._in_memory = state
 
     @property
@@ -220,15 +229,19 @@ class Accumulators:
         """Adds the step's Gaussian noise to every sum once, divides by B, applies the update.
 
         Called in a replica context at the end of a logical step; the
-        accumulators and the micro-step count start again from 0.
+        accumulators and the micro-step count start again from 0. With
+        correlated noise the step's draw z_t goes through the strategy's
+        buffers first (`noise_buffers`): the noise is sigma C (C^{-1} z)_t.
         """
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         # Each replica adds independent noise of variance sigma^2 C^2 / R, so the
-        # all-reduced SUM carries exactly N(0, sigma^2 C^2) per coordinate.
+        # all-reduced SUM carries exactly N(0, sigma^2 C^2) per coordinate (for
+        # correlated noise: each replica streams its own share through its own
+        # buffers, and C^{-1} is linear).
         clip_norm = self.current_clip_norm
         if tf.is_tensor(clip_norm):  # Adaptive clipping: this step's C.
             clip_norm = tf.cast(clip_norm, noise_multiplier.dtype)
-        stddev = noise_multiplier * clip_norm / math.sqrt(replicas)
+        stddev = noise_multiplier * clip_norm * self._noise_scale / math.sqrt(replicas)
         state = self._in_memory
         key = self._step_key(step, generation)
         gradients, variables = [], []
@@ -237,11 +250,11 @@ class Accumulators:
         ):
             if not is_connected:
                 continue
-            noise = tf.random.stateless_normal(
+            noise = self._correlate(index, tf.random.stateless_normal(
                 tf.shape(accumulator.value),
                 seed=tf.random.experimental.stateless_fold_in(key, index),
                 dtype=accumulator.dtype,
-            )
+            ), step)
             noisy_sum = accumulator.value + tf.cast(stddev, accumulator.dtype) * noise
             gradients.append(tf.cast(noisy_sum / tf.cast(divisor, accumulator.dtype),
                                      variable.dtype))

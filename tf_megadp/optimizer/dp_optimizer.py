@@ -26,7 +26,9 @@ from tf_megadp import adaptive_clipping as adaptive
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer.accumulators import Accumulators
+from tf_megadp.accounting.correlated_noise import BLT, BandMF
 from tf_megadp.optimizer.ledger import LedgerOfWeights
+from tf_megadp.optimizer.noise_buffers import NoiseBuffers
 from tf_megadp.optimizer.settings import SETTING_NAMES, DPSettings, check_inner_optimizer
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
 
@@ -41,7 +43,7 @@ _FROZEN = frozenset(SETTING_NAMES) | {"settings", "inner_optimizer", "clipping_s
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
-class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
+class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer to perform DP-SGD with mega-batch accumulation.
 
     One *logical step* is `accumulation_steps` micro-batches (times the number
@@ -120,6 +122,18 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             optimizer in (`tf_megadp.make_private` unwraps it). A power of
             two keeps the unscaling exact (docs/concepts.md, "Float16
             compute").
+        noise: None (default): independent noise, N(0, sigma^2 C^2) fresh
+            every step. A `tf_megadp.BandMF` or `tf_megadp.BLT`: correlated
+            noise, sigma C (C^{-1} z)_t for the mechanism's unit-norm
+            strategy C (matrix-factorization DP-FTRL), streamed through b - 1
+            (BandMF) or d (BLT) model-sized buffers per replica that live in
+            memory only; sigma is then the noise multiplier on that C. Needs
+            the run's `schedule` (its strategy is optimized for the run's
+            steps) and a sampler its accounting has a proof for: BandMF with
+            cyclic Poisson sampling (`cycle_length >= num_bands`) or fixed
+            order, BLT with fixed order (`tf_megadp.FixedOrderSampler`); the
+            private fit refuses any other (docs/privacy.md, "Correlated
+            noise").
         name: optimizer name.
 
     Example:
@@ -146,6 +160,7 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         examples_per_unit: int = 1,
         adaptive_clipping: adaptive.AdaptiveClipping | dict | None = None,
         loss_scale: float | None = None,
+        noise: BandMF | BLT | dict | None = None,
         name: str | None = None,
         **kwargs,
     ):
@@ -235,6 +250,10 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
             self.schedule.extended(phases, truncation_probability=truncation_probability))
         # Bypasses the freeze: the caller retraces the step that uses it.
         super().__setattr__("settings", settings)
+        # Correlated noise is optimized for the run's steps: the longer run
+        # streams another strategy, from a new segment.
+        self._noise_strategy = None
+        self.end_noise_segment()
         return settings.schedule
 
     def adopt_loss_scale(self, loss_scale: float) -> None:
@@ -276,12 +295,15 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
     def settings_report(self) -> dict[str, Any]:
         """What the privacy report states of the settings (`DPSettings.report`).
 
-        With the inner optimizer's class and, with adaptive clipping, where C
-        went in this process.
+        With the inner optimizer's class, with adaptive clipping where C
+        went in this process, and with correlated noise its resolved strategy.
         """
         report = self.settings.report()
         report["optimizer"] = type(self.inner_optimizer).__name__
         report["adaptive_clipping"] = adaptive.report_section(self)
+        if self.noise is not None:
+            # The strategy the noise streamed: public numbers (never the buffers).
+            report["noise_strategy"] = self.noise_strategy.describe()
         return report
 
     def take_nonfinite_updates(self) -> int:
@@ -355,8 +377,10 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         super().load_own_variables(store)
         if self.built and saved:
             # A restored optimizer resumes at a logical-step boundary, and its
-            # ledger is the one of the weights loaded with it.
+            # ledger is the one of the weights loaded with it; the noise
+            # buffers follow other steps than the loaded weights'.
             self.discard_partial_step()
+            self.end_noise_segment()
             self._ledger_loaded(_keras_compat.optimizer_trainable_variables(self))
 
     @property
@@ -541,12 +565,14 @@ class DPOptimizer(LedgerOfWeights, Accumulators, keras.optimizers.Optimizer):
         # A state restored inside the step (without its micro-step counter)
         # is caught here: the noise never repeats a drawn step's.
         generation = self.draw_generation(True)
+        new_segment = self._open_noise_segment(step, generation)
         # Every noise of the step (gradient and count) uses this step's C.
         self._apply_noise(trainable_variables, connected, step, generation, divisor,
                           noise_multiplier)
         if self.adaptive_clipping is not None:
             self._release_count(trainable_variables, step, generation, divisor, count_stddev)
-        self._record_applied_step(noise_multiplier, accumulation_steps, divisor, count_multiplier)
+        self._record_applied_step(noise_multiplier, accumulation_steps, divisor, count_multiplier,
+                                  new_segment)
         return tf.constant(True)
 
     def _release_count(self, trainable_variables, step, generation, divisor, count_stddev) -> None:

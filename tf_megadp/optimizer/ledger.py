@@ -40,7 +40,7 @@ LEDGER_CAPACITY = 256
 # needs to hold the steps of one `steps_per_execution` call.
 APPLIED_STEP_COLUMNS = (
     "steps", "noise_multiplier", "accumulation_steps", "rows", "divisor",
-    "count_noise_multiplier",
+    "count_noise_multiplier", "new_segment",
 )
 _APPLIED_CAPACITY = 64
 # The attribute of a model variable that names the DPOptimizer whose ledger
@@ -317,10 +317,11 @@ class LedgerOfWeights:
         self._claim(variables)
 
     def _record_applied_step(self, noise_multiplier, accumulation_steps, divisor,
-                             count_noise_multiplier):
+                             count_noise_multiplier, new_segment):
         """Appends the step just applied to `applied_steps`, as the graph used it.
 
-        Consecutive identical steps share a row. A full buffer stops
+        Consecutive identical steps share a row, except a step that opened a
+        noise segment (`new_segment`), which starts one. A full buffer stops
         recording and sets the row count past capacity, which the ledger
         keeper refuses (it drains the buffer after every batch, so only
         `steps_per_execution` far above the capacity can fill it).
@@ -333,13 +334,14 @@ class LedgerOfWeights:
             tf.cast(state.step_rows.value, tf.float64),
             tf.cast(divisor, tf.float64),
             tf.cast(count_noise_multiplier, tf.float64),
+            tf.cast(new_segment, tf.float64),
         ])
         state.step_rows.assign(0)
         count = self.applied_rows.value
         table = self.applied_steps.value
         last = tf.maximum(count - 1, 0)
         same = tf.logical_and(
-            count > 0,
+            tf.logical_and(count > 0, tf.logical_not(new_segment)),
             tf.logical_and(count <= _APPLIED_CAPACITY,
                            tf.reduce_all(tf.gather(table, last)[1:] == row[1:])),
         )

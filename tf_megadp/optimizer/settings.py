@@ -20,6 +20,13 @@ import keras
 import tensorflow as tf
 
 from tf_megadp import adaptive_clipping as adaptive
+from tf_megadp.accounting.correlated_noise import (
+    BLT,
+    BandMF,
+    NoiseStrategy,
+    mechanism_from_dict,
+    resolve_noise,
+)
 from tf_megadp.accounting.mechanisms import gradient_noise_multiplier
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.distribute import check_schedule_matches_strategy
@@ -54,6 +61,8 @@ class DPSettings:
         examples_per_unit: k >= 1 rows per privacy unit.
         adaptive_clipping: a `tf_megadp.AdaptiveClipping` (or its dict), or None.
         loss_scale: a fixed loss scale S > 0 (mixed_float16), or None.
+        noise: None (independent noise), or a `tf_megadp.BandMF` or
+            `tf_megadp.BLT` (or its `to_dict`): correlated noise.
 
     Raises:
         ValueError, TypeError, PrivacyConfigurationError: a setting is out of
@@ -78,6 +87,7 @@ class DPSettings:
     examples_per_unit: int = 1
     adaptive_clipping: adaptive.AdaptiveClipping | None = None
     loss_scale: float | None = None
+    noise: BandMF | BLT | None = None
 
     def __post_init__(self):
         self._set("l2_norm_clip", _positive_finite("l2_norm_clip", self.l2_norm_clip))
@@ -118,6 +128,9 @@ class DPSettings:
         self._set("adaptive_clipping", self._checked_adaptive_clipping())
         if self.loss_scale is not None:
             self._set("loss_scale", _positive_finite("loss_scale", self.loss_scale))
+        self._set("noise", self._checked_noise())
+        if self.noise is not None:
+            self.noise_strategy()  # Refuses a strategy the run cannot have (b > n) now.
         if isinstance(self.clipping, ClippingStrategy):
             if self.per_example_scaling == "automatic":
                 _check_takes_argument(self.clipping, "automatic_stability",
@@ -167,7 +180,58 @@ class DPSettings:
                 self.normalize_by or 0.0, self.noise_multiplier))
         return config
 
+    def _checked_noise(self) -> BandMF | BLT | None:
+        """The correlated-noise mechanism, refused where its noise cannot be streamed.
+
+        Its strategy is sigma C^{-1} z for one sigma: a schedule whose phases
+        set other noise multipliers, or sigma = 0, has none. The strategy is
+        optimized for the run's steps (and a BLT for its epochs), which only
+        a schedule gives, unless its numbers are given.
+        """
+        noise = self.noise
+        if isinstance(noise, dict):
+            noise = mechanism_from_dict(noise)
+        if noise is None:
+            return None
+        if not isinstance(noise, (BandMF, BLT)):
+            raise TypeError(f"noise must be None, a tf_megadp.BandMF or a tf_megadp.BLT, got "
+                            f"{noise!r}.")
+        if self.noise_multiplier == 0:
+            raise PrivacyConfigurationError(
+                f"noise={noise!r} with noise_multiplier=0 adds no noise to correlate: the "
+                "run would not be private. Set noise_multiplier > 0, or noise=None for the "
+                "clipped, non-private baseline.")
+        phases = self.schedule.phases if self.schedule is not None else ()
+        sigmas = {noise_multiplier_of(phase, self.noise_multiplier) for phase in phases}
+        if len(sigmas) > 1:
+            raise PrivacyConfigurationError(
+                f"Correlated noise ({noise.kind}) streams sigma C^-1 z with one sigma, but the "
+                f"schedule's phases set the noise multipliers {sorted(sigmas)}. Leave "
+                "noise_multiplier unset on the phases (one sigma for the run), or use "
+                "noise=None.")
+        given = (noise.coefficients is not None if isinstance(noise, BandMF)
+                 else noise.buffer_decays is not None)
+        if self.schedule is None and not (given and isinstance(noise, BandMF)):
+            raise PrivacyConfigurationError(
+                f"{noise!r} is optimized for the run's steps (and a BLT scaled over them), "
+                "which only a schedule gives: build the DPOptimizer with "
+                "schedule=sampler.schedule (the sampler's), or give BandMF(coefficients=...).")
+        return noise
+
     # -- Derived values ----------------------------------------------------------
+
+    def noise_strategy(self) -> NoiseStrategy:
+        """The strategy the noise streams: the mechanism resolved for the run.
+
+        For the schedule's n steps (a BLT for its epochs of s = N // B
+        steps, the fixed-order sampler's); `INDEPENDENT` without `noise`.
+        """
+        if self.noise is None or self.schedule is None:
+            return resolve_noise(self.noise, 1 if self.noise is None else self.noise.num_bands)
+        schedule = self.schedule
+        steps_per_epoch = schedule.num_examples // schedule.phases[0].batch_size
+        return resolve_noise(self.noise, schedule.total_steps,
+                             steps_per_epoch=max(1, steps_per_epoch))
 
     @property
     def automatic_stability(self) -> float | None:
@@ -258,7 +322,7 @@ SETTING_NAMES = tuple(field.name for field in dataclasses.fields(DPSettings))
 
 
 def _serialized(value):
-    if isinstance(value, (BatchSizeSchedule, adaptive.AdaptiveClipping)):
+    if isinstance(value, (BatchSizeSchedule, adaptive.AdaptiveClipping, BandMF, BLT)):
         return value.to_dict()
     if isinstance(value, ClippingStrategy):
         return type(value).__name__

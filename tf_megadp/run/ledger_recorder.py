@@ -34,8 +34,16 @@ import numpy as np
 
 from tf_megadp import _keras_compat, adaptive_clipping
 from tf_megadp.accounting import LedgerEntry, PrivacyLedger
-from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED, SamplingKind, sampling_kind
+from tf_megadp.accounting.events import (
+    FIXED_ORDER,
+    NOISELESS,
+    UNACCOUNTED,
+    SamplingKind,
+    check_noise_sampling,
+    sampling_kind,
+)
 from tf_megadp.accounting.mechanisms import equivalent_noise_multiplier
+from tf_megadp.accounting.run_description import segment_fields
 from tf_megadp.data.sources import FIXED_SIZE_SAMPLING, DataSource
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.optimizer import APPLIED_STEP_COLUMNS, DPOptimizer, read_ledger, write_ledger
@@ -136,6 +144,7 @@ class LedgerRecorder:
                 "seeded_sampling": False,
                 "privacy_unit": "example",
                 "examples_per_unit": 1,
+                "cycle_length": 1,
             }
         report["poisson_guarantee"] = self.kind.proven_guarantee
         return report
@@ -200,6 +209,7 @@ class LedgerRecorder:
                 "is not an example). Pass the real examples, with non-zero sample weights."
             )
         self._check_source(optimizer)
+        self._check_noise(optimizer)
         self.ledger = read_ledger(optimizer)
         self._check_consistent(optimizer)
         adaptive_clipping.check_updates_finite(optimizer, self.model.trainable_variables)
@@ -266,6 +276,20 @@ class LedgerRecorder:
             description = source.description if source else "Data of unknown size"
             warnings.warn(_FIXED_SIZE_WARNING.format(description=description),
                           UserWarning, stacklevel=3)
+
+    def _check_noise(self, optimizer: DPOptimizer) -> None:
+        """Refuses noise that the data's sampling has no proof for; ends a segment on other data.
+
+        Correlated noise continues its open segment only over the data it
+        was drawing (the same sampler's assignment of examples to steps): a
+        new sampler's groups or order would let an example join two steps
+        of one segment closer than the accounting assumes.
+        """
+        strategy = optimizer.noise_strategy
+        check_noise_sampling(strategy.kind, strategy.bands, self.sampling,
+                             self.source.cycle_length if self.source is not None else 1)
+        optimizer.continue_noise_segment(
+            self.source.assignment if self.source is not None else None)
 
     def _check_consistent(self, optimizer: DPOptimizer) -> None:
         recorded, applied = optimizer.logical_steps_recorded, optimizer.logical_steps_applied
@@ -373,9 +397,12 @@ class LedgerRecorder:
             self.ledger.append(LedgerEntry.steps_only(steps, UNACCOUNTED))
             return
         for step in range(first_step, first_step + steps):
-            self.ledger.append(self._entry(optimizer, step, row))
+            # Only the first step of a row can open a noise segment.
+            new_segment = bool(row["new_segment"]) and step == first_step
+            self.ledger.append(self._entry(optimizer, step, row, new_segment))
 
-    def _entry(self, optimizer: DPOptimizer, step: int, row: dict) -> LedgerEntry:
+    def _entry(self, optimizer: DPOptimizer, step: int, row: dict,
+               new_segment: bool = True) -> LedgerEntry:
         sigma, count_sigma = row["noise_multiplier"], row["count_noise_multiplier"]
         planned_sigma = optimizer.noise_multiplier_at(step)
         kind = self.kind
@@ -393,10 +420,51 @@ class LedgerRecorder:
                     "sampler's micro-batches unchanged, with the optimizer built from "
                     "schedule=sampler.schedule."
                 )
+            if kind.segment_event is not None:
+                return self._segment_entry(optimizer, step, sigma, count_sigma, new_segment)
             return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
                                schedule.capacity(phase) if kind.truncates else 0, kind.name,
                                count_sigma)
         return self._fixed_size_entry(row["rows"], sigma, count_sigma)
+
+    def _segment_entry(self, optimizer: DPOptimizer, step: int, sigma: float,
+                       count_sigma: float, new_segment: bool) -> LedgerEntry:
+        """Logical step `step` of a kind accounted by noise segment, with the noise's mechanism.
+
+        A step that opens a segment counts a fixed-order segment's
+        participation over the schedule's steps left; the others continue
+        the segment of the ledger's last entry.
+
+        Raises:
+            PrivacyConfigurationError: the step continues a segment the
+                ledger does not end with.
+        """
+        schedule, kind = self.source.schedule, self.kind
+        strategy = optimizer.noise_strategy
+        phase = schedule.phase_at(step)
+        last = self.ledger.entries[-1] if len(self.ledger) else None
+        if not new_segment and (last is None or last.sampling != kind.name
+                                or last.strategy_hash != strategy.strategy_hash):
+            raise PrivacyConfigurationError(
+                f"Logical step {step} continued a noise segment that the privacy ledger does "
+                "not end with (its state was restored apart from the optimizer's). Restore "
+                "the optimizer and its ledger together (model.save / load_model, or "
+                "tf_megadp.save_training_state / restore_training_state).")
+        steps_per_epoch = (self.num_examples // phase.batch_size if kind.name == FIXED_ORDER
+                           else None)
+        fields = segment_fields(
+            strategy, sampling=kind.name,
+            sampling_rate=sampling_rate_of(phase.batch_size, self.num_examples),
+            noise_multiplier=sigma,
+            max_batch_size=schedule.capacity(phase) if kind.truncates else 0,
+            count_noise_multiplier=count_sigma, num_examples=self.num_examples,
+            first_step=step, segment_start=new_segment, cycle_length=self.source.cycle_length,
+            steps_per_epoch=steps_per_epoch,
+            planned_steps=max(1, schedule.total_steps - step) if new_segment else 1)
+        if not new_segment and kind.name == FIXED_ORDER:
+            # The segment's participation was counted when it opened.
+            fields.update(participations=last.participations, sensitivity=last.sensitivity)
+        return LedgerEntry(1, **fields)
 
     def _fixed_size_entry(self, rows: float, sigma: float,
                           count_sigma: float = 0.0) -> LedgerEntry:
@@ -421,6 +489,16 @@ class LedgerRecorder:
         if kind.follows_schedule:
             schedule = self.source.schedule
             phase = schedule.phase_at(step)
+            if kind.segment_event is not None:
+                new_segment = not optimizer.noise_segment_continues(step)
+                count_sigma = 0.0
+                if not new_segment and len(self.ledger):
+                    # A continued segment keeps the noise its steps recorded
+                    # (the step's float32 sigma; a fixed-order segment refuses
+                    # any other, and the budget's next step would not differ).
+                    last = self.ledger.entries[-1]
+                    sigma, count_sigma = last.noise_multiplier, last.count_noise_multiplier
+                return self._segment_entry(optimizer, step, sigma, count_sigma, new_segment)
             return LedgerEntry(1, sampling_rate_of(phase.batch_size, self.num_examples), sigma,
                                schedule.capacity(phase) if kind.truncates else 0, kind.name)
         rows = self._last_rows

@@ -189,7 +189,8 @@ class PrivacyReporting:
     def _check_batch_size(self, entry: LedgerEntry | None) -> None:
         if self.batch_size is None or entry is None:
             return
-        actual = entry.sampling_rate * self.recorder.num_examples
+        # A cyclic step samples one group of N / L at q = B L / N.
+        actual = entry.sampling_rate * self.recorder.num_examples / max(1, entry.cycle_length)
         if not math.isclose(actual, self.batch_size, rel_tol=1e-9):
             raise PrivacyConfigurationError(
                 f"PrivacyCallback(batch_size={self.batch_size}) but each logical step "

@@ -167,6 +167,7 @@ def make_private_with_epsilon(
     l2_norm_clip: float,
     accountant: str = "pld",
     clipping: str = "auto",
+    noise=None,
     **compile_kwargs,
 ) -> keras.Model:
     """Makes `model` private with the noise that spends `target_epsilon` over `sampler`'s run.
@@ -191,6 +192,11 @@ def make_private_with_epsilon(
         l2_norm_clip: C, the per-example gradient norm bound.
         accountant: ``"pld"`` (default) or ``"rdp"``.
         clipping: the per-example clipping strategy (`DPOptimizer`'s `clipping`).
+        noise: None (independent noise), or a `tf_megadp.BandMF` or
+            `tf_megadp.BLT` (`DPOptimizer`'s `noise`): sigma is then
+            calibrated for the mechanism with the sampler's cycle length (a
+            `PoissonSampler(cycle_length=L)`) or fixed order (a
+            `FixedOrderSampler`); a pairing without proof is refused.
         **compile_kwargs: passed to `model.compile` (loss, metrics, ...).
 
     Returns:
@@ -221,13 +227,13 @@ def make_private_with_epsilon(
         )
     sigma = calibrate_noise_multiplier(
         target_epsilon, delta, schedule=source.schedule, sampling=source.sampling,
-        accountant=accountant)
+        cycle_length=source.cycle_length, noise=noise, accountant=accountant)
     make_private(model)
     model.compile(
         optimizer=DPOptimizer(optimizer, l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
                               schedule=source.schedule, clipping=clipping,
                               # A PrivacyUnitSampler's units are clipped whole.
-                              examples_per_unit=source.examples_per_unit),
+                              examples_per_unit=source.examples_per_unit, noise=noise),
         **compile_kwargs,
     )
     return model

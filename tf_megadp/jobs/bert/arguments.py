@@ -22,7 +22,7 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     missing one leaves it. See `run_config_from_args`.
     """
     from tf_megadp.jobs.bert.config import (DP_LEARNING_RATE, LEARNING_RATE_SCALINGS,
-                                            MODEL_PRESETS, NON_PRIVATE_LEARNING_RATE,
+                                            MODEL_PRESETS, NOISES, NON_PRIVATE_LEARNING_RATE,
                                             PER_EXAMPLE_SCALINGS, PRECISIONS, SEPARATORS,
                                             PretrainConfig)
 
@@ -123,6 +123,14 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                          help=f"calibrate sigma to spend this epsilon (default {defaults.target_epsilon})")
     privacy.add_argument("--noise-multiplier", type=float, default=hidden,
                          help="sigma, instead of --target-epsilon")
+    privacy.add_argument("--noise", choices=list(NOISES), default=hidden,
+                         help="correlated noise: bandmf (banded matrix factorization, cyclic "
+                              "Poisson sampling with cycle = --bands) or blt (fixed-order "
+                              "epochs); sigma is calibrated for it (default: independent "
+                              "noise; docs/privacy.md, 'Correlated noise')")
+    privacy.add_argument("--bands", type=int, metavar="B", default=hidden,
+                         help=f"bands of --noise bandmf, buffers of --noise blt "
+                              f"(default {defaults.bands})")
     privacy.add_argument("--delta", type=float, default=hidden, help="default 1/N^1.1")
     privacy.add_argument("--l2-norm-clip", type=float, default=hidden,
                          help=f"C, the per-example gradient norm bound (default {defaults.l2_norm_clip})")

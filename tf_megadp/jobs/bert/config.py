@@ -56,6 +56,9 @@ LEARNING_RATE_SCALINGS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 PER_EXAMPLE_SCALINGS = ("clip", "automatic")
 # How a plain-text corpus file is cut into documents (tf_megadp.jobs.bert.text).
 SEPARATORS = ("blank-line", "line")
+# Correlated noise the job can train with, each with the sampling its
+# accounting has a proof for (docs/privacy.md, "Correlated noise").
+NOISES = ("bandmf", "blt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +250,14 @@ class PretrainConfig:
             (and their biases); the MLM head trains.
         freeze_embeddings: keep the token, position and segment embedding
             tables (so the tied MLM decoder) as they start.
+        noise: None (independent noise, DP-SGD), "bandmf" (`tf_megadp.BandMF`
+            with `bands` bands, sampled by cyclic Poisson sampling with
+            cycle_length = bands) or "blt" (`tf_megadp.BLT` with `bands`
+            buffers, sampled in one secret fixed order every epoch). Sigma
+            is calibrated for the mechanism; the noise buffers (bands - 1 or
+            bands model copies) stay in memory, and a resumed run opens a
+            new noise segment.
+        bands: b of "bandmf", d of "blt".
     """
 
     corpus: Sequence[str] | None = None
@@ -310,6 +321,8 @@ class PretrainConfig:
     max_sequence_length: int | None = None
     lora_rank: int | None = None
     freeze_embeddings: bool = False
+    noise: str | None = None
+    bands: int = 4
 
     def adaptive_clipping(self):
         """The run's `tf_megadp.AdaptiveClipping`, or None for a fixed C."""
@@ -320,6 +333,29 @@ class PretrainConfig:
         return AdaptiveClipping(self.adaptive_clipping_quantile,
                                 self.adaptive_clipping_learning_rate,
                                 self.adaptive_clipping_count_stddev)
+
+    def noise_mechanism(self):
+        """The run's `tf_megadp.BandMF` or `tf_megadp.BLT`, or None for independent noise."""
+        if self.noise is None:
+            return None
+        from tf_megadp.accounting.correlated_noise import BLT, BandMF
+
+        if self.noise == "bandmf":
+            return BandMF(num_bands=self.bands)
+        return BLT(num_buffers=self.bands)
+
+    def noise_accounting(self) -> dict[str, Any]:
+        """The `RunDescription` fields of the run's noise and the sampling it needs.
+
+        Example:
+            >>> PretrainConfig(noise="bandmf", bands=4).noise_accounting()["cycle_length"]
+            4
+        """
+        if self.noise is None:
+            return {}
+        if self.noise == "bandmf":
+            return {"noise": self.noise_mechanism(), "cycle_length": self.bands}
+        return {"noise": self.noise_mechanism(), "sampling": "fixed_order"}
 
     def learning_rate_choice(self) -> tuple[float, str]:
         """The peak learning rate this run trains with, and where it comes from.
@@ -355,6 +391,7 @@ class PretrainConfig:
         self._check_privacy_unit()
         self._check_checkpointing()
         self._check_privacy()
+        self._check_noise()
         self._check_files()
         self._check_initial_weights()
         self._check_hardware()
@@ -473,6 +510,30 @@ class PretrainConfig:
                 f"accountant must be one of {accountant_names()}, got {self.accountant!r}.")
         if self.delta is not None and not 0 < self.delta < 1:
             raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
+
+    def _check_noise(self) -> None:
+        if self.noise is None:
+            return
+        if self.noise not in NOISES:
+            raise PretrainError(
+                f"noise must be one of {', '.join(NOISES)} (or None: independent noise), "
+                f"got {self.noise!r}.")
+        if isinstance(self.bands, bool) or not isinstance(self.bands, int) or self.bands < 1:
+            raise PretrainError(f"bands must be a positive integer, got {self.bands!r}.")
+        if self.non_private:
+            raise PretrainError(
+                f"--noise {self.noise} is the noise of a private run: the non-private "
+                "baseline adds none. Drop --noise, or --non-private.")
+        if self.privacy_unit is not None:
+            raise PretrainError(
+                f"--noise {self.noise} with --privacy-unit is not supported: the job "
+                "samples units by Poisson sampling only. Drop --noise (independent noise) "
+                "for a user-level run.")
+        if self.noise == "blt" and self.schedule and len(self.schedule) > 1:
+            raise PretrainError(
+                "--noise blt samples in one fixed order, one batch size for the run (each "
+                "example keeps its slot every epoch): pass --batch-size and --steps, or "
+                "--noise bandmf (cyclic Poisson sampling) for a growing batch.")
 
     def _check_files(self) -> None:
         if self.resume and not self.output_dir:

@@ -12,6 +12,13 @@ The FLOPs and memory come from `tf_megadp.jobs.bert.cost_model` (its docstring
 has the arithmetic, checked against a keras-hub BERT and one measured DP
 step of BERT-Large).
 
+Correlated noise (`tf_megadp.BandMF`, `tf_megadp.BLT`; the job's --noise):
+the plan calibrates sigma for the run's mechanism and states what its
+buffers would add per core (not counted in the memory check), b - 1
+float32 copies of the trained parameters for BandMF with b bands (b = 4, 16,
+64), d for a BLT with d buffers (every replica streams its own share of the
+noise through its own buffers: docs/tpu.md).
+
 Example:
 ```python
 plan = make_plan(load_config("tpu_configs/bert_large_v3_128.yaml"))   # a PretrainConfig
@@ -27,6 +34,7 @@ import os
 from typing import Any, NamedTuple
 
 from tf_megadp import accounting
+from tf_megadp.accounting.correlated_noise import NoiseStrategy
 from tf_megadp.jobs.bert import cost_model, initial_weights
 from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta
 from tf_megadp.jobs.bert.config_file import load_run_config
@@ -43,6 +51,8 @@ __all__ = [
     "format_plan",
 ]
 
+# The bands whose noise buffers every plan states (issue 39).
+NOISE_BANDS = (4, 16, 64)
 # Always shown side by side in a plan's memory table (and the selected one).
 COMPARED = ("vectorized", "ghost")
 
@@ -111,7 +121,7 @@ def make_plan(config, *, vocabulary_size: int | None = None, init=None) -> dict[
     if sigma is None and not config.non_private:
         sigma = accounting.calibrate_noise_multiplier(
             config.target_epsilon, delta, schedule=schedule, accountant=config.accountant,
-            prior=prior)
+            prior=prior, **config.noise_accounting())
     peak = hardware.peak_tflops_per_replica * 1e12 * hardware.replicas * hardware.utilization
     shown = COMPARED + ((config.clipping,) if config.clipping not in COMPARED else ())
     flops_per_slot = {c: cost_model.example_flops(model, c) for c in shown}
@@ -158,7 +168,7 @@ def make_plan(config, *, vocabulary_size: int | None = None, init=None) -> dict[
         )
     epsilon = math.inf if config.non_private else accounting.compute_epsilon(
         delta=delta, schedule=schedule, noise_multiplier=sigma, accountant=config.accountant,
-        prior=prior,
+        prior=prior, **config.noise_accounting(),
     )
     if config.target_epsilon is not None and epsilon > config.target_epsilon:
         raise InfeasiblePlanError(
@@ -170,7 +180,7 @@ def make_plan(config, *, vocabulary_size: int | None = None, init=None) -> dict[
     # the plan gives PLD's (tighter) for the same schedule and sigma.
     epsilon_pld = epsilon if config.non_private or config.accountant == "pld" else (
         accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma,
-                                   accountant="pld", prior=prior))
+                                   accountant="pld", prior=prior, **config.noise_accounting()))
     total_seconds = sum(p["steps"] * p["seconds_per_logical_step"] for p in phases)
     return {
         "name": config.name or "run",
@@ -205,6 +215,18 @@ def make_plan(config, *, vocabulary_size: int | None = None, init=None) -> dict[
         "training_seconds": total_seconds,
         "memory_bytes": memory,
         "hbm_bytes": hbm,
+        # Per core, float32 copies of the trained weights, for
+        # BandMF(num_bands=b) with the given coefficients' shape (the
+        # optimization does not change their number).
+        "noise_buffer_bytes": {
+            f"bandmf_{bands}": NoiseStrategy(
+                "bandmf", (1.0,) * bands).buffer_bytes(model.trainable_parameter_count())
+            for bands in NOISE_BANDS},
+        # The run's own noise (--noise): its buffers per core.
+        "noise": None if config.noise is None else {
+            "kind": config.noise, "bands": config.bands,
+            "buffer_bytes": (config.bands - (config.noise == "bandmf"))
+            * 4 * model.trainable_parameter_count()},
     }
 
 
@@ -271,4 +293,13 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{memory['activations'] / GIB:.2f} + clipping {memory['clipping'] / GIB:.2f} = "
             f"{memory['total'] / GIB:.2f} GiB of {plan['hbm_bytes'] / GIB:g}"
         )
+    buffers = ", ".join(
+        f"b = {name.split('_')[1]}: {value / GIB:.2f} GiB"
+        for name, value in plan["noise_buffer_bytes"].items())
+    noise = plan.get("noise")
+    this_run = "independent noise, none" if noise is None else (
+        f"{noise['kind']} with {noise['bands']}: {noise['buffer_bytes'] / GIB:.2f} GiB")
+    lines.append(
+        f"  noise buffers : correlated noise (BandMF, b - 1 model copies) would add per core "
+        f"{buffers} (this run: {this_run})")
     return "\n".join(lines)

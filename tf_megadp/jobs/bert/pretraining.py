@@ -109,7 +109,7 @@ def _plan_privacy(config: PretrainConfig, schedule, plan: dict[str, Any] | None 
         try:
             sigma = accounting.calibrate_noise_multiplier(
                 config.target_epsilon, delta, schedule=schedule, accountant=config.accountant,
-                prior=prior)
+                prior=prior, **config.noise_accounting())
         except (ValueError, RuntimeError) as error:
             raise PretrainError(
                 f"target epsilon {config.target_epsilon} is unreachable for this schedule "
@@ -117,7 +117,8 @@ def _plan_privacy(config: PretrainConfig, schedule, plan: dict[str, Any] | None 
                 "smaller batch or a larger epsilon."
             ) from None
     epsilon = accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma,
-                                         accountant=config.accountant, prior=prior)
+                                         accountant=config.accountant, prior=prior,
+                                         **config.noise_accounting())
     if config.target_epsilon is not None and epsilon > config.target_epsilon * 1.0001:
         raise PretrainError(
             f"noise multiplier {sigma:g} spends epsilon {epsilon:.3f} over the "

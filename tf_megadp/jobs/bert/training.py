@@ -159,7 +159,7 @@ def heldout_batches(heldout, batcher, micro_batch_size: int, seed: int):
     return masked_rows(rows[:size], batcher, seed)
 
 
-def _unigram_accuracy(train, heldout_y, heldout_w, vocabulary_size: int) -> float:
+def unigram_accuracy(train, heldout_y, heldout_w, vocabulary_size: int) -> float:
     """Accuracy of always predicting the most frequent training token (id > 4)."""
     counts = np.zeros(vocabulary_size, np.int64)
     for start in range(0, len(train), 65536):
@@ -435,7 +435,7 @@ def _prepare_evaluation(job: _Job):
     keras.utils.set_random_seed(config.seed)
     batcher = text.MaskedLMBatcher.from_shards(job.train, max_predictions=config.max_predictions)
     x, y, w = heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
-    unigram = _unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
+    unigram = unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
     return batcher, _HeldOut(x, y, w, unigram)
 
 
@@ -525,7 +525,7 @@ def _new_optimizer(job: _Job):
         per_example_scaling=config.per_example_scaling,
         automatic_scaling_stability=config.automatic_scaling_stability,
         examples_per_unit=config.examples_per_unit if config.privacy_unit else 1,
-        adaptive_clipping=config.adaptive_clipping(),
+        adaptive_clipping=config.adaptive_clipping(), noise=config.noise_mechanism(),
         # Fixed, never Keras's dynamic scale (docs/concepts.md, "Float16 compute").
         loss_scale=config.loss_scale if config.precision == "mixed_float16" else None,
         seed=None if job.testing is None else job.testing.noise_seed)
@@ -582,13 +582,22 @@ def _sampler_of_this_start(job: _Job, logical_done: int):
              {"unit_ids": load_unit_ids(job.train), "privacy_unit": config.privacy_unit,
               "examples_per_unit": config.examples_per_unit})
     sampler_class = data.PrivacyUnitSampler if units else data.PoissonSampler
+    # Correlated noise is accounted over the sampling its proof needs:
+    # BandMF over cyclic Poisson groups (cycle = bands), BLT over one secret
+    # order kept every epoch. A resumed run draws a new order or new groups,
+    # and its optimizer a new noise segment: each is accounted on its own.
+    options = dict(units)
+    if config.noise == "blt":
+        sampler_class = data.FixedOrderSampler
+    elif config.noise == "bandmf":
+        options["cycle_length"] = config.bands
     if job.testing is None:
         return sampler_class(
             job.train, job.schedule,
             shared_secret=distribute.shared_sampling_secret(job.strategy),
-            start_step=start_step, end_step=end_step, **units)
+            start_step=start_step, end_step=end_step, **options)
     return sampler_class(job.train, job.schedule, seed=job.testing.sampling_seed,
-                         start_step=start_step, end_step=end_step, **units)
+                         start_step=start_step, end_step=end_step, **options)
 
 
 def _epochs_of(sampler, eval_every: int) -> tuple[int, int]:
@@ -784,7 +793,10 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
         "adaptive_clipping": (tf_megadp.adaptive_clipping.report_section(model.optimizer)
                               if private else None),
         "accountant": config.accountant if private else None,
-        "sampling": "poisson",
+        "sampling": sampler.sampling_kind,
+        # The correlated noise (--noise), the strategy it streamed, its bands.
+        "noise": (model.optimizer.noise_strategy.describe()
+                  if private and config.noise is not None else None),
         "schedule": schedule.to_dict(),
         "logical_steps": final_steps,
         "completed": final_steps >= schedule.total_steps,
@@ -793,7 +805,7 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
         "train_time_s": train_seconds,
         "examples_per_s": (sampler.total_micro_steps * sampler.micro_batch_rows)
         / max(train_seconds, 1e-9),
-        "truncated_steps": sampler.truncated_steps,
+        "truncated_steps": getattr(sampler, "truncated_steps", 0),  # fixed order: never
         "resumed_from_step": start.resumed_from,
         "resumes": start.resumes,
         "model": {"preset": config.model, "layers": layers, "hidden": hidden, "heads": heads,

@@ -1,0 +1,230 @@
+"""Specification of tf_megadp.optimizer.noise_buffers: correlated noise, streamed in memory.
+
+The noise of logical step t is sigma C_clip (C^{-1} z)_t for the mechanism's
+unit-norm strategy C (issue 39). On a model whose every gradient is zero,
+with SGD(learning_rate=1), the update of step t is -(sigma C_clip / B) (C^{-1} z)_t:
+the updates of T steps are P = 100,250 draws of a T-dimensional Gaussian
+whose covariance must be (sigma C_clip / B)^2 C^{-1} C^{-T}, and, for a
+seeded run, exactly `matrix_factorization`'s reference stream of the draws z.
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+from scipy import linalg
+
+import tf_megadp
+from tf_megadp import BLT, BandMF, BatchSizeSchedule, Phase, PrivacyConfigurationError
+from tf_megadp.accounting import matrix_factorization as mf
+from tests import preempted_run, reference
+
+# SIGMA is no float32 number: the ledger records the step's float32 sigma.
+CLIP, SIGMA, BATCH, N, STEPS, SEED = 0.5, 2.1, 4, 64, 10, 11
+
+
+def _wide_model():
+    """100,250 parameters: the draws of the covariance test."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((400,)), keras.layers.Dense(250)])
+
+
+def _examples(n=N, width=400):
+    x = np.arange(n * width, dtype="float32").reshape(n, width) / (n * width)
+    return x, np.zeros((n, 250 if width == 400 else width), "float32")
+
+
+def _sampler(noise, steps=STEPS, width=400, **settings):
+    """A sampler the mechanism has a proof for: cyclic Poisson (L = b) for BandMF, else fixed order."""
+    x, y = _examples(width=width)
+    # One micro-batch of 16 per step: a group of 16 never overflows it.
+    schedule = BatchSizeSchedule([Phase(steps, BATCH, 1)], num_examples=N, micro_batch_size=16)
+    if isinstance(noise, BandMF):
+        return tf_megadp.PoissonSampler.from_arrays(
+            x, y, schedule=schedule, cycle_length=noise.num_bands, seed=3, **settings)
+    return tf_megadp.FixedOrderSampler.from_arrays(x, y, schedule=schedule, seed=3, **settings)
+
+
+class _Updates(keras.callbacks.Callback):
+    """The weights after every logical step."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = {}
+
+    def on_train_batch_end(self, batch, logs=None):
+        step = int(self.model.optimizer.iterations.numpy())
+        self.weights.setdefault(step, reference.flat(reference.weights(self.model)))
+
+
+def _zero_gradient_run(noise):
+    """(u (P x T), the model, its report) of a seeded run: u_t = -(B / (sigma C)) update_t."""
+    model = tf_megadp.make_private(_wide_model())
+    sampler = _sampler(noise)
+    optimizer = tf_megadp.DPOptimizer(
+        keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=SIGMA,
+        schedule=sampler.schedule, noise=noise, seed=SEED)
+    model.compile(optimizer=optimizer, loss=reference.zero_loss)
+    updates = _Updates()
+    updates.weights[0] = reference.flat(reference.weights(model))
+    # batch_size=BATCH: each step's expected batch is B, also for a cyclic
+    # step (one group of N / L at q = B L / N). A budget it never reaches:
+    # the next step's entry continues the segment with the noise recorded.
+    privacy = tf_megadp.PrivacyCallback(delta=1e-3, batch_size=BATCH, target_epsilon=1e9)
+    model.fit(sampler.as_dataset(), verbose=0, callbacks=[updates, privacy])
+    weights = np.stack([updates.weights[t] for t in range(STEPS + 1)])
+    return -(BATCH / (SIGMA * CLIP)) * np.diff(weights, axis=0).T, model, privacy.report()
+
+
+@pytest.fixture(scope="module", params=[BandMF(num_bands=4), BLT(num_buffers=2)],
+                ids=["bandmf", "blt"])
+def run(request):
+    with pytest.warns(UserWarning, match="seed"):
+        streamed, model, report = _zero_gradient_run(request.param)
+    return request.param, streamed, model, report
+
+
+def _strategy_matrix(column):
+    return linalg.toeplitz(column, np.zeros_like(column))
+
+
+def test_the_noise_covariance_is_sigma_c_over_b_squared_times_c_inverse_c_inverse_transposed(run):
+    _, streamed, model, _ = run
+    column = model.optimizer.noise_strategy.column(STEPS)
+    inverse = np.linalg.inv(_strategy_matrix(column))
+    assert streamed.shape == (100_250, STEPS)
+    # In units of (sigma C / B): the updates' covariance is C^{-1} C^{-T}.
+    reference.assert_covariance_is(streamed, inverse @ inverse.T)
+
+
+def test_the_covariance_test_fails_for_a_wrong_coefficient(run):
+    _, streamed, model, _ = run
+    column = model.optimizer.noise_strategy.column(STEPS).copy()
+    column[1] *= 1.1  # One planted coefficient, 10 % off.
+    inverse = np.linalg.inv(_strategy_matrix(column))
+    with pytest.raises(AssertionError, match="standard errors from I"):
+        reference.assert_covariance_is(streamed, inverse @ inverse.T)
+
+
+def test_the_noise_is_the_reference_stream_of_the_draws(run):
+    noise, streamed, model, _ = run
+    strategy = model.optimizer.noise_strategy
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    draws = np.stack([reference.flat(reference.noise_draws(SEED, t, shapes))
+                      for t in range(STEPS)])
+    if isinstance(noise, BandMF):
+        expected = mf.banded_inverse_stream(strategy.coefficients, draws)
+    else:
+        expected = mf.blt_inverse_stream(strategy.buffer_decays, strategy.output_scales,
+                                         draws) / strategy.unit_scale
+    np.testing.assert_allclose(streamed, expected.T, rtol=1e-3, atol=1e-3)
+
+
+def test_the_ledger_records_one_segment_with_the_mechanism(run):
+    noise, _, model, _ = run
+    [entry] = tf_megadp.model_ledger(model).entries
+    strategy = model.optimizer.noise_strategy
+    assert (entry.steps, entry.noise, entry.strategy_hash, entry.bands, entry.segment_start) == (
+        STEPS, noise.kind, strategy.strategy_hash, strategy.bands, True)
+    if isinstance(noise, BandMF):
+        assert (entry.sampling, entry.cycle_length, entry.sampling_rate) == (
+            "cyclic_poisson", 4, BATCH * 4 / N)
+    else:
+        s = N // BATCH
+        assert (entry.sampling, entry.steps_per_epoch, entry.participations) == (
+            "fixed_order", s, 1)
+        assert entry.sensitivity == strategy.sensitivity(STEPS, steps_per_epoch=s).value
+
+
+def test_the_report_names_the_segment_and_the_strategy_never_the_buffers(run):
+    noise, _, model, report = run
+    strategy = model.optimizer.noise_strategy
+    kind = "cyclic_poisson" if isinstance(noise, BandMF) else "fixed_order"
+    assert report["sampling"]["accounted_as"] == f"noise segments (1): {kind}"
+    assert report["settings"]["noise_strategy"] == strategy.describe()
+    assert report["settings"]["noise_strategy"]["strategy_hash"] == strategy.strategy_hash
+
+
+def test_the_buffers_hold_the_last_outputs_and_nothing_is_saved_of_them(run):
+    noise, streamed, model, _ = run
+    buffers = model.optimizer._in_memory.noise_buffers
+    assert len(buffers) == 2 and all(len(slots) == noise.noise_buffers for slots in buffers)
+    names = {v.name for v in model.optimizer.variables}
+    assert not any("noise_buffer" in name for name in names)
+    if isinstance(noise, BandMF):
+        # b - 1 = 3 slots; step t wrote slot t mod 3: the last three outputs.
+        kernel = [buffers[0][(STEPS - j) % 3].numpy().ravel() for j in (1, 2, 3)]
+        for j, values in enumerate(kernel, start=1):
+            np.testing.assert_allclose(values, streamed[:100_000, STEPS - j], rtol=1e-3,
+                                       atol=1e-3)
+
+
+def test_a_resumed_run_opens_a_new_segment_and_reuses_no_noise(tmp_path):
+    """Roll back and compare: a step trained again after an in-process crash.
+
+    fit with BackupAndRestore (a backup every logical step) raises after
+    step 5, before its backup, and is called again: it resumes from the backup of step 4 and
+    trains steps 4 and 5 again. Without a new segment, step 4's noise would
+    subtract the abandoned branch's buffers (x_3, x_2, x_1 of the first run:
+    step 4 continued it), and the replayed steps would be correlated with
+    noise that branch released. With it, step 4 is the first step of a new
+    segment: x'_4 = z'_4 / c_0 with z' drawn in generation 1, and x'_5 =
+    (z'_5 - c_1 x'_4) / c_0; the ledger composes both segments.
+    """
+    noise = BandMF(num_bands=4)
+    width = reference.ROLLBACK_INPUTS
+    sampler = _sampler(noise, steps=6, width=width)
+    model = tf_megadp.make_private(reference.rollback_model())
+    with pytest.warns(UserWarning, match="seed"):
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=SIGMA,
+            schedule=sampler.schedule, noise=noise, seed=SEED), loss=reference.zero_loss)
+    updates = _Updates()
+
+    class CrashAfterStep5(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 5:
+                raise preempted_run.Crash("preempted after logical step 5")
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(preempted_run.Crash):
+        model.fit(sampler.as_dataset(), verbose=0, callbacks=[
+            updates, CrashAfterStep5(), keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    first = dict(updates.weights)
+    assert sorted(first) == [1, 2, 3, 4, 5]
+    replayed = _Updates()
+    model.fit(sampler.as_dataset(), verbose=0, callbacks=[
+        replayed, keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    assert sorted(replayed.weights) == [5, 6]
+    c = model.optimizer.noise_strategy.coefficients
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    z4, z5 = (reference.flat(reference.noise_draws(SEED, t, shapes, generation=1)) for t in (4, 5))
+    x4 = -(BATCH / (SIGMA * CLIP)) * (replayed.weights[5] - first[4])
+    x5 = -(BATCH / (SIGMA * CLIP)) * (replayed.weights[6] - replayed.weights[5])
+    np.testing.assert_allclose(x4, z4 / c[0], rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(x5, (z5 - c[1] * x4) / c[0], rtol=1e-3, atol=1e-3)
+    ledger = tf_megadp.model_ledger(model)
+    assert [(e.steps, e.segment_start, e.cycle_position) for e in ledger] == [
+        (4, True, 0), (2, True, 0)]
+
+
+
+@pytest.mark.slow
+def test_the_example_trains_dp_sgd_bandmf_and_blt_at_one_epsilon(capsys):
+    """examples/correlated_noise.py at test size: one epoch of B = 64 each (RDP).
+
+    Slow (three models traced and fitted, 35 s at load 7 on two cores):
+    `pytest -m slow -k example tests/test_noise_buffers.py`.
+    """
+    import runpy
+
+    example = runpy.run_path("examples/correlated_noise.py")
+    results = example["main"](["--epochs", "1", "--accountant", "rdp"])
+    assert [(r["sampling"], r["noise_buffers"]) for r in results] == [
+        ("poisson", 0), ("cyclic_poisson", 3), ("fixed_order", 2)]
+    for result in results:
+        assert 0.99 * 4.0 <= result["epsilon"] <= 4.0
+    # Cycles of 4 cost amplification: BandMF needs a larger sigma than DP-SGD.
+    assert results[1]["noise_multiplier"] > results[0]["noise_multiplier"]
+    assert "BandMF b=4" in capsys.readouterr().out

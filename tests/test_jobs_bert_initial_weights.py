@@ -355,3 +355,49 @@ def test_a_public_preset_with_frozen_embeddings_adds_nothing_and_keeps_its_table
     assert not np.array_equal(
         keras.ops.convert_to_numpy(continued.masked_lm_head.weights[-1]),
         keras.ops.convert_to_numpy(public.masked_lm_head.weights[-1]))
+
+
+# -- examples/finetune_classifier.py: a public BERT DP fine-tuned as a classifier --
+
+
+def finetune_example():
+    import runpy
+
+    return runpy.run_path("examples/finetune_classifier.py")
+
+
+TINY_FINETUNE = ["--examples", "64", "--batch-size", "32", "--micro-batch-size", "32",
+                 "--epochs", "1", "--sequence-length", "16", "--lora-rank", "2"]
+
+
+def test_the_finetune_example_refuses_weights_that_are_not_public(pico_file, tmp_path, capsys):
+    # A DP release's ledger is not in the example's epsilon (sigma is
+    # calibrated to the fine-tuning alone), and a non-private model of user
+    # text is covered by none: both are refused before anything trains.
+    for name, settings in (("release", {}), ("user-text", {"private": False})):
+        path = publish(pico_file, tmp_path / name, **settings)
+        with pytest.raises(SystemExit, match="--public-model") as refusal:
+            finetune_example()["main"](["--public-model", path, *TINY_FINETUNE])
+        assert ("not public weights" if name == "release" else "without DP") in str(
+            refusal.value)
+    assert "test accuracy" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_finetune_example_trains_full_and_lora_within_epsilon(pico_file, tmp_path, capsys):
+    import warnings
+
+    path = publish(pico_file, tmp_path / "public", private=False, corpus=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = finetune_example()["main"](["--public-model", path, "--target-epsilon", "2",
+                                             *TINY_FINETUNE])
+    full, lora = result["full"], result["lora"]
+    for run in (full, lora):
+        assert 0 < run["epsilon"] <= 2.0
+        # The public start adds nothing, and the report names it.
+        assert run["report"]["initial_weights"]["origin"] == "public"
+        assert path in run["report"]["initial_weights"]["source"]
+    # LoRA trains its factors, the pooler and the head only.
+    assert lora["trained_weights"] < full["trained_weights"] / 4
+    assert capsys.readouterr().out.count("test accuracy") == 2

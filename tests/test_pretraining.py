@@ -692,6 +692,23 @@ class TestThePublishedVocabulary:
         assert vocabulary[:5] == ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
         assert sorted(vocabulary) == sorted(tokens) and RARE_WORD not in vocabulary
 
+    def test_a_relative_cache_dir_finds_its_splits_vocabulary(self, workspace, tmp_path,
+                                                              monkeypatch):
+        # The splits name the corpus's vocab.txt relative to themselves: a
+        # path relative to the working directory was looked up under the
+        # split's folder, and the release's vocab.txt could not be copied.
+        root, corpus, _ = workspace
+        tokens = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]"]
+        tokens += list("abcdefghijklmnopqrstuvwxyz0123456789.")
+        tokens += ["##" + c for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+        (tmp_path / "vocab.txt").write_text("\n".join(tokens) + "\n", encoding="utf-8")
+        monkeypatch.chdir(tmp_path)
+        config = tiny_config(corpus, "cache", "unused", vocabulary="vocab.txt")
+        _, train, heldout = prepare_data(config)
+        from tf_megadp.jobs.bert.text import load_vocabulary
+
+        assert load_vocabulary(train) == load_vocabulary(heldout) == tokens
+
 
 class TestReleasedStatistics:
     def test_report_names_what_epsilon_does_not_cover(self, resumed_run):

@@ -220,7 +220,9 @@ def prepare_data(config: PretrainConfig, log=None):
         data.write_token_shards(
             directory, rows, sequence_length=corpus.sequence_length,
             vocabulary_size=corpus.vocabulary_size, checksum=split_checksum,
-            metadata={"vocabulary_file": os.path.join(folder, "all", "vocab.txt"),
+            # Relative to the split's folder, as the corpus's own is: a
+            # relative --cache-dir (or a moved cache) still finds it.
+            metadata={"vocabulary_file": os.path.join(os.pardir, "all", "vocab.txt"),
                       **unit_metadata},
         )
         splits[name] = data.TokenShards(directory)

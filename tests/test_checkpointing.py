@@ -15,6 +15,7 @@ from dp_accounting import rdp
 
 import tf_megadp
 from tf_megadp import PrivacyConfigurationError
+from tf_megadp.accounting import LEDGER_COLUMNS
 from tf_megadp.run import training_state
 from tf_megadp.run.training_state import restore_training_state, save_training_state
 from tests import reference
@@ -145,8 +146,9 @@ def test_a_file_whose_ledger_has_another_shape_is_refused(tmp_path, suffix):
         weights = path
     with h5py.File(weights, "r+") as handle:
         group = handle["optimizer"]["vars"]
-        at = next(key for key in group if group[key].shape[1:] == (6,))
-        narrow = group[at][()][:, :5]
+        width = len(LEDGER_COLUMNS)
+        at = next(key for key in group if group[key].shape[1:] == (width,))
+        narrow = group[at][()][:, :width - 1]
         del group[at]
         group.create_dataset(at, data=narrow)
     if suffix == ".keras":
@@ -155,11 +157,11 @@ def test_a_file_whose_ledger_has_another_shape_is_refused(tmp_path, suffix):
             for name, data in members.items():
                 archive.writestr(name, data)
         # Keras collects loading errors into one ValueError that quotes ours.
-        with pytest.raises(ValueError, match="has shape .*5.* cannot be loaded whole"):
+        with pytest.raises(ValueError, match=f"has shape .*{width - 1}.* cannot be loaded whole"):
             keras.models.load_model(path)
     else:
         fresh = private_model()
-        with pytest.raises(ValueError, match="has shape .*5.* cannot be loaded whole"):
+        with pytest.raises(ValueError, match=f"has shape .*{width - 1}.* cannot be loaded whole"):
             fresh.load_weights(path)
 
 

@@ -271,17 +271,7 @@ class ShuffleSampler(Sampler):
 
     @classmethod
     def _schedule_for(cls, num_examples: int, settings: SamplerSettings) -> BatchSizeSchedule:
-        if settings.truncation_probability is not None:
-            raise ValueError("ShuffleSampler never truncates: drop truncation_probability.")
-        steps = steps_for_epochs(settings.epochs, num_examples=num_examples,
-                                 batch_size=settings.batch_size, sampling="shuffle")
-        slots = settings.micro_batch_size * settings.replicas
-        return BatchSizeSchedule(
-            [Phase(steps, settings.batch_size, math.ceil(settings.batch_size / slots))],
-            num_examples=num_examples,
-            micro_batch_size=settings.micro_batch_size,
-            num_replicas=settings.replicas,
-        )
+        return _fixed_batch_schedule(cls, num_examples, settings)
 
     def _position(self, step: int) -> tuple[int, int]:
         """(epoch, offset in that epoch's permutation) of the first row of `step`."""
@@ -390,17 +380,7 @@ class FixedOrderSampler(Sampler):
 
     @classmethod
     def _schedule_for(cls, num_examples: int, settings: SamplerSettings) -> BatchSizeSchedule:
-        if settings.truncation_probability is not None:
-            raise ValueError("FixedOrderSampler never truncates: drop truncation_probability.")
-        steps = steps_for_epochs(settings.epochs, num_examples=num_examples,
-                                 batch_size=settings.batch_size, sampling=FIXED_ORDER)
-        slots = settings.micro_batch_size * settings.replicas
-        return BatchSizeSchedule(
-            [Phase(steps, settings.batch_size, math.ceil(settings.batch_size / slots))],
-            num_examples=num_examples,
-            micro_batch_size=settings.micro_batch_size,
-            num_replicas=settings.replicas,
-        )
+        return _fixed_batch_schedule(cls, num_examples, settings)
 
     def draw(self, step: int) -> StepDraw:
         """The examples of step `step`: slot `step mod s` of the secret order."""
@@ -414,3 +394,19 @@ class FixedOrderSampler(Sampler):
         chosen = self._order[slot * phase.batch_size:(slot + 1) * phase.batch_size]
         return StepDraw(step, np.sort(chosen.astype(np.int64)), phase.batch_size,
                         self.schedule.capacity(phase))
+
+
+def _fixed_batch_schedule(sampler: type, num_examples: int,
+                          settings: SamplerSettings) -> BatchSizeSchedule:
+    """One phase of `settings.epochs` passes in batches of exactly B (shuffled or fixed order)."""
+    if settings.truncation_probability is not None:
+        raise ValueError(f"{sampler.__name__} never truncates: drop truncation_probability.")
+    steps = steps_for_epochs(settings.epochs, num_examples=num_examples,
+                             batch_size=settings.batch_size, sampling=sampler.sampling_kind)
+    slots = settings.micro_batch_size * settings.replicas
+    return BatchSizeSchedule(
+        [Phase(steps, settings.batch_size, math.ceil(settings.batch_size / slots))],
+        num_examples=num_examples,
+        micro_batch_size=settings.micro_batch_size,
+        num_replicas=settings.replicas,
+    )

@@ -46,29 +46,64 @@ def release_ledger():
 
 @pytest.fixture(scope="module")
 def pico_file(tmp_path_factory):
-    """An untrained pico BertMaskedLM of the job, saved as a release is (model.keras)."""
+    """An untrained pico BertMaskedLM of the job saved as model.keras, and its DP "release".
+
+    The release is the same file with the record a DP run's file carries
+    (the ledger of `release_ledger()` over every value), and the
+    privacy.json that run writes beside it (its `weights_fingerprint` and
+    `ledger_binding`), so that these tests train nothing.
+    """
+    import io
+    import zipfile
+
+    import h5py
     import keras
+
+    from tf_megadp.run import provenance, weights_origin
 
     folder = tmp_path_factory.mktemp("pico")
     keras.utils.set_random_seed(0)
     model = training.build_model(PretrainConfig(**PICO), len(VOCABULARY))
     model.save(folder / "model.keras")
+    # A DP run records its trained values, never constants (zero biases).
+    record = provenance.Provenance(release_ledger(), frozenset(
+        provenance.value_digest(value) for value in model.get_weights()
+        if np.issubdtype(value.dtype, np.floating) and np.ptp(value) > 0))
+    with zipfile.ZipFile(folder / "model.keras") as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    weights = io.BytesIO(members["model.weights.h5"])
+    with h5py.File(weights, "a") as handle:
+        provenance.write_provenance(handle, [record])
+    members["model.weights.h5"] = weights.getvalue()
+    with zipfile.ZipFile(folder / "release.keras", "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    report = accounting.PrivacyAccountant(
+        1920, 1e-4, accountant="rdp", ledger=release_ledger()).report({})
+    report["weights_fingerprint"] = weights_origin.weights_fingerprint(model)
+    report["ledger_binding"] = weights_origin.ledger_binding(report["weights_fingerprint"],
+                                                             release_ledger())
+    (folder / "privacy.json").write_text(json.dumps(report))
     return folder / "model.keras"
 
 
 def publish(pico_file, folder, *, private=True, corpus=("private.txt",), privacy=True,
-            vocabulary_public=True):
-    """A run folder as `tf-megadp pretrain` leaves it; returns its model.keras."""
+            vocabulary_public=True, record=True):
+    """A run folder as `tf-megadp pretrain` leaves it; returns its model.keras.
+
+    A private run's model.keras carries its ledger (`record`) and its
+    privacy.json lies beside it (`privacy`).
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(pico_file, folder / "model.keras")
+    released = private and record
+    shutil.copy(pico_file.with_name("release.keras") if released else pico_file,
+                folder / "model.keras")
     (folder / "vocab.txt").write_text("".join(t + "\n" for t in VOCABULARY))
     (folder / "report.json").write_text(json.dumps({
         "private": private, "config": {"corpus": list(corpus) if corpus else None},
         "vocabulary": {"public": vocabulary_public}}))
     if private and privacy:
-        report = accounting.PrivacyAccountant(
-            1920, 1e-4, accountant="rdp", ledger=release_ledger()).report({})
-        (folder / "privacy.json").write_text(json.dumps(report))
+        shutil.copy(pico_file.with_name("privacy.json"), folder / "privacy.json")
     return str(folder / "model.keras")
 
 
@@ -132,8 +167,27 @@ class TestTheVocabularyIsThePublicOneOfTheInit:
 
 
 class TestWhereTheWeightsComeFrom:
-    def test_a_release_without_its_privacy_json_is_refused(self, pico_file, tmp_path, capsys):
+    def test_a_release_carries_its_ledger_in_its_weights_file(self, pico_file, tmp_path):
+        # Without its privacy.json, too: the weights file holds the ledger.
         path = publish(pico_file, tmp_path / "run", privacy=False)
+        config = initial_weights.configured(PretrainConfig(init_from=path))
+        init = initial_weights.read_initial_weights(path)
+        assert init.origin(config) == "release"
+        assert init.composed_ledger(config) == release_ledger()
+        assert init.report(config)["epsilon"].startswith(f"its ledger ({RELEASE_STEPS} logical")
+
+    def test_a_privacy_json_that_disagrees_with_the_weights_ledger_is_refused(
+            self, pico_file, tmp_path, capsys):
+        path = publish(pico_file, tmp_path / "run")
+        report = json.loads((tmp_path / "run" / "privacy.json").read_text())
+        report["ledger"][0]["steps"] = 3  # an edit that would claim a smaller epsilon
+        (tmp_path / "run" / "privacy.json").write_text(json.dumps(report))
+        status, error = refused(capsys, "--init-from", path)
+        assert status == 2 and "edited or belongs to another run" in error
+
+    def test_a_private_runs_output_without_any_ledger_is_refused(self, pico_file, tmp_path,
+                                                                  capsys):
+        path = publish(pico_file, tmp_path / "run", privacy=False, record=False)
         status, error = refused(capsys, "--init-from", path)
         assert status == 2
         assert "privacy.json" in error and "--init-data-disjoint" in error
@@ -142,8 +196,12 @@ class TestWhereTheWeightsComeFrom:
                                                            init_data_disjoint=True))
         init = initial_weights.read_initial_weights(path)
         assert init.origin(config) == "disjoint" and init.composed_ledger(config) is None
-        record = init.report(config)
-        assert record["data_disjoint_stated"] and "--init-data-disjoint" in record["epsilon"]
+        declared = init.report(config)
+        assert declared["data_disjoint_stated"] and declared["declared_by_user"]
+        assert "--init-data-disjoint" in declared["epsilon"]
+        # --init-public would call a DP run's output public: refused.
+        status, error = refused(capsys, "--init-from", path, "--init-public")
+        assert status == 2 and "not on public data only" in error
 
     def test_a_non_private_model_of_user_text_needs_the_statement(self, pico_file, tmp_path,
                                                                    capsys):
@@ -167,7 +225,11 @@ class TestWhereTheWeightsComeFrom:
 
         assert init.report(config)["sha256"] == sha256_of_file(path)
 
-    def test_a_keras_hub_preset_is_public_and_its_hash_covers_every_file(self, tmp_path):
+    def test_a_preset_no_file_describes_needs_a_statement_and_is_reported_as_one(
+            self, tmp_path, capsys):
+        # Before: a preset without a privacy.json was called public, so a
+        # non-private model of the private corpus, or a DP release whose
+        # privacy.json was left behind, added "nothing to epsilon".
         import keras
         import keras_hub
 
@@ -179,11 +241,32 @@ class TestWhereTheWeightsComeFrom:
         model.save_to_preset(str(tmp_path / "preset"))
         init = initial_weights.read_initial_weights(tmp_path / "preset")
         assert init.kind == "preset" and init.vocabulary.endswith("vocabulary.txt")
-        config = initial_weights.configured(PretrainConfig(init_from=str(tmp_path / "preset")))
+        status, error = refused(capsys, "--init-from", str(tmp_path / "preset"))
+        assert status == 2 and "--init-public" in error and "--init-data-disjoint" in error
+        config = initial_weights.configured(PretrainConfig(init_from=str(tmp_path / "preset"),
+                                                           init_public=True))
         assert init.origin(config) == "public"
+        declared = init.report(config)
+        assert declared["declared_by_user"] and "the user declares (--init-public)" in declared[
+            "epsilon"]
         (tmp_path / "preset" / "metadata.json").write_text("{}")
         assert initial_weights.read_initial_weights(tmp_path / "preset").sha256 != init.sha256
 
+    def test_a_preset_saved_from_a_dp_release_is_a_release(self, pico_file, tmp_path):
+        # save_to_preset of the loaded release writes its ledger into the
+        # preset's weights: no privacy.json is needed to compose it.
+        import keras
+        import keras_hub
+
+        release = keras.models.load_model(pico_file.with_name("release.keras"))
+        release.preprocessor = keras_hub.models.BertMaskedLMPreprocessor(
+            keras_hub.models.BertTokenizer(vocabulary=VOCABULARY, lowercase=True),
+            sequence_length=16)
+        release.save_to_preset(str(tmp_path / "preset"))
+        init = initial_weights.read_initial_weights(tmp_path / "preset")
+        config = initial_weights.configured(PretrainConfig(init_from=str(tmp_path / "preset")))
+        assert init.origin(config) == "release"
+        assert init.composed_ledger(config) == release_ledger()
 
 class TestTheReleasesLedgerIsComposed:
     """`tf-megadp plan` of a continuation: the epsilon the run will report, before it runs."""
@@ -261,7 +344,8 @@ def test_a_public_bert_vocabulary_order_is_followed_by_its_token_table(tmp_path)
         sequence_length=16)
     public.save_to_preset(str(tmp_path / "bert"))
     init = initial_weights.read_initial_weights(tmp_path / "bert")
-    config = initial_weights.configured(PretrainConfig(init_from=str(tmp_path / "bert")))
+    config = initial_weights.configured(PretrainConfig(init_from=str(tmp_path / "bert"),
+                                                       init_public=True))
     order = initial_weights.token_order(init.vocabulary)
     assert order is not None and [bert_order[row] for row in order] == VOCABULARY
     continued = training.build_model(config, len(VOCABULARY))
@@ -335,11 +419,11 @@ def test_a_public_preset_with_frozen_embeddings_adds_nothing_and_keeps_its_table
         sequence_length=16)
     public.save_to_preset(str(root / "preset"))
     report = run_pretraining(tiny_config(
-        corpus, cache, root / "from-preset", init_from=str(root / "preset"),
+        corpus, cache, root / "from-preset", init_from=str(root / "preset"), init_public=True,
         freeze_embeddings=True, steps=2, eval_every=2, vocabulary_size=len(vocabulary)),
         log=lambda *_: None)
-    assert report["init"]["origin"] == "public"
-    assert report["init"]["epsilon"].startswith("adds nothing to epsilon")
+    assert report["init"]["origin"] == "public" and report["init"]["declared_by_user"]
+    assert report["init"]["epsilon"].startswith("adds nothing to epsilon: the user declares")
     schedule = BatchSizeSchedule.from_dict(report["schedule"])
     assert report["epsilon"] == pytest.approx(accounting.compute_epsilon(
         delta=report["delta"], schedule=schedule, noise_multiplier=1.0, accountant="rdp"),

@@ -779,9 +779,10 @@ class TestContinuingARelease:
 
         _, report, _, output = continued_release
         init = report["init"]
-        assert init["path"] == str(output / "model.keras")
+        assert init["path"] == "model.keras"  # report.json names no machine path
         assert init["sha256"] == sha256_of_file(output / "model.keras")
-        assert (init["origin"], init["trained"]) == ("release", "a private run of this job")
+        assert (init["origin"], init["trained"]) == (
+            "release", "a DP run (its weights file carries its ledger)")
         assert "is composed into this run's epsilon" in init["epsilon"]
         assert report["vocabulary"]["source"].startswith("public: the vocabulary")
 

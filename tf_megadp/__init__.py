@@ -66,7 +66,8 @@ _LIBRARY = {
        for name in ("extend_schedule", "is_private", "make_private",
                     "make_private_with_epsilon")},
     **{name: ("tf_megadp.run.weights_origin", name)
-       for name in ("continue_from_release", "declare_public_weights")},
+       for name in ("continue_from_release", "declare_disjoint_data",
+                    "declare_public_weights")},
 }
 
 __all__ = [
@@ -100,6 +101,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "compute_epsilon",
     "continue_from_release",
+    "declare_disjoint_data",
     "declare_public_weights",
     "distribute",
     "export_model",

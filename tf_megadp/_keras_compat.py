@@ -45,6 +45,7 @@ __all__ = [
     "lora_base_kernel",
     "loss_tracker",
     "model_strategy",
+    "observe_weights_files",
     "optimizer_learning_rate",
     "optimizer_own_variables",
     "optimizer_strategy",
@@ -256,6 +257,45 @@ def concrete_functions(function: Any) -> list:
 def pfor_converter_registered(op_type: str) -> bool:
     """Whether pfor already converts `op_type` (its converter registry is private)."""
     return op_type in pfor._pfor_converter_registry
+
+
+# -- Weights files ----------------------------------------------------------------
+
+
+def observe_weights_files(on_save: Callable[[Any, Any], None],
+                          on_load: Callable[[Any, Any], None]) -> None:
+    """Calls `on_save(saveable, h5_file)` before Keras writes the weights of `saveable`,
+    and `on_load(saveable, h5_file)` before it reads them into `saveable`.
+
+    `h5_file` is the open HDF5 file of the weights (None for Keras's npz
+    format). Every way Keras writes or reads weights (`Model.save`,
+    `save_weights`, `keras.models.load_model`, `load_weights`, and keras-hub's
+    presets through them) walks the object's state with
+    `keras.src.saving.saving_lib._save_state` / `_load_state`, whose outermost
+    call has the empty inner path; no public hook exists around them, so the
+    two module functions are wrapped (once; they call themselves through the
+    module, which the wrappers pass through).
+    """
+    from keras.src.saving import saving_lib
+
+    if getattr(saving_lib._save_state, "_tf_megadp_observed", False):
+        return
+    original_save, original_load = saving_lib._save_state, saving_lib._load_state
+
+    def save_state(saveable, weights_store, assets_store, inner_path, *args, **kwargs):
+        if not inner_path and weights_store is not None:
+            on_save(saveable, getattr(weights_store, "h5_file", None))
+        return original_save(saveable, weights_store, assets_store, inner_path,
+                             *args, **kwargs)
+
+    def load_state(saveable, weights_store, assets_store, inner_path, *args, **kwargs):
+        if not inner_path and weights_store is not None:
+            on_load(saveable, getattr(weights_store, "h5_file", None))
+        return original_load(saveable, weights_store, assets_store, inner_path,
+                             *args, **kwargs)
+
+    save_state._tf_megadp_observed = load_state._tf_megadp_observed = True
+    saving_lib._save_state, saving_lib._load_state = save_state, load_state
 
 
 # -- keras-hub (imported on use: the library never loads keras-hub itself) ---------

@@ -350,6 +350,26 @@ class PrivacyLedger:
     def copy(self) -> "PrivacyLedger":
         return PrivacyLedger(self._entries)
 
+    def starts_with(self, prefix: "PrivacyLedger") -> bool:
+        """Whether this ledger's first steps are exactly `prefix`'s (a run that continued it).
+
+        Entries merge steps of one mechanism, so `prefix`'s last entry may
+        be only the beginning of this ledger's entry at its place.
+        """
+        mine, theirs = self._entries, prefix.entries
+        if len(theirs) > len(mine):
+            return False
+        for index, entry in enumerate(theirs):
+            other = mine[index]
+            if index < len(theirs) - 1:
+                if other != entry:
+                    return False
+            elif not (other.same_mechanism(entry) and other.steps >= entry.steps
+                      and other.segment_start == entry.segment_start
+                      and other.cycle_position == entry.cycle_position):
+                return False
+        return True
+
     def to_rows(self) -> np.ndarray:
         """The ledger as a float64 array of shape (len(self), len(LEDGER_COLUMNS))."""
         return np.array(

@@ -1,11 +1,12 @@
 """`export_model`: the file of a DP run that may be published.
 
 The release holds the model alone: architecture and weights, no optimizer
-variables (so no ledger, no inner optimizer's moments) and no compile
-configuration (so no clipping, noise or seed settings). Its privacy is the
-report saved with it (`PrivacyCallback.save_report`), which names the
-weights by their fingerprint so that `tf_megadp.continue_from_release` can
-compose its ledger with a later run's.
+variables (no inner optimizer's moments) and no compile configuration (so
+no clipping, noise or seed settings). Its weights file carries the privacy
+ledger of its values (`tf_megadp.run.provenance`), as every Keras file of
+DP-trained values does, so that a private run that trains them further
+composes it, however it loads them; the human-readable privacy report is
+saved beside it (`PrivacyCallback.save_report`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import keras
 
 from tf_megadp.files import atomic_write
-from tf_megadp.run import weights_origin
 from tf_megadp.run.state import is_private, run_notes
 
 __all__ = ["export_model"]
@@ -26,11 +26,11 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
 
     The file holds no optimizer variables, no compile configuration (so no
     clipping, noise or seed settings) and no training state; it is what a
-    DP run may publish. Written atomically. A private fit that starts an
-    empty ledger on the exported weights refuses, in this process, until
-    `tf_megadp.continue_from_release` composes the release's ledger (pass it
-    the report saved with the release, which names the weights by their
-    `weights_fingerprint`). A private model whose trainable
+    DP run may publish. Written atomically. Its weights carry their privacy
+    ledger (public, like the report): a private run that trains them
+    further, in any process that imports tf_megadp, composes it before its
+    first step, unless its user declares the new data disjoint
+    (`tf_megadp.declare_disjoint_data`). A private model whose trainable
     weights changed outside its private steps (between private fits) is
     written with a loud warning: epsilon does not cover that change.
 
@@ -61,5 +61,3 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
     finally:
         model.optimizer = optimizer
         model.compiled = compiled
-    # A private fit that starts an empty ledger on these weights refuses.
-    weights_origin.note_release(model, path)

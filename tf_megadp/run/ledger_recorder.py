@@ -210,10 +210,12 @@ class LedgerRecorder:
             )
         self._check_source(optimizer)
         self._check_noise(optimizer)
+        # First: it may compose the ledger of a DP run whose values the
+        # model holds into the optimizer's (which the run then continues).
+        weights_origin.check_starting_weights(self.model)
         self.ledger = read_ledger(optimizer)
         self._check_consistent(optimizer)
         adaptive_clipping.check_updates_finite(optimizer, self.model.trainable_variables)
-        weights_origin.check_starting_weights(self.model)
         self.model._tf_megadp_keeper = self
         notes = run_notes(self.model)
         notes.begin_fit(self.model)

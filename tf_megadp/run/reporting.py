@@ -129,8 +129,11 @@ class PrivacyReporting:
         run = run_notes(self.model)
         report["released_outside_epsilon"] = list(RELEASED_OUTSIDE_EPSILON) + run.released
         report["weights_changed_outside_private_steps"] = run.check_weights(self.model, warn=False)
-        # What continue_from_release checks a release's report against.
+        # What continue_from_release checks a release's report against:
+        # these weights, and this ledger bound to them.
         report["weights_fingerprint"] = weights_origin.weights_fingerprint(self.model)
+        report["ledger_binding"] = weights_origin.ledger_binding(
+            report["weights_fingerprint"], accountant.ledger)
         report["initial_weights"] = weights_origin.origin_report(self.model)
         notes = report["warnings"]
         if report["weights_changed_outside_private_steps"]:

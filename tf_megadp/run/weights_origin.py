@@ -1,30 +1,43 @@
-"""Where a private run's weights start from: declared, or the ledger refuses to begin empty.
+"""Where a private run's weights come from, and the privacy they already spent.
 
-A ledger that begins empty says that the weights spent no privacy before the
-first private step. That holds for a model's own initialisation and for
-weights the user loaded before `make_private` (public pretrained weights,
-a keras-hub preset); it does not hold for a release of an earlier DP run
-set into a fresh private model (`set_weights`, `load_weights` of an export,
-an assignment): a run continued that way reported 2 of its 18 steps.
+A ledger that begins empty says that the weights spent no privacy before
+the first private step. That holds for a model's own initialisation and
+for public pretrained weights; it does not hold for values an earlier DP
+run trained, however they reached the model: a release loaded with
+`keras.models.load_model` (before: fine-tuned to a reported epsilon 3.00
+after a 5.36 release), `load_weights`, keras-hub `from_preset`,
+`set_weights`, or the backbone of a release inside a new classifier.
 
-So each private model keeps the fingerprint of its *starting weights*: the
-weights `make_private` saw (or, for a model built later, those it had
-before the first `set_weights` / `load_weights` of a file without a ledger),
-the weights a DP run's file loaded with its ledger, or the weights a
-declaration named. A private run whose ledger is empty refuses to start
-(`check_starting_weights`, called by the ledger keeper before any step)
-when the weights are not the starting weights, or when they are those of
-a release this process exported, until the user declares them:
+Such values are recognised by their digests (`tf_megadp.run.provenance`):
+every weights file Keras writes of them carries their DP ledger, which
+Keras ignores and tf_megadp remembers when Keras reads the file in a
+process that imported it. A private run whose ledger is empty (checked by
+the ledger keeper before any step, `check_starting_weights`):
 
-* `declare_public_weights(model, source)`: they come from public data only
-  (the report names the source);
-* `continue_from_release(model, "privacy.json")`: they are the release
-  that report describes (its `weights_fingerprint` must match); its ledger
-  becomes the start of this run's, so epsilon composes both.
+* composes the ledger of every DP run whose values its model holds, whole
+  or in part, so that epsilon covers both (a warning says so, and the
+  report's `initial_weights` names them); or, if the user states that this
+  run's data share no example with those runs' data
+  (`declare_disjoint_data`), composes nothing and reports the statement;
+* refuses values set from outside after `make_private` (`set_weights`,
+  `load_weights` of a file without a record) that no record describes,
+  until `declare_public_weights` (trained on public data only) or
+  `declare_disjoint_data` names them.
 
-A release loaded in another process and made private before any weights are
-set looks like public pretrained weights: only `continue_from_release`
-composes it (docs/concepts.md, "What can still escape").
+A private run whose ledger already counts steps refuses values of a DP run
+whose ledger its own does not start with (the record of a release it never
+composed).
+
+`continue_from_release` composes a release from the report saved with it
+(`PrivacyCallback.save_report`), for values that reached the model without
+their file's record (NumPy arrays from another process); it checks that
+the report describes these weights (`weights_fingerprint`) and that its
+ledger is the one bound to them (`ledger_binding`): an edited or swapped
+report is refused.
+
+What it cannot see: weights loaded before `import tf_megadp` (no record
+was read), and values that left Keras through NumPy into another process
+without the report (docs/lifecycle.md, "What can still escape").
 """
 
 from __future__ import annotations
@@ -32,24 +45,30 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+import warnings
+from typing import Any, NamedTuple
 
 import keras
 import numpy as np
 
 from tf_megadp import _keras_compat
-from tf_megadp.accounting import PrivacyLedger
+from tf_megadp.accounting import LedgerEntry, PrivacyLedger
+from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.accounting.report import check_report_format
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer import DPOptimizer, ledger_owner, read_ledger
+from tf_megadp.run import provenance
+from tf_megadp.run.provenance import Provenance
 
-__all__ = ["check_starting_weights", "continue_from_release", "declare_public_weights",
-           "note_ledger_loaded", "note_release", "note_starting_weights", "origin_report",
-           "set_weights_guard", "weights_fingerprint"]
+__all__ = ["check_starting_weights", "composable_ledger", "continue_from_release",
+           "declare_disjoint_data", "declare_public_weights", "ledger_binding",
+           "note_ledger_loaded", "note_starting_weights", "origin_report", "set_weights_guard",
+           "weights_fingerprint"]
 
 _ORIGIN = "_tf_megadp_weights_origin"
-# Fingerprints of the releases (with a ledger) this process exported, by path.
-_RELEASES: dict[str, str] = {}
+# The digest of a variable's value when its private run started (a plain
+# attribute of the variable: Keras saving never writes it).
+_START_DIGEST = "_tf_megadp_start_digest"
 
 
 class _WeightsOrigin:
@@ -58,9 +77,6 @@ class _WeightsOrigin:
     def __init__(self):
         self.fingerprint: str | None = None
         self.declared: dict[str, Any] | None = None
-        # Whether the starting weights themselves came from private steps
-        # (a DP run's file with its ledger, or a continued release).
-        self.spent_privacy = False
 
 
 def _origin(model) -> _WeightsOrigin:
@@ -71,42 +87,76 @@ def _origin(model) -> _WeightsOrigin:
     return origin
 
 
+def _saved_variables(layer) -> list[tuple[Any, Any]]:
+    """(variable, value) of every float weight in order, each LoRA layer's merged as Keras saves it.
+
+    A layer with LoRA enabled counts as the file Keras writes of it: its
+    merged kernel W + s A B in place of W, A and B (under the variable W).
+    So enabling LoRA (B = 0) leaves the digests of the weights it starts
+    from unchanged, and a LoRA run's values are those of its released file.
+    """
+    merged, factors = {}, set()
+    for sublayer in _keras_compat.flatten_layers(layer, include_self=False):
+        if getattr(sublayer, "lora_enabled", False):
+            # `kernel` is the merged value Keras's save_own_variables writes.
+            merged[id(_keras_compat.lora_base_kernel(sublayer))] = sublayer.kernel
+            factors.update((id(sublayer.lora_kernel_a), id(sublayer.lora_kernel_b)))
+    return [(variable, merged.get(id(variable), variable)) for variable in _float_weights(layer)
+            if id(variable) not in factors]
+
+
+class _Digest(NamedTuple):
+    """A weight's `provenance.value_digest`, and whether it can tell a trained model.
+
+    Every fresh model holds constant values (zero biases, unit scales); a
+    value a DP run trained holds noise. Only distinctive values (more than
+    one number, not all equal) are recorded and recognised, so that a new
+    model never looks like a release by its constants.
+    """
+
+    variable: Any
+    digest: str
+    distinctive: bool
+
+
+def _digests(layer) -> list[_Digest]:
+    """The `_Digest` of every float weight's saved value, in order."""
+    digests = []
+    for variable, value in _saved_variables(layer):
+        value = keras.ops.convert_to_numpy(value)
+        digests.append(_Digest(variable, provenance.value_digest(value),
+                               bool(value.size > 1 and np.ptp(value) > 0)))
+    return digests
+
+
+def _fingerprint_of(digests: list[_Digest]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for entry in digests:
+        digest.update(entry.digest.encode())
+    return digest.hexdigest()
+
+
 def weights_fingerprint(model: keras.Model) -> str:
     """A hex digest of the floating-point weights' values, dtypes and shapes, in order.
 
     Every weight of the model, trainable or not, so that freezing a layer
     changes nothing; integer state (random seed generators) is left out.
     Names are left out too, so a fresh copy of an architecture (whose layer
-    names differ) holding the same weights has the same fingerprint.
-
-    A layer with LoRA enabled (`enable_lora`) counts as the file Keras
-    writes of it: its merged kernel W + s A B in place of W, A and B. So the
-    fingerprint of a LoRA run is that of its released file (which a
-    `continue_from_release` of that file checks), and enabling LoRA (B = 0)
-    leaves the fingerprint of the weights it starts from unchanged.
+    names differ) holding the same weights has the same fingerprint. A LoRA
+    layer counts as its merged kernel, as Keras saves it.
     """
-    digest = hashlib.blake2b(digest_size=16)
-    for value in _saved_values(model):
-        value = np.ascontiguousarray(keras.ops.convert_to_numpy(value))
-        digest.update(f"{value.dtype}{value.shape}".encode())
-        digest.update(value.tobytes())
-    return digest.hexdigest()
+    return _fingerprint_of(_digests(model))
 
 
-def _saved_values(model) -> list:
-    """The float weights' values in order, each LoRA layer's factors merged as Keras saves it."""
-    merged, factors = {}, set()
-    for layer in _keras_compat.flatten_layers(model, include_self=False):
-        if getattr(layer, "lora_enabled", False):
-            # `kernel` is the merged value Keras's save_own_variables writes.
-            merged[id(_keras_compat.lora_base_kernel(layer))] = layer.kernel
-            factors.update((id(layer.lora_kernel_a), id(layer.lora_kernel_b)))
-    return [merged.get(id(variable), variable) for variable in _float_weights(model)
-            if id(variable) not in factors]
+def ledger_binding(fingerprint: str, ledger: PrivacyLedger) -> str:
+    """The digest that binds a ledger to the weights of `fingerprint` (a report's `ledger_binding`)."""
+    canonical = json.dumps({"weights_fingerprint": fingerprint, "ledger": ledger.to_list()},
+                           sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
 
 
-def _float_weights(model) -> list:
-    return [variable for variable in model.weights
+def _float_weights(layer) -> list:
+    return [variable for variable in layer.weights
             if keras.backend.is_float_dtype(variable.dtype)]
 
 
@@ -114,20 +164,28 @@ def _built(model) -> bool:
     return bool(model.built and _float_weights(model))
 
 
+def _mark_start(digests: list[_Digest]) -> None:
+    for entry in digests:
+        setattr(entry.variable, _START_DIGEST, entry.digest)
+
+
 def note_starting_weights(model: keras.Model) -> None:
     """Records the model's weights as its starting weights, once (`make_private`, a first set)."""
     origin = _origin(model)
     if origin.fingerprint is None and _built(model):
-        origin.fingerprint = weights_fingerprint(model)
+        digests = _digests(model)
+        origin.fingerprint = _fingerprint_of(digests)
+        _mark_start(digests)
 
 
 def note_ledger_loaded(model: keras.Model) -> None:
     """The weights just loaded came with their ledger (a DP run's file): they start it."""
     if _built(model):
+        digests = _digests(model)
         origin = _origin(model)
-        origin.fingerprint = weights_fingerprint(model)
+        origin.fingerprint = _fingerprint_of(digests)
         origin.declared = None
-        origin.spent_privacy = True
+        _mark_start(digests)
 
 
 def set_weights_guard(model: keras.Model, original_set_weights):
@@ -141,20 +199,81 @@ def set_weights_guard(model: keras.Model, original_set_weights):
     return set_weights
 
 
-def note_release(model: keras.Model, path: str) -> None:
-    """`export_model` wrote `model` to `path`: remember its weights if they spent privacy.
+# -- The records a weights file carries ----------------------------------------------
 
-    Weights that private steps left exactly as they started (a learning rate
-    of 0), from a start that spent nothing, hold nothing of the data: another
-    model of the same seed starts from them and is no continuation.
+
+def provenance_of(layer) -> list[Provenance]:
+    """The provenance records a weights file of `layer`'s values carries now.
+
+    The ledger of the `DPOptimizer` that trained the values, if it took
+    steps, covering every value it changed (or that it started from a DP
+    run's values); and the records of DP runs whose values `layer` holds
+    and that ledger does not already continue (a release loaded, saved on
+    as a preset). Each record is remembered by this process.
+
+    Raises:
+        PrivacyConfigurationError: two DPOptimizers each trained part of
+            the values.
     """
-    if not _steps_of_weights(model, build=False):
+    if not isinstance(layer, keras.layers.Layer) or not layer.built:
+        return []
+    owner = ledger_owner(layer.trainable_variables)
+    trained_by_owner = isinstance(owner, DPOptimizer) and owner.built and (
+        owner.logical_steps_applied > 0 or owner.logical_steps_recorded > 0)
+    if not trained_by_owner and not provenance.remembers_any():
+        return []  # Nothing in this process was trained privately: skip the hashing.
+    digests = _digests(layer)
+    records = []
+    owner_ledger = None
+    if trained_by_owner:
+        owner_ledger = read_ledger(owner)
+        # Steps applied but not recorded (a custom loop before its record)
+        # are in the values: they join as steps no epsilon may leave out.
+        owner_ledger.append(LedgerEntry.steps_only(max(0, owner.unrecorded_steps), UNACCOUNTED))
+        trained = set()
+        for entry in digests:
+            start = getattr(entry.variable, _START_DIGEST, None)
+            if entry.distinctive and (start is None or entry.digest != start
+                                      or provenance.recognised([start])):
+                trained.add(entry.digest)
+        records.append(Provenance(owner_ledger, frozenset(trained)))
+    for record in _recognised(digests):
+        if owner_ledger is None or not owner_ledger.starts_with(record.ledger):
+            records.append(record)
+    records = [record for record in records if record.digests]
+    provenance.remember(records)
+    return records
+
+
+def _write_provenance(saveable, h5_file) -> None:
+    records = provenance_of(saveable)
+    if not records:
         return
-    fingerprint = weights_fingerprint(model)
-    origin = getattr(model, _ORIGIN, None)
-    if origin is not None and origin.fingerprint == fingerprint and not origin.spent_privacy:
+    if h5_file is None:
+        raise PrivacyConfigurationError(
+            "These weights were trained by a DP run, and the file Keras is writing (the npz "
+            "weights format) cannot carry their privacy ledger: a run continued from it "
+            "would leave those steps out of epsilon. Save in Keras's default h5 format.")
+    provenance.write_provenance(h5_file, records)
+
+
+def _read_provenance(saveable, h5_file) -> None:
+    if h5_file is None:
         return
-    _RELEASES[fingerprint] = path
+    try:
+        records = provenance.read_provenance(h5_file)
+    except provenance.ProvenanceError as error:
+        raise PrivacyConfigurationError(
+            f"This weights file holds {error} Its values were trained by a DP run whose "
+            "privacy ledger can no longer be trusted: load the file as its DP run wrote "
+            "it.") from None
+    provenance.remember(records)
+
+
+_keras_compat.observe_weights_files(on_save=_write_provenance, on_load=_read_provenance)
+
+
+# -- Before the first private step ----------------------------------------------------
 
 
 def _steps_of_weights(model, build: bool = True) -> int:
@@ -174,46 +293,100 @@ def _steps_of_weights(model, build: bool = True) -> int:
     return max(optimizer.logical_steps_applied, optimizer.logical_steps_recorded)
 
 
+def _recognised(digests: list[_Digest]) -> list[Provenance]:
+    return provenance.recognised(entry.digest for entry in digests if entry.distinctive)
+
+
+def _declared_disjoint(origin: _WeightsOrigin, fingerprint: str) -> bool:
+    return (origin.declared is not None and origin.declared["origin"] == "disjoint"
+            and origin.fingerprint == fingerprint)
+
+
+def composable_ledger(model: keras.Model) -> PrivacyLedger | None:
+    """The ledger a private run of `model` would compose before its first step, or None.
+
+    The DP runs whose values the model holds, unless the user declared this
+    run's data disjoint from theirs (`make_private_with_epsilon` calibrates
+    with it).
+    """
+    if not _built(model):
+        return None
+    digests = _digests(model)
+    records = _recognised(digests)
+    if not records or _declared_disjoint(_origin(model), _fingerprint_of(digests)):
+        return None
+    return provenance.composed_ledger(records)
+
+
 def check_starting_weights(model: keras.Model) -> None:
-    """Refuses a private run whose empty ledger would claim weights set from outside.
+    """Composes, or refuses, what a private run's weights spent before its first step.
 
     Called before the first private step of every run (the ledger keeper's
-    `begin`); a run whose weights' ledger holds steps is not checked here
-    (changes between its fits are marked in its report instead).
+    `begin`).
 
     Raises:
-        PrivacyConfigurationError: the ledger is empty but the weights are
-            not the model's starting weights, or are a release this process
-            exported, and no declaration names them.
+        PrivacyConfigurationError: the ledger is empty but the weights were
+            set from outside after `make_private` and neither a record nor
+            a declaration names them; or the ledger counts steps but the
+            weights hold values of a DP run it does not continue.
     """
-    if _steps_of_weights(model) or not _built(model):
+    if not _built(model):
         return
+    digests = _digests(model)
+    fingerprint = _fingerprint_of(digests)
+    records = _recognised(digests)
     origin = _origin(model)
-    fingerprint = weights_fingerprint(model)
-    release = _RELEASES.get(fingerprint)
+    if _steps_of_weights(model):
+        ledger = read_ledger(ledger_owner(model.trainable_variables) or model.optimizer)
+        foreign = [record for record in records if not ledger.starts_with(record.ledger)]
+        if foreign:
+            raise PrivacyConfigurationError(
+                f"This model holds values of a DP run ({_describe(foreign)}) whose privacy "
+                f"ledger this run's ({ledger.total_steps} logical steps) does not start "
+                "with: its epsilon would leave those steps out. Train those values in a "
+                "fresh private run (a new DPOptimizer composes their ledger), or declare "
+                "this run's data disjoint from theirs in a fresh run "
+                "(tf_megadp.declare_disjoint_data).")
+        return
+    if _declared_disjoint(origin, fingerprint):
+        return
+    if records:
+        ledger = provenance.composed_ledger(records)
+        model.optimizer.start_ledger(ledger)
+        origin.fingerprint = fingerprint
+        origin.declared = {"origin": "release", "steps": ledger.total_steps,
+                           "records": [record.binding for record in records],
+                           "weights_fingerprint": fingerprint}
+        _mark_start(digests)
+        warnings.warn(
+            f"This model holds values a DP run trained ({_describe(records)}): their "
+            f"privacy ledger of {ledger.total_steps} logical steps starts this run's, so "
+            "epsilon covers both. If this run's data share no example with that run's, "
+            "say so before fit: tf_megadp.declare_disjoint_data(model, statement='...').",
+            UserWarning, stacklevel=4)
+        return
     if origin.declared is not None and origin.fingerprint == fingerprint:
         return
-    if release is not None:
-        raise PrivacyConfigurationError(
-            f"This model holds the weights of the release {release}, exported by a DP run "
-            "of this process, but its privacy ledger is empty: a fit would report only "
-            "its own steps. To train further on the same private data, compose the "
-            "release's ledger first: tf_megadp.continue_from_release(model, "
-            "'privacy.json') with the report written when it was exported "
-            "(PrivacyCallback.save_report). Or continue the run itself from its training "
-            "checkpoint (keras.models.load_model / tf_megadp.restore_training_state).")
     if origin.fingerprint is not None and origin.fingerprint != fingerprint:
         raise PrivacyConfigurationError(
-            "The trainable weights of this private model were set from outside a private "
-            "run (set_weights, load_weights of a file without a privacy ledger, or an "
-            "assignment) after make_private, and its privacy ledger is empty: if they "
-            "came from an earlier DP run, epsilon would leave that run out. Declare where "
-            "they come from before fit: tf_megadp.declare_public_weights(model, "
-            "source='...') for weights trained on public data only, or "
-            "tf_megadp.continue_from_release(model, 'privacy.json') for a release of a "
-            "DP run (its ledger is composed with this run's). Weights loaded before "
+            "The weights of this private model were set from outside a private run "
+            "(set_weights, load_weights of a file without a privacy ledger, or an "
+            "assignment) after make_private, no privacy record describes them, and its "
+            "ledger is empty: if they came from an earlier DP run, epsilon would leave "
+            "that run out. Declare where they come from before fit: "
+            "tf_megadp.declare_public_weights(model, source='...') for weights trained on "
+            "public data only, tf_megadp.declare_disjoint_data(model, statement='...') for "
+            "weights trained on data that share no example with this run's, or "
+            "tf_megadp.continue_from_release(model, 'privacy.json') for a release of a DP "
+            "run (its ledger is composed with this run's). Weights loaded before "
             "make_private need no declaration.")
     origin.fingerprint = fingerprint
+
+
+def _describe(records: list[Provenance]) -> str:
+    steps = " + ".join(str(record.ledger.total_steps) for record in records)
+    values = sum(len(record.digests) for record in records)
+    return f"{steps} logical steps, over {values} of its weight variables"
 
 
 def declare_public_weights(model: keras.Model, source: str) -> None:
@@ -223,8 +396,8 @@ def declare_public_weights(model: keras.Model, source: str) -> None:
     (`set_weights`, `load_weights` of a file without a ledger) after
     `make_private`; this declaration accepts them: the run's epsilon then
     covers its own steps only, which is right only if no private data
-    reached these weights. The report names the source
-    (`report["initial_weights"]`).
+    reached these weights. The report says that the user declared it
+    (`report["initial_weights"]`, with the source).
 
     Args:
         model: the built model, holding the public weights.
@@ -232,8 +405,9 @@ def declare_public_weights(model: keras.Model, source: str) -> None:
 
     Raises:
         PrivacyConfigurationError: the weights already carry a privacy
-            ledger, or are a release this process exported (use
-            `continue_from_release`).
+            ledger, or hold values a DP run trained (their file's record
+            says so: use `declare_disjoint_data` if this run's data share
+            no example with that run's).
 
     Example:
     ```python
@@ -242,32 +416,71 @@ def declare_public_weights(model: keras.Model, source: str) -> None:
     tf_megadp.declare_public_weights(model, source="pretrained on Wikipedia")
     ```
     """
-    if not isinstance(source, str) or not source.strip():
-        raise ValueError("declare_public_weights needs source=, what the weights are "
-                         "(a preset name, a URL), for the privacy report.")
-    _check_fresh_ledger(model, "declare_public_weights")
-    fingerprint = weights_fingerprint(model)
-    if fingerprint in _RELEASES:
+    _declare(model, "public", source, "source")
+
+
+def declare_disjoint_data(model: keras.Model, statement: str) -> None:
+    """States that this run's data share no example with the data `model`'s weights were trained on.
+
+    Weights trained by an earlier DP run (or without DP on other private
+    data) spent that data's privacy, not this run's: with this statement a
+    private run composes nothing before its first step, and its epsilon
+    covers its own data only. The report records the statement as the
+    user's (`report["initial_weights"]`), with the DP runs it set aside.
+
+    Args:
+        model: the built model, holding the weights.
+        statement: what the weights were trained on and why it is
+            disjoint from this run's data, for the report.
+
+    Raises:
+        PrivacyConfigurationError: the weights already carry a privacy
+            ledger that counts steps (train on without a statement).
+
+    Example:
+    ```python
+    model = tf_megadp.make_private(keras.models.load_model("release/model.keras"))
+    tf_megadp.declare_disjoint_data(
+        model, statement="pretrained with DP on the 2024 archive; fine-tuned on 2025 mail")
+    ```
+    """
+    _declare(model, "disjoint", statement, "statement")
+
+
+def _declare(model, origin_name: str, text: str, field: str) -> None:
+    name = "declare_public_weights" if origin_name == "public" else "declare_disjoint_data"
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{name} needs {field}=, what the weights were trained on (a "
+                         "preset name, a URL, a corpus), for the privacy report.")
+    _check_fresh_ledger(model, name)
+    digests = _digests(model)
+    records = _recognised(digests)
+    if origin_name == "public" and records:
         raise PrivacyConfigurationError(
-            f"These weights are the release {_RELEASES[fingerprint]} of a DP run of this "
-            "process, not public weights. Compose its ledger: "
-            "tf_megadp.continue_from_release(model, 'privacy.json').")
+            f"These weights hold values a DP run trained ({_describe(records)}; their file "
+            "carries its privacy ledger), not public weights. A private run composes that "
+            "ledger by itself; if this run's data share no example with that run's, say so "
+            "instead: tf_megadp.declare_disjoint_data(model, statement='...').")
     origin = _origin(model)
-    origin.fingerprint = fingerprint
-    origin.spent_privacy = False
-    origin.declared = {"origin": "public", "source": source, "weights_fingerprint": fingerprint}
+    origin.fingerprint = _fingerprint_of(digests)
+    origin.declared = {"origin": origin_name, "declared_by": "user", field: text,
+                       "weights_fingerprint": origin.fingerprint}
+    if records:
+        origin.declared["dp_runs_set_aside"] = [
+            {"steps": record.ledger.total_steps, "binding": record.binding} for record in records]
+    _mark_start(digests)
 
 
 def continue_from_release(model: keras.Model, report_path: str | os.PathLike) -> PrivacyLedger:
-    """Continues a release of a DP run: its ledger starts this run's, so epsilon composes both.
+    """Continues a release of a DP run from its report: its ledger starts this run's.
 
-    An exported model (`export_model`) holds no optimizer and no ledger; a
-    private fit on its weights would report its own steps only. This reads
-    the release's privacy report (`PrivacyCallback.save_report` /
-    `report_path`, written when the weights were exported), checks that it
-    describes exactly the model's weights (`weights_fingerprint`), and
-    writes its ledger into the model's `DPOptimizer`, as if that optimizer
-    had taken the release's steps.
+    A private run composes by itself the ledger of values whose file it
+    loaded in this process (the file carries it). For values that arrived
+    otherwise (arrays from another process), this reads the release's
+    privacy report (`PrivacyCallback.save_report`), checks that it
+    describes exactly the model's weights (`weights_fingerprint`) and that
+    its ledger is the one bound to them (`ledger_binding`), and writes that
+    ledger into the model's `DPOptimizer`, as if it had taken those steps.
 
     Args:
         model: the private model holding the release's weights, compiled
@@ -278,14 +491,17 @@ def continue_from_release(model: keras.Model, report_path: str | os.PathLike) ->
         The ledger taken over.
 
     Raises:
-        PrivacyConfigurationError: the report describes other weights, the
-            model's weights already carry a ledger, or the model is not
-            compiled with a `DPOptimizer`.
+        PrivacyConfigurationError: the report describes other weights, its
+            ledger was edited (the binding does not hold) or is not the one
+            the weights' own record carries, the model's weights already
+            carry a ledger, or the model is not compiled with a
+            `DPOptimizer`.
 
     Example:
     ```python
-    model = tf_megadp.make_private(keras.models.load_model("release.keras"))
+    model = tf_megadp.make_private(build_model())
     model.compile(optimizer=tf_megadp.DPOptimizer(...), loss=...)
+    model.set_weights(arrays_of_the_release)
     tf_megadp.continue_from_release(model, "release.privacy.json")
     model.fit(...)  # its epsilon covers the release's steps and these
     ```
@@ -301,23 +517,38 @@ def continue_from_release(model: keras.Model, report_path: str | os.PathLike) ->
             f"DPOptimizer, but the model is compiled with {optimizer!r}. Compile it with a "
             "tf_megadp.DPOptimizer first.")
     _check_fresh_ledger(model, "continue_from_release")
-    fingerprint = weights_fingerprint(model)
+    digests = _digests(model)
+    fingerprint = _fingerprint_of(digests)
     described = report.get("weights_fingerprint")
     if described != fingerprint:
         raise PrivacyConfigurationError(
             f"{report_path} describes weights of fingerprint {described} but this model "
-            f"holds {fingerprint}: it is the report of other weights (or of a release "
-            "before reports named their weights). Pass the report written when these "
-            "weights were exported (PrivacyCallback.save_report right after "
-            "export_model), or continue the run from its training checkpoint.")
+            f"holds {fingerprint}: it is the report of other weights. Pass the report "
+            "written when these weights were exported (PrivacyCallback.save_report right "
+            "after export_model), or continue the run from its training checkpoint.")
     ledger = PrivacyLedger.from_list(report["ledger"])
+    if report.get("ledger_binding") != ledger_binding(fingerprint, ledger):
+        raise PrivacyConfigurationError(
+            f"{report_path}: its ledger is not the one bound to these weights (its "
+            "ledger_binding does not match its ledger and weights_fingerprint): the report "
+            "was edited, or put together from two reports. Pass the report as the DP run "
+            "wrote it.")
+    records = _recognised(digests)
+    if records and provenance.composed_ledger(records) != ledger:
+        raise PrivacyConfigurationError(
+            f"{report_path} states a ledger of {ledger.total_steps} logical steps, but these "
+            f"weights' own record says {_describe(records)}: the report belongs to another "
+            "run. A private run composes the weights' record by itself: drop "
+            "continue_from_release.")
     optimizer.start_ledger(ledger)
+    provenance.remember([Provenance(ledger, frozenset(
+        entry.digest for entry in digests if entry.distinctive))])
     origin = _origin(model)
     origin.fingerprint = fingerprint
-    origin.spent_privacy = True
-    origin.declared = {"origin": "release", "report": report_path,
+    origin.declared = {"origin": "release", "report": os.path.basename(report_path),
                        "steps": ledger.total_steps, "epsilon": report.get("epsilon"),
                        "delta": report.get("delta"), "weights_fingerprint": fingerprint}
+    _mark_start(digests)
     return ledger
 
 

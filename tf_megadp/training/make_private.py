@@ -74,10 +74,14 @@ def make_private(
     that the ledger in the file is loaded with the weights.
 
     The weights the model holds now (its initialisation, or public weights
-    loaded before this call) start its ledger. Weights set into it later
-    (`set_weights`, `load_weights` of a file without a ledger) are refused
-    by a first private fit until `tf_megadp.declare_public_weights` or
-    `tf_megadp.continue_from_release` names them.
+    loaded before this call) start its ledger, unless they hold values an
+    earlier DP run trained (their file carried its ledger): a private run
+    then composes that ledger before its first step, or the user declares
+    this run's data disjoint (`tf_megadp.declare_disjoint_data`). Weights
+    set into it later (`set_weights`, `load_weights` of a file without a
+    ledger) that no record describes are refused by a first private fit
+    until `tf_megadp.declare_public_weights` or
+    `tf_megadp.declare_disjoint_data` names them.
 
     The same object is returned, so `model = make_private(model)` and
     `make_private(model)` are equivalent. Saved models do not remember the
@@ -178,7 +182,10 @@ def make_private_with_epsilon(
     schedule, and the model is compiled with it. Training all of
     `sampler.as_dataset()` then spends at most `target_epsilon` (within 1 %);
     add `PrivacyCallback(delta, target_epsilon=...)` to report it and to stop
-    at the budget.
+    at the budget. When the model holds values an earlier DP run trained (a
+    release loaded in any way), the budget covers that run's ledger too,
+    which the private run composes first (`tf_megadp.declare_disjoint_data`
+    states that its data share no example with this run's).
 
     Args:
         model: the Keras model.
@@ -212,7 +219,7 @@ def make_private_with_epsilon(
     model.fit(sampler.as_dataset(), callbacks=[tf_megadp.PrivacyCallback(1e-5)])
     ```
     """
-    from tf_megadp.accounting import calibrate_noise_multiplier
+    from tf_megadp.accounting import PrivacyAccountant, calibrate_noise_multiplier
 
     source = getattr(sampler, "source", None)
     # Calibration plans the whole schedule, so the steps must follow it, and
@@ -225,10 +232,35 @@ def make_private_with_epsilon(
             "(e.g. tf_megadp.PoissonSampler.from_arrays(x, y, batch_size=..., "
             f"epochs=..., micro_batch_size=...)), got {sampler!r}."
         )
-    sigma = calibrate_noise_multiplier(
-        target_epsilon, delta, schedule=source.schedule, sampling=source.sampling,
-        cycle_length=source.cycle_length, noise=noise, accountant=accountant)
     make_private(model)
+    # Values an earlier DP run trained spend its privacy first: the run
+    # composes that ledger before its first step, so the budget covers both.
+    prior = weights_origin.composable_ledger(model)
+    if prior is not None:
+        spent = PrivacyAccountant(source.num_examples, delta, accountant=accountant,
+                                  ledger=prior).epsilon()
+        if spent >= target_epsilon:
+            raise PrivacyConfigurationError(
+                f"This model holds values a DP run trained: its {prior.total_steps} logical "
+                f"steps, which a private run composes first, already spend epsilon "
+                f"{spent:.4g} at delta {delta:g} on these {source.num_examples} examples, "
+                f"more than target_epsilon {target_epsilon}. Raise target_epsilon, or, if "
+                "this run's data share no example with that run's, declare it before this "
+                "call: tf_megadp.declare_disjoint_data(model, statement='...').")
+    try:
+        sigma = calibrate_noise_multiplier(
+            target_epsilon, delta, schedule=source.schedule, sampling=source.sampling,
+            cycle_length=source.cycle_length, noise=noise, accountant=accountant,
+            prior=prior)
+    except ValueError as error:
+        if prior is None:
+            raise
+        raise PrivacyConfigurationError(
+            f"This model holds values a DP run trained, whose {prior.total_steps} logical "
+            f"steps the run composes first, and no noise reaches target_epsilon "
+            f"{target_epsilon} on top of them ({error}) Raise target_epsilon, or, if this "
+            "run's data share no example with that run's, declare it before this call: "
+            "tf_megadp.declare_disjoint_data(model, statement='...').") from None
     model.compile(
         optimizer=DPOptimizer(optimizer, l2_norm_clip=l2_norm_clip, noise_multiplier=sigma,
                               schedule=source.schedule, clipping=clipping,

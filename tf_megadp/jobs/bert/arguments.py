@@ -67,12 +67,17 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--init-from", metavar="PATH", default=hidden,
                        help="continue pretraining from PATH: the model.keras of a run of "
                             "this job or a local keras-hub preset directory; its shape and "
-                            "vocabulary are the run's, and a DP release's ledger "
-                            "(privacy.json beside it) is composed into epsilon")
+                            "vocabulary are the run's, and the ledger a DP release's "
+                            "weights carry is composed into epsilon; a model no file "
+                            "describes needs --init-public or --init-data-disjoint")
     model.add_argument("--init-data-disjoint", action="store_true", default=hidden,
                        help="state that --init-from was trained on data sharing no example "
                             "with this corpus: its ledger is not composed (recorded in the "
                             "report)")
+    model.add_argument("--init-public", action="store_true", default=hidden,
+                       help="state that --init-from was trained on public data only (a "
+                            "preset no report describes): nothing is composed, and the "
+                            "report says you declared it")
     model.add_argument("--lora-rank", type=int, metavar="R", default=hidden,
                        help="train LoRA factors of rank R on the backbone's attention query "
                             "and value projections (keras-hub enable_lora), the rest of the "

@@ -235,12 +235,16 @@ class PretrainConfig:
         init_from: continue pretraining from this model instead of random
             weights: the `model.keras` of a run of this job, or a local
             keras-hub preset directory (`tf_megadp.jobs.bert.initial_weights`).
-            Its shape and vocabulary are the run's; a private run's release
-            composes its ledger (privacy.json) into this run's epsilon.
+            Its shape and vocabulary are the run's; a DP release composes
+            the ledger its weights carry into this run's epsilon.
         init_data_disjoint: the user's statement that the training data of
             `init_from` share no example with `corpus`: its ledger is not
             composed (and a non-private init is accepted); recorded in the
             report.
+        init_public: the user's statement that `init_from` was trained on
+            public data only (a downloaded preset no file describes); the
+            report says the user declared it. Refused for weights whose
+            file carries a DP ledger.
         max_sequence_length: rows of the model's position table (None:
             `sequence_length`); set from `init_from`, whose table may be
             longer than the run's sequences.
@@ -318,6 +322,7 @@ class PretrainConfig:
     loss_scale: float = DEFAULT_LOSS_SCALE
     init_from: str | None = None
     init_data_disjoint: bool = False
+    init_public: bool = False
     max_sequence_length: int | None = None
     lora_rank: int | None = None
     freeze_embeddings: bool = False
@@ -569,6 +574,14 @@ class PretrainConfig:
             raise PretrainError(
                 "--init-data-disjoint states that the data of --init-from are disjoint from "
                 "this corpus: pass --init-from PATH, or drop it.")
+        if self.init_public and not self.init_from:
+            raise PretrainError(
+                "--init-public states that --init-from was trained on public data only: "
+                "pass --init-from PATH, or drop it.")
+        if self.init_public and self.init_data_disjoint:
+            raise PretrainError(
+                "--init-public and --init-data-disjoint are two statements of where "
+                "--init-from comes from: give the one that holds.")
         if self.init_from and not self.resume and not os.path.exists(self.init_from):
             raise PretrainError(f"--init-from {self.init_from}: no such file or directory.")
 

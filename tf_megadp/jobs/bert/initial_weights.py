@@ -9,21 +9,29 @@ are refused by name, and the vocabulary must be the public one PATH was
 trained with (`configured`).
 
 What PATH adds to this run's epsilon depends on where its weights come
-from (`InitialWeights.origin`), decided from the files beside it:
+from (`InitialWeights.origin`), decided from PATH's own weights file and
+the files beside it, never from a missing file:
 
-* "public": a non-private run of this job on the public default corpus, or
-  a keras-hub preset without a privacy.json (taken as public pretrained
-  weights, like a published BERT preset). Nothing: no private data of this
-  run reached them (`tf_megadp.declare_public_weights`).
-* "release": the output of a private run (its report.json says private, or
-  a privacy.json lies beside it). A DP release: its ledger (privacy.json)
-  is composed into this run's epsilon (`tf_megadp.continue_from_release`),
-  which holds whatever the overlap of the two corpora; a target epsilon
-  bounds the composition.
+* "release": values a DP run trained. Their weights file carries the
+  run's ledger (`tf_megadp.run.provenance`; a privacy.json beside it must
+  state the same ledger), or, for a file without that record, a
+  privacy.json lies beside it. The ledger is composed into this run's
+  epsilon, which holds whatever the overlap of the two corpora; a target
+  epsilon bounds the composition.
+* "public": the report.json beside PATH says a non-private run of this job
+  trained it on the public default corpus, or the user states it
+  (`--init-public`, for a preset no file describes). Nothing is composed;
+  the report says which of the two it was.
 * "disjoint": `--init-data-disjoint`, the user's statement that PATH's
   training data share no example with this corpus (public text does).
   Nothing is composed; the report records the statement. A non-private run
-  on a user corpus, or a model.keras whose origin no file tells, needs it.
+  on a user corpus needs it.
+
+A model whose origin no file tells (a preset or model.keras without a
+record or a report beside it: a non-private model of the private corpus
+saved with `save_to_preset`, or a release whose privacy.json was left
+behind) is refused until `--init-public` or `--init-data-disjoint` states
+where it comes from.
 
 A run that resumes keeps the record of its start (the checkpoint holds
 it): its ledger already holds a composed release's steps.
@@ -51,12 +59,16 @@ __all__ = ["ORIGINS", "InitialWeights", "configured", "declare", "load_into",
            "read_initial_weights", "token_order"]
 
 ORIGINS = ("public", "release", "disjoint")
-# What the files beside PATH say of its training.
-_PRIVATE_RUN = "a private run of this job"
-_DEFAULT_CORPUS = "a non-private run of this job on the public default corpus"
-_USER_CORPUS = "a non-private run of this job on a user corpus"
-_PRESET = "a keras-hub preset (no privacy.json beside it)"
-_UNKNOWN = "unknown (no report.json or privacy.json beside it)"
+# What PATH's files say of its training.
+_PRIVATE_RUN = "a DP run (its weights file carries its ledger)"
+_PRIVACY_REPORT_ONLY = "a DP run (a privacy.json lies beside it)"
+_DEFAULT_CORPUS = ("a non-private run of this job on the public default corpus (its "
+                   "report.json says so)")
+_USER_CORPUS = "a non-private run of this job on a user corpus (its report.json says so)"
+_UNKNOWN = "unknown: no ledger in its weights, no report.json or privacy.json beside it"
+_PRIVATE_RUN_WITHOUT_LEDGER = ("a private run of this job (its report.json says so), whose "
+                               "ledger neither its weights nor a privacy.json holds")
+_RELEASES = (_PRIVATE_RUN, _PRIVACY_REPORT_ONLY)
 # A keras-hub preset's tokenizer vocabulary (`save_to_preset` of a task with
 # a preprocessor, or of a tokenizer).
 _PRESET_VOCABULARY = os.path.join("assets", "tokenizer", "vocabulary.txt")
@@ -78,9 +90,11 @@ class InitialWeights:
         max_sequence_length: rows of its position table.
         vocabulary: the vocabulary file it reads (None: none found).
         vocabulary_public: whether that vocabulary is public (None: no file says).
-        trained: what the files beside it say of its training.
+        trained: what its files say of its training.
         privacy_report: the release's privacy.json, if any.
-        release: of that report: steps, epsilon, delta and the ledger.
+        release: the DP ledger its values spent (from its weights' record,
+            else from the privacy.json): steps, the ledger, and epsilon and
+            delta where a privacy.json states them.
     """
 
     path: str
@@ -114,31 +128,44 @@ class InitialWeights:
         """"public", "release" or "disjoint" (module docstring), for a private run.
 
         Raises:
-            PretrainError: a private run's release without its privacy.json,
-                or weights trained without DP on text that may be this
-                run's, and no `--init-data-disjoint`.
+            PretrainError: a private run's output without its ledger, weights
+                trained without DP on text that may be this run's, weights
+                of unknown origin, or `--init-public` for a DP release; each
+                names the statement that would make the run honest.
         """
-        if self.trained == _PRIVATE_RUN:
+        if self.trained in _RELEASES or self.trained == _PRIVATE_RUN_WITHOUT_LEDGER:
+            if config.init_public:
+                raise PretrainError(
+                    f"--init-public: --init-from {self.path} was trained by {self.trained}, "
+                    "not on public data only. Drop --init-public (its ledger is then "
+                    "composed), or pass --init-data-disjoint if its training data share no "
+                    "example with this corpus.")
             if config.init_data_disjoint:
                 return "disjoint"
             if self.release is None:
                 raise PretrainError(
                     f"--init-from {self.path} is the output of a private run, a DP release, "
-                    f"but no {PRIVACY_REPORT_NAME} lies beside it: its ledger cannot be "
-                    "composed into this run's epsilon. Put the release's "
+                    f"but neither its weights nor a {PRIVACY_REPORT_NAME} beside it hold its "
+                    "ledger: it cannot be composed into this run's epsilon. Put the release's "
                     f"{PRIVACY_REPORT_NAME} beside it, or pass --init-data-disjoint if its "
                     "training data share no example with this corpus.")
             return "release"
-        if self.trained in (_DEFAULT_CORPUS, _PRESET):
-            return "public"
         if config.init_data_disjoint:
             return "disjoint"
+        if self.trained == _DEFAULT_CORPUS or config.init_public:
+            return "public"
+        if self.trained == _USER_CORPUS:
+            raise PretrainError(
+                f"--init-from {self.path}: trained by {self.trained}, without DP: its weights "
+                "may hold this corpus's text verbatim, which no epsilon covers. Pass "
+                "--init-data-disjoint if its training data share no example with this corpus "
+                "(public text does), or start from a public model or a DP release.")
         raise PretrainError(
-            f"--init-from {self.path}: trained by {self.trained}, without DP: its weights "
-            "may hold this corpus's text verbatim, which no epsilon covers. Pass "
-            "--init-data-disjoint if its training data share no example with this corpus "
-            "(public text does), or start from a public model or a DP release with its "
-            f"{PRIVACY_REPORT_NAME}.")
+            f"--init-from {self.path}: where its weights come from is {self.trained}. It "
+            "could be a model trained without DP on this corpus, or a DP release whose "
+            f"{PRIVACY_REPORT_NAME} was left behind. State it: --init-public if it was trained "
+            "on public data only, --init-data-disjoint if its training data share no example "
+            f"with this corpus; or put the release's {PRIVACY_REPORT_NAME} beside it.")
 
     def composed_ledger(self, config: PretrainConfig):
         """The release's `PrivacyLedger` this run's epsilon composes, or None."""
@@ -149,26 +176,39 @@ class InitialWeights:
         return PrivacyLedger.from_list(self.release["ledger"])
 
     def report(self, config: PretrainConfig) -> dict[str, Any]:
-        """report.json's "init": the weights, their origin and, in one line, their effect on epsilon."""
+        """report.json's "init": the weights, their origin and, in one line, their effect on epsilon.
+
+        Paths are named relative to nothing the machine holds: the init's
+        file or folder name, and the files beside it by name.
+        """
         origin = None if config.non_private else self.origin(config)
+        declared = origin == "disjoint" or (origin == "public" and config.init_public)
         if origin is None:
             effect = "none: this run is the non-private baseline"
+        elif origin == "public" and config.init_public:
+            effect = ("adds nothing to epsilon: the user declares (--init-public) that it was "
+                      "trained on public data only")
         elif origin == "public":
             effect = f"adds nothing to epsilon: trained by {self.trained}, on public data only"
         elif origin == "release":
-            effect = (f"its ledger ({self.release['steps']} logical steps, epsilon "
-                      f"{self.release['epsilon']:.4g} at delta {self.release['delta']:.3g} "
-                      "alone) is composed into this run's epsilon: a DP release trained further")
+            stated = (f", epsilon {self.release['epsilon']:.4g} at delta "
+                      f"{self.release['delta']:.3g} alone" if self.release.get("epsilon")
+                      is not None else "")
+            effect = (f"its ledger ({self.release['steps']} logical steps{stated}) is composed "
+                      "into this run's epsilon: a DP release trained further")
         else:
             effect = ("adds nothing to epsilon: the user states (--init-data-disjoint) that its "
                       f"training data ({self.trained}) share no example with this corpus")
-        return {"path": self.path, "kind": self.kind, "sha256": self.sha256,
+        return {"path": os.path.basename(self.path), "kind": self.kind, "sha256": self.sha256,
                 "trained": self.trained, "origin": origin, "epsilon": effect,
+                "declared_by_user": declared,
                 "data_disjoint_stated": bool(config.init_data_disjoint),
-                "privacy_report": self.privacy_report,
+                "public_stated": bool(config.init_public),
+                "privacy_report": (os.path.basename(self.privacy_report)
+                                   if self.privacy_report else None),
                 "release": ({k: v for k, v in self.release.items() if k != "ledger"}
                             if self.release else None),
-                "vocabulary": self.vocabulary}
+                "vocabulary": os.path.basename(self.vocabulary) if self.vocabulary else None}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON, for the run's checkpoint (a resumed run reports its start from it)."""
@@ -241,24 +281,40 @@ def _read_preset(path: str) -> InitialWeights:
 
 def _with_provenance(path, kind, sha256, backbone, folder, vocabulary,
                      lowercase) -> InitialWeights:
-    """The `InitialWeights` of a model whose provenance files lie in `folder`."""
+    """The `InitialWeights` of a model: its weights' record, and the files in `folder`."""
     if lowercase is False:
         raise PretrainError(
             f"--init-from {path}: its tokenizer is cased (lowercase false), but the job "
             "lowercases text before its word pieces; start from an uncased model.")
     run = _json_or_none(os.path.join(folder, REPORT_NAME))
     privacy_report = _existing(os.path.join(folder, PRIVACY_REPORT_NAME))
-    release = _release(privacy_report) if privacy_report else None
-    if (run is not None and run.get("private")) or release is not None:
+    stated = _release(privacy_report) if privacy_report else None
+    carried = _carried_ledger(path)
+    if carried is not None:
         trained = _PRIVATE_RUN
+        if stated is not None and stated["ledger"] != carried.to_list():
+            raise PretrainError(
+                f"--init-from {path}: the {PRIVACY_REPORT_NAME} beside it states a ledger of "
+                f"{stated['steps']} logical steps, but its weights carry one of "
+                f"{carried.total_steps}: the report was edited or belongs to another run. "
+                f"Put the release's own {PRIVACY_REPORT_NAME} beside it, or remove it (the "
+                "weights' ledger is the one composed).")
+        release = {"steps": carried.total_steps, "ledger": carried.to_list(),
+                   "epsilon": stated["epsilon"] if stated else None,
+                   "delta": stated["delta"] if stated else None}
+    elif stated is not None:
+        trained, release = _PRIVACY_REPORT_ONLY, stated
+    elif run is not None and run.get("private"):
+        trained, release = _PRIVATE_RUN_WITHOUT_LEDGER, None
     elif run is not None:
         trained = _DEFAULT_CORPUS if not (run.get("config") or {}).get("corpus") else _USER_CORPUS
+        release = None
     else:
-        trained = _PRESET if kind == "preset" else _UNKNOWN
+        trained, release = _UNKNOWN, None
     if run is not None:
         vocabulary_public = bool((run.get("vocabulary") or {}).get("public"))
     else:
-        vocabulary_public = True if trained == _PRESET else None
+        vocabulary_public = True if kind == "preset" else None
     return InitialWeights(
         path=path, kind=kind, sha256=sha256,
         architecture=(backbone["num_layers"], backbone["hidden_dim"], backbone["num_heads"],
@@ -267,6 +323,19 @@ def _with_provenance(path, kind, sha256, backbone, folder, vocabulary,
         max_sequence_length=backbone["max_sequence_length"],
         vocabulary=vocabulary, vocabulary_public=vocabulary_public, trained=trained,
         privacy_report=privacy_report, release=release)
+
+
+def _carried_ledger(path: str):
+    """The DP ledger PATH's weights carry (their record), or None (read with h5py alone)."""
+    from tf_megadp.run import provenance
+
+    try:
+        records = provenance.read_file_provenance(path)
+    except provenance.ProvenanceError as error:
+        raise PretrainError(
+            f"--init-from {path}: its weights file holds {error} Start from the file as its "
+            "DP run wrote it.") from None
+    return provenance.composed_ledger(records) if records else None
 
 
 def _release(report_path: str) -> dict[str, Any]:
@@ -280,7 +349,6 @@ def _release(report_path: str) -> dict[str, Any]:
     except ValueError as error:
         raise PretrainError(f"--init-from: {report_path}: {error}") from None
     return {"steps": report["steps"], "epsilon": report["epsilon"], "delta": report["delta"],
-            "weights_fingerprint": report.get("weights_fingerprint"),
             "ledger": report["ledger"]}
 
 
@@ -424,25 +492,40 @@ def load_into(model, init: InitialWeights) -> None:
 
 
 def declare(model, init: InitialWeights, config: PretrainConfig) -> None:
-    """Declares the init's weights to the private model: composes a release's ledger, or names the source.
+    """Declares the init's weights to the private model: its composed ledger, or the statement.
 
-    Called after `make_private`, before the first step of a new run.
+    Called after `make_private`, before the first step of a new run. A
+    release's values, loaded from its file, are composed by the private run
+    itself (their record); one whose file carries no record is composed
+    from its privacy.json (`tf_megadp.continue_from_release`, which checks
+    that the report is bound to these weights).
 
     Raises:
-        PretrainError: the release's privacy.json changed since the run was
-            planned (its ledger is not the one sigma was calibrated with).
+        PretrainError: the ledger the run would compose is not the one the
+            run was planned with (the files changed since).
     """
     import tf_megadp
+    from tf_megadp.run import weights_origin
 
     origin = init.origin(config)
     if origin == "release":
-        ledger = tf_megadp.continue_from_release(model, init.privacy_report)
-        if ledger.to_list() != init.composed_ledger(config).to_list():
+        planned = init.composed_ledger(config)
+        if init.trained == _PRIVACY_REPORT_ONLY:
+            composed = tf_megadp.continue_from_release(model, init.privacy_report)
+        else:
+            composed = weights_origin.composable_ledger(model)
+        if composed is None or composed.to_list() != planned.to_list():
             raise PretrainError(
-                f"{init.privacy_report} changed since the run was planned: plan it again.")
+                f"--init-from {init.path}: the ledger its weights would compose is not the "
+                "one this run was planned with (its files changed since): plan it again.")
         return
-    tf_megadp.declare_public_weights(
-        model, source=f"{init.path} (sha256 {init.sha256}): {init.report(config)['epsilon']}")
+    effect = init.report(config)["epsilon"]
+    if origin == "disjoint":
+        tf_megadp.declare_disjoint_data(
+            model, statement=f"{os.path.basename(init.path)} (sha256 {init.sha256}): {effect}")
+    else:
+        tf_megadp.declare_public_weights(
+            model, source=f"{os.path.basename(init.path)} (sha256 {init.sha256}): {effect}")
 
 
 def _vocabulary_lines(path: str) -> list[str]:

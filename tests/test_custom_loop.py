@@ -341,12 +341,12 @@ class TestOnlyTheBegunSamplersMicroBatchesAreAccounted:
             train(forged)
         assert step.logical_step == 0 and int(step.optimizer.micro_steps.numpy()) == 0
 
-    def test_a_replayed_micro_batch_is_refused_and_a_map_keeps_the_tag(self, data):
+    def test_a_replayed_micro_batch_is_refused_and_a_map_fn_trains(self, data):
         sampler = sampler_of(data)
         step = PrivateStep(dense_model(), dp_optimizer(sampler.schedule), loss="mse")
         step.begin(sampler)
-        scaled = iter(sampler.as_dataset(tagged=True).map(
-            lambda batch, tag: ((batch[0] * 2.0, batch[1], batch[2]), tag)))
+        # Processing goes in the sampler's map_fn: checked for mixing, then tagged.
+        scaled = iter(sampler.as_dataset(lambda x, y, w: (x * 2.0, y, w), tagged=True))
         train = tf.function(step.run)
         first = next(scaled)
         train(first)
@@ -359,6 +359,73 @@ class TestOnlyTheBegunSamplersMicroBatchesAreAccounted:
         report = PrivacyReport(step, DELTA, accountant="rdp")
         assert report.ledger.total_steps == step.logical_step == steps
         assert poisson_epsilon(steps) <= report.epsilon <= poisson_epsilon(steps, delta=DELTA / 2)
+
+
+class TestTheTagBindsTheRows:
+    """Attack (issue 47, 1): a map of the tagged dataset that keeps the tag but changes the rows.
+
+    Before the fix the tag was a keyed function of (logical step,
+    micro-step) alone: a tag-keeping map that set every real row of a
+    micro-batch to its largest row (MixUp at its extreme) moved the
+    un-noised clipped sum by 7.0000 C for one example, and the step was
+    recorded as an ordinary Poisson step. `fit` refused the same map.
+    """
+
+    @staticmethod
+    def largest_row(batch, tag):
+        x, y, w = batch
+        real = w > 0
+        norms = tf.where(real, tf.norm(x, axis=1), -1.0)
+        largest = tf.argmax(norms)
+        spread = lambda t: tf.where(  # noqa: E731
+            tf.reshape(real, [-1] + [1] * (t.shape.rank - 1)), tf.gather(t, [largest]), t)
+        return (spread(x), spread(y), w), tag
+
+    @pytest.mark.parametrize("attack", ["largest_row", "the_same_rows_every_step",
+                                        "a_row_copied_with_its_tag"])
+    def test_rows_changed_after_tagging_are_refused_and_add_nothing(self, data, attack):
+        sampler = sampler_of(data)
+        model = dense_model()
+        step = PrivateStep(model, dp_optimizer(sampler.schedule), loss="mse")
+        step.begin(sampler)
+        tagged = sampler.as_dataset(tagged=True)
+        if attack == "largest_row":
+            fed = tagged.map(self.largest_row)
+        elif attack == "the_same_rows_every_step":
+            rows = (data[0][:MICRO_BATCH], data[1][:MICRO_BATCH],
+                    np.ones(MICRO_BATCH, "float32"))
+            fed = tagged.map(lambda batch, tag: (rows, tag))
+        else:  # Oversampling: row 0 and its tag written over row 1.
+            copy = lambda t: tf.concat([t[:1], t[:1], t[2:]], axis=0)  # noqa: E731
+            fed = tagged.map(lambda batch, tag: (tuple(copy(t) for t in batch), copy(tag)))
+        before = weights(model)
+        train = tf.function(step.run)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="rows changed since"):
+            train(next(iter(fed)))
+        assert int(step.optimizer.micro_steps.numpy()) == 0  # nothing accumulated
+        for now, then in zip(weights(model), before):
+            np.testing.assert_array_equal(now, then)
+
+    def test_the_tags_are_the_same_in_the_pipeline_and_in_a_step_compiled_with_xla(self, data):
+        from tf_megadp.data import tags
+
+        rng = np.random.default_rng(3)
+        element = (rng.normal(size=(8, 4)).astype("float32"), rng.integers(0, 9, (8, 5)),
+                   rng.normal(size=(8,)).astype("float32"))
+        key = tf.constant([11, 12], tf.int64)
+        whole = tags.row_tags(key, 3, 1, element, 0, 8)
+        halves = [tf.function(tags.row_tags, jit_compile=True)(
+            key, tf.constant(3, tf.int64), tf.constant(1, tf.int64),
+            tuple(t[4 * i:4 * (i + 1)] for t in element), tf.constant(4 * i), 8)
+            for i in range(2)]
+        np.testing.assert_array_equal(whole.numpy(), np.concatenate([h.numpy() for h in halves]))
+        # Any changed bit, or another place in the run, gives other tags.
+        flipped = element[0].copy()
+        flipped.view(np.uint32)[5, 2] ^= 1
+        assert (tags.row_tags(key, 3, 1, (flipped, *element[1:]), 0, 8).numpy()
+                != whole.numpy()).tolist() == [i == 5 for i in range(8)]
+        assert not np.any(tags.row_tags(key, 3, 2, element, 0, 8).numpy() == whole.numpy())
+        assert not np.any(tags.row_tags(key, 4, 1, element, 0, 8).numpy() == whole.numpy())
 
 
 def test_a_checkpoint_resumes_the_ledger_and_holds_no_partial_step(data, tmp_path):

@@ -28,7 +28,7 @@ from tf_megadp.data.stores import (
     TokenShardStore,
     record_store,
 )
-from tf_megadp.data.tags import attach_tag_key, micro_batch_tags
+from tf_megadp.data.tags import attach_tag_key, row_tags
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.secret import Secret
 from tf_megadp.steps import BatchSizeSchedule, step_capacity
@@ -458,11 +458,12 @@ class Sampler(abc.ABC):
             prefetch: micro-batches to prepare ahead (default: AUTOTUNE).
             tagged: for a custom loop's `tf_megadp.PrivateStep`: every
                 element becomes `(batch, tag)`, `tag` int64 [m * R], the
-                secret mark by which the step knows the micro-batch is this
-                sampler's, at its place in the run (`tf_megadp.data.tags`).
-                A step begun with this sampler refuses micro-batches without
-                it. A map of your own keeps it by passing it on:
-                `dataset.map(lambda batch, tag: (transform(batch), tag))`.
+                secret mark by which the step knows each row is this
+                sampler's, unchanged, at its place in the run
+                (`tf_megadp.data.tags`: a keyed hash of the row after
+                `map_fn`). A step begun with this sampler refuses
+                micro-batches whose rows do not match their tags, so
+                per-micro-batch processing goes in `map_fn`, as for `fit`.
                 `fit` takes the untagged dataset.
 
         Returns:
@@ -512,8 +513,10 @@ class Sampler(abc.ABC):
             else:
                 dataset = dataset.map(function)
         if tagged:
+            # After the map_fn (and its independence check): the tags bind
+            # the rows the model will read.
             dataset = dataset.map(lambda element, position, tag_key: (
-                element, micro_batch_tags(tag_key, position[0], position[1], rows)))
+                element, row_tags(tag_key, position[0], position[1], element, 0, rows)))
         dataset = dataset.prefetch(tf.data.AUTOTUNE if prefetch is None else prefetch)
 
         def resume(step: int):

@@ -77,11 +77,12 @@ __all__ = ["PrivateStep"]
 _UNTAGGED_MESSAGE = (
     # No apostrophes: TensorFlow escapes them in an assertion's message.
     "tf_megadp: a micro-batch is not the next one of the sampler this step was "
-    "begun with (its tag is missing, forged, replayed or out of order); it was "
+    "begun with, as the sampler produced it (its rows changed since they were "
+    "tagged, or its tags are missing, forged, replayed or out of order); it was "
     "added to no sum. Feed the dataset of the sampler given to step.begin(), "
-    "sampler.as_dataset(..., tagged=True), in order and each element once, "
-    "keeping the tag of each element through your maps (dataset.map(lambda "
-    "batch, tag: (transform(batch), tag))).")
+    "sampler.as_dataset(map_fn, tagged=True), in order and each element once, "
+    "and do per-micro-batch processing in its map_fn (which the sampler checks "
+    "for mixing before it tags the rows), not in a map of the tagged dataset.")
 
 # Logs that are the same on every replica: `run` takes replica 0's value.
 _GLOBAL_LOGS = ("logical_step", "applied", "nonfinite_examples")
@@ -408,7 +409,7 @@ class PrivateStep:
         admitted = current_generation(self.model)
         if self._tagged:
             data, tag = _split_tag(data)
-            admitted = tf.logical_and(admitted, self._tag_admitted(tag))
+            admitted = tf.logical_and(admitted, self._tag_admitted(data, tag))
         outcome = private_step(
             self.model, data,
             log_nonfinite_examples=getattr(self.model, "_tf_megadp_log_nonfinite", False),
@@ -424,10 +425,22 @@ class PrivateStep:
         logs["applied"] = outcome.applied
         return logs
 
-    def _tag_admitted(self, tag: tf.Tensor) -> tf.Tensor:
-        """Whether `tag` is the sampler's at this step's place in the run (asserted)."""
-        expected = tags.micro_step_tag(self._tag_key.read_value(), self.optimizer.iterations,
-                                       self.optimizer.micro_steps.value)
+    def _tag_admitted(self, data, tag: tf.Tensor) -> tf.Tensor:
+        """Whether every row of `data` is the sampler's at this step's place in the run (asserted).
+
+        The rows' tags are recomputed from the rows themselves, at their
+        index in the global micro-batch (this replica's share starts at
+        replica id x m).
+        """
+        rows = tf.shape(tag)[0]
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        replicas = self.model.distribute_strategy.num_replicas_in_sync
+        # Static where the shapes are (XLA needs it), else read at run time.
+        local_rows = tf.nest.flatten(data)[0].shape[0] or rows
+        expected = tags.row_tags(
+            self._tag_key.read_value(), self.optimizer.iterations,
+            self.optimizer.micro_steps.value, data,
+            tf.cast(replica, tf.int32) * rows, local_rows * replicas)
         admitted = tf.reduce_all(tf.equal(tag, expected))
         check = tf.debugging.Assert(admitted, [_UNTAGGED_MESSAGE])
         with tf.control_dependencies([check]):
@@ -646,8 +659,8 @@ def _split_tag(data):
             "This step was begun with a sampler, so it accounts only the sampler's "
             "micro-batches, and these carry no tag: feed "
             "sampler.as_dataset(..., tagged=True), whose elements are (batch, tag). "
-            "A map of your own keeps the tag by passing it on: "
-            "dataset.map(lambda batch, tag: (transform(batch), tag)).")
+            "Do per-micro-batch processing in the sampler's map_fn, before the rows "
+            "are tagged.")
     return data[0], tag
 
 

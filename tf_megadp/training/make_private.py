@@ -374,7 +374,8 @@ def _restore_backup(model, arguments, callbacks, source):
         return callbacks, False
     if len(backups) > 1:
         raise ValueError("Pass at most one keras.callbacks.BackupAndRestore to fit.")
-    backup = PrivateBackup(backups[0])
+    backup = PrivateBackup(backups[0], resumes_inside_epoch=bool(
+        source is not None and source.schedule is not None))
     callbacks = [backup if c is backups[0] else c for c in callbacks]
     position = backup.restore(model)
     if position is None:

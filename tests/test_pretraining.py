@@ -14,6 +14,7 @@ for a vocabulary learned on that corpus.
 import dataclasses
 import io
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -190,6 +191,18 @@ def secret_encodings(secret):
         encoded += [half.to_bytes(8, "little"), half.to_bytes(8, "big"),
                     str(half).encode(), str(signed).encode()]
     return encoded
+
+
+def json_strings(value):
+    """Every string anywhere in a JSON document."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from json_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from json_strings(item)
 
 
 def json_integers(value):
@@ -779,11 +792,37 @@ class TestContinuingARelease:
 
         _, report, _, output = continued_release
         init = report["init"]
-        assert init["path"] == str(output / "model.keras")
+        # Named, not located: the release lies outside this run's folder.
+        assert init["path"] == "model.keras"
         assert init["sha256"] == sha256_of_file(output / "model.keras")
         assert (init["origin"], init["trained"]) == ("release", "a private run of this job")
         assert "is composed into this run's epsilon" in init["epsilon"]
         assert report["vocabulary"]["source"].startswith("public: the vocabulary")
+
+    def test_no_report_names_a_path_of_this_machine(self, continued_release, workspace):
+        """Issue 47: report.json, which calls itself publishable, held absolute paths.
+
+        (init.path, init.privacy_report, init.vocabulary, the config's corpus,
+        output_dir, cache_dir, vocabulary and init_from, the vocabulary's
+        source; privacy.json's initial_weights.report.) Files inside the run
+        folder are named relative to it, others by name only.
+        """
+        root = workspace[0]
+        _, report, folder, output = continued_release
+        machine = {str(root), str(root.resolve())}
+        for run in (output, folder):
+            for name in ("report.json", "privacy.json"):
+                text = (run / name).read_text()
+                absolute = [value for value in json_strings(json.loads(text))
+                            if os.path.isabs(value)]
+                assert absolute == [], (run / name, absolute)
+                assert not any(path in text for path in machine), run / name
+        config = report["config"]
+        assert (config["output_dir"], config["corpus"], config["cache_dir"]) == (
+            ".", ["private.txt"], "cache")
+        assert (config["init_from"], config["vocabulary"]) == ("model.keras", "vocab.txt")
+        privacy = json.loads((folder / "privacy.json").read_text())
+        assert privacy["initial_weights"]["report"] == "privacy.json"
 
     def test_lora_trains_only_the_factors_and_the_head_the_rest_bit_identical(
             self, continued_release, workspace):

@@ -441,8 +441,10 @@ def declare(model, init: InitialWeights, config: PretrainConfig) -> None:
             raise PretrainError(
                 f"{init.privacy_report} changed since the run was planned: plan it again.")
         return
+    # By name: the source goes into privacy.json, which is published.
     tf_megadp.declare_public_weights(
-        model, source=f"{init.path} (sha256 {init.sha256}): {init.report(config)['epsilon']}")
+        model, source=f"{os.path.basename(init.path)} (sha256 {init.sha256}): "
+        f"{init.report(config)['epsilon']}")
 
 
 def _vocabulary_lines(path: str) -> list[str]:

@@ -150,6 +150,32 @@ def config_dict(config: PretrainConfig) -> dict[str, Any]:
     return values
 
 
+# The settings that name files or folders of this machine.
+PATH_FIELDS = ("corpus", "output_dir", "cache_dir", "vocabulary", "init_from")
+
+
+def publishable(report: dict[str, Any], output_dir: str) -> dict[str, Any]:
+    """`report` as report.json in `output_dir` publishes it: no path of this machine in it.
+
+    Its `config` names files as `files.publishable_path` does (relative to the
+    run folder, or by name only), relative paths as typed included; every
+    other absolute path in it (the init's files, a release's report) too.
+    The checkpoint, which is never published, keeps the settings whole for
+    --resume and the audit.
+    """
+    from tf_megadp.files import publishable_path, publishable_paths
+
+    folder = output_dir
+    settings = dict(report.get("config") or {})
+    for name in PATH_FIELDS:
+        value = settings.get(name)
+        if isinstance(value, list):
+            settings[name] = [publishable_path(item, folder) for item in value]
+        elif value is not None:
+            settings[name] = publishable_path(value, folder)
+    return publishable_paths({**report, "config": settings}, folder)
+
+
 def _learning_lines(report: dict[str, Any]) -> list[str]:
     """The summary's verdict against the unigram baseline, its learning rate and its N."""
     from tf_megadp.jobs.bert.baselines import NOT_LEARNED_MESSAGE, STANDARD_ERRORS

@@ -32,6 +32,7 @@ from tf_megadp.jobs.bert.run_files import (
     REPORT_NAME,
     VOCABULARY_NAME,
     config_dict,
+    publishable,
     run_summary,
 )
 
@@ -411,8 +412,8 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
         checkpointer.save(model)
     if chief:
         _export_release(job, model)
-    report = _report(job, model, sampler, privacy, start, heldout_set,
-                     final_steps=final_steps, train_seconds=train_seconds)
+    report = publishable(_report(job, model, sampler, privacy, start, heldout_set,
+                                 final_steps=final_steps, train_seconds=train_seconds), output_dir)
     if chief:
         write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
         if start.history:

@@ -383,6 +383,11 @@ class TestResumeFromTheRunFolder:
         again = cli.build_parser().parse_args(resume + ["--stop-after-steps", "1"])
         assert cli.run_config_from_args(again, None).stop_after_steps == 1
 
+    def test_the_summary_names_the_noise_and_the_sampling(self, resumed_capture):
+        summary = resumed_capture[3].resumed_log[-1]
+        assert ("mechanism               independent Gaussian noise (DP-SGD) on Poisson "
+                "sampling") in summary, summary
+
     def test_the_resumed_run_says_where_it_resumed(self, resumed_capture):
         first, _, _, captured = resumed_capture
         line = next(line for line in captured.resumed_log if line.startswith("Resuming"))
@@ -536,9 +541,17 @@ def test_the_job_trains_with_correlated_noise_at_the_epsilon_it_calibrated(
     config = tiny_config(corpus, cache, tmp_path / "run", noise=noise, bands=2,
                          noise_multiplier=None, target_epsilon=8.0, checkpoint_every=0,
                          accountant="pld")
-    report = run_pretraining(config, log=lambda *_: None)
+    log = []
+    report = run_pretraining(config, log=log.append)
     privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
     assert report["sampling"] == sampling and report["noise"]["kind"] == noise
+    # Issue 47: the printed summary said "Poisson" and never named the mechanism.
+    said = {"bandmf": "BandMF correlated noise (2 bands) on cyclic Poisson sampling (2 groups",
+            "blt": "BLT correlated noise (2 buffers) on fixed-order sampling"}[noise]
+    summary = log[-1]
+    assert f"mechanism               {said}" in summary, summary
+    assert said in "\n".join(log[:-1])  # and the announcement before training
+    assert "Poisson, " not in summary and "DP-SGD" not in summary
     assert privacy["settings"]["noise_strategy"] == report["noise"]
     [entry] = privacy["ledger"]
     assert (entry["sampling"], entry["noise"], entry["steps"], entry["segment_start"]) == (

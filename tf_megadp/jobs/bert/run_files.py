@@ -203,6 +203,38 @@ def _learning_lines(report: dict[str, Any]) -> list[str]:
             f"trained on              {population}"]
 
 
+def mechanism_description(noise: str | None, size: int, sampling: str,
+                          cycle_length: int | None) -> str:
+    """The noise mechanism and the sampling it is accounted with, in words (log and summary).
+
+    Example:
+    ```python
+    mechanism_description("bandmf", 4, "cyclic_poisson", 4)
+    # 'BandMF correlated noise (4 bands) on cyclic Poisson sampling (4 groups: step t
+    #  samples group t mod 4)'
+    ```
+    """
+    noises = {None: "independent Gaussian noise (DP-SGD)",
+              "bandmf": f"BandMF correlated noise ({size} bands)",
+              "blt": f"BLT correlated noise ({size} buffers)"}
+    samplings = {
+        "poisson": "Poisson sampling",
+        "cyclic_poisson": (f"cyclic Poisson sampling ({cycle_length} groups: step t samples "
+                           f"group t mod {cycle_length})"),
+        "fixed_order": "fixed-order sampling (one secret order, the same every epoch)",
+    }
+    return (f"{noises.get(noise, f'{noise} noise')} on "
+            f"{samplings.get(sampling, f'{sampling} sampling')}")
+
+
+def _report_mechanism(report: dict[str, Any]) -> str:
+    noise = report.get("noise") or {}
+    kind = noise.get("kind")
+    return mechanism_description(kind, noise.get("bands") if kind == "bandmf"
+                                 else noise.get("noise_buffers"),
+                                 report["sampling"], report.get("cycle_length"))
+
+
 def run_summary(report: dict[str, Any], output_dir: str) -> str:
     lines = [
         "",
@@ -214,8 +246,9 @@ def run_summary(report: dict[str, Any], output_dir: str) -> str:
     if report["private"]:
         lines.append(
             f"privacy                 epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}"
-            f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, Poisson, "
+            f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, "
             f"{report['accountant'].upper()})")
+        lines.append(f"mechanism               {_report_mechanism(report)}")
         if report["adaptive_clipping"]:
             lines.append(f"adaptive clip norm      C {report['adaptive_clipping']['clip_norm']:.4g} "
                          f"at the end (target quantile "

@@ -32,6 +32,7 @@ from tf_megadp.jobs.bert.run_files import (
     REPORT_NAME,
     VOCABULARY_NAME,
     config_dict,
+    mechanism_description,
     publishable,
     run_summary,
 )
@@ -402,7 +403,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
                                           logical_done, several_workers))
     if chief:
         callbacks += _log_callbacks(job)
-    _announce_training(job, start.learning_rate_source, planned_epsilon)
+    _announce_training(job, start.learning_rate_source, planned_epsilon, sampler)
     train_seconds = _fit(job, model, dataset, several_workers, callbacks,
                          epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
                          steps_per_epoch=steps_per_epoch)
@@ -709,7 +710,8 @@ def _log_callbacks(job: _Job) -> list:
     ]
 
 
-def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: float) -> None:
+def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: float,
+                       sampler) -> None:
     """Says what is trained on what, with which learning rate, schedule and privacy."""
     from tf_megadp.jobs.bert.units import describe_population
 
@@ -728,7 +730,10 @@ def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: fl
         f"Learning rate {config.learning_rate:g} ({learning_rate_source}).\n"
         f"Schedule: {schedule}; "
         + (f"sigma={job.sigma:.4f}, C={config.l2_norm_clip}, delta={job.delta:.3g}, planned "
-           f"epsilon={planned_epsilon:.3f}." if job.private
+           f"epsilon={planned_epsilon:.3f}; "
+           + mechanism_description(config.noise, config.bands, sampler.sampling_kind,
+                                   getattr(sampler, "cycle_length", None)) + "."
+           if job.private
            else "NON-PRIVATE baseline (no clipping, no noise).")
     )
 
@@ -795,6 +800,9 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
                               if private else None),
         "accountant": config.accountant if private else None,
         "sampling": sampler.sampling_kind,
+        # Cyclic Poisson sampling's groups (step t samples group t mod L).
+        "cycle_length": (sampler.cycle_length if sampler.sampling_kind == "cyclic_poisson"
+                         else None),
         # The correlated noise (--noise), the strategy it streamed, its bands.
         "noise": (model.optimizer.noise_strategy.describe()
                   if private and config.noise is not None else None),

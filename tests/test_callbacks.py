@@ -670,6 +670,27 @@ def test_a_schedule_that_ends_at_the_budget_is_not_said_to_stop(data, capsys):
     assert "stopping" not in capsys.readouterr().out
 
 
+def test_a_fit_of_a_samplers_dataset_does_not_warn_that_shuffle_is_ignored(data):
+    """Issue 47: Keras warned "shuffle=True was passed, but will be ignored" on every such fit.
+
+    The sampler's draws are the order: the private fit passes shuffle=False.
+    A user who asks for shuffle=True is still told that Keras ignores it.
+    """
+    x, y = data
+
+    def shuffle_warnings(**fit_arguments):
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=BATCH, epochs=1, micro_batch_size=MICRO_BATCH)
+        model = private_model(schedule=sampler.schedule)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(sampler.as_dataset(), verbose=0, **fit_arguments)
+        return [w for w in caught if "will be ignored" in str(w.message)]
+
+    assert shuffle_warnings() == []
+    assert len(shuffle_warnings(shuffle=True)) == 1
+
+
 def test_a_non_private_or_unsupported_setup_fails_before_training(data):
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     plain.compile(optimizer="sgd", loss="mse")

@@ -748,6 +748,23 @@ class TestReleasedStatistics:
         assert files["checkpoint"].startswith("keep like the training data")
         assert set(files) <= {p.name for p in output.iterdir()}
 
+    def test_loading_the_release_says_nothing_of_the_optimizer_it_has_none_of(self,
+                                                                              resumed_run):
+        """Issue 47: Keras warned "Skipping variable loading for optimizer 'adam'" on every load.
+
+        keras-hub compiled the rebuilt task with its default optimizer, which
+        found no state in the file: the release now loads as it was saved,
+        uncompiled, and no warning is filtered for it.
+        """
+        import keras
+
+        _, _, output = resumed_run
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = keras.models.load_model(output / "model.keras")
+        assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+        assert not loaded.compiled
+
     def test_the_published_model_holds_no_optimizer_state(self, resumed_run):
         _, _, output = resumed_run
         with zipfile.ZipFile(output / "model.keras") as archive:

@@ -11,6 +11,7 @@ private corpus does not reach the published vocabulary unless the user asks
 for a vocabulary learned on that corpus.
 """
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -159,13 +160,15 @@ def second_run(workspace):
     """
     root, corpus, cache = workspace
     output = root / "again"
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    stdout = io.StringIO()  # Not a terminal: Keras's "auto" bar would write \r updates.
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(stdout):
         captured = Captured(monkeypatch)
         captured.log = []
         captured.report = run_pretraining(
             tiny_config(corpus, cache, output, steps=1, checkpoint_every=0, eval_every=1,
-                        learning_rate=0.0),
+                        learning_rate=0.0, verbose="auto"),
             log=captured.log.append)
+    captured.stdout = stdout.getvalue()
     return output, captured
 
 
@@ -489,6 +492,25 @@ def _assert_same_epsilon_as_uninterrupted(report):
         delta=report["delta"], schedule=schedule, noise_multiplier=1.0, accountant="rdp")
     assert report["completed"] and report["logical_steps"] == schedule.total_steps
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_without_a_terminal_the_job_writes_one_line_per_evaluation(second_run):
+    """Issue 47: piped to a file, Keras's bar wrote >1 MB of carriage-return updates."""
+    from tf_megadp.jobs.bert.training import progress_verbosity
+
+    _, captured = second_run
+    assert "\r" not in captured.stdout and "\b" not in captured.stdout, captured.stdout
+    lines = [line for line in captured.stdout.splitlines() if "loss" in line]
+    assert len(lines) == len(captured.report["history"]) == 1, captured.stdout
+    assert "heldout_mlm_accuracy" in lines[0]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert progress_verbosity("auto", Terminal()) == 1
+    assert progress_verbosity("auto", io.StringIO()) == 2
+    assert progress_verbosity(0, Terminal()) == 0
 
 
 class TestTheUnigramBaseline:

@@ -755,8 +755,31 @@ def _fit(job: _Job, model, dataset, several_workers: bool, callbacks: list, *, e
         else:
             model.fit(dataset, epochs=epochs, initial_epoch=initial_epoch,
                       steps_per_epoch=steps_per_epoch or None,
-                      shuffle=False, callbacks=callbacks, verbose=job.config.verbose)
+                      shuffle=False, callbacks=callbacks,
+                      verbose=progress_verbosity(job.config.verbose))
     return time.time() - train_started
+
+
+def progress_verbosity(verbose: int | str, stream=None) -> int | str:
+    """The job's Keras `fit` verbosity: for "auto", a bar on a terminal, else one line per evaluation.
+
+    Keras's "auto" draws its bar with carriage returns whenever Python runs
+    on POSIX, terminal or not: a 5-minute run with its stdout in a file
+    wrote more than 1 MB of them (issue 47). Each epoch of the job ends
+    with an evaluation, so verbose=2, one line per epoch, is one line per
+    evaluation. A number given is kept.
+
+    Args:
+        verbose: the configured verbosity (`PretrainConfig.verbose`).
+        stream: where Keras writes (default: `sys.stdout` now).
+    """
+    import sys
+
+    if verbose != "auto":
+        return verbose
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return 1 if callable(isatty) and isatty() else 2
 
 
 def _export_release(job: _Job, model) -> None:

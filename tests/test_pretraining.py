@@ -758,6 +758,40 @@ class TestThePublishedVocabulary:
         assert load_vocabulary(train) == load_vocabulary(heldout) == tokens
 
 
+class TestEvaluate:
+    """Issue 47: there was no way to score a model without training it (a new user ran 1 step at lr 0)."""
+
+    def test_a_runs_model_scores_its_reports_accuracy_and_baseline(self, resumed_run, workspace,
+                                                                 capsys, tmp_path):
+        _, report, output = resumed_run
+        root, corpus, cache = workspace
+        status = cli.main(["evaluate", str(output / "model.keras"), "--corpus", corpus,
+                           "--micro-batch-size", "8", "--cache-dir", str(cache),
+                           "--json", str(tmp_path / "evaluation.json")])
+        assert status == 0
+        printed = capsys.readouterr().out
+        result = json.loads((tmp_path / "evaluation.json").read_text())
+        # The job's held-out split, masks, scoring and baseline: the run's numbers.
+        assert result["heldout_mlm_accuracy"] == pytest.approx(
+            report["heldout_mlm_accuracy"], abs=1e-6)
+        for name in ("unigram_baseline_accuracy", "learned_threshold",
+                     "heldout_masked_positions", "learned", "heldout_examples"):
+            assert result[name] == report[name], name
+        assert (result["model_preset"], result["sequence_length"]) == ("pico", 16)
+        assert (f"held-out MLM accuracy   {result['heldout_mlm_accuracy']:.4f}   (unigram "
+                f"baseline {result['unigram_baseline_accuracy']:.4f})") in printed
+
+    def test_a_backbone_preset_without_an_mlm_head_is_refused(self, tmp_path, capsys):
+        import keras_hub
+
+        keras_hub.models.BertBackbone(vocabulary_size=16, num_layers=1, num_heads=2,
+                                      hidden_dim=8, intermediate_dim=16, max_sequence_length=8
+                                      ).save_to_preset(str(tmp_path / "backbone"))
+        assert cli.main(["evaluate", str(tmp_path / "backbone")]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and "no masked-LM head" in error[0], error
+
+
 class TestReleasedStatistics:
     def test_report_names_what_epsilon_does_not_cover(self, resumed_run):
         _, report, output = resumed_run

@@ -427,17 +427,30 @@ def _prepare_evaluation(job: _Job):
     """(the training batcher, the held-out set): the public randomness of the run is set here."""
     import keras
 
-    from tf_megadp.jobs.bert import text
-
     config = job.config
     # Public randomness only (initialisation, the held-out masks): the
     # sampling, the training masks (keyed by the sampler's secret and each
     # example's content), dropout (keyed by the private step's secret) and
     # the noise draw secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
-    batcher = text.MaskedLMBatcher.from_shards(job.train, max_predictions=config.max_predictions)
-    x, y, w = heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
-    unigram = unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
+    return heldout_set(job.train, job.heldout, config)
+
+
+def heldout_set(train, heldout, config: PretrainConfig):
+    """(the run's batcher, the held-out set masked once, with its unigram baseline).
+
+    What every evaluation of a run on these splits scores: the job's, and
+    `tf-megadp evaluate`'s.
+
+    Args:
+        train, heldout: the prepared `TokenShards` of the two splits.
+        config: the run's settings (max_predictions, micro_batch_size, seed).
+    """
+    from tf_megadp.jobs.bert import text
+
+    batcher = text.MaskedLMBatcher.from_shards(train, max_predictions=config.max_predictions)
+    x, y, w = heldout_batches(heldout, batcher, config.micro_batch_size, config.seed)
+    unigram = unigram_accuracy(train, y, w, train.vocabulary_size)
     return batcher, _HeldOut(x, y, w, unigram)
 
 
@@ -669,7 +682,7 @@ def _evaluation_callback(job: _Job, heldout_set: _HeldOut, history: list, privac
             # the weights the run exports (fit leaves the average in the model).
             swap = [keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None
             if several_workers:
-                accuracy = _heldout_accuracy(self.model, heldout_set.x, heldout_set.y,
+                accuracy = heldout_accuracy(self.model, heldout_set.x, heldout_set.y,
                                              heldout_set.sample_weight,
                                              config.micro_batch_size, swap)
             else:
@@ -932,12 +945,13 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     hooks.on_train_end(logs)
 
 
-def _heldout_accuracy(model, x, y, sample_weight, batch_size: int, swap=None) -> float:
+def heldout_accuracy(model, x, y, sample_weight, batch_size: int, swap=None) -> float:
     """The held-out masked-LM accuracy `evaluate` gives, without `evaluate`.
 
     Keras's `evaluate` cannot run under several workers either; this is its
     weighted accuracy over the masked positions, from the model's forward
-    pass on this worker (its weights are every worker's).
+    pass on this worker (its weights are every worker's). It needs no
+    compiled model: `tf-megadp evaluate` scores a model with it too.
     """
     import keras
     import numpy as np

@@ -291,6 +291,73 @@ def test_calibration_round_trips_within_one_percent_pld():
     assert 0.99 * 2.0 <= epsilon <= 2.0
 
 
+class TestCalibrationCost:
+    """Issue 47: calibrate_noise_multiplier(target_epsilon=1000) ran 9 minutes past 8 GB.
+
+    A step's PLD spans privacy losses up to ~1 / (2 sigma^2), so the PLD
+    search at a huge target built ever larger grids. Calibration now builds
+    no PLD beyond `PLD_GRID_BUDGET` points: it answers (within 1 %) above the
+    sigma where that budget ends and refuses below it, by name. The budget
+    is lowered here so that each check builds only small PLDs; the spy
+    fails the old search at its first oversized PLD, before building it.
+    """
+
+    BUDGET = 100_000
+    RUN = dict(num_examples=1_000, batch_size=64, steps=20)
+
+    @pytest.fixture
+    def built(self, monkeypatch):
+        from tf_megadp.accounting import calibration
+
+        monkeypatch.setattr(calibration, "PLD_GRID_BUDGET", self.BUDGET, raising=False)
+        sizes = []
+        original = engines._step_pld
+
+        def spy(event):
+            points = engines.pld_grid_points(event)
+            assert points <= self.BUDGET, f"a PLD of {points:,} points for {event}"
+            sizes.append(points)
+            return original(event)
+
+        monkeypatch.setattr(engines, "_step_pld", spy)
+        return sizes
+
+    def test_the_grid_size_is_the_size_of_the_pld_that_is_built(self):
+        for event in (dp_accounting.PoissonSampledDpEvent(0.064, dp_accounting.GaussianDpEvent(1.0)),
+                      dp_accounting.TruncatedSubsampledGaussianDpEvent(1_000, 0.064, 80, 1.0)):
+            built = engines._step_pld(event)
+            assert engines.pld_grid_points(event) == pytest.approx(
+                built._pmf_remove.size, abs=3)
+        # An unsampled Gaussian composed 4 times is one of sigma / 2.
+        four = dp_accounting.SelfComposedDpEvent(dp_accounting.GaussianDpEvent(2.0), 4)
+        assert engines.pld_grid_points(four) == pytest.approx(
+            engines._gaussian_pld(1.0)._pmf_remove.size, abs=3)
+
+    def test_a_huge_target_is_refused_by_name_after_one_bounded_pld(self, built):
+        with pytest.raises(PrivacyConfigurationError) as refused:
+            calibrate_noise_multiplier(1000.0, 1e-5, **self.RUN)
+        assert len(built) <= 1
+        message = str(refused.value)
+        assert "PLD" in message and "accountant='rdp'" in message
+        largest = float(re.search(r"largest target that PLD calibrates for this run is "
+                                  r"epsilon = ([0-9.]+)", message).group(1))
+        assert 3.0 < largest < 1000.0
+        # Just above that largest target, still refused; just below, answered.
+        with pytest.raises(PrivacyConfigurationError, match="largest target"):
+            calibrate_noise_multiplier(largest * 1.02, 1e-5, **self.RUN)
+        target = largest * 0.97
+        sigma = calibrate_noise_multiplier(target, 1e-5, **self.RUN)
+        assert 0.99 * target <= compute_epsilon(noise_multiplier=sigma, delta=1e-5,
+                                                **self.RUN) <= target
+        assert len(built) <= 12
+
+    def test_rdp_calibrates_the_same_target_at_once(self, built):
+        sigma = calibrate_noise_multiplier(1000.0, 1e-5, accountant="rdp", **self.RUN)
+        epsilon = compute_epsilon(noise_multiplier=sigma, delta=1e-5, accountant="rdp", **self.RUN)
+        assert 0.99 * 1000 <= epsilon <= 1000
+        assert built == []
+
+
 def test_a_prior_ledger_is_composed_first_and_calibration_spends_what_it_leaves():
     # A run that continues a DP release on the same data (the BERT job's
     # --init-from): its epsilon composes the release's steps, and a target

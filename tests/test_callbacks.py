@@ -631,6 +631,66 @@ def test_budget_stop_halts_exactly_at_the_last_step_that_fits(data, capsys):
     assert int(optimizer.iterations.numpy()) == 5
 
 
+def test_a_run_that_ends_at_the_budget_is_not_said_to_stop(data, capsys):
+    """Issue 47: a run that completed its plan printed "stopping after logical step ...".
+
+    The budget fits exactly the 8 steps of 2 epochs: one more would exceed
+    it, but the fit has no more. Nothing stopped it, so nothing says so.
+    """
+    target = (reference_epsilon(8) + reference_epsilon(9)) / 2
+    model = private_model()
+    callback = PrivacyCallback(DELTA, accountant="rdp", target_epsilon=target)
+    fit(model, data, 2, [callback])
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert callback.stopped_at_step is None
+    assert "stopping" not in capsys.readouterr().out
+    # The same run given 3 epochs is stopped there, and says so.
+    model = private_model()
+    callback = PrivacyCallback(DELTA, accountant="rdp", target_epsilon=target)
+    fit(model, data, 3, [callback])
+    assert int(model.optimizer.iterations.numpy()) == callback.stopped_at_step == 8
+    assert "stopping after logical step 8:" in capsys.readouterr().out
+
+
+def test_a_schedule_that_ends_at_the_budget_is_not_said_to_stop(data, capsys):
+    x, y = data
+
+    def run(target_epsilon):
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=BATCH, epochs=2, micro_batch_size=MICRO_BATCH)
+        model = private_model(schedule=sampler.schedule)
+        callback = PrivacyCallback(DELTA, accountant="rdp", target_epsilon=target_epsilon)
+        model.fit(sampler.as_dataset(), callbacks=[callback], verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == sampler.schedule.total_steps
+        return callback
+
+    # The budget is what the whole schedule spends (one more step, ~6 % more, would not fit).
+    callback = run(run(None).epsilon * 1.001)
+    assert callback.stopped_at_step is None
+    assert "stopping" not in capsys.readouterr().out
+
+
+def test_a_fit_of_a_samplers_dataset_does_not_warn_that_shuffle_is_ignored(data):
+    """Issue 47: Keras warned "shuffle=True was passed, but will be ignored" on every such fit.
+
+    The sampler's draws are the order: the private fit passes shuffle=False.
+    A user who asks for shuffle=True is still told that Keras ignores it.
+    """
+    x, y = data
+
+    def shuffle_warnings(**fit_arguments):
+        sampler = tf_megadp.PoissonSampler.from_arrays(
+            x, y, batch_size=BATCH, epochs=1, micro_batch_size=MICRO_BATCH)
+        model = private_model(schedule=sampler.schedule)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.fit(sampler.as_dataset(), verbose=0, **fit_arguments)
+        return [w for w in caught if "will be ignored" in str(w.message)]
+
+    assert shuffle_warnings() == []
+    assert len(shuffle_warnings(shuffle=True)) == 1
+
+
 def test_a_non_private_or_unsupported_setup_fails_before_training(data):
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     plain.compile(optimizer="sgd", loss="mse")

@@ -330,6 +330,34 @@ class TestCorrelatedNoise:
         with pytest.raises(pretraining.PretrainError, match=message):
             dataclasses.replace(pretraining.PretrainConfig(), **fields).validate()
 
+    @pytest.mark.parametrize("noise, sampling, cycle, said", [
+        (None, "poisson", None, "independent Gaussian noise (DP-SGD) on Poisson sampling"),
+        ({"kind": "bandmf", "bands": 4, "noise_buffers": None}, "cyclic_poisson", 4,
+         "BandMF correlated noise (4 bands) on cyclic Poisson sampling (4 groups: step t "
+         "samples group t mod 4)"),
+        ({"kind": "blt", "bands": None, "noise_buffers": 3}, "fixed_order", None,
+         "BLT correlated noise (3 buffers) on fixed-order sampling (one secret order, the "
+         "same every epoch)"),
+    ])
+    def test_the_summary_names_the_mechanism_and_its_sampling(self, noise, sampling, cycle,
+                                                              said):
+        """Issue 47: a BandMF run's summary said "Poisson" and never named the mechanism."""
+        from tf_megadp.jobs.bert.run_files import run_summary
+
+        report = {
+            "heldout_mlm_accuracy": 0.1, "unigram_baseline_accuracy": 0.04, "learned": True,
+            "learned_threshold": 0.05, "heldout_masked_positions": 1000, "completed": True,
+            "learning_rate": 8e-3, "learning_rate_source": "DP default",
+            "privacy_unit": "example", "num_examples": 100, "training_sequences": 100,
+            "private": True, "epsilon": 5.0, "delta": 1e-5, "noise_multiplier": 1.0,
+            "l2_norm_clip": 1.0, "accountant": "pld", "adaptive_clipping": None,
+            "noise": noise, "sampling": sampling, "cycle_length": cycle,
+            "vocabulary": {"source": "public"}, "logical_steps": 10, "examples_per_s": 1.0,
+            "wall_time_s": 1.0}
+        summary = run_summary(report, "run")
+        assert f"mechanism               {said}\n" in summary, summary
+        assert "Poisson, PLD" not in summary
+
     def test_sigma_is_calibrated_for_the_mechanism(self):
         from tf_megadp import accounting
 

@@ -11,9 +11,11 @@ private corpus does not reach the published vocabulary unless the user asks
 for a vocabulary learned on that corpus.
 """
 
+import contextlib
 import dataclasses
 import io
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -158,13 +160,15 @@ def second_run(workspace):
     """
     root, corpus, cache = workspace
     output = root / "again"
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    stdout = io.StringIO()  # Not a terminal: Keras's "auto" bar would write \r updates.
+    with pytest.MonkeyPatch.context() as monkeypatch, contextlib.redirect_stdout(stdout):
         captured = Captured(monkeypatch)
         captured.log = []
         captured.report = run_pretraining(
             tiny_config(corpus, cache, output, steps=1, checkpoint_every=0, eval_every=1,
-                        learning_rate=0.0),
+                        learning_rate=0.0, verbose="auto"),
             log=captured.log.append)
+    captured.stdout = stdout.getvalue()
     return output, captured
 
 
@@ -190,6 +194,18 @@ def secret_encodings(secret):
         encoded += [half.to_bytes(8, "little"), half.to_bytes(8, "big"),
                     str(half).encode(), str(signed).encode()]
     return encoded
+
+
+def json_strings(value):
+    """Every string anywhere in a JSON document."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from json_strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from json_strings(item)
 
 
 def json_integers(value):
@@ -370,6 +386,11 @@ class TestResumeFromTheRunFolder:
         again = cli.build_parser().parse_args(resume + ["--stop-after-steps", "1"])
         assert cli.run_config_from_args(again, None).stop_after_steps == 1
 
+    def test_the_summary_names_the_noise_and_the_sampling(self, resumed_capture):
+        summary = resumed_capture[3].resumed_log[-1]
+        assert ("mechanism               independent Gaussian noise (DP-SGD) on Poisson "
+                "sampling") in summary, summary
+
     def test_the_resumed_run_says_where_it_resumed(self, resumed_capture):
         first, _, _, captured = resumed_capture
         line = next(line for line in captured.resumed_log if line.startswith("Resuming"))
@@ -473,6 +494,25 @@ def _assert_same_epsilon_as_uninterrupted(report):
     assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
 
 
+def test_without_a_terminal_the_job_writes_one_line_per_evaluation(second_run):
+    """Issue 47: piped to a file, Keras's bar wrote >1 MB of carriage-return updates."""
+    from tf_megadp.jobs.bert.training import progress_verbosity
+
+    _, captured = second_run
+    assert "\r" not in captured.stdout and "\b" not in captured.stdout, captured.stdout
+    lines = [line for line in captured.stdout.splitlines() if "loss" in line]
+    assert len(lines) == len(captured.report["history"]) == 1, captured.stdout
+    assert "heldout_mlm_accuracy" in lines[0]
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert progress_verbosity("auto", Terminal()) == 1
+    assert progress_verbosity("auto", io.StringIO()) == 2
+    assert progress_verbosity(0, Terminal()) == 0
+
+
 class TestTheUnigramBaseline:
     """Issue 41: a run that ends on the unigram plateau says so; the rate and its source are reported."""
 
@@ -523,9 +563,17 @@ def test_the_job_trains_with_correlated_noise_at_the_epsilon_it_calibrated(
     config = tiny_config(corpus, cache, tmp_path / "run", noise=noise, bands=2,
                          noise_multiplier=None, target_epsilon=8.0, checkpoint_every=0,
                          accountant="pld")
-    report = run_pretraining(config, log=lambda *_: None)
+    log = []
+    report = run_pretraining(config, log=log.append)
     privacy = json.loads((tmp_path / "run" / "privacy.json").read_text())
     assert report["sampling"] == sampling and report["noise"]["kind"] == noise
+    # Issue 47: the printed summary said "Poisson" and never named the mechanism.
+    said = {"bandmf": "BandMF correlated noise (2 bands) on cyclic Poisson sampling (2 groups",
+            "blt": "BLT correlated noise (2 buffers) on fixed-order sampling"}[noise]
+    summary = log[-1]
+    assert f"mechanism               {said}" in summary, summary
+    assert said in "\n".join(log[:-1])  # and the announcement before training
+    assert "Poisson, " not in summary and "DP-SGD" not in summary
     assert privacy["settings"]["noise_strategy"] == report["noise"]
     [entry] = privacy["ledger"]
     assert (entry["sampling"], entry["noise"], entry["steps"], entry["segment_start"]) == (
@@ -710,6 +758,40 @@ class TestThePublishedVocabulary:
         assert load_vocabulary(train) == load_vocabulary(heldout) == tokens
 
 
+class TestEvaluate:
+    """Issue 47: there was no way to score a model without training it (a new user ran 1 step at lr 0)."""
+
+    def test_a_runs_model_scores_its_reports_accuracy_and_baseline(self, resumed_run, workspace,
+                                                                 capsys, tmp_path):
+        _, report, output = resumed_run
+        root, corpus, cache = workspace
+        status = cli.main(["evaluate", str(output / "model.keras"), "--corpus", corpus,
+                           "--micro-batch-size", "8", "--cache-dir", str(cache),
+                           "--json", str(tmp_path / "evaluation.json")])
+        assert status == 0
+        printed = capsys.readouterr().out
+        result = json.loads((tmp_path / "evaluation.json").read_text())
+        # The job's held-out split, masks, scoring and baseline: the run's numbers.
+        assert result["heldout_mlm_accuracy"] == pytest.approx(
+            report["heldout_mlm_accuracy"], abs=1e-6)
+        for name in ("unigram_baseline_accuracy", "learned_threshold",
+                     "heldout_masked_positions", "learned", "heldout_examples"):
+            assert result[name] == report[name], name
+        assert (result["model_preset"], result["sequence_length"]) == ("pico", 16)
+        assert (f"held-out MLM accuracy   {result['heldout_mlm_accuracy']:.4f}   (unigram "
+                f"baseline {result['unigram_baseline_accuracy']:.4f})") in printed
+
+    def test_a_backbone_preset_without_an_mlm_head_is_refused(self, tmp_path, capsys):
+        import keras_hub
+
+        keras_hub.models.BertBackbone(vocabulary_size=16, num_layers=1, num_heads=2,
+                                      hidden_dim=8, intermediate_dim=16, max_sequence_length=8
+                                      ).save_to_preset(str(tmp_path / "backbone"))
+        assert cli.main(["evaluate", str(tmp_path / "backbone")]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and "no masked-LM head" in error[0], error
+
+
 class TestReleasedStatistics:
     def test_report_names_what_epsilon_does_not_cover(self, resumed_run):
         _, report, output = resumed_run
@@ -721,6 +803,23 @@ class TestReleasedStatistics:
         assert files["model.keras"].startswith("release")
         assert files["checkpoint"].startswith("keep like the training data")
         assert set(files) <= {p.name for p in output.iterdir()}
+
+    def test_loading_the_release_says_nothing_of_the_optimizer_it_has_none_of(self,
+                                                                              resumed_run):
+        """Issue 47: Keras warned "Skipping variable loading for optimizer 'adam'" on every load.
+
+        keras-hub compiled the rebuilt task with its default optimizer, which
+        found no state in the file: the release now loads as it was saved,
+        uncompiled, and no warning is filtered for it.
+        """
+        import keras
+
+        _, _, output = resumed_run
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loaded = keras.models.load_model(output / "model.keras")
+        assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+        assert not loaded.compiled
 
     def test_the_published_model_holds_no_optimizer_state(self, resumed_run):
         _, _, output = resumed_run
@@ -779,12 +878,38 @@ class TestContinuingARelease:
 
         _, report, _, output = continued_release
         init = report["init"]
-        assert init["path"] == "model.keras"  # report.json names no machine path
+        # Named, not located: the release lies outside this run's folder.
+        assert init["path"] == "model.keras"
         assert init["sha256"] == sha256_of_file(output / "model.keras")
         assert (init["origin"], init["trained"]) == (
             "release", "a DP run (its weights file carries its ledger)")
         assert "is composed into this run's epsilon" in init["epsilon"]
         assert report["vocabulary"]["source"].startswith("public: the vocabulary")
+
+    def test_no_report_names_a_path_of_this_machine(self, continued_release, workspace):
+        """Issue 47: report.json, which calls itself publishable, held absolute paths.
+
+        (init.path, init.privacy_report, init.vocabulary, the config's corpus,
+        output_dir, cache_dir, vocabulary and init_from, the vocabulary's
+        source; privacy.json's initial_weights.report.) Files inside the run
+        folder are named relative to it, others by name only.
+        """
+        root = workspace[0]
+        _, report, folder, output = continued_release
+        machine = {str(root), str(root.resolve())}
+        for run in (output, folder):
+            for name in ("report.json", "privacy.json"):
+                text = (run / name).read_text()
+                absolute = [value for value in json_strings(json.loads(text))
+                            if os.path.isabs(value)]
+                assert absolute == [], (run / name, absolute)
+                assert not any(path in text for path in machine), run / name
+        config = report["config"]
+        assert (config["output_dir"], config["corpus"], config["cache_dir"]) == (
+            ".", ["private.txt"], "cache")
+        assert (config["init_from"], config["vocabulary"]) == ("model.keras", "vocab.txt")
+        privacy = json.loads((folder / "privacy.json").read_text())
+        assert privacy["initial_weights"]["report"] == "privacy.json"
 
     def test_lora_trains_only_the_factors_and_the_head_the_rest_bit_identical(
             self, continued_release, workspace):

@@ -3,10 +3,10 @@
 Each subcommand is a small `_add_<name>_parser(subparsers)` that declares its
 arguments and sets `handler`; this module only parses, and hands the work to
 the library (`epsilon`, `calibrate`) or to the BERT job (`plan`, `pretrain`,
-`audit`: `tf_megadp.jobs.bert`, imported by the handler, so that the
+`audit`, `evaluate`: `tf_megadp.jobs.bert`, imported by the handler, so that the
 accounting subcommands never load keras-hub). Run from the `tf-megadp`
 launcher (tf_megadp_cli.py), `--help`, `epsilon`, `calibrate` and `plan`
-never import TensorFlow; `pretrain` and `audit` import it quietly
+never import TensorFlow; `pretrain`, `audit` and `evaluate` import it quietly
 (`_import_tensorflow_quietly`) once their arguments are checked, so that a
 refused `pretrain --resume` fails in about a second. `main` declares only
 the arguments of the subcommand given (`build_parser(command)`). To add a
@@ -561,6 +561,57 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- evaluate -------------------------------------------------------------------
+
+
+def _add_evaluate_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "evaluate", help=_HELP["evaluate"],
+        description="Scores a model without training it: the held-out masked-LM accuracy "
+                    "of MODEL (a `tf-megadp pretrain` run's model.keras, or a local "
+                    "keras-hub preset folder of a BertMaskedLM) on a corpus, beside the "
+                    "unigram baseline (always predicting the training split's most "
+                    "frequent token). The corpus is prepared, split and masked as a "
+                    "pretraining run on it with the same settings: a run's model.keras on "
+                    "its own corpus and settings scores its report's held-out accuracy.",
+    )
+    parser.add_argument("model", metavar="MODEL",
+                        help="a run's model.keras, or a keras-hub preset directory")
+    parser.add_argument("--corpus", nargs="+", metavar="PATH",
+                        help="text/JSONL files or globs (default: the offline default corpus)")
+    parser.add_argument("--vocabulary", metavar="FILE",
+                        help="the model's vocabulary, if none lies beside it")
+    parser.add_argument("--sequence-length", type=int,
+                        help="tokens per sequence (default: the model's positions)")
+    parser.add_argument("--document-separator", choices=["blank-line", "line"],
+                        help="plain-text files: documents separated by blank lines (default), "
+                             "or one per line")
+    parser.add_argument("--heldout-fraction", type=float, help="as the run's (default 0.05)")
+    parser.add_argument("--micro-batch-size", type=int,
+                        help="as the run's (default 64): the held-out rows are cut to a "
+                             "multiple of it, as a run cuts them")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the run's --seed: the held-out split and its masks")
+    parser.add_argument("--cache-dir", help="where prepared corpora are kept")
+    parser.add_argument("--json", metavar="FILE", help="also write the result as JSON to FILE")
+    parser.set_defaults(handler=_run_evaluate)
+
+
+def _run_evaluate(args: argparse.Namespace) -> int:
+    _import_tensorflow_quietly()
+    from tf_megadp.files import write_json_atomically
+    from tf_megadp.jobs.bert.evaluation import evaluate_model
+
+    result = evaluate_model(
+        args.model, corpus=args.corpus, vocabulary=args.vocabulary,
+        sequence_length=args.sequence_length, document_separator=args.document_separator,
+        heldout_fraction=args.heldout_fraction, micro_batch_size=args.micro_batch_size,
+        seed=args.seed, cache_dir=args.cache_dir)
+    if args.json:
+        write_json_atomically(args.json, result)
+    return 0
+
+
 # -- Entry point ----------------------------------------------------------------
 
 # One line per subcommand for `tf-megadp --help`; builders below.
@@ -570,6 +621,7 @@ _HELP = {
     "pretrain": "DP masked-LM pretraining of a BERT (the main job)",
     "plan": "check a TPU run configuration and estimate its cost",
     "audit": "audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
+    "evaluate": "held-out MLM accuracy of a model on a corpus, beside the unigram baseline",
 }
 
 _SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
@@ -578,6 +630,7 @@ _SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
     "plan": _add_plan_parser,
     "pretrain": _add_pretrain_parser,
     "audit": _add_audit_parser,
+    "evaluate": _add_evaluate_parser,
 }
 
 

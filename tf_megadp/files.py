@@ -13,7 +13,8 @@ import os
 import tempfile
 from typing import Any, Callable
 
-__all__ = ["atomic_write", "write_bytes_atomically", "write_json_atomically"]
+__all__ = ["atomic_write", "publishable_path", "publishable_paths", "write_bytes_atomically",
+           "write_json_atomically"]
 
 
 def sha256_of_file(path: str | os.PathLike) -> str:
@@ -84,3 +85,41 @@ def write_json_atomically(path: str | os.PathLike, payload: Any, *,
     """
     text = json.dumps(payload, indent=2, sort_keys=True, default=default) + "\n"
     write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def publishable_path(path: str | os.PathLike, folder: str | os.PathLike) -> str:
+    """How a report published from `folder` names `path`: relative to `folder`, or by name only.
+
+    A run's publishable reports (the BERT job's report.json, a privacy.json)
+    name files: an absolute path there would publish the machine's layout
+    (user names, mounts) and means nothing on another machine. A path inside
+    `folder` becomes relative to it ("." for the folder itself, "/" as the
+    separator); any other path (relative ones are read from the current
+    directory) becomes its last component, the file's or folder's name.
+
+    Example:
+    ```python
+    publishable_path("/home/ann/runs/a/model.keras", "/home/ann/runs/a")  # 'model.keras'
+    publishable_path("/home/ann/data/notes.txt", "/home/ann/runs/a")      # 'notes.txt'
+    ```
+    """
+    absolute = os.path.abspath(os.fspath(path))
+    root = os.path.abspath(os.fspath(folder))
+    try:
+        inside = os.path.commonpath([absolute, root]) == root
+    except ValueError:  # Another drive.
+        inside = False
+    if inside:
+        return os.path.relpath(absolute, root).replace(os.sep, "/")
+    return os.path.basename(absolute.rstrip(os.sep)) or absolute
+
+
+def publishable_paths(value: Any, folder: str | os.PathLike) -> Any:
+    """JSON `value` with every absolute path string in it replaced by its `publishable_path`."""
+    if isinstance(value, dict):
+        return {key: publishable_paths(item, folder) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [publishable_paths(item, folder) for item in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return publishable_path(value, folder)
+    return value

@@ -12,9 +12,11 @@ from tf_megadp.accounting.accountant import PrivacyAccountant
 from tf_megadp.accounting.engines import (
     DEFAULT_ACCOUNTANT,
     TruncationAwareAccountant,
+    pld_grid_points,
     quiet_unconverged_orders,
 )
 from tf_megadp.accounting.run_description import RunDescription
+from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = ["compute_epsilon", "calibrate_noise_multiplier"]
 
@@ -85,7 +87,10 @@ def calibrate_noise_multiplier(
 
     Raises:
         PrivacyConfigurationError: both `steps` and `epochs`, or `epochs`
-            with a schedule.
+            with a schedule; or, with PLD, a target so large that its sigma
+            lies where one PLD evaluation would exceed `PLD_GRID_BUDGET`
+            grid points (the message gives the largest target PLD
+            calibrates for the run; ``accountant="rdp"`` calibrates any).
 
     Example:
     ```python
@@ -133,11 +138,16 @@ def _calibrate(run: RunDescription, target_epsilon: float, target_delta: float,
     # the RDP solution: RDP is looser, so its sigma is close above PLD's, and
     # RDP evaluations are ~20x cheaper than PLD ones.
     high = 1.0
+    floor = 0.0
     if accountant == "pld":
         try:
             high = _calibrate(run, target_epsilon, target_delta, "rdp")
         except ValueError:
             pass  # RDP cannot account this run (frequent truncation): start at 1.
+        # Below `floor`, one PLD evaluation would cost more than the budget:
+        # never probe there (a huge target_epsilon once ran 9 minutes past 8 GB).
+        floor = _pld_floor(probe)
+        high = max(high, floor)
     while epsilon(high) > target_epsilon:
         high *= 2.0
         if high > 1e6:
@@ -148,9 +158,12 @@ def _calibrate(run: RunDescription, target_epsilon: float, target_delta: float,
     # The RDP seed is usually within 10 % above the PLD answer: a narrow
     # bracket saves PLD evaluations (about 1 s each).
     shrink = 0.9 if accountant == "pld" else 0.5
-    low = high * shrink
+    low = high
     while epsilon(low) <= target_epsilon:
         high, low = low, low * shrink
+        if accountant == "pld" and high <= floor:
+            _refuse_beyond_the_grid(target_epsilon, floor, epsilon(floor))
+        low = max(low, floor)
         if low < 1e-6:
             return high
 
@@ -167,3 +180,58 @@ def _calibrate(run: RunDescription, target_epsilon: float, target_delta: float,
                 tol=low * 1e-3,
             )
         )
+
+
+# The largest one-step PLD (points of its privacy-loss grid,
+# `engines.pld_grid_points`) that a PLD calibration builds: sigma ~ 0.13 for
+# a Poisson step. Measured on the shared 2-core machine, `tf-megadp
+# calibrate` of 704 steps at q = 0.0043 (N = 60,000, B = 256, 3 epochs):
+# target 200 (sigma 0.160, 750,000 points) answered in 71 s at 1.3 GB peak;
+# target 1000 refused in 12 s at 0.7 GB, where the search without this bound
+# had taken 201 s and 5.1 GB (in a process with TensorFlow imported; down to
+# sigma 0.078, 2,000,000 points), and a new user's run 9 minutes past 8 GB. Time and memory grow as 1 / sigma^2.
+PLD_GRID_BUDGET = 1_000_000
+
+
+def _pld_floor(probe) -> float:
+    """The smallest noise multiplier whose run's PLD steps stay within `PLD_GRID_BUDGET`.
+
+    The grid shrinks as sigma grows; bisected on the sizes alone (nothing is
+    built), to 0.1 %.
+    """
+    def points(sigma: float) -> int:
+        # Rare truncation (every tf_megadp sampler's) is composed as Poisson.
+        return pld_grid_points(probe(sigma).dp_event(), truncated_as_poisson=True)
+
+    high = 1.0
+    while points(high) > PLD_GRID_BUDGET:
+        high *= 2.0
+        if high > 1e6:
+            raise PrivacyConfigurationError(
+                "The phases with their own noise_multiplier alone need a PLD of more "
+                f"than {PLD_GRID_BUDGET:,} points per step: account this run with "
+                "accountant='rdp'.")
+    low = high / 2.0
+    while points(low) <= PLD_GRID_BUDGET and low > 1e-6:
+        high, low = low, low / 2.0
+    while high - low > high * 1e-3:
+        middle = (low + high) / 2.0
+        if points(middle) <= PLD_GRID_BUDGET:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+def _refuse_beyond_the_grid(target_epsilon: float, floor: float, largest: float):
+    raise PrivacyConfigurationError(
+        f"target_epsilon={target_epsilon:g} needs a noise multiplier below {floor:.4g}, "
+        "where one PLD evaluation builds a privacy-loss grid of more than "
+        f"{PLD_GRID_BUDGET:,} points per step, and its time and memory grow as "
+        "1 / sigma^2 (minutes and gigabytes per search). The largest target "
+        f"that PLD calibrates for this run is epsilon = {math.floor(largest * 100) / 100:g} "
+        f"(sigma = {floor:.4g}), "
+        "and an epsilon that large already promises little. Lower target_epsilon, or "
+        "calibrate with accountant='rdp' (--accountant rdp; fast at any sigma, a looser "
+        "but valid bound), or set the noise_multiplier yourself (0: a non-private baseline)."
+    )

@@ -33,6 +33,7 @@ __all__ = [
     "accountant_names",
     "check_accountant",
     "epsilon",
+    "pld_grid_points",
     "quiet_unconverged_orders",
     "register_accountant",
 ]
@@ -248,6 +249,92 @@ class _CachedPLDAccountant(_StepAccountant):
 
 
 register_accountant("rdp")(rdp.RdpAccountant)
+
+
+_REMOVE = pld.privacy_loss_mechanism.AdjacencyType.REMOVE
+
+
+def _truncated_ranges(event: dp_accounting.TruncatedSubsampledGaussianDpEvent):
+    """(sigma, rate, adjacency) of the Gaussians whose mixture is the exact truncated PLD.
+
+    As `pld.from_truncated_subsampled_gaussian_mechanism` builds it: the
+    Poisson step, mixed (when truncation can happen) with a replace-one
+    Gaussian of sigma / 2 at the sampling rate conditioned on truncation.
+    """
+    ranges = [(event.noise_multiplier, event.sampling_probability, _REMOVE)]
+    n, rate, size = event.dataset_size, event.sampling_probability, event.truncated_batch_size
+    truncation = float(stats.binom.sf(size - 1, n - 1, rate))
+    if truncation > 0:
+        conditional = float(stats.binom.sf(size, n, rate)) * size / truncation / n
+        ranges.append((event.noise_multiplier / 2, conditional,
+                       pld.privacy_loss_mechanism.AdjacencyType.REPLACE))
+    return ranges
+
+
+class _GridSize(_StepAccountant):
+    """Not an accountant: walks a run's steps as the PLD accountant does and sizes their PLDs.
+
+    `points` is the largest number of privacy-loss values one step's PLD
+    holds at tf_megadp's grid, read off dp_accounting's own bounds of the
+    loss (`connect_dots_bounds`) without building anything.
+    """
+
+    def __init__(self, truncated_as_poisson: bool):
+        super().__init__()
+        self._truncated_as_poisson = truncated_as_poisson
+        self.points = 0
+
+    def _maybe_compose_step(self, event, count, do_compose):
+        if isinstance(event, dp_accounting.GaussianDpEvent):
+            # Composed as one Gaussian of sigma / sqrt(count), unsampled.
+            ranges = [(event.noise_multiplier / math.sqrt(max(count, 1)), 1.0, _REMOVE)]
+        elif isinstance(event, dp_accounting.PoissonSampledDpEvent) and isinstance(
+                event.event, dp_accounting.GaussianDpEvent):
+            ranges = [(event.event.noise_multiplier, event.sampling_probability, _REMOVE)]
+        elif isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
+            ranges = _truncated_ranges(event)[:1 if self._truncated_as_poisson else None]
+        else:
+            return None  # Not a PLD step: the accountant refuses it, at no cost.
+        if do_compose and all(sigma > 0 and 0 < rate <= 1 for sigma, rate, _ in ranges):
+            bounds = [pld.privacy_loss_mechanism.GaussianPrivacyLoss(
+                sigma, sampling_prob=rate, adjacency_type=adjacency).connect_dots_bounds()
+                for sigma, rate, adjacency in ranges]
+            width = (max(float(b.epsilon_upper) for b in bounds)
+                     - min(float(b.epsilon_lower) for b in bounds))
+            self.points = max(self.points, math.ceil(width / _PLD_DISCRETIZATION))
+        return None
+
+    def get_epsilon(self, target_delta: float) -> float:
+        raise NotImplementedError("_GridSize sizes PLDs; it accounts nothing.")
+
+
+def pld_grid_points(event: dp_accounting.DpEvent, *, truncated_as_poisson: bool = False) -> int:
+    """The points of the largest one-step PLD that accounting `event` with ``"pld"`` builds.
+
+    What one PLD evaluation costs grows with it: the PLD of a Poisson step
+    of noise multiplier sigma spans privacy losses up to about
+    1 / (2 sigma^2) + 10 / sigma, on a grid of `_PLD_DISCRETIZATION`.
+    Measured on the shared 2-core machine (q = 0.064): 75,635 points at
+    sigma = 1 (0.4 s to build), 1,447,722 at sigma = 0.1 (7.9 s to build,
+    4.1 s more to compose 20 steps and read epsilon). Read off
+    dp_accounting's own bounds of the loss (`connect_dots_bounds`, under a
+    millisecond) without building anything.
+
+    Args:
+        event: a run's DpEvent (`RunDescription.dp_event`, `events.ledger_event`).
+        truncated_as_poisson: size a truncated Poisson step as the Poisson
+            step that `TruncationAwareAccountant`'s coupling bound composes
+            when truncation is rare (every tf_megadp sampler's case), not as
+            the exact truncated PLD (a mixture with a Gaussian of sigma / 2:
+            3.5x wider at sigma = 0.3, N = 1000, q = 0.064, 100 rows) that
+            it builds otherwise.
+
+    Returns:
+        The number of points (0 for an event with no PLD step).
+    """
+    sizer = _GridSize(truncated_as_poisson)
+    sizer.compose(event)
+    return sizer.points
 
 
 def _engine(accountant: str) -> dp_accounting.PrivacyAccountant:

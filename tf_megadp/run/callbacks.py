@@ -94,7 +94,9 @@ class PrivacyCallback(PrivacyReporting, keras.callbacks.Callback):
         accountant: ``"pld"`` (default) or ``"rdp"``.
         target_epsilon: optional budget. At the end of every logical step, if
             one more step would make epsilon exceed it, training stops, so
-            the run never spends more than the budget. Needs
+            the run never spends more than the budget (`stopped_at_step`
+            says where; a run that ends its schedule or its data there was
+            not stopped, and nothing is printed). Needs
             `steps_per_execution=1` to stop exactly at a step boundary.
         log_every_steps: also write `epsilon` and `delta` into the batch logs
             every this many logical steps.
@@ -145,6 +147,7 @@ class PrivacyCallback(PrivacyReporting, keras.callbacks.Callback):
         self.verbose = verbose
         self.stopped_at_step: int | None = None
         self._seen_iterations = 0
+        self._epoch: int | None = None
 
     # -- Keras hooks ---------------------------------------------------------------
 
@@ -162,6 +165,7 @@ class PrivacyCallback(PrivacyReporting, keras.callbacks.Callback):
                 "with steps_per_execution=1."
             )
         self._micro_batches_seen = 0
+        self._epoch = None
         self.stopped_at_step = None
         self._seen_iterations = optimizer.logical_step
         self.attach(keeper)
@@ -191,15 +195,37 @@ class PrivacyCallback(PrivacyReporting, keras.callbacks.Callback):
         ):
             logs["epsilon"] = self.epsilon
             logs["delta"] = self.delta
-        if self.target_epsilon is not None and not self.next_step_fits(iterations):
+        if (self.target_epsilon is not None and self._more_steps_to_come(iterations, batch)
+                and not self.next_step_fits(iterations)):
             self.model.stop_training = True
             self.stopped_at_step = iterations
             if self.verbose:
+                schedule = self.model_optimizer.schedule
+                planned = f" of {schedule.total_steps} planned" if schedule is not None else ""
                 print(
-                    f"PrivacyCallback: stopping after logical step {iterations}: "
+                    f"PrivacyCallback: stopping after logical step {iterations}{planned}: "
                     f"epsilon = {self.epsilon:.4g} (delta = {self.delta:g}); one more "
                     f"step would exceed target_epsilon = {self.target_epsilon:g}."
                 )
+
+    def _more_steps_to_come(self, step: int, batch: int) -> bool:
+        """Whether this fit goes on after logical step `step` (micro-batch `batch`) unless stopped.
+
+        Not at the end of the optimizer's schedule, nor after the fit's last
+        micro-batch (when Keras knows the steps of an epoch): a run that
+        ends there was not stopped by the budget, whatever one more step
+        would spend. Unknown lengths count as more to come.
+        """
+        schedule = self.model_optimizer.schedule
+        if schedule is not None and step >= schedule.total_steps:
+            return False
+        steps, epochs = self.params.get("steps"), self.params.get("epochs")
+        if not steps or not epochs or self._epoch is None:
+            return True
+        return (epochs - 1 - self._epoch) * steps + (steps - 1 - batch) > 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:

@@ -26,11 +26,14 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
 
     The file holds no optimizer variables, no compile configuration (so no
     clipping, noise or seed settings) and no training state; it is what a
-    DP run may publish. Written atomically. Its weights carry their privacy
-    ledger (public, like the report): a private run that trains them
-    further, in any process that imports tf_megadp, composes it before its
-    first step, unless its user declares the new data disjoint
-    (`tf_megadp.declare_disjoint_data`). A private model whose trainable
+    DP run may publish. `keras.models.load_model` gives the model back
+    uncompiled, a keras-hub task too (its config says compile=False: built
+    with keras-hub's default optimizer, it made Keras warn on every load
+    that the file holds no optimizer state). Written atomically. Its
+    weights carry their privacy ledger (public, like the report): a private
+    run that trains them further, in any process that imports tf_megadp,
+    composes it before its first step, unless its user declares the new
+    data disjoint (`tf_megadp.declare_disjoint_data`). A private model whose trainable
     weights changed outside its private steps (between private fits) is
     written with a loud warning: epsilon does not cover that change.
 
@@ -57,7 +60,38 @@ def export_model(model: keras.Model, path: str | os.PathLike) -> None:
         # model; detach both for the duration of the write.
         model.optimizer = None
         model.compiled = False
+        if _compiles_when_built(model):
+            # A keras-hub task compiles itself when rebuilt (default Adam),
+            # and Keras then warned on every load that this file holds no
+            # optimizer state (issue 47): it loads uncompiled, as it was saved.
+            model.get_config = _without_compiling(type(model).get_config.__get__(model))
         atomic_write(path, model.save)
     finally:
+        model.__dict__.pop("get_config", None)
         model.optimizer = optimizer
         model.compiled = compiled
+
+
+def _compiles_when_built(model: keras.Model) -> bool:
+    """Whether the model's class compiles itself when built from its config.
+
+    keras-hub tasks do: `Task.__init__(..., compile=True)`, which their
+    subclasses reach through `**kwargs`.
+    """
+    import inspect
+
+    for cls in type(model).__mro__:
+        try:
+            parameter = inspect.signature(cls.__init__).parameters.get("compile")
+        except (TypeError, ValueError):
+            continue
+        if parameter is not None:
+            return parameter.default is True
+    return False
+
+
+def _without_compiling(get_config):
+    def get_config_without_compiling():
+        return {**get_config(), "compile": False}
+
+    return get_config_without_compiling

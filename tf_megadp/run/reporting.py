@@ -150,10 +150,16 @@ class PrivacyReporting:
         return report
 
     def save_report(self, path: str | os.PathLike) -> None:
-        """Writes `report()` as JSON to `path`, atomically."""
-        from tf_megadp.files import write_json_atomically
+        """Writes `report()` as JSON to `path`, atomically.
 
-        write_json_atomically(path, self.report())
+        The file is publishable: every absolute path in the report (the
+        release a run continues, `initial_weights.report`) is written as
+        `files.publishable_path` names it from the file's folder.
+        """
+        from tf_megadp.files import publishable_paths, write_json_atomically
+
+        folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+        write_json_atomically(path, publishable_paths(self.report(), folder))
 
     def attach(self, keeper: LedgerRecorder) -> None:
         """Reads the run's ledger through `keeper` from now on; checks it first.

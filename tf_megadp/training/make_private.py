@@ -303,6 +303,11 @@ def _private_fit(model: keras.Model, original_fit):
         callbacks, ran_out = _restore_backup(model, arguments, callbacks, source)
         if arguments.get("x") is not data:  # A sampler's dataset, continued.
             source = fit_source(arguments)
+        if (source is not None and isinstance(arguments.get("x"), tf.data.Dataset)
+                and "shuffle" not in arguments):
+            # Its order is the sampler's draws. Keras ignores shuffle for a
+            # dataset, and would warn of its default on every fit (issue 47).
+            arguments["shuffle"] = False
         keeper = LedgerKeeper(
             source=source,
             stated_num_examples=privacy[0].num_examples if privacy else None,

@@ -10,5 +10,6 @@ Modules:
   mixed_bfloat16 and mixed_float16 included), training on any strategy, the report.
 
 The audit of a finished run is `tf_megadp.jobs.bert.audit.audit_pretraining_run`
-(`tf-megadp audit`).
+(`tf-megadp audit`); the score of a model without training it,
+`tf_megadp.jobs.bert.evaluation.evaluate_model` (`tf-megadp evaluate`).
 """

@@ -11,6 +11,7 @@ so every attack sees the same inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -117,9 +118,9 @@ def audit_pretraining_run(
         raise pretraining.PretrainError(f"num_members must be >= 2, got {num_members}.")
     with open(report_path, encoding="utf-8") as handle:
         run = json.load(handle)
-    settings = dict(run["config"])
-    settings.update(output_dir=output_dir, resume=False, cache_dir=cache_dir or settings.get("cache_dir"))
-    config = PretrainConfig(**settings)
+    config = _run_config(output_dir, run)
+    config = dataclasses.replace(config, output_dir=output_dir, resume=False,
+                                 cache_dir=cache_dir or config.cache_dir)
     _, train, heldout = pretraining.prepare_data(config)
     canaries, canary_index = [], np.full(len(train), -1)
     if config.canaries:
@@ -154,6 +155,24 @@ def audit_pretraining_run(
     write_json_atomically(os.path.join(output_dir, run_files.AUDIT_NAME), result)
     log(_summary(result, output_dir))
     return result
+
+
+def _run_config(output_dir: str, run: dict[str, Any]) -> PretrainConfig:
+    """The run's whole settings: its checkpoint's, which locate its corpus on this machine.
+
+    report.json names files by name only (it is published); a report written
+    before it did (its output_dir an absolute path) still serves.
+    """
+    try:
+        return run_files.resumed_config(run_files.saved_settings(output_dir))
+    except pretraining.PretrainError:
+        settings = run.get("config") or {}
+        if not os.path.isabs(str(settings.get("output_dir") or "")):
+            raise pretraining.PretrainError(
+                f"{output_dir} has no {run_files.CHECKPOINT_NAME} with the run's settings: the "
+                f"audit reads there where the run's corpus is ({run_files.REPORT_NAME} names "
+                "files by name only). Audit the run folder as training left it.") from None
+        return run_files.resumed_config(settings)
 
 
 def _summary(result: dict[str, Any], output_dir: str) -> str:

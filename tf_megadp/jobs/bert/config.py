@@ -206,7 +206,8 @@ class PretrainConfig:
             come from secret OS entropy, fresh at every start and every
             resume, and are never written anywhere.
         cache_dir: where prepared corpora are kept for reuse.
-        verbose: Keras progress-bar verbosity.
+        verbose: Keras `fit` verbosity; "auto": a progress bar when
+            stdout is a terminal, else one line per evaluation (verbose 2).
         name: the run's name (a planned configuration's).
         num_examples: N the run was planned for; a corpus with another N
             is refused (the plan's epsilon would not be this run's).

@@ -519,6 +519,7 @@ def declare(model, init: InitialWeights, config: PretrainConfig) -> None:
                 f"--init-from {init.path}: the ledger its weights would compose is not the "
                 "one this run was planned with (its files changed since): plan it again.")
         return
+    # By name: the statement goes into privacy.json, which is published.
     effect = init.report(config)["epsilon"]
     if origin == "disjoint":
         tf_megadp.declare_disjoint_data(

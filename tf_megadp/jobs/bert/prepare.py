@@ -71,12 +71,18 @@ def vocabulary_report(config: PretrainConfig) -> dict[str, Any]:
     # 'public: the offline default corpus (docstrings of installed packages)'
     ```
     """
+    from tf_megadp.files import publishable_path
+
     plan = _vocabulary_plan(config)
+    # Named as report.json names files: no path of this machine.
+    folder = config.output_dir or "."
     if plan["kind"] == "file" and config.init_from:
-        source, public = (f"public: the vocabulary {config.vocabulary} of the initial "
-                          f"weights {config.init_from}"), True
+        source, public = (f"public: the vocabulary {publishable_path(config.vocabulary, folder)} "
+                          "of the initial weights "
+                          f"{publishable_path(config.init_from, folder)}"), True
     elif plan["kind"] == "file":
-        source, public = f"public: the file {config.vocabulary} (named public by the user)", True
+        source, public = (f"public: the file {publishable_path(config.vocabulary, folder)} "
+                          "(named public by the user)"), True
     elif plan["kind"] == "training corpus":
         source, public = TRAINING_CORPUS_VOCABULARY, False
     else:

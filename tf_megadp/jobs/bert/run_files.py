@@ -150,6 +150,32 @@ def config_dict(config: PretrainConfig) -> dict[str, Any]:
     return values
 
 
+# The settings that name files or folders of this machine.
+PATH_FIELDS = ("corpus", "output_dir", "cache_dir", "vocabulary", "init_from")
+
+
+def publishable(report: dict[str, Any], output_dir: str) -> dict[str, Any]:
+    """`report` as report.json in `output_dir` publishes it: no path of this machine in it.
+
+    Its `config` names files as `files.publishable_path` does (relative to the
+    run folder, or by name only), relative paths as typed included; every
+    other absolute path in it (the init's files, a release's report) too.
+    The checkpoint, which is never published, keeps the settings whole for
+    --resume and the audit.
+    """
+    from tf_megadp.files import publishable_path, publishable_paths
+
+    folder = output_dir
+    settings = dict(report.get("config") or {})
+    for name in PATH_FIELDS:
+        value = settings.get(name)
+        if isinstance(value, list):
+            settings[name] = [publishable_path(item, folder) for item in value]
+        elif value is not None:
+            settings[name] = publishable_path(value, folder)
+    return publishable_paths({**report, "config": settings}, folder)
+
+
 def _learning_lines(report: dict[str, Any]) -> list[str]:
     """The summary's verdict against the unigram baseline, its learning rate and its N."""
     from tf_megadp.jobs.bert.baselines import NOT_LEARNED_MESSAGE, STANDARD_ERRORS
@@ -177,6 +203,38 @@ def _learning_lines(report: dict[str, Any]) -> list[str]:
             f"trained on              {population}"]
 
 
+def mechanism_description(noise: str | None, size: int, sampling: str,
+                          cycle_length: int | None) -> str:
+    """The noise mechanism and the sampling it is accounted with, in words (log and summary).
+
+    Example:
+    ```python
+    mechanism_description("bandmf", 4, "cyclic_poisson", 4)
+    # 'BandMF correlated noise (4 bands) on cyclic Poisson sampling (4 groups: step t
+    #  samples group t mod 4)'
+    ```
+    """
+    noises = {None: "independent Gaussian noise (DP-SGD)",
+              "bandmf": f"BandMF correlated noise ({size} bands)",
+              "blt": f"BLT correlated noise ({size} buffers)"}
+    samplings = {
+        "poisson": "Poisson sampling",
+        "cyclic_poisson": (f"cyclic Poisson sampling ({cycle_length} groups: step t samples "
+                           f"group t mod {cycle_length})"),
+        "fixed_order": "fixed-order sampling (one secret order, the same every epoch)",
+    }
+    return (f"{noises.get(noise, f'{noise} noise')} on "
+            f"{samplings.get(sampling, f'{sampling} sampling')}")
+
+
+def _report_mechanism(report: dict[str, Any]) -> str:
+    noise = report.get("noise") or {}
+    kind = noise.get("kind")
+    return mechanism_description(kind, noise.get("bands") if kind == "bandmf"
+                                 else noise.get("noise_buffers"),
+                                 report["sampling"], report.get("cycle_length"))
+
+
 def run_summary(report: dict[str, Any], output_dir: str) -> str:
     lines = [
         "",
@@ -188,8 +246,9 @@ def run_summary(report: dict[str, Any], output_dir: str) -> str:
     if report["private"]:
         lines.append(
             f"privacy                 epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}"
-            f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, Poisson, "
+            f"  (sigma {report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, "
             f"{report['accountant'].upper()})")
+        lines.append(f"mechanism               {_report_mechanism(report)}")
         if report["adaptive_clipping"]:
             lines.append(f"adaptive clip norm      C {report['adaptive_clipping']['clip_norm']:.4g} "
                          f"at the end (target quantile "

@@ -32,6 +32,8 @@ from tf_megadp.jobs.bert.run_files import (
     REPORT_NAME,
     VOCABULARY_NAME,
     config_dict,
+    mechanism_description,
+    publishable,
     run_summary,
 )
 
@@ -401,7 +403,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
                                           logical_done, several_workers))
     if chief:
         callbacks += _log_callbacks(job)
-    _announce_training(job, start.learning_rate_source, planned_epsilon)
+    _announce_training(job, start.learning_rate_source, planned_epsilon, sampler)
     train_seconds = _fit(job, model, dataset, several_workers, callbacks,
                          epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
                          steps_per_epoch=steps_per_epoch)
@@ -411,8 +413,8 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
         checkpointer.save(model)
     if chief:
         _export_release(job, model)
-    report = _report(job, model, sampler, privacy, start, heldout_set,
-                     final_steps=final_steps, train_seconds=train_seconds)
+    report = publishable(_report(job, model, sampler, privacy, start, heldout_set,
+                                 final_steps=final_steps, train_seconds=train_seconds), output_dir)
     if chief:
         write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
         if start.history:
@@ -425,17 +427,30 @@ def _prepare_evaluation(job: _Job):
     """(the training batcher, the held-out set): the public randomness of the run is set here."""
     import keras
 
-    from tf_megadp.jobs.bert import text
-
     config = job.config
     # Public randomness only (initialisation, the held-out masks): the
     # sampling, the training masks (keyed by the sampler's secret and each
     # example's content), dropout (keyed by the private step's secret) and
     # the noise draw secret OS entropy, which this seed never reaches.
     keras.utils.set_random_seed(config.seed)
-    batcher = text.MaskedLMBatcher.from_shards(job.train, max_predictions=config.max_predictions)
-    x, y, w = heldout_batches(job.heldout, batcher, config.micro_batch_size, config.seed)
-    unigram = unigram_accuracy(job.train, y, w, job.train.vocabulary_size)
+    return heldout_set(job.train, job.heldout, config)
+
+
+def heldout_set(train, heldout, config: PretrainConfig):
+    """(the run's batcher, the held-out set masked once, with its unigram baseline).
+
+    What every evaluation of a run on these splits scores: the job's, and
+    `tf-megadp evaluate`'s.
+
+    Args:
+        train, heldout: the prepared `TokenShards` of the two splits.
+        config: the run's settings (max_predictions, micro_batch_size, seed).
+    """
+    from tf_megadp.jobs.bert import text
+
+    batcher = text.MaskedLMBatcher.from_shards(train, max_predictions=config.max_predictions)
+    x, y, w = heldout_batches(heldout, batcher, config.micro_batch_size, config.seed)
+    unigram = unigram_accuracy(train, y, w, train.vocabulary_size)
     return batcher, _HeldOut(x, y, w, unigram)
 
 
@@ -667,7 +682,7 @@ def _evaluation_callback(job: _Job, heldout_set: _HeldOut, history: list, privac
             # the weights the run exports (fit leaves the average in the model).
             swap = [keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None
             if several_workers:
-                accuracy = _heldout_accuracy(self.model, heldout_set.x, heldout_set.y,
+                accuracy = heldout_accuracy(self.model, heldout_set.x, heldout_set.y,
                                              heldout_set.sample_weight,
                                              config.micro_batch_size, swap)
             else:
@@ -708,7 +723,8 @@ def _log_callbacks(job: _Job) -> list:
     ]
 
 
-def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: float) -> None:
+def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: float,
+                       sampler) -> None:
     """Says what is trained on what, with which learning rate, schedule and privacy."""
     from tf_megadp.jobs.bert.units import describe_population
 
@@ -727,7 +743,10 @@ def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: fl
         f"Learning rate {config.learning_rate:g} ({learning_rate_source}).\n"
         f"Schedule: {schedule}; "
         + (f"sigma={job.sigma:.4f}, C={config.l2_norm_clip}, delta={job.delta:.3g}, planned "
-           f"epsilon={planned_epsilon:.3f}." if job.private
+           f"epsilon={planned_epsilon:.3f}; "
+           + mechanism_description(config.noise, config.bands, sampler.sampling_kind,
+                                   getattr(sampler, "cycle_length", None)) + "."
+           if job.private
            else "NON-PRIVATE baseline (no clipping, no noise).")
     )
 
@@ -749,8 +768,31 @@ def _fit(job: _Job, model, dataset, several_workers: bool, callbacks: list, *, e
         else:
             model.fit(dataset, epochs=epochs, initial_epoch=initial_epoch,
                       steps_per_epoch=steps_per_epoch or None,
-                      shuffle=False, callbacks=callbacks, verbose=job.config.verbose)
+                      shuffle=False, callbacks=callbacks,
+                      verbose=progress_verbosity(job.config.verbose))
     return time.time() - train_started
+
+
+def progress_verbosity(verbose: int | str, stream=None) -> int | str:
+    """The job's Keras `fit` verbosity: for "auto", a bar on a terminal, else one line per evaluation.
+
+    Keras's "auto" draws its bar with carriage returns whenever Python runs
+    on POSIX, terminal or not: a 5-minute run with its stdout in a file
+    wrote more than 1 MB of them (issue 47). Each epoch of the job ends
+    with an evaluation, so verbose=2, one line per epoch, is one line per
+    evaluation. A number given is kept.
+
+    Args:
+        verbose: the configured verbosity (`PretrainConfig.verbose`).
+        stream: where Keras writes (default: `sys.stdout` now).
+    """
+    import sys
+
+    if verbose != "auto":
+        return verbose
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return 1 if callable(isatty) and isatty() else 2
 
 
 def _export_release(job: _Job, model) -> None:
@@ -794,6 +836,9 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
                               if private else None),
         "accountant": config.accountant if private else None,
         "sampling": sampler.sampling_kind,
+        # Cyclic Poisson sampling's groups (step t samples group t mod L).
+        "cycle_length": (sampler.cycle_length if sampler.sampling_kind == "cyclic_poisson"
+                         else None),
         # The correlated noise (--noise), the strategy it streamed, its bands.
         "noise": (model.optimizer.noise_strategy.describe()
                   if private and config.noise is not None else None),
@@ -900,12 +945,13 @@ def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_e
     hooks.on_train_end(logs)
 
 
-def _heldout_accuracy(model, x, y, sample_weight, batch_size: int, swap=None) -> float:
+def heldout_accuracy(model, x, y, sample_weight, batch_size: int, swap=None) -> float:
     """The held-out masked-LM accuracy `evaluate` gives, without `evaluate`.
 
     Keras's `evaluate` cannot run under several workers either; this is its
     weighted accuracy over the masked positions, from the model's forward
-    pass on this worker (its weights are every worker's).
+    pass on this worker (its weights are every worker's). It needs no
+    compiled model: `tf-megadp evaluate` scores a model with it too.
     """
     import keras
     import numpy as np

@@ -183,7 +183,9 @@ LAYERS = [
     ("clipping", "clipping_memory", "adaptive_clipping", "data", "distribute", "learning_rate"),
     ("optimizer",),
     ("run",),
-    ("training",),
+    # The private step and its loops; prompt classification, a model the
+    # step trains like any other.
+    ("training", "prompts"),
     # Applications of the library; the package root ("tf_megadp") re-exports
     # the public API (only the job and the CLI use it, see below).
     ("audit", "jobs", "cli", "tf_megadp"),

@@ -909,7 +909,9 @@ class TestContinuingARelease:
             ".", ["private.txt"], "cache")
         assert (config["init_from"], config["vocabulary"]) == ("model.keras", "vocab.txt")
         privacy = json.loads((folder / "privacy.json").read_text())
-        assert privacy["initial_weights"]["report"] == "privacy.json"
+        # The release's ledger came from its weights' record: named by binding.
+        assert privacy["initial_weights"]["origin"] == "release"
+        assert privacy["initial_weights"]["records"]
 
     def test_lora_trains_only_the_factors_and_the_head_the_rest_bit_identical(
             self, continued_release, workspace):

@@ -76,7 +76,7 @@ def _refused_resume_argv(folder: str) -> list[str]:
     """
     import tf_megadp_cli  # noqa: F401 (first, as the launcher: this process loads no TensorFlow)
     from tf_megadp.jobs.bert.config import PretrainConfig
-    from tf_megadp.jobs.bert.run_files import config_dict
+    from tf_megadp.jobs.common.run_folder import config_dict
 
     saved = PretrainConfig(output_dir=folder, noise_multiplier=1.0, target_epsilon=None)
     checkpoint = pathlib.Path(folder, "checkpoint")

@@ -37,7 +37,8 @@ import numpy as np  # noqa: E402
 
 import tf_megadp  # noqa: E402
 from step_overhead import load_average  # noqa: E402
-from tf_megadp.jobs.bert.config import PretrainConfig, default_delta  # noqa: E402
+from tf_megadp.jobs.bert.config import PretrainConfig  # noqa: E402
+from tf_megadp.jobs.common.privacy import default_delta  # noqa: E402
 from tf_megadp.jobs.bert.masking import MaskedLMBatcher  # noqa: E402
 from tf_megadp.jobs.bert.prepare import prepare_data  # noqa: E402
 from tf_megadp.jobs.bert.training import (  # noqa: E402

@@ -589,7 +589,8 @@ def test_masked_lm_canary_scores_are_the_canaries_exposures(trained):
 def test_the_job_audit_loads_the_run_model_as_the_job_built_it(tmp_path, precision):
     # The release is what `tf-megadp pretrain` writes; `keras.models.load_model`
     # would rebuild a mixed_bfloat16 run's MLM head in bfloat16, which raises.
-    from tf_megadp.jobs.bert import pretraining, run_files
+    from tf_megadp.jobs.bert import pretraining
+    from tf_megadp.jobs.common import run_folder
     from tf_megadp.jobs.bert.audit import load_run_model
 
     config = pretraining.PretrainConfig(model="pico", sequence_length=16, precision=precision)
@@ -598,7 +599,7 @@ def test_the_job_audit_loads_the_run_model_as_the_job_built_it(tmp_path, precisi
     # Weights no fresh model has, so a layer left at its initial weights shows.
     model.set_weights([w + rng.normal(0.0, 0.05, w.shape).astype(w.dtype)
                        for w in model.get_weights()])
-    path = str(tmp_path / run_files.MODEL_NAME)
+    path = str(tmp_path / run_folder.MODEL_NAME)
     tf_megadp.export_model(model, path)
 
     loaded = load_run_model(config, VOCAB, path)
@@ -619,11 +620,12 @@ def test_the_job_audit_loads_the_run_model_as_the_job_built_it(tmp_path, precisi
 
 
 def test_the_job_audit_refuses_a_model_of_another_shape(tmp_path):
-    from tf_megadp.jobs.bert import pretraining, run_files
+    from tf_megadp.jobs.bert import pretraining
+    from tf_megadp.jobs.common import run_folder
     from tf_megadp.jobs.bert.audit import load_run_model
 
     config = pretraining.PretrainConfig(model="pico", sequence_length=16)
-    path = str(tmp_path / run_files.MODEL_NAME)
+    path = str(tmp_path / run_folder.MODEL_NAME)
     tf_megadp.export_model(pretraining.build_model(config, VOCAB), path)
     with pytest.raises(pretraining.PretrainError, match="does not hold the model"):
         load_run_model(config, VOCAB + 1, path)

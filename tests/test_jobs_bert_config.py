@@ -360,16 +360,17 @@ class TestCorrelatedNoise:
 
     def test_sigma_is_calibrated_for_the_mechanism(self):
         from tf_megadp import accounting
+        from tf_megadp.jobs.common.privacy import plan_privacy
 
         config = pretraining.PretrainConfig(noise="bandmf", bands=4, accountant="rdp",
                                             target_epsilon=2.0, batch_size=64, steps=40)
         schedule = config.make_schedule(num_examples=4096, num_replicas=1)
-        sigma, delta, epsilon = pretraining._plan_privacy(config, schedule)
+        sigma, delta, epsilon = plan_privacy(config, schedule)
         assert epsilon == pytest.approx(accounting.compute_epsilon(
             delta=delta, schedule=schedule, noise_multiplier=sigma, accountant="rdp",
             noise=config.noise_accounting()["noise"], cycle_length=4), rel=1e-12)
         assert 0.99 * 2.0 <= epsilon <= 2.0
         # Each example joins one step in 4 at 4 times the rate: not DP-SGD's sigma.
-        independent, _, _ = pretraining._plan_privacy(
+        independent, _, _ = plan_privacy(
             dataclasses.replace(config, noise=None), schedule)
         assert sigma != pytest.approx(independent, rel=1e-3)

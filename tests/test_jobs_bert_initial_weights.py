@@ -313,9 +313,9 @@ class TestTheReleasesLedgerIsComposed:
         init = initial_weights.read_initial_weights(path)
         prior = init.composed_ledger(config)
         schedule = config.make_schedule(2_000, 1)
-        from tf_megadp.jobs.bert.pretraining import _plan_privacy
+        from tf_megadp.jobs.common.privacy import plan_privacy
 
-        sigma, delta, epsilon = _plan_privacy(config, schedule, prior=prior)
+        sigma, delta, epsilon = plan_privacy(config, schedule, prior=prior)
         assert epsilon <= 4.0 and epsilon == pytest.approx(accounting.compute_epsilon(
             delta=delta, schedule=schedule, noise_multiplier=sigma, accountant="rdp",
             prior=release_ledger()), rel=1e-12)
@@ -323,7 +323,7 @@ class TestTheReleasesLedgerIsComposed:
         assert sigma > accounting.calibrate_noise_multiplier(4.0, delta, schedule=schedule,
                                                              accountant="rdp")
         with pytest.raises(PretrainError, match="alone spends epsilon"):
-            _plan_privacy(initial_weights.configured(PretrainConfig(
+            plan_privacy(initial_weights.configured(PretrainConfig(
                 init_from=path, target_epsilon=0.01, accountant="rdp")), schedule, prior=prior)
 
 

@@ -359,13 +359,13 @@ class TestResumeFromTheRunFolder:
             assert status == 2 and f"{field}: " in error and flag in error, error
 
     def test_operational_fields_are_listed_once(self):
-        from tf_megadp.jobs.bert import run_files
         from tf_megadp.jobs.bert.config import PretrainConfig
+        from tf_megadp.jobs.common import run_folder
 
         fields = {field.name for field in dataclasses.fields(PretrainConfig)}
-        assert run_files.OPERATIONAL_FIELDS <= fields
+        assert run_folder.OPERATIONAL_FIELDS <= fields
         # Nothing that the ledger, the schedule or the model depends on.
-        assert not run_files.OPERATIONAL_FIELDS & {
+        assert not run_folder.OPERATIONAL_FIELDS & {
             "noise_multiplier", "target_epsilon", "delta", "l2_norm_clip", "batch_size",
             "steps", "schedule", "micro_batch_size", "model", "corpus", "seed", "accountant",
             "non_private", "privacy_unit", "vocabulary_size", "sequence_length", "strategy"}
@@ -379,7 +379,7 @@ class TestResumeFromTheRunFolder:
         from tf_megadp.jobs.bert import run_files
 
         stopped = resumed_capture[3].stopped_output
-        assert run_files.saved_settings(str(stopped))["stop_after_steps"] == 2
+        assert run_files.pretrain_settings(str(stopped))["stop_after_steps"] == 2
         resume = ["pretrain", "--output-dir", str(stopped), "--resume"]
         config = cli.run_config_from_args(cli.build_parser().parse_args(resume), None)
         assert config.stop_after_steps is None
@@ -496,7 +496,7 @@ def _assert_same_epsilon_as_uninterrupted(report):
 
 def test_without_a_terminal_the_job_writes_one_line_per_evaluation(second_run):
     """Issue 47: piped to a file, Keras's bar wrote >1 MB of carriage-return updates."""
-    from tf_megadp.jobs.bert.training import progress_verbosity
+    from tf_megadp.jobs.common.run_folder import progress_verbosity
 
     _, captured = second_run
     assert "\r" not in captured.stdout and "\b" not in captured.stdout, captured.stdout

@@ -409,11 +409,11 @@ def run_config_from_args(args: argparse.Namespace, config_path: str | None):
     if given.get("resume") and not config_path:
         # --resume alone: the run's saved settings, then the flags given
         # (run_pretraining refuses any that is not operational, naming it).
-        from tf_megadp.jobs.bert.run_files import resumed_config, saved_settings
+        from tf_megadp.jobs.bert.run_files import pretrain_settings, resumed_config
 
         if not given.get("output_dir"):
             raise UsageError("--resume needs --output-dir, the folder of the run to continue.")
-        config = resumed_config(saved_settings(given["output_dir"]))
+        config = resumed_config(pretrain_settings(given["output_dir"]))
     else:
         config = (pretraining.load_run_config(config_path) if config_path
                   else pretraining.PretrainConfig())
@@ -467,10 +467,11 @@ def _run_pretrain(args: argparse.Namespace) -> int:
     if config.resume:
         # Refused (a changed privacy or model setting, named) before
         # TensorFlow loads; run_pretraining checks the same again.
-        from tf_megadp.jobs.bert.run_files import check_same_run, saved_settings
+        from tf_megadp.jobs.bert.run_files import pretrain_settings
+        from tf_megadp.jobs.common.run_folder import check_same_run
 
         config.validate()
-        check_same_run(saved_settings(config.output_dir), config)
+        check_same_run(pretrain_settings(config.output_dir), config)
     _import_tensorflow_quietly()
     report = pretraining.run_pretraining(config)
     if args.json:

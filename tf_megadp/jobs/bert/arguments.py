@@ -22,9 +22,9 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     missing one leaves it. See `run_config_from_args`.
     """
     from tf_megadp.jobs.bert.config import (DP_LEARNING_RATE, LEARNING_RATE_SCALINGS,
-                                            MODEL_PRESETS, NOISES, NON_PRIVATE_LEARNING_RATE,
-                                            PER_EXAMPLE_SCALINGS, PRECISIONS, SEPARATORS,
-                                            PretrainConfig)
+                                            MODEL_PRESETS, NON_PRIVATE_LEARNING_RATE,
+                                            PRECISIONS, SEPARATORS, PretrainConfig)
+    from tf_megadp.jobs.common.privacy import NOISES, PER_EXAMPLE_SCALINGS
 
     defaults = PretrainConfig()
     hidden = argparse.SUPPRESS

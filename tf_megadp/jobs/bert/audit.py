@@ -24,6 +24,8 @@ import numpy as np
 from tf_megadp.audit.runner import run_audit
 from tf_megadp.files import write_json_atomically
 from tf_megadp.jobs.bert import pretraining, run_files, text, training
+from tf_megadp.jobs.common import run_folder
+from tf_megadp.jobs.common.privacy import default_delta
 from tf_megadp.jobs.bert.config import PretrainConfig
 
 __all__ = ["audit_pretraining_run", "load_run_model"]
@@ -72,7 +74,7 @@ def load_run_model(config: PretrainConfig, vocabulary_size: int, model_path: str
             model.load_weights(model_path)
         except (ValueError, UserWarning) as error:
             raise pretraining.PretrainError(
-                f"{model_path} does not hold the model its run's {run_files.REPORT_NAME} "
+                f"{model_path} does not hold the model its run's {run_folder.REPORT_NAME} "
                 f"describes (BERT-{config.model}, vocabulary {vocabulary_size}, sequence length "
                 f"{config.sequence_length}); audit the folder the run wrote, unchanged: "
                 f"{str(error).splitlines()[0]}"
@@ -107,12 +109,12 @@ def audit_pretraining_run(
         PretrainError: the folder is not a completed run, or its corpus is
             no longer in the cache.
     """
-    report_path = os.path.join(output_dir, run_files.REPORT_NAME)
-    model_path = os.path.join(output_dir, run_files.MODEL_NAME)
+    report_path = os.path.join(output_dir, run_folder.REPORT_NAME)
+    model_path = os.path.join(output_dir, run_folder.MODEL_NAME)
     if not (os.path.isfile(report_path) and os.path.isfile(model_path)):
         raise pretraining.PretrainError(
-            f"{output_dir} is not a completed pretraining run (it needs {run_files.REPORT_NAME} "
-            f"and {run_files.MODEL_NAME}); run `tf-megadp pretrain --output-dir {output_dir}` first."
+            f"{output_dir} is not a completed pretraining run (it needs {run_folder.REPORT_NAME} "
+            f"and {run_folder.MODEL_NAME}); run `tf-megadp pretrain --output-dir {output_dir}` first."
         )
     if num_members < 2:
         raise pretraining.PretrainError(f"num_members must be >= 2, got {num_members}.")
@@ -138,7 +140,7 @@ def audit_pretraining_run(
     log(f"Auditing {output_dir}: {len(members)} members, {len(nonmembers)} non-members, "
         f"{len(canaries)} canaries (controls included).")
     model = load_run_model(config, train.vocabulary_size, model_path)
-    delta = run["delta"] if run["private"] else pretraining.default_delta(len(train))
+    delta = run["delta"] if run["private"] else default_delta(len(train))
     result = run_audit(
         model, member_batches, nonmember_batches, canaries,
         mask_token_id=text.SPECIAL_TOKENS.index("[MASK]"),
@@ -164,13 +166,13 @@ def _run_config(output_dir: str, run: dict[str, Any]) -> PretrainConfig:
     before it did (its output_dir an absolute path) still serves.
     """
     try:
-        return run_files.resumed_config(run_files.saved_settings(output_dir))
+        return run_files.resumed_config(run_files.pretrain_settings(output_dir))
     except pretraining.PretrainError:
         settings = run.get("config") or {}
         if not os.path.isabs(str(settings.get("output_dir") or "")):
             raise pretraining.PretrainError(
-                f"{output_dir} has no {run_files.CHECKPOINT_NAME} with the run's settings: the "
-                f"audit reads there where the run's corpus is ({run_files.REPORT_NAME} names "
+                f"{output_dir} has no {run_folder.CHECKPOINT_NAME} with the run's settings: the "
+                f"audit reads there where the run's corpus is ({run_folder.REPORT_NAME} names "
                 "files by name only). Audit the run folder as training left it.") from None
         return run_files.resumed_config(settings)
 

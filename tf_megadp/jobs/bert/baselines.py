@@ -8,22 +8,20 @@ run ended clearly above the baseline; `accuracy_ratio` refuses to divide by
 the accuracy of a baseline run that did not.
 
 The margin is the noise of an accuracy measured on the held-out masked
-positions: `STANDARD_ERRORS` binomial standard errors
-sqrt(p (1 - p) / n) at the baseline's accuracy p over the n held-out
-positions. Three, not two, because the ~0.15 L positions of one sequence
-are not independent draws (so the effective n is smaller than n).
+positions (`tf_megadp.jobs.common.verdicts`): the ~0.15 L positions of one
+sequence are not independent draws.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-__all__ = ["NOT_LEARNED_MESSAGE", "STANDARD_ERRORS", "BaselineDidNotLearnError",
+from tf_megadp.jobs.common.verdicts import learned_beyond
+
+__all__ = ["NOT_LEARNED_MESSAGE", "BaselineDidNotLearnError",
            "accuracy_ratio", "learning_verdict"]
 
 NOT_LEARNED_MESSAGE = "this model did not learn; tune --learning-rate"
-STANDARD_ERRORS = 3.0
 
 
 class BaselineDidNotLearnError(ValueError):
@@ -43,19 +41,16 @@ def learning_verdict(accuracy: float, unigram_accuracy: float,
     Returns:
         report.json's fields: `learned` (True, False, or None without an
         evaluation), `unigram_baseline_accuracy`, `learned_threshold` (the
-        accuracy a run must exceed: baseline + `STANDARD_ERRORS` standard
+        accuracy a run must exceed: baseline + `verdicts.STANDARD_ERRORS` standard
         errors) and `heldout_masked_positions`.
 
     Example:
         >>> learning_verdict(0.0402, 0.0402, 10_000)["learned"]
         False
     """
-    p, n = float(unigram_accuracy), float(heldout_positions)
-    margin = STANDARD_ERRORS * math.sqrt(p * (1.0 - p) / n) if n > 0 else math.inf
-    threshold = p + margin
-    learned = None if math.isnan(accuracy) else bool(accuracy > threshold)
-    return {"learned": learned, "unigram_baseline_accuracy": p,
-            "learned_threshold": threshold, "heldout_masked_positions": n}
+    learned, threshold = learned_beyond(accuracy, unigram_accuracy, heldout_positions)
+    return {"learned": learned, "unigram_baseline_accuracy": float(unigram_accuracy),
+            "learned_threshold": threshold, "heldout_masked_positions": float(heldout_positions)}
 
 
 def accuracy_ratio(report: dict[str, Any], baseline: dict[str, Any]) -> float:

@@ -19,12 +19,12 @@ import math
 import os
 from typing import Any, Sequence
 
-from tf_megadp.accounting import accountant_names
+from tf_megadp.jobs.common.errors import JobError
+from tf_megadp.jobs.common.privacy import PrivacySettings
 
 __all__ = ["DEFAULT_LOSS_SCALE", "DP_LEARNING_RATE", "LEARNING_RATE_SCALINGS", "MODEL_PRESETS",
-           "NON_PRIVATE_LEARNING_RATE", "PER_EXAMPLE_SCALINGS", "PRECISIONS",
-           "SEPARATORS", "Hardware", "PretrainConfig", "PretrainError",
-           "default_delta", "parse_schedule"]
+           "NON_PRIVATE_LEARNING_RATE", "PRECISIONS",
+           "SEPARATORS", "Hardware", "PretrainConfig", "PretrainError", "parse_schedule"]
 
 # (layers, hidden, heads, intermediate). "tiny" is what a 2-core CPU trains in minutes.
 MODEL_PRESETS = {
@@ -52,13 +52,8 @@ DP_LEARNING_RATE = 8e-3
 NON_PRIVATE_LEARNING_RATE = 2e-3
 # How the learning rate follows the logical batch B: lr * (B / reference)^power.
 LEARNING_RATE_SCALINGS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
-# DPOptimizer's per_example_scaling.
-PER_EXAMPLE_SCALINGS = ("clip", "automatic")
 # How a plain-text corpus file is cut into documents (tf_megadp.jobs.bert.text).
 SEPARATORS = ("blank-line", "line")
-# Correlated noise the job can train with, each with the sampling its
-# accounting has a proof for (docs/privacy.md, "Correlated noise").
-NOISES = ("bandmf", "blt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,13 +87,19 @@ class Hardware:
                 f"hardware.utilization must be in (0, 1], got {self.utilization!r}.")
 
 
-class PretrainError(ValueError):
-    """Bad input for the pretraining job; the message is one line that names the fix."""
+# Bad input for the pretraining job: every job's `JobError`.
+PretrainError = JobError
 
 
 @dataclasses.dataclass
-class PretrainConfig:
+class PretrainConfig(PrivacySettings):
     """Settings of one pretraining run (defaults: the README's CPU run).
+
+    The privacy fields (target_epsilon, noise_multiplier, delta,
+    l2_norm_clip, per_example_scaling, automatic_scaling_stability,
+    adaptive_clipping_*, accountant, non_private, clipping, noise, bands,
+    max_truncation_probability) are every job's `PrivacySettings`
+    (`tf_megadp.jobs.common.privacy`); this job's target is epsilon 5.36.
 
     Args:
         corpus: text/JSONL files or globs; None uses the offline default corpus
@@ -142,24 +143,6 @@ class PretrainConfig:
         batch_size: expected logical batch B of a constant schedule.
         steps: logical steps of a constant schedule.
         schedule: phases [(steps, batch_size), ...] (overrides batch_size/steps).
-        target_epsilon: calibrate sigma to spend exactly this (at `delta`).
-        noise_multiplier: sigma, instead of target_epsilon.
-        delta: default 1 / N^1.1 for N training sequences.
-        l2_norm_clip: C.
-        per_example_scaling: "clip" (flat clipping) or "automatic"
-            (normalized clipping, Bu et al. 2022: every per-example gradient
-            scaled by C / (||g|| + gamma)); DPOptimizer's option.
-        automatic_scaling_stability: gamma of automatic clipping.
-        adaptive_clipping_quantile: None (default: C stays `l2_norm_clip`),
-            or the target quantile gamma of adaptive clipping (Andrew et al.
-            2021; `tf_megadp.AdaptiveClipping`): `l2_norm_clip` is then the
-            initial C, moved after every logical step towards that quantile
-            of the per-example norms, within the same epsilon.
-        adaptive_clipping_learning_rate: eta of adaptive clipping's update.
-        adaptive_clipping_count_stddev: the noise std of its count (None:
-            the expected batch / 20).
-        accountant: a registered accountant (`tf_megadp.accounting.accountant_names`):
-            "pld" (default, tighter) or "rdp" (faster).
         learning_rate, warmup_steps, weight_decay: AdamW with linear warmup and
             cosine decay over the logical steps. A learning rate of None is
             the default of the run's kind (`learning_rate_choice`):
@@ -176,10 +159,6 @@ class PretrainConfig:
             with this momentum: held-out evaluations use the average
             (`keras.callbacks.SwapEMAWeights`) and the exported model is the
             average. Post-processing of the noisy updates: no privacy cost.
-        non_private: the baseline: same data, model and optimizer, plain
-            Keras step (no clipping, no noise).
-        clipping: per-example strategy of DPOptimizer ("auto", the
-            library's default, "ghost" or "vectorized").
         dropout: BERT dropout rate. Off by default: the DP noise already
             regularizes.
         eval_every: logical steps between held-out evaluations (and epochs).
@@ -214,10 +193,6 @@ class PretrainConfig:
         max_predictions: P, masked positions per sequence (default
             ceil(0.15 L)).
         beta_1, beta_2: AdamW's moment decay rates.
-        max_truncation_probability: the largest probability per logical
-            step that a Poisson batch overflows its static capacity; the
-            capacity of phases without an explicit accumulation_steps is
-            chosen to meet it.
         hardware: a `Hardware` (replicas, HBM, peak FLOP/s): the run is
             planned (`make_plan`) before it trains, and a strategy with
             another replica count is refused.
@@ -255,16 +230,10 @@ class PretrainConfig:
             (and their biases); the MLM head trains.
         freeze_embeddings: keep the token, position and segment embedding
             tables (so the tied MLM decoder) as they start.
-        noise: None (independent noise, DP-SGD), "bandmf" (`tf_megadp.BandMF`
-            with `bands` bands, sampled by cyclic Poisson sampling with
-            cycle_length = bands) or "blt" (`tf_megadp.BLT` with `bands`
-            buffers, sampled in one secret fixed order every epoch). Sigma
-            is calibrated for the mechanism; the noise buffers (bands - 1 or
-            bands model copies) stay in memory, and a resumed run opens a
-            new noise segment.
-        bands: b of "bandmf", d of "blt".
     """
 
+    # This job's privacy: epsilon 5.36 (the seed paper's BERT-Large run).
+    target_epsilon: float | None = 5.36
     corpus: Sequence[str] | None = None
     output_dir: str | None = None
     model: str = "nano"
@@ -282,24 +251,12 @@ class PretrainConfig:
     batch_size: int = 256
     steps: int = 300
     schedule: Sequence[Sequence[int]] | None = None
-    target_epsilon: float | None = 5.36
-    noise_multiplier: float | None = None
-    delta: float | None = None
-    l2_norm_clip: float = 1.0
-    per_example_scaling: str = "clip"
-    automatic_scaling_stability: float = 0.01
-    adaptive_clipping_quantile: float | None = None
-    adaptive_clipping_learning_rate: float = 0.2
-    adaptive_clipping_count_stddev: float | None = None
-    accountant: str = "pld"
     learning_rate: float | None = None
     warmup_steps: int = 25
     weight_decay: float = 0.01
     learning_rate_scaling: str = "none"
     reference_batch_size: int = 256
     ema_momentum: float | None = None
-    non_private: bool = False
-    clipping: str = "auto"
     dropout: float = 0.0
     eval_every: int = 25
     checkpoint_every: int = 0
@@ -316,7 +273,6 @@ class PretrainConfig:
     max_predictions: int | None = None
     beta_1: float = 0.9
     beta_2: float = 0.999
-    max_truncation_probability: float = 1e-9
     hardware: Any = None  # a tf_megadp plan Hardware: the run is then planned, and checked
     cpu_replicas: int | None = None
     precision: str = "float32"
@@ -327,41 +283,6 @@ class PretrainConfig:
     max_sequence_length: int | None = None
     lora_rank: int | None = None
     freeze_embeddings: bool = False
-    noise: str | None = None
-    bands: int = 4
-
-    def adaptive_clipping(self):
-        """The run's `tf_megadp.AdaptiveClipping`, or None for a fixed C."""
-        if self.adaptive_clipping_quantile is None:
-            return None
-        from tf_megadp.adaptive_clipping import AdaptiveClipping
-
-        return AdaptiveClipping(self.adaptive_clipping_quantile,
-                                self.adaptive_clipping_learning_rate,
-                                self.adaptive_clipping_count_stddev)
-
-    def noise_mechanism(self):
-        """The run's `tf_megadp.BandMF` or `tf_megadp.BLT`, or None for independent noise."""
-        if self.noise is None:
-            return None
-        from tf_megadp.accounting.correlated_noise import BLT, BandMF
-
-        if self.noise == "bandmf":
-            return BandMF(num_bands=self.bands)
-        return BLT(num_buffers=self.bands)
-
-    def noise_accounting(self) -> dict[str, Any]:
-        """The `RunDescription` fields of the run's noise and the sampling it needs.
-
-        Example:
-            >>> PretrainConfig(noise="bandmf", bands=4).noise_accounting()["cycle_length"]
-            4
-        """
-        if self.noise is None:
-            return {}
-        if self.noise == "bandmf":
-            return {"noise": self.noise_mechanism(), "cycle_length": self.bands}
-        return {"noise": self.noise_mechanism(), "sampling": "fixed_order"}
 
     def learning_rate_choice(self) -> tuple[float, str]:
         """The peak learning rate this run trains with, and where it comes from.
@@ -385,31 +306,27 @@ class PretrainConfig:
         """Raises `PretrainError` naming the first bad field (and how to fix it).
 
         The checks run in this order, each group a method: the types of the
-        numbers, the model and the sizes, clipping, the training's ranges,
-        the privacy unit, checkpointing, the privacy settings, the files,
+        numbers, the model and the sizes, every job's privacy settings
+        (`PrivacySettings.check_privacy`), the training's ranges, the
+        privacy unit, checkpointing, this job's privacy rules, the files,
         the initial weights and what trains, the hardware, and the data's
         numbers.
         """
         self._check_numbers()
         self._check_model_and_sizes()
-        self._check_clipping()
+        self.check_privacy()
         self._check_training_ranges()
         self._check_privacy_unit()
         self._check_checkpointing()
-        self._check_privacy()
-        self._check_noise()
+        self._check_job_privacy()
         self._check_files()
         self._check_initial_weights()
         self._check_hardware()
         self._check_data_numbers()
 
     def _check_numbers(self) -> None:
-        for name in ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
-                     "learning_rate", "weight_decay", "dropout", "heldout_fraction", "beta_1",
-                     "beta_2", "max_truncation_probability", "automatic_scaling_stability",
-                     "ema_momentum", "adaptive_clipping_quantile",
-                     "adaptive_clipping_learning_rate", "adaptive_clipping_count_stddev",
-                     "checkpoint_minutes", "loss_scale"):
+        for name in ("learning_rate", "weight_decay", "dropout", "heldout_fraction", "beta_1",
+                     "beta_2", "ema_momentum", "checkpoint_minutes", "loss_scale"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not math.isfinite(value)):
@@ -432,27 +349,11 @@ class PretrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PretrainError(f"{name} must be a positive integer, got {value!r}.")
         choices = {"document_separator": SEPARATORS,
-                   "per_example_scaling": PER_EXAMPLE_SCALINGS,
                    "learning_rate_scaling": tuple(LEARNING_RATE_SCALINGS)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise PretrainError(
                     f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}.")
-
-    def _check_clipping(self) -> None:
-        if not self.automatic_scaling_stability > 0:
-            raise PretrainError(
-                "automatic_scaling_stability must be > 0, got "
-                f"{self.automatic_scaling_stability!r}.")
-        if self.adaptive_clipping_quantile is not None:
-            if self.non_private:
-                raise PretrainError(
-                    "Adaptive clipping (--adaptive-clipping-quantile) needs a private run: "
-                    "the non-private baseline does not clip.")
-            try:
-                self.adaptive_clipping()
-            except ValueError as error:
-                raise PretrainError(f"adaptive clipping: {error}") from None
 
     def _check_training_ranges(self) -> None:
         if self.ema_momentum is not None and not 0 < self.ema_momentum < 1:
@@ -495,41 +396,15 @@ class PretrainConfig:
             raise PretrainError(
                 f"checkpoint_minutes must be >= 0, got {self.checkpoint_minutes}.")
 
-    def _check_privacy(self) -> None:
-        if self.non_private:
-            if self.schedule and len(self.schedule) > 1:
-                raise PretrainError(
-                    "The non-private baseline uses one batch size; pass --batch-size "
-                    "and --steps instead of a multi-phase schedule."
-                )
-        elif self.noise_multiplier is None and self.target_epsilon is None:
-            raise PretrainError("Pass --target-epsilon or --noise-multiplier (or --non-private).")
-        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
+    def _check_job_privacy(self) -> None:
+        """This job's rules on top of every job's `check_privacy`."""
+        if self.non_private and self.schedule and len(self.schedule) > 1:
             raise PretrainError(
-                f"noise_multiplier must be > 0 for a private run, got {self.noise_multiplier}; "
-                "use --non-private for the baseline."
+                "The non-private baseline uses one batch size; pass --batch-size "
+                "and --steps instead of a multi-phase schedule."
             )
-        if self.target_epsilon is not None and not self.target_epsilon > 0:
-            raise PretrainError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
-        if self.accountant not in accountant_names():
-            raise PretrainError(
-                f"accountant must be one of {accountant_names()}, got {self.accountant!r}.")
-        if self.delta is not None and not 0 < self.delta < 1:
-            raise PretrainError(f"delta must be in (0, 1), got {self.delta}.")
-
-    def _check_noise(self) -> None:
         if self.noise is None:
             return
-        if self.noise not in NOISES:
-            raise PretrainError(
-                f"noise must be one of {', '.join(NOISES)} (or None: independent noise), "
-                f"got {self.noise!r}.")
-        if isinstance(self.bands, bool) or not isinstance(self.bands, int) or self.bands < 1:
-            raise PretrainError(f"bands must be a positive integer, got {self.bands!r}.")
-        if self.non_private:
-            raise PretrainError(
-                f"--noise {self.noise} is the noise of a private run: the non-private "
-                "baseline adds none. Drop --noise, or --non-private.")
         if self.privacy_unit is not None:
             raise PretrainError(
                 f"--noise {self.noise} with --privacy-unit is not supported: the job "
@@ -619,10 +494,6 @@ class PretrainConfig:
             raise PretrainError(
                 f"max_predictions must be in [1, sequence_length={self.sequence_length}], "
                 f"got {self.max_predictions!r}.")
-        if not 0 < self.max_truncation_probability < 1:
-            raise PretrainError(
-                "max_truncation_probability must be in (0, 1), got "
-                f"{self.max_truncation_probability!r}.")
 
     def phases(self) -> list[tuple[int, ...]]:
         """(steps, batch_size) or (steps, batch_size, accumulation_steps) per phase."""
@@ -678,8 +549,5 @@ def parse_schedule(text: str) -> list[tuple[int, int]]:
     return phases
 
 
-def default_delta(num_examples: int) -> float:
-    """The job's delta when none is given: 1 / N^1.1, below 1/N."""
-    return 1.0 / num_examples**1.1
 
 

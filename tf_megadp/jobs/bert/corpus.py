@@ -19,7 +19,8 @@ from tf_megadp.jobs.bert.config import SEPARATORS
 
 __all__ = ["CLS_ID", "CorpusError", "DEFAULT_PACKAGES", "MASK_ID", "PAD_ID", "SEP_ID",
            "SKIPPED_FOLDERS", "SPECIAL_TOKENS", "UNK_ID", "default_corpus_documents",
-           "expand_sources", "package_roots", "read_documents", "write_synthetic_corpus"]
+           "expand_sources", "package_roots", "read_documents", "root_docstrings",
+           "write_synthetic_corpus"]
 
 # BERT's special tokens, in the order keras-hub's WordPiece trainer reserves
 # them: [PAD] must be id 0 because padding rows and padding positions are zeros.
@@ -117,25 +118,32 @@ def default_corpus_documents(
     documents: list[str] = []
     for root in roots:
         used = 0
-        for folder, subfolders, files in os.walk(root):
-            subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_FOLDERS)
-            for name in sorted(files):
-                if not name.endswith(".py"):
-                    continue
-                for text in _docstrings(os.path.join(folder, name)):
-                    key = hashlib.sha1(" ".join(text.split()).encode("utf-8")).digest()
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    documents.append(text)
-                    used += len(text)
-                    if used >= budget:
-                        break
-                if used >= budget:
-                    break
+        for text in root_docstrings(root):
+            key = hashlib.sha1(" ".join(text.split()).encode("utf-8")).digest()
+            if key in seen:
+                continue
+            seen.add(key)
+            documents.append(text)
+            used += len(text)
             if used >= budget:
                 break
     return documents
+
+
+def root_docstrings(root: str) -> Iterator[str]:
+    """The docstrings (of at least 40 characters) of the Python files under `root`, in sorted order.
+
+    Module, class and function docstrings, read with `ast` (nothing is
+    imported), skipping `SKIPPED_FOLDERS`.
+
+    Args:
+        root: a folder (`package_roots` of a package).
+    """
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_FOLDERS)
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield from _docstrings(os.path.join(folder, name))
 
 
 def expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:

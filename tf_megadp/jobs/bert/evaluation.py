@@ -6,7 +6,7 @@ MODEL is a run's `model.keras` or a local keras-hub preset folder of a
 corpus is prepared and split as a run on it with the same settings
 (`prepare_data`: the same cache, the same held-out split), and the held-out
 set is masked, scored and compared with the unigram baseline by the job's
-own code (`training.heldout_set`, `training.heldout_accuracy`,
+own code (`training.heldout_set`, `fitting.weighted_accuracy`,
 `baselines.learning_verdict`). A run's `model.keras`, evaluated on its
 corpus with its seed, held-out fraction, sequence length and micro-batch
 size, scores the held-out accuracy its report.json ends with.
@@ -77,6 +77,7 @@ def evaluate_model(
 
     from tf_megadp.jobs.bert import initial_weights, training
     from tf_megadp.jobs.bert.baselines import learning_verdict
+    from tf_megadp.jobs.common import fitting
     from tf_megadp.jobs.bert.prepare import prepare_data
 
     init = initial_weights.read_initial_weights(model)
@@ -107,7 +108,7 @@ def evaluate_model(
     _, held_out = training.heldout_set(train, heldout, config)
     network = training.build_model(config, train.vocabulary_size)
     initial_weights.load_into(network, init)
-    accuracy = training.heldout_accuracy(network, held_out.x, held_out.y,
+    accuracy = fitting.weighted_accuracy(network, held_out.x, held_out.y,
                                          held_out.sample_weight, config.micro_batch_size)
     positions = float(held_out.sample_weight.sum())
     result = {
@@ -131,7 +132,7 @@ def evaluate_model(
 
 def evaluation_summary(result: dict[str, Any]) -> str:
     """The lines `tf-megadp evaluate` prints."""
-    from tf_megadp.jobs.bert.baselines import STANDARD_ERRORS
+    from tf_megadp.jobs.common.verdicts import STANDARD_ERRORS
 
     verdict = "yes" if result["learned"] else "NO: not above it by more than its noise"
     return "\n".join([

@@ -49,7 +49,7 @@ from typing import Any, Collection
 
 from tf_megadp.files import sha256_of_file
 from tf_megadp.jobs.bert.config import MODEL_PRESETS, PretrainConfig, PretrainError
-from tf_megadp.jobs.bert.run_files import (
+from tf_megadp.jobs.common.run_folder import (
     PRIVACY_REPORT_NAME,
     REPORT_NAME,
     VOCABULARY_NAME,

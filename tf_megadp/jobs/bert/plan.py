@@ -36,7 +36,8 @@ from typing import Any, NamedTuple
 from tf_megadp import accounting
 from tf_megadp.accounting.correlated_noise import NoiseStrategy
 from tf_megadp.jobs.bert import cost_model, initial_weights
-from tf_megadp.jobs.bert.config import Hardware, PretrainError, default_delta
+from tf_megadp.jobs.bert.config import Hardware, PretrainError
+from tf_megadp.jobs.common.privacy import default_delta
 from tf_megadp.jobs.bert.config_file import load_run_config
 from tf_megadp.jobs.bert.cost_model import CLIPPING, GIB, ModelSpec, model_spec
 from tf_megadp.steps import noise_multiplier_of, sampling_rate_of

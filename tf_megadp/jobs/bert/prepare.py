@@ -20,8 +20,8 @@ from tf_megadp.jobs.bert.run_files import (
     CANARY_REPETITIONS,
     CANARY_SECRET_LENGTH,
     TRAINING_CORPUS_VOCABULARY,
-    VOCABULARY_NAME,
 )
+from tf_megadp.jobs.common.run_folder import VOCABULARY_NAME
 
 def _default_cache_dir() -> str:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -19,14 +19,14 @@ chief writes the run's files.
 
 The job's parts: `prepare` (corpus shards, vocabulary, held-out split,
 canaries), `training` (model, inner optimizer, the private fit or loop,
-checkpoints), `run_files` (the run's files and summary); this module plans
+checkpoints), `run_files` (what the job adds to a run's folder,
+`tf_megadp.jobs.common.run_folder`, and its summary); this module plans
 the privacy and runs them in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
 import time
@@ -38,18 +38,17 @@ from tf_megadp.jobs.bert.config import (  # noqa: F401 (the job's names, for the
     PRECISIONS,
     PretrainConfig,
     PretrainError,
-    default_delta,
 )
+from tf_megadp.jobs.common.privacy import plan_privacy
 from tf_megadp.jobs.bert.config_file import load_run_config, run_config_from_dict
 from tf_megadp.jobs.bert.prepare import canary_split, prepare_data, vocabulary_report
 from tf_megadp.jobs.bert.run_files import (
     TRAINING_CORPUS_VOCABULARY_WARNING,
     CANARIES_NAME,
-    CHECKPOINT_NAME,
-    check_same_run,
+    pretrain_settings,
     saved_initial_weights,
-    saved_settings,
 )
+from tf_megadp.jobs.common.run_folder import CHECKPOINT_NAME, check_same_run
 from tf_megadp.jobs.bert.training import build_model, run_training
 
 __all__ = ["MODEL_PRESETS", "PRECISIONS", "PretrainConfig", "PretrainError", "build_model",
@@ -83,65 +82,6 @@ def _check_planned_hardware(config: PretrainConfig, replicas: int,
             f"{vocabulary_size} and plan again.")
     # Raises InfeasiblePlanError naming the number, exactly as `tf-megadp plan` does.
     return plan.make_plan(config, vocabulary_size=vocabulary_size, init=init)
-
-
-def _plan_privacy(config: PretrainConfig, schedule, plan: dict[str, Any] | None = None,
-                  prior=None) -> tuple[float, float, float]:
-    """(sigma, delta, epsilon of the full schedule).
-
-    A planned run's `plan` has calibrated sigma and accounted this same
-    schedule already: its numbers are taken, not computed a second time.
-    `prior` is the ledger of a release the run continues (--init-from):
-    epsilon composes it first, and a target epsilon bounds the whole.
-    """
-    from tf_megadp import accounting
-
-    n = schedule.num_examples
-    delta = config.delta if config.delta is not None else default_delta(n)
-    if config.non_private:
-        return 0.0, delta, math.inf
-    if plan is not None and plan["schedule"] == schedule.to_dict() and plan["delta"] == delta:
-        return float(plan["noise_multiplier"]), delta, float(plan["epsilon"])
-    if config.noise_multiplier is not None:
-        sigma = float(config.noise_multiplier)
-    else:
-        _check_prior_below_target(config, prior, n, delta)
-        try:
-            sigma = accounting.calibrate_noise_multiplier(
-                config.target_epsilon, delta, schedule=schedule, accountant=config.accountant,
-                prior=prior, **config.noise_accounting())
-        except (ValueError, RuntimeError) as error:
-            raise PretrainError(
-                f"target epsilon {config.target_epsilon} is unreachable for this schedule "
-                f"({schedule.total_steps} steps over N={n}): {error}. Use fewer steps, a "
-                "smaller batch or a larger epsilon."
-            ) from None
-    epsilon = accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma,
-                                         accountant=config.accountant, prior=prior,
-                                         **config.noise_accounting())
-    if config.target_epsilon is not None and epsilon > config.target_epsilon * 1.0001:
-        raise PretrainError(
-            f"noise multiplier {sigma:g} spends epsilon {epsilon:.3f} over the "
-            f"{schedule.total_steps} steps, more than target epsilon {config.target_epsilon}; "
-            "raise --noise-multiplier or drop it to calibrate."
-        )
-    return sigma, delta, epsilon
-
-
-def _check_prior_below_target(config: PretrainConfig, prior, n: int, delta: float) -> None:
-    """A release whose ledger alone spends the target leaves nothing to calibrate."""
-    from tf_megadp import accounting
-
-    if prior is None:
-        return
-    spent = accounting.PrivacyAccountant(n, delta, accountant=config.accountant,
-                                         ledger=prior).epsilon()
-    if spent >= config.target_epsilon:
-        raise PretrainError(
-            f"--init-from {config.init_from} is a DP release whose ledger alone spends epsilon "
-            f"{spent:.4g} at this run's delta {delta:.3g}, at least --target-epsilon "
-            f"{config.target_epsilon}: raise --target-epsilon, or pass --init-data-disjoint "
-            "if its training data share no example with this corpus.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +147,7 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     has_checkpoint = has_training_state(os.path.join(output_dir, CHECKPOINT_NAME))
     if config.resume:
         # Before the corpus and TensorFlow: a refused resume fails at once.
-        check_same_run(saved_settings(output_dir), config)
+        check_same_run(pretrain_settings(output_dir), config)
         init = saved_initial_weights(output_dir)
     if not config.resume and has_checkpoint:
         raise PretrainError(
@@ -277,7 +217,8 @@ def run_pretraining(config: PretrainConfig, *, log=print,
         plan = _check_planned_hardware(config, replicas, train.vocabulary_size, init)
     schedule = config.make_schedule(population, replicas)
     prior = init.composed_ledger(config) if init is not None else None
-    sigma, delta, planned_epsilon = _plan_privacy(config, schedule, plan, prior)
+    sigma, delta, planned_epsilon = plan_privacy(config, schedule, prior=prior, plan=plan,
+                                                 init_from=config.init_from)
     if testing is not None and testing.noise_multiplier is not None:
         sigma = testing.noise_multiplier
 

@@ -1,4 +1,8 @@
-"""The files of a pretraining run: their names, the guide to them, the saved settings, the summary."""
+"""What the pretraining job adds to a run's folder (`tf_megadp.jobs.common.run_folder`).
+
+Its own files (the audit's canaries and result), what its report.json
+publishes outside epsilon, its resumed settings and its summary.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,9 @@ import dataclasses
 import os
 from typing import Any
 
+from tf_megadp.jobs.bert.config import PretrainConfig, PretrainError
+from tf_megadp.jobs.common.run_folder import INIT_KEY, REPORT_NAME, saved_extra, saved_settings
 
-from tf_megadp.jobs.bert.config import (
-    PretrainConfig,
-    PretrainError,
-)
-
-CHECKPOINT_NAME = "checkpoint"
 CANARIES_NAME = "canaries.json"
 AUDIT_NAME = "audit.json"
 # Secret-sharer canaries "the key of W1 W2 is D D D" (a random name W1 W2 per
@@ -21,10 +21,6 @@ CANARY_CONTEXT = ("the key of", "is")
 CANARY_SECRET_LENGTH = 3
 CANARY_ALPHABET = tuple("0123456789")
 CANARY_REPETITIONS = (1, 4, 16)
-MODEL_NAME = "model.keras"
-VOCABULARY_NAME = "vocab.txt"
-REPORT_NAME = "report.json"
-PRIVACY_REPORT_NAME = "privacy.json"
 TRAINING_CORPUS_VOCABULARY = "training corpus (NOT private)"
 TRAINING_CORPUS_VOCABULARY_WARNING = (
     "--vocabulary-from-training-corpus: the WordPiece vocabulary is learned from "
@@ -49,54 +45,25 @@ RELEASED_OUTSIDE_EPSILON = (
     "truncated_steps: how many Poisson steps overflowed their capacity",
     "the vocabulary (vocab.txt), when vocabulary.public is false",
 )
-PLOT_NAME = "report.png"
-HISTORY_NAME = "history.csv"
-# Where report.json and the checkpoint's extra keep the record of --init-from.
-INIT_KEY = "init"
-
-
-# What `--resume` may change: how the run goes on, never what it trains on,
-# what it trains or what it spends. Every other field is the saved run's;
-# a resume that changes one is refused, naming it (`check_same_run`).
-OPERATIONAL_FIELDS = frozenset({
-    "resume", "output_dir", "cache_dir", "verbose", "eval_every", "checkpoint_every",
-    "checkpoint_minutes", "stop_after_steps",
-})
+# The command whose checkpoints hold these settings.
+COMMAND = "tf-megadp pretrain"
 # The operational fields that end one invocation, not the run: a resume does
 # not take them from the checkpoint (a run stopped by --stop-after-steps 1
 # and resumed with --resume alone stopped again one step later, each time).
 _INVOCATION_FIELDS = frozenset({"stop_after_steps"})
 
 
-def saved_settings(output_dir: str) -> dict[str, Any]:
-    """The settings of the run in `output_dir`, from its checkpoint (no TensorFlow needed).
-
-    Raises:
-        PretrainError: no committed checkpoint there, or one without settings.
-    """
-    from tf_megadp.run.training_state import training_state_extra
-
-    directory = os.path.join(output_dir, CHECKPOINT_NAME)
-    try:
-        saved = training_state_extra(directory).get("config")
-    except FileNotFoundError:
-        raise PretrainError(f"--resume: no {CHECKPOINT_NAME} in {output_dir}.") from None
-    except ValueError as error:
-        raise PretrainError(f"--resume: {error}") from None
-    if not isinstance(saved, dict):
-        raise PretrainError(
-            f"--resume: the checkpoint in {output_dir} holds no run settings; it was not "
-            "written by `tf-megadp pretrain`.")
-    return saved
-
-
 def saved_initial_weights(output_dir: str):
     """The `InitialWeights` the run in `output_dir` started from (None: random weights)."""
-    from tf_megadp.run.training_state import training_state_extra
     from tf_megadp.jobs.bert.initial_weights import InitialWeights
 
-    saved = training_state_extra(os.path.join(output_dir, CHECKPOINT_NAME)).get(INIT_KEY)
+    saved = saved_extra(output_dir).get(INIT_KEY)
     return InitialWeights.from_dict(saved) if saved else None
+
+
+def pretrain_settings(output_dir: str) -> dict[str, Any]:
+    """The settings of the pretraining run in `output_dir`, from its checkpoint (no TensorFlow)."""
+    return saved_settings(output_dir, COMMAND)
 
 
 def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:
@@ -121,64 +88,14 @@ def resumed_config(saved: dict[str, Any], **given: Any) -> PretrainConfig:
     return dataclasses.replace(PretrainConfig(**values), **given)
 
 
-def check_same_run(saved: dict[str, Any], config: PretrainConfig) -> None:
-    """A resumed run keeps the settings its ledger and schedule were planned with.
-
-    Only the `OPERATIONAL_FIELDS` may differ from `saved`; any other change
-    is refused, naming the field and its two values.
-    """
-    current = config_dict(config)
-    changed = sorted(
-        name for name in current
-        if name not in OPERATIONAL_FIELDS and name in saved and saved[name] != current[name]
-    )
-    if changed:
-        details = ", ".join(f"{name}: {saved[name]!r} -> {current[name]!r}" for name in changed)
-        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
-        raise PretrainError(
-            f"--resume with different settings ({details}): a resumed run keeps every "
-            "setting of its privacy and its model. Drop " + flags + " (--resume alone "
-            "takes the run's saved settings), or start a new run in another --output-dir. "
-            "A resume may change only " + ", ".join(sorted(OPERATIONAL_FIELDS - {"resume"}))
-            + ".")
-
-
-def config_dict(config: PretrainConfig) -> dict[str, Any]:
-    values = dataclasses.asdict(config)
-    values["corpus"] = list(config.corpus) if config.corpus else None
-    values["schedule"] = [list(p) for p in config.schedule] if config.schedule else None
-    return values
-
-
 # The settings that name files or folders of this machine.
 PATH_FIELDS = ("corpus", "output_dir", "cache_dir", "vocabulary", "init_from")
 
 
-def publishable(report: dict[str, Any], output_dir: str) -> dict[str, Any]:
-    """`report` as report.json in `output_dir` publishes it: no path of this machine in it.
-
-    Its `config` names files as `files.publishable_path` does (relative to the
-    run folder, or by name only), relative paths as typed included; every
-    other absolute path in it (the init's files, a release's report) too.
-    The checkpoint, which is never published, keeps the settings whole for
-    --resume and the audit.
-    """
-    from tf_megadp.files import publishable_path, publishable_paths
-
-    folder = output_dir
-    settings = dict(report.get("config") or {})
-    for name in PATH_FIELDS:
-        value = settings.get(name)
-        if isinstance(value, list):
-            settings[name] = [publishable_path(item, folder) for item in value]
-        elif value is not None:
-            settings[name] = publishable_path(value, folder)
-    return publishable_paths({**report, "config": settings}, folder)
-
-
 def _learning_lines(report: dict[str, Any]) -> list[str]:
     """The summary's verdict against the unigram baseline, its learning rate and its N."""
-    from tf_megadp.jobs.bert.baselines import NOT_LEARNED_MESSAGE, STANDARD_ERRORS
+    from tf_megadp.jobs.bert.baselines import NOT_LEARNED_MESSAGE
+    from tf_megadp.jobs.common.verdicts import STANDARD_ERRORS
     from tf_megadp.jobs.bert.units import describe_population
 
     threshold = (f"{report['learned_threshold']:.4f}: the unigram baseline + "

@@ -5,14 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import time
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from tf_megadp.files import atomic_write, write_json_atomically
+from tf_megadp.files import write_json_atomically
 from tf_megadp.jobs.bert.config import (
     MODEL_PRESETS,
     PretrainConfig,
@@ -22,19 +20,23 @@ from tf_megadp.jobs.bert.prepare import vocabulary_report
 from tf_megadp.jobs.bert.run_files import (
     CANARIES_NAME,
     CANARY_REPETITIONS,
+    PATH_FIELDS,
+    RELEASED_OUTSIDE_EPSILON,
+    mechanism_description,
+    run_summary,
+)
+from tf_megadp.jobs.common import fitting, run_folder
+from tf_megadp.jobs.common.run_folder import (
     CHECKPOINT_NAME,
     HISTORY_NAME,
     INIT_KEY,
+    LORA_FACTORS_KEY,
     MODEL_NAME,
     PLOT_NAME,
     PRIVACY_REPORT_NAME,
-    RELEASED_OUTSIDE_EPSILON,
     REPORT_NAME,
     VOCABULARY_NAME,
     config_dict,
-    mechanism_description,
-    publishable,
-    run_summary,
 )
 
 
@@ -179,93 +181,6 @@ def _divisor_at_most(total: int, wanted: int) -> int:
     return 1
 
 
-def _plot(history: list[dict[str, Any]], path: str, private: bool) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] for h in history]
-    figure, accuracy_axis = plt.subplots(figsize=(7, 4))
-    accuracy_axis.plot(steps, [h["heldout_mlm_accuracy"] for h in history], "o-", color="tab:blue")
-    accuracy_axis.set_xlabel("logical step")
-    accuracy_axis.set_ylabel("held-out MLM accuracy", color="tab:blue")
-    if private:
-        epsilon_axis = accuracy_axis.twinx()
-        epsilon_axis.plot(steps, [h["epsilon"] for h in history], "s--", color="tab:red")
-        epsilon_axis.set_ylabel("epsilon", color="tab:red")
-    figure.tight_layout()
-    atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=100))
-    plt.close(figure)
-
-
-class _Checkpointer:
-    """Saves model and optimizer (so the privacy ledger) atomically at logical-step ends.
-
-    Only the chief of several workers saves (`enabled`); the others' state
-    is the same.
-    """
-
-    def __init__(self, output_dir: str, history: list, config: PretrainConfig, resumes: list,
-                 learning_rate_source: str, enabled: bool = True, init=None):
-        self.directory = os.path.join(output_dir, CHECKPOINT_NAME)
-        self.history = history
-        self.config = config
-        self.learning_rate_source = learning_rate_source
-        self.resumes = resumes
-        self.enabled = enabled
-        self.init = init
-
-    def save(self, model) -> None:
-        from tf_megadp.jobs.bert import trainable
-        from tf_megadp.run.training_state import save_training_state
-
-        if not self.enabled:
-            return
-        steps = int(model.optimizer.iterations.numpy())
-        # Before the state that names it is committed: a kill in between
-        # leaves the last committed checkpoint and its own factors whole.
-        factors = trainable.save_lora_factors(model, self.directory, steps)
-        save_training_state(model, self.directory, extra={
-            "logical_steps": steps,
-            "history": self.history,
-            "resumes": self.resumes,
-            "config": config_dict(self.config),
-            # The saved config holds the rate as a number: where it came from
-            # is kept beside it, so that a resumed run reports it.
-            "learning_rate_source": self.learning_rate_source,
-            # Where the run started (a resume reports it and composes the
-            # same release ledger when it plans sigma again).
-            INIT_KEY: self.init.to_dict() if self.init else None,
-            trainable.LORA_FACTORS_KEY: factors,
-        })
-        trainable.remove_other_lora_factors(self.directory, factors)
-
-
-def _history_csv_class():
-    import keras
-
-    class HistoryCsv(keras.callbacks.CSVLogger):
-        """Keras's CSVLogger, without its val_<metric> columns.
-
-        Without validation data in fit, Keras's logger adds a val_ column for
-        every column, all "NA"; the job evaluates its held-out set itself
-        (heldout_mlm_accuracy), so the file keeps the columns fit logs.
-        """
-
-        def on_epoch_end(self, epoch, logs=None):
-            if self.keys is None:
-                self.keys = sorted((logs or {}).keys())
-            super().on_epoch_end(epoch, logs)
-
-    return HistoryCsv
-
-
-def _history_csv(path: str, append: bool):
-    """The `CSVLogger` of the run's history.csv (see `_history_csv_class`)."""
-    return _history_csv_class()(path, append=append)
-
-
 def _compile_kwargs(private: bool):
     import keras
 
@@ -396,31 +311,52 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
 
     chief = distribute.is_chief(strategy)
     privacy = _privacy_callback(job, chief) if job.private else None
-    checkpointer = _Checkpointer(output_dir, start.history, config, start.resumes,
-                                 start.learning_rate_source, enabled=chief, init=job.init)
+    checkpointer = run_folder.Checkpointer(output_dir, lambda: _checkpoint_record(job, start),
+                                           enabled=chief)
     callbacks = [privacy] if privacy else []
     callbacks.append(_evaluation_callback(job, heldout_set, start.history, privacy, checkpointer,
                                           logical_done, several_workers))
     if chief:
-        callbacks += _log_callbacks(job)
+        callbacks += run_folder.log_callbacks(output_dir, config.resume)
     _announce_training(job, start.learning_rate_source, planned_epsilon, sampler)
-    train_seconds = _fit(job, model, dataset, several_workers, callbacks,
-                         epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
-                         steps_per_epoch=steps_per_epoch)
+    train_seconds = fitting.fit_run(
+        model, dataset, strategy=strategy, several_workers=several_workers,
+        callbacks=callbacks, epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch, verbose=run_folder.progress_verbosity(config.verbose))
 
     final_steps = start.history[-1]["step"] if start.history else logical_done
     if not epochs:
         checkpointer.save(model)
     if chief:
-        _export_release(job, model)
-    report = publishable(_report(job, model, sampler, privacy, start, heldout_set,
-                                 final_steps=final_steps, train_seconds=train_seconds), output_dir)
+        # The vocabulary is public unless --vocabulary-from-training-corpus.
+        run_folder.export_release(model, output_dir, os.path.join(
+            job.train.directory, job.train.manifest["vocabulary_file"]))
+    report = run_folder.publishable(
+        _report(job, model, sampler, privacy, start, heldout_set, final_steps=final_steps,
+                train_seconds=train_seconds), output_dir, PATH_FIELDS)
     if chief:
         write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
         if start.history:
-            _plot(start.history, os.path.join(output_dir, PLOT_NAME), job.private)
+            run_folder.plot_history(start.history, os.path.join(output_dir, PLOT_NAME),
+                                    "heldout_mlm_accuracy", "held-out MLM accuracy",
+                                    job.private)
     log(run_summary(report, output_dir))
     return report
+
+
+def _checkpoint_record(job: _Job, start: _Start) -> dict[str, Any]:
+    """What the run's checkpoint keeps beside its training state."""
+    return {
+        "history": start.history,
+        "resumes": start.resumes,
+        "config": config_dict(job.config),
+        # The saved config holds the rate as a number: where it came from
+        # is kept beside it, so that a resumed run reports it.
+        "learning_rate_source": start.learning_rate_source,
+        # Where the run started (a resume reports it and composes the
+        # same release ledger when it plans sigma again).
+        INIT_KEY: job.init.to_dict() if job.init else None,
+    }
 
 
 def _prepare_evaluation(job: _Job):
@@ -508,13 +444,11 @@ def _restore(job: _Job, model, learning_rate_source: str) -> _Start:
     """Restores the run's checkpoint into `model` and says where this start resumes."""
     from tf_megadp.run.training_state import restore_training_state
 
-    from tf_megadp.jobs.bert import trainable
-
     # Its settings were checked against config before the corpus was prepared.
     directory = os.path.join(job.output_dir, CHECKPOINT_NAME)
     state = restore_training_state(model, directory, _compile_kwargs(job.private))
     # Keras loads a LoRA layer's merged kernel into W and zeros A and B.
-    trainable.restore_lora_factors(model, directory, state.get(trainable.LORA_FACTORS_KEY))
+    run_folder.restore_lora_factors(model, job.output_dir, state.get(LORA_FACTORS_KEY))
     resumed_from = int(model.optimizer.iterations.numpy())
     return _Start(
         history=state.get("history", []),
@@ -527,20 +461,15 @@ def _restore(job: _Job, model, learning_rate_source: str) -> _Start:
 
 def _new_optimizer(job: _Job):
     """The optimizer of a new run: a `DPOptimizer` around AdamW, or the baseline's AdamW."""
-    import tf_megadp
+    from tf_megadp.jobs.common.privacy import new_dp_optimizer
 
     config, schedule = job.config, job.schedule
     if not job.private:
         k = schedule.phases[0].accumulation_steps
         return _inner_optimizer(config, schedule, k if k > 1 else None)
-    return tf_megadp.DPOptimizer(
-        _inner_optimizer(config, schedule, None),
-        l2_norm_clip=config.l2_norm_clip, noise_multiplier=job.sigma,
-        schedule=schedule, clipping=config.clipping,
-        per_example_scaling=config.per_example_scaling,
-        automatic_scaling_stability=config.automatic_scaling_stability,
+    return new_dp_optimizer(
+        config, _inner_optimizer(config, schedule, None), schedule, job.sigma,
         examples_per_unit=config.examples_per_unit if config.privacy_unit else 1,
-        adaptive_clipping=config.adaptive_clipping(), noise=config.noise_mechanism(),
         # Fixed, never Keras's dynamic scale (docs/concepts.md, "Float16 compute").
         loss_scale=config.loss_scale if config.precision == "mixed_float16" else None,
         seed=None if job.testing is None else job.testing.noise_seed)
@@ -639,88 +568,38 @@ def _privacy_callback(job: _Job, chief: bool):
 
 
 def _evaluation_callback(job: _Job, heldout_set: _HeldOut, history: list, privacy,
-                         checkpointer: _Checkpointer, logical_done: int, several_workers: bool):
-    """The callback that evaluates the held-out set at every epoch end and checkpoints the run."""
+                         checkpointer, logical_done: int, several_workers: bool):
+    """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints on the run's cadence."""
     import keras
 
-    config, private, started = job.config, job.private, job.started
-    accumulation = 1 if private else job.schedule.phases[0].accumulation_steps
+    config = job.config
 
-    class _Evaluate(keras.callbacks.Callback):
-        """Held-out MLM accuracy and epsilon at every epoch end, and checkpoints.
+    def evaluate(model) -> dict[str, float]:
+        # With weight averaging, the held-out accuracy is the average's:
+        # the weights the run exports (fit leaves the average in the model).
+        swap = [keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None
+        if several_workers:
+            accuracy = fitting.weighted_accuracy(model, heldout_set.x, heldout_set.y,
+                                                 heldout_set.sample_weight,
+                                                 config.micro_batch_size, swap)
+        else:
+            _, accuracy = model.evaluate(
+                heldout_set.x, heldout_set.y, sample_weight=heldout_set.sample_weight,
+                batch_size=config.micro_batch_size, verbose=0, callbacks=swap)
+        return {"heldout_mlm_accuracy": float(accuracy)}
 
-        A checkpoint is written at a logical-step boundary after the first
-        logical step of this start, then every `checkpoint_every` steps and
-        every `checkpoint_minutes` of training, whichever comes first, and
-        at the end (the last epoch's end).
-        """
+    def clip_norm(model) -> dict[str, float]:
+        if config.adaptive_clipping_quantile is None:
+            return {}
+        return {"clip_norm": float(model.optimizer.clip_norm.numpy())}
 
-        def on_train_begin(self, logs=None):
-            self._last_saved = logical_done
-            self._saved_at = time.monotonic()
-            self._micro_steps = 0
-
-        def on_train_batch_end(self, batch, logs=None):
-            self._micro_steps += 1
-            optimizer = self.model.optimizer
-            # Private: the DPOptimizer says; the baseline accumulates k micro-steps.
-            at_boundary = (int(optimizer.micro_steps.numpy()) == 0 if private
-                           else self._micro_steps % accumulation == 0)
-            steps = int(optimizer.iterations.numpy())
-            if not at_boundary or steps == self._last_saved:
-                return
-            due = (self._last_saved == logical_done  # the first step of this start
-                   or (config.checkpoint_every and steps % config.checkpoint_every == 0)
-                   or (config.checkpoint_minutes and time.monotonic() - self._saved_at
-                       >= 60 * config.checkpoint_minutes))
-            if due:
-                checkpointer.save(self.model)
-                self._last_saved, self._saved_at = steps, time.monotonic()
-
-        def on_epoch_end(self, epoch, logs=None):
-            # With weight averaging, the held-out accuracy is the average's:
-            # the weights the run exports (fit leaves the average in the model).
-            swap = [keras.callbacks.SwapEMAWeights()] if config.ema_momentum else None
-            if several_workers:
-                accuracy = heldout_accuracy(self.model, heldout_set.x, heldout_set.y,
-                                             heldout_set.sample_weight,
-                                             config.micro_batch_size, swap)
-            else:
-                _, accuracy = self.model.evaluate(
-                    heldout_set.x, heldout_set.y, sample_weight=heldout_set.sample_weight,
-                    batch_size=config.micro_batch_size, verbose=0, callbacks=swap)
-            steps = int(self.model.optimizer.iterations.numpy())
-            record = {
-                "step": steps,
-                "heldout_mlm_accuracy": float(accuracy),
-                "train_mlm_accuracy": float(logs.get("mlm_accuracy", float("nan"))),
-                "loss": float(logs.get("loss", float("nan"))),
-                "epsilon": float(privacy.epsilon) if privacy else math.inf,
-                "wall_time_s": time.time() - started,
-            }
-            if config.adaptive_clipping_quantile is not None:
-                record["clip_norm"] = float(self.model.optimizer.clip_norm.numpy())
-            history.append(record)
-            if logs is not None:
-                logs["heldout_mlm_accuracy"] = float(accuracy)
-            if epoch == self.params["epochs"] - 1:
-                # Here, before fit's end replaces the weights by their average
-                # (ema_momentum): a resumed run continues from the trained
-                # weights, with the average in the optimizer.
-                checkpointer.save(self.model)
-
-    return _Evaluate()
-
-
-def _log_callbacks(job: _Job) -> list:
-    """The chief's per-epoch logs: history.csv and TensorBoard."""
-    import keras
-
-    return [
-        _history_csv(os.path.join(job.output_dir, HISTORY_NAME), append=job.config.resume),
-        keras.callbacks.TensorBoard(os.path.join(job.output_dir, "tensorboard"),
-                                    update_freq="epoch"),
-    ]
+    return run_folder.progress_callback(
+        private=job.private,
+        accumulation=1 if job.private else job.schedule.phases[0].accumulation_steps,
+        logical_done=logical_done, checkpointer=checkpointer,
+        checkpoint_every=config.checkpoint_every, checkpoint_minutes=config.checkpoint_minutes,
+        evaluate=evaluate, history=history, privacy=privacy, started=job.started,
+        train_metrics={"mlm_accuracy": "train_mlm_accuracy"}, extra_record=clip_norm)
 
 
 def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: float,
@@ -749,63 +628,6 @@ def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: fl
            if job.private
            else "NON-PRIVATE baseline (no clipping, no noise).")
     )
-
-
-def _fit(job: _Job, model, dataset, several_workers: bool, callbacks: list, *, epochs: int,
-         initial_epoch: int, steps_per_epoch: int) -> float:
-    """Trains this start's epochs (a private custom loop under several workers); its seconds."""
-    train_started = time.time()
-    # Also with no epoch left (a run resumed after its last step): the
-    # privacy callback then reports the ledger without training.
-    with warnings.catch_warnings():
-        # BertMaskedLM never uses the backbone's pooler; Keras's optimizer
-        # warns about it on every non-private run.
-        warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
-        if several_workers:
-            _fit_with_private_step(model, job.strategy, dataset, epochs=epochs,
-                                   initial_epoch=initial_epoch,
-                                   steps_per_epoch=steps_per_epoch, callbacks=callbacks)
-        else:
-            model.fit(dataset, epochs=epochs, initial_epoch=initial_epoch,
-                      steps_per_epoch=steps_per_epoch or None,
-                      shuffle=False, callbacks=callbacks,
-                      verbose=progress_verbosity(job.config.verbose))
-    return time.time() - train_started
-
-
-def progress_verbosity(verbose: int | str, stream=None) -> int | str:
-    """The job's Keras `fit` verbosity: for "auto", a bar on a terminal, else one line per evaluation.
-
-    Keras's "auto" draws its bar with carriage returns whenever Python runs
-    on POSIX, terminal or not: a 5-minute run with its stdout in a file
-    wrote more than 1 MB of them (issue 47). Each epoch of the job ends
-    with an evaluation, so verbose=2, one line per epoch, is one line per
-    evaluation. A number given is kept.
-
-    Args:
-        verbose: the configured verbosity (`PretrainConfig.verbose`).
-        stream: where Keras writes (default: `sys.stdout` now).
-    """
-    import sys
-
-    if verbose != "auto":
-        return verbose
-    stream = sys.stdout if stream is None else stream
-    isatty = getattr(stream, "isatty", None)
-    return 1 if callable(isatty) and isatty() else 2
-
-
-def _export_release(job: _Job, model) -> None:
-    """The release: the model without any optimizer state, and the vocabulary it reads.
-
-    The vocabulary is public unless --vocabulary-from-training-corpus.
-    """
-    from tf_megadp.run.export import export_model
-
-    export_model(model, os.path.join(job.output_dir, MODEL_NAME))
-    vocabulary_file = os.path.join(job.train.directory, job.train.manifest["vocabulary_file"])
-    atomic_write(os.path.join(job.output_dir, VOCABULARY_NAME),
-                 lambda temporary: shutil.copyfile(vocabulary_file, temporary))
 
 
 def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _HeldOut, *,
@@ -885,92 +707,6 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
 
 def _count(variables) -> int:
     return int(sum(np.prod(variable.shape) for variable in variables))
-
-
-def _fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_epoch: int,
-                           callbacks: list, initial_epoch: int = 0) -> None:
-    """`model.fit` of the sampler's dataset, as a custom loop of a `tf_megadp.PrivateStep`.
-
-    Keras 3.15's `fit` cannot run under `MultiWorkerMirroredStrategy` with
-    several workers (docs/tpu.md). This loop runs the private `fit`'s own
-    step on every replica, each worker feeding its replicas' rows of the
-    sampler's micro-steps (`distribute_micro_batches`), records the ledger
-    after every micro-step as the private `fit` does, and drives the same
-    callbacks at the same points: the privacy callback (epsilon, budget
-    stop, report), evaluation and checkpoints, the CSV and TensorBoard logs.
-    """
-    import keras
-    import tensorflow as tf
-
-    import tf_megadp
-    from tf_megadp import distribute
-    from tf_megadp.data import sources
-    from tf_megadp.run.ledger_recorder import LedgerRecorder
-
-    hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
-                                         steps=steps_per_epoch, verbose=0)
-    model.stop_training = False
-    if epochs == initial_epoch:
-        # A run resumed after its last step: the ledger is checked and
-        # reported, nothing is trained.
-        LedgerRecorder(sources.source_of(dataset), model=model, nothing_to_train=True,
-                       require_poisson_sampling=True).begin()
-        hooks.on_train_begin()
-        hooks.on_train_end()
-        return
-    step = tf_megadp.PrivateStep(model)
-    data = distribute.distribute_micro_batches(strategy, lambda context: dataset)
-    step.begin(data)
-    train = tf.function(lambda iterator: step.run(next(iterator)))
-    iterator = iter(data)
-    logs = {}
-    hooks.on_train_begin()
-    for epoch in range(initial_epoch, epochs):
-        model.reset_metrics()
-        hooks.on_epoch_begin(epoch)
-        for batch in range(steps_per_epoch):
-            hooks.on_train_batch_begin(batch)
-            logs = {name: float(value) for name, value in train(iterator).items()
-                    if name not in ("logical_step", "applied")}
-            step.record()  # Before any callback reads the ledger.
-            hooks.on_train_batch_end(batch, logs)
-            if model.stop_training:
-                break
-        logs = dict(logs)
-        hooks.on_epoch_end(epoch, logs)
-        if model.stop_training:
-            break
-    # As fit: the weights' average replaces them (with use_ema), then the end.
-    model.optimizer.finalize_variable_values(model.trainable_variables)
-    hooks.on_train_end(logs)
-
-
-def heldout_accuracy(model, x, y, sample_weight, batch_size: int, swap=None) -> float:
-    """The held-out masked-LM accuracy `evaluate` gives, without `evaluate`.
-
-    Keras's `evaluate` cannot run under several workers either; this is its
-    weighted accuracy over the masked positions, from the model's forward
-    pass on this worker (its weights are every worker's). It needs no
-    compiled model: `tf-megadp evaluate` scores a model with it too.
-    """
-    import keras
-    import numpy as np
-
-    for callback in swap or ():
-        callback.set_model(model)
-        callback.on_test_begin()
-    try:
-        correct = weight = 0.0
-        for start in range(0, len(y), batch_size):
-            rows = slice(start, start + batch_size)
-            logits = model({name: value[rows] for name, value in x.items()}, training=False)
-            hits = np.argmax(keras.ops.convert_to_numpy(logits), axis=-1) == y[rows]
-            correct += float(np.sum(hits * sample_weight[rows]))
-            weight += float(np.sum(sample_weight[rows]))
-    finally:
-        for callback in swap or ():
-            callback.on_test_end()
-    return correct / weight
 
 
 def _file_guide(config: PretrainConfig, private: bool) -> dict[str, str]:

@@ -1,0 +1,134 @@
+"""A job's training and scoring: the private fit, or the same private step in a custom loop.
+
+Keras 3.15's `fit` and `evaluate` cannot run under
+`MultiWorkerMirroredStrategy` with several workers (docs/tpu.md). There a
+job trains with `fit_with_private_step`, which runs the private `fit`'s own
+step in a custom loop and drives the same callbacks at the same points, and
+scores with `weighted_accuracy`, the accuracy `evaluate` computes.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+__all__ = ["fit_run", "fit_with_private_step", "weighted_accuracy"]
+
+
+def fit_run(model, dataset, *, strategy, several_workers: bool, callbacks: list, epochs: int,
+            initial_epoch: int, steps_per_epoch: int, verbose) -> float:
+    """Trains this start's epochs (a private custom loop under several workers); its seconds.
+
+    Also with no epoch left (a run resumed after its last step): the
+    privacy callback then reports the ledger without training.
+    """
+    train_started = time.time()
+    with warnings.catch_warnings():
+        # keras-hub tasks that never use the backbone's pooler: Keras's
+        # optimizer warns about it on every non-private run.
+        warnings.filterwarnings("ignore", message="Gradients do not exist for variables.*pooled")
+        if several_workers:
+            fit_with_private_step(model, strategy, dataset, epochs=epochs,
+                                  initial_epoch=initial_epoch,
+                                  steps_per_epoch=steps_per_epoch, callbacks=callbacks)
+        else:
+            model.fit(dataset, epochs=epochs, initial_epoch=initial_epoch,
+                      steps_per_epoch=steps_per_epoch or None,
+                      shuffle=False, callbacks=callbacks, verbose=verbose)
+    return time.time() - train_started
+
+
+def fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_epoch: int,
+                          callbacks: list, initial_epoch: int = 0) -> None:
+    """`model.fit` of a sampler's tagged dataset, as a custom loop of a `tf_megadp.PrivateStep`.
+
+    The loop runs the private `fit`'s own step on every replica, each worker
+    feeding its replicas' rows of the sampler's micro-steps
+    (`distribute_micro_batches`), records the ledger after every micro-step
+    as the private `fit` does, and drives the same callbacks at the same
+    points: the privacy callback (epsilon, budget stop, report), evaluation
+    and checkpoints, the CSV and TensorBoard logs.
+    """
+    import keras
+    import tensorflow as tf
+
+    import tf_megadp
+    from tf_megadp import distribute
+    from tf_megadp.data import sources
+    from tf_megadp.run.ledger_recorder import LedgerRecorder
+
+    hooks = keras.callbacks.CallbackList(callbacks, model=model, epochs=epochs,
+                                         steps=steps_per_epoch, verbose=0)
+    model.stop_training = False
+    if epochs == initial_epoch:
+        # A run resumed after its last step: the ledger is checked and
+        # reported, nothing is trained.
+        LedgerRecorder(sources.source_of(dataset), model=model, nothing_to_train=True,
+                       require_poisson_sampling=True).begin()
+        hooks.on_train_begin()
+        hooks.on_train_end()
+        return
+    step = tf_megadp.PrivateStep(model)
+    data = distribute.distribute_micro_batches(strategy, lambda context: dataset)
+    step.begin(data)
+    train = tf.function(lambda iterator: step.run(next(iterator)))
+    iterator = iter(data)
+    logs = {}
+    hooks.on_train_begin()
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        hooks.on_epoch_begin(epoch)
+        for batch in range(steps_per_epoch):
+            hooks.on_train_batch_begin(batch)
+            logs = {name: float(value) for name, value in train(iterator).items()
+                    if name not in ("logical_step", "applied")}
+            step.record()  # Before any callback reads the ledger.
+            hooks.on_train_batch_end(batch, logs)
+            if model.stop_training:
+                break
+        logs = dict(logs)
+        hooks.on_epoch_end(epoch, logs)
+        if model.stop_training:
+            break
+    # As fit: the weights' average replaces them (with use_ema), then the end.
+    model.optimizer.finalize_variable_values(model.trainable_variables)
+    hooks.on_train_end(logs)
+
+
+def weighted_accuracy(model, x, y, sample_weight, batch_size: int, swap=None) -> float:
+    """The weighted accuracy `evaluate` gives, without `evaluate`: argmax of the logits against `y`.
+
+    Keras's `evaluate` cannot run under several workers; this is its
+    weighted accuracy from the model's forward pass on this worker (its
+    weights are every worker's). It needs no compiled model: `tf-megadp
+    evaluate` scores a model with it too.
+
+    Args:
+        model: the model; its logits' last axis holds the classes (or tokens).
+        x: the inputs, a dict of arrays of one leading axis.
+        y: the labels, of the logits' shape without the last axis.
+        sample_weight: weights of y's shape (None: 1 each).
+        batch_size: rows per forward pass.
+        swap: callbacks that swap weights in for the evaluation
+            (`keras.callbacks.SwapEMAWeights`).
+    """
+    import keras
+    import numpy as np
+
+    if sample_weight is None:
+        sample_weight = np.ones(np.shape(y), np.float32)
+    for callback in swap or ():
+        callback.set_model(model)
+        callback.on_test_begin()
+    try:
+        correct = weight = 0.0
+        for start in range(0, len(y), batch_size):
+            rows = slice(start, start + batch_size)
+            logits = model({name: value[rows] for name, value in x.items()}, training=False)
+            hits = np.argmax(keras.ops.convert_to_numpy(logits), axis=-1) == y[rows]
+            correct += float(np.sum(hits * sample_weight[rows]))
+            weight += float(np.sum(sample_weight[rows]))
+    finally:
+        for callback in swap or ():
+            callback.on_test_end()
+    return correct / weight

@@ -1,0 +1,280 @@
+"""The privacy section of every job's settings, and how a run plans it.
+
+Each job's settings (`tf_megadp.jobs.bert.config.PretrainConfig`,
+`tf_megadp.jobs.finetune.config.FinetuneConfig`) is a dataclass that
+inherits `PrivacySettings`: the same fields, the same checks, the same
+names in flags, files and reports. `plan_privacy` turns them and the run's
+schedule into (sigma, delta, planned epsilon), composing the ledger of a
+release the run continues first; `new_dp_optimizer` builds the run's
+`DPOptimizer` from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from tf_megadp.accounting import accountant_names
+from tf_megadp.jobs.common.errors import JobError
+
+__all__ = ["NOISES", "PER_EXAMPLE_SCALINGS", "PrivacySettings", "default_delta",
+           "new_dp_optimizer", "plan_privacy"]
+
+# DPOptimizer's per_example_scaling.
+PER_EXAMPLE_SCALINGS = ("clip", "automatic")
+# Correlated noise a job can train with, each with the sampling its
+# accounting has a proof for (docs/privacy.md, "Correlated noise").
+NOISES = ("bandmf", "blt")
+_NUMBERS = ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
+            "max_truncation_probability", "automatic_scaling_stability",
+            "adaptive_clipping_quantile", "adaptive_clipping_learning_rate",
+            "adaptive_clipping_count_stddev")
+
+
+def default_delta(num_examples: int) -> float:
+    """A job's delta when none is given: 1 / N^1.1, below 1/N."""
+    return 1.0 / num_examples**1.1
+
+
+@dataclasses.dataclass
+class PrivacySettings:
+    """What a private run spends and how it clips, the same in every job.
+
+    Args:
+        target_epsilon: calibrate sigma to spend exactly this (at `delta`);
+            each job sets its default.
+        noise_multiplier: sigma, instead of target_epsilon.
+        delta: default 1 / N^1.1 for N privacy units (`default_delta`).
+        l2_norm_clip: C.
+        per_example_scaling: "clip" (flat clipping) or "automatic"
+            (normalized clipping, Bu et al. 2022: every per-example gradient
+            scaled by C / (||g|| + gamma)); DPOptimizer's option.
+        automatic_scaling_stability: gamma of automatic clipping.
+        adaptive_clipping_quantile: None (C stays `l2_norm_clip`), or the
+            target quantile of adaptive clipping (Andrew et al. 2021;
+            `tf_megadp.AdaptiveClipping`): `l2_norm_clip` is the initial C,
+            moved after every logical step towards that quantile of the
+            per-example norms, within the same epsilon.
+        adaptive_clipping_learning_rate: eta of adaptive clipping's update.
+        adaptive_clipping_count_stddev: the noise std of its count (None:
+            the expected batch / 20).
+        accountant: a registered accountant (`accountant_names()`): "pld"
+            (tighter) or "rdp" (faster).
+        non_private: the baseline: same data, model and optimizer, plain
+            Keras step (no clipping, no noise).
+        clipping: DPOptimizer's per-example strategy ("auto", "ghost" or
+            "vectorized").
+        noise: None (independent noise, DP-SGD), "bandmf" (`tf_megadp.BandMF`
+            with `bands` bands, on cyclic Poisson sampling of cycle `bands`)
+            or "blt" (`tf_megadp.BLT` with `bands` buffers, on one secret
+            fixed order).
+        bands: b of "bandmf", d of "blt".
+        max_truncation_probability: the largest probability per logical step
+            that a Poisson batch overflows its static capacity.
+    """
+
+    target_epsilon: float | None = None
+    noise_multiplier: float | None = None
+    delta: float | None = None
+    l2_norm_clip: float = 1.0
+    per_example_scaling: str = "clip"
+    automatic_scaling_stability: float = 0.01
+    adaptive_clipping_quantile: float | None = None
+    adaptive_clipping_learning_rate: float = 0.2
+    adaptive_clipping_count_stddev: float | None = None
+    accountant: str = "pld"
+    non_private: bool = False
+    clipping: str = "auto"
+    noise: str | None = None
+    bands: int = 4
+    max_truncation_probability: float = 1e-9
+
+    def adaptive_clipping(self):
+        """The run's `tf_megadp.AdaptiveClipping`, or None for a fixed C."""
+        if self.adaptive_clipping_quantile is None:
+            return None
+        from tf_megadp.adaptive_clipping import AdaptiveClipping
+
+        return AdaptiveClipping(self.adaptive_clipping_quantile,
+                                self.adaptive_clipping_learning_rate,
+                                self.adaptive_clipping_count_stddev)
+
+    def noise_mechanism(self):
+        """The run's `tf_megadp.BandMF` or `tf_megadp.BLT`, or None for independent noise."""
+        if self.noise is None:
+            return None
+        from tf_megadp.accounting.correlated_noise import BLT, BandMF
+
+        if self.noise == "bandmf":
+            return BandMF(num_bands=self.bands)
+        return BLT(num_buffers=self.bands)
+
+    def noise_accounting(self) -> dict[str, Any]:
+        """The `RunDescription` fields of the run's noise and the sampling it needs.
+
+        Example:
+            >>> PrivacySettings(noise="bandmf", bands=4).noise_accounting()["cycle_length"]
+            4
+        """
+        if self.noise is None:
+            return {}
+        if self.noise == "bandmf":
+            return {"noise": self.noise_mechanism(), "cycle_length": self.bands}
+        return {"noise": self.noise_mechanism(), "sampling": "fixed_order"}
+
+    def check_privacy(self) -> None:
+        """Raises `JobError` naming the first bad privacy setting (and how to fix it)."""
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value)):
+                raise JobError(f"{name} must be a finite number, got {value!r}.")
+        if self.per_example_scaling not in PER_EXAMPLE_SCALINGS:
+            raise JobError(f"per_example_scaling must be one of "
+                           f"{', '.join(PER_EXAMPLE_SCALINGS)}, got {self.per_example_scaling!r}.")
+        if not self.automatic_scaling_stability > 0:
+            raise JobError(
+                "automatic_scaling_stability must be > 0, got "
+                f"{self.automatic_scaling_stability!r}.")
+        if not self.l2_norm_clip > 0:
+            raise JobError(f"l2_norm_clip must be > 0, got {self.l2_norm_clip!r}.")
+        if self.adaptive_clipping_quantile is not None:
+            if self.non_private:
+                raise JobError(
+                    "Adaptive clipping (--adaptive-clipping-quantile) needs a private run: "
+                    "the non-private baseline does not clip.")
+            try:
+                self.adaptive_clipping()
+            except ValueError as error:
+                raise JobError(f"adaptive clipping: {error}") from None
+        if not self.non_private and self.noise_multiplier is None and self.target_epsilon is None:
+            raise JobError("Pass --target-epsilon or --noise-multiplier (or --non-private).")
+        if self.noise_multiplier is not None and not self.noise_multiplier > 0:
+            raise JobError(
+                f"noise_multiplier must be > 0 for a private run, got {self.noise_multiplier}; "
+                "use --non-private for the baseline.")
+        if self.target_epsilon is not None and not self.target_epsilon > 0:
+            raise JobError(f"target_epsilon must be > 0, got {self.target_epsilon}.")
+        if self.accountant not in accountant_names():
+            raise JobError(
+                f"accountant must be one of {accountant_names()}, got {self.accountant!r}.")
+        if self.delta is not None and not 0 < self.delta < 1:
+            raise JobError(f"delta must be in (0, 1), got {self.delta}.")
+        if not 0 < self.max_truncation_probability < 1:
+            raise JobError(
+                "max_truncation_probability must be in (0, 1), got "
+                f"{self.max_truncation_probability!r}.")
+        self._check_noise()
+
+    def _check_noise(self) -> None:
+        if self.noise is None:
+            return
+        if self.noise not in NOISES:
+            raise JobError(
+                f"noise must be one of {', '.join(NOISES)} (or None: independent noise), "
+                f"got {self.noise!r}.")
+        if isinstance(self.bands, bool) or not isinstance(self.bands, int) or self.bands < 1:
+            raise JobError(f"bands must be a positive integer, got {self.bands!r}.")
+        if self.non_private:
+            raise JobError(
+                f"--noise {self.noise} is the noise of a private run: the non-private "
+                "baseline adds none. Drop --noise, or --non-private.")
+
+
+def plan_privacy(settings: PrivacySettings, schedule, *, prior=None,
+                 plan: dict[str, Any] | None = None,
+                 init_from: str | None = None) -> tuple[float, float, float]:
+    """(sigma, delta, epsilon of the full schedule) of a run.
+
+    Args:
+        settings: the run's privacy settings.
+        schedule: the `BatchSizeSchedule` it follows (its N is the number of
+            privacy units).
+        prior: the ledger of a release the run continues: epsilon composes
+            it first, and a target epsilon bounds the whole.
+        plan: a planned run's plan (`tf-megadp plan`), which has calibrated
+            sigma and accounted this same schedule already: its numbers are
+            taken, not computed a second time.
+        init_from: the continued release's path, for the messages.
+
+    Returns:
+        (sigma, delta, epsilon); (0, delta, inf) for the non-private baseline.
+
+    Raises:
+        JobError: the target is out of reach (the prior alone spends it, or
+            no sigma reaches it), or a given sigma spends more than it.
+    """
+    from tf_megadp import accounting
+
+    n = schedule.num_examples
+    delta = settings.delta if settings.delta is not None else default_delta(n)
+    if settings.non_private:
+        return 0.0, delta, math.inf
+    if plan is not None and plan["schedule"] == schedule.to_dict() and plan["delta"] == delta:
+        return float(plan["noise_multiplier"]), delta, float(plan["epsilon"])
+    if settings.noise_multiplier is not None:
+        sigma = float(settings.noise_multiplier)
+    else:
+        _check_prior_below_target(settings, prior, n, delta, init_from)
+        try:
+            sigma = accounting.calibrate_noise_multiplier(
+                settings.target_epsilon, delta, schedule=schedule,
+                accountant=settings.accountant, prior=prior, **settings.noise_accounting())
+        except (ValueError, RuntimeError) as error:
+            raise JobError(
+                f"target epsilon {settings.target_epsilon} is unreachable for this schedule "
+                f"({schedule.total_steps} steps over N={n}): {str(error).rstrip('.')}. Use "
+                "fewer steps, a smaller batch or a larger epsilon."
+            ) from None
+    epsilon = accounting.compute_epsilon(delta=delta, schedule=schedule, noise_multiplier=sigma,
+                                         accountant=settings.accountant, prior=prior,
+                                         **settings.noise_accounting())
+    if settings.target_epsilon is not None and epsilon > settings.target_epsilon * 1.0001:
+        raise JobError(
+            f"noise multiplier {sigma:g} spends epsilon {epsilon:.3f} over the "
+            f"{schedule.total_steps} steps, more than target epsilon {settings.target_epsilon}; "
+            "raise --noise-multiplier or drop it to calibrate."
+        )
+    return sigma, delta, epsilon
+
+
+def _check_prior_below_target(settings: PrivacySettings, prior, n: int, delta: float,
+                              init_from: str | None) -> None:
+    """A release whose ledger alone spends the target leaves nothing to calibrate."""
+    from tf_megadp import accounting
+
+    if prior is None:
+        return
+    spent = accounting.PrivacyAccountant(n, delta, accountant=settings.accountant,
+                                         ledger=prior).epsilon()
+    if spent >= settings.target_epsilon:
+        raise JobError(
+            f"--init-from {init_from} is a DP release whose ledger alone spends epsilon "
+            f"{spent:.4g} at this run's delta {delta:.3g}, at least --target-epsilon "
+            f"{settings.target_epsilon}: raise --target-epsilon, or pass --init-data-disjoint "
+            "if its training data share no example with this corpus.")
+
+
+def new_dp_optimizer(settings: PrivacySettings, inner, schedule, sigma: float, *,
+                     examples_per_unit: int = 1, loss_scale: float | None = None,
+                     seed: int | None = None):
+    """The run's `tf_megadp.DPOptimizer` around `inner`, from its privacy settings.
+
+    Args:
+        settings: the run's privacy settings.
+        inner: the inner Keras optimizer.
+        schedule: the run's `BatchSizeSchedule`.
+        sigma: the planned noise multiplier (`plan_privacy`).
+        examples_per_unit: k of a user-level run (units clipped whole).
+        loss_scale: the fixed loss scale of a private mixed_float16 run.
+        seed: tests only (seeded noise: not for release).
+    """
+    import tf_megadp
+
+    return tf_megadp.DPOptimizer(
+        inner, l2_norm_clip=settings.l2_norm_clip, noise_multiplier=sigma, schedule=schedule,
+        clipping=settings.clipping, per_example_scaling=settings.per_example_scaling,
+        automatic_scaling_stability=settings.automatic_scaling_stability,
+        examples_per_unit=examples_per_unit, adaptive_clipping=settings.adaptive_clipping(),
+        noise=settings.noise_mechanism(), loss_scale=loss_scale, seed=seed)

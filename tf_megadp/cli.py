@@ -2,9 +2,10 @@
 
 Each subcommand is a small `_add_<name>_parser(subparsers)` that declares its
 arguments and sets `handler`; this module only parses, and hands the work to
-the library (`epsilon`, `calibrate`) or to the BERT job (`plan`, `pretrain`,
-`audit`, `evaluate`: `tf_megadp.jobs.bert`, imported by the handler, so that the
-accounting subcommands never load keras-hub). Run from the `tf-megadp`
+the library (`epsilon`, `calibrate`), to the BERT job (`plan`, `pretrain`,
+`audit`, `evaluate`: `tf_megadp.jobs.bert`) or to the fine-tuning job
+(`finetune`: `tf_megadp.jobs.finetune`), each imported by its handler, so that
+the accounting subcommands never load keras-hub). Run from the `tf-megadp`
 launcher (tf_megadp_cli.py), `--help`, `epsilon`, `calibrate` and `plan`
 never import TensorFlow; `pretrain`, `audit` and `evaluate` import it quietly
 (`_import_tensorflow_quietly`) once their arguments are checked, so that a
@@ -613,6 +614,42 @@ def _run_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- finetune -------------------------------------------------------------------
+
+
+def _add_finetune_parser(subparsers) -> None:
+    from tf_megadp.jobs.finetune.arguments import add_finetune_arguments
+
+    parser = subparsers.add_parser(
+        "finetune", help=_HELP["finetune"],
+        description="Fine-tunes a BERT that has learned (--init-from: the public model of "
+                    "`tf-megadp public-model`, a DP release, or a local keras-hub preset) on "
+                    "labelled text with DP-SGD on Poisson-sampled batches, and reports its "
+                    "test accuracy beside the majority class, with (epsilon, delta). By "
+                    "default the label is a word predicted at the [MASK] of a template "
+                    "through the pretrained MLM head (--objective prompt); --objective head "
+                    "trains a classifier on [CLS]. Without --train: the default task (which "
+                    "package a docstring summary comes from).",
+    )
+    add_finetune_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print report.json at the end")
+    parser.set_defaults(handler=_run_finetune)
+
+
+def _run_finetune(args: argparse.Namespace) -> int:
+    from tf_megadp.jobs.finetune.arguments import finetune_config
+
+    config = finetune_config(args)
+    config.validate()  # Before TensorFlow loads: bad flags fail at once.
+    _import_tensorflow_quietly()
+    from tf_megadp.jobs.finetune.run import run_finetuning
+
+    report = run_finetuning(config)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
 # -- Entry point ----------------------------------------------------------------
 
 # One line per subcommand for `tf-megadp --help`; builders below.
@@ -623,6 +660,7 @@ _HELP = {
     "plan": "check a TPU run configuration and estimate its cost",
     "audit": "audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
     "evaluate": "held-out MLM accuracy of a model on a corpus, beside the unigram baseline",
+    "finetune": "DP fine-tuning of a public BERT on labelled text (prompt or head)",
 }
 
 _SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
@@ -632,6 +670,7 @@ _SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
     "pretrain": _add_pretrain_parser,
     "audit": _add_audit_parser,
     "evaluate": _add_evaluate_parser,
+    "finetune": _add_finetune_parser,
 }
 
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import tf_megadp
-from tf_megadp import PrivacyConfigurationError
 from tf_megadp.accounting import LEDGER_COLUMNS
 from tf_megadp.run import training_state
 from tf_megadp.run.training_state import restore_training_state, save_training_state

@@ -23,7 +23,7 @@ from dp_accounting import rdp
 
 import tf_megadp
 from tf_megadp import PrivacyConfigurationError
-from tf_megadp.run import provenance, weights_origin
+from tf_megadp.run import provenance
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

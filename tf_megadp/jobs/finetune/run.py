@@ -36,7 +36,7 @@ from tf_megadp.jobs.common.run_folder import (
 from tf_megadp.jobs.common.verdicts import STANDARD_ERRORS, learned_beyond
 from tf_megadp.jobs.finetune.config import DEFAULT_TEMPLATE, FinetuneConfig
 
-__all__ = ["COMMAND", "DEFAULT_TASK_PROMPT", "run_finetuning"]
+__all__ = ["COMMAND", "DEFAULT_TASK_PROMPT", "classifier_inputs", "run_finetuning"]
 
 COMMAND = "tf-megadp finetune"
 # The default task's prompt: its template and one word per package (each a
@@ -184,11 +184,11 @@ def _inputs(config: FinetuneConfig, task, template: str, words, tokenizer):
                     verbalizer.token_ids)
         except ValueError as error:
             raise JobError(f"--objective prompt: {error} (--label-words, --template)") from None
-    return (_classifier_inputs(task.train_texts, tokenizer, config.sequence_length),
-            _classifier_inputs(task.test_texts, tokenizer, config.sequence_length), None)
+    return (classifier_inputs(task.train_texts, tokenizer, config.sequence_length),
+            classifier_inputs(task.test_texts, tokenizer, config.sequence_length), None)
 
 
-def _classifier_inputs(texts, tokenizer, sequence_length: int) -> dict[str, np.ndarray]:
+def classifier_inputs(texts, tokenizer, sequence_length: int) -> dict[str, np.ndarray]:
     """`[CLS] text [SEP]` rows for a classifier on [CLS], the text cut to fit."""
     pieces = tokenizer(list(texts))
     pieces = pieces.to_list() if hasattr(pieces, "to_list") else list(pieces)

@@ -74,10 +74,18 @@ def _done(path: str) -> set[str]:
 
 
 def _run(args, run: str, config, results: str) -> dict:
+    import contextlib
+    import fcntl
+
     from tf_megadp.jobs.finetune.run import run_finetuning
 
-    started = time.time()
-    report = run_finetuning(config, log=lambda *_: None)
+    with contextlib.ExitStack() as stack:
+        if args.lock:
+            # Other jobs on a shared machine take the same lock between runs.
+            handle = stack.enter_context(open(args.lock, "a"))
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        started = time.time()
+        report = run_finetuning(config, log=lambda *_: None)
     row = {"run": run, "test_accuracy": report["test_accuracy"],
            "majority_class_accuracy": report["majority_class_accuracy"],
            "learned": report["learned"], "epsilon": report["epsilon"],
@@ -305,6 +313,8 @@ def main(argv=None) -> None:
     parser.add_argument("--epochs", type=float, default=10.0)
     parser.add_argument("--eval-every", type=int, default=1000)
     parser.add_argument("--plot", help="write the bar chart to this PNG")
+    parser.add_argument("--lock", help="hold an exclusive flock on this file while each run "
+                                       "trains (to share a machine with other jobs)")
     args = parser.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     if args.command != "table" and not args.init_from:

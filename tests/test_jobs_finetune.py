@@ -209,3 +209,46 @@ def test_the_non_private_head_baseline_runs_and_says_so(public_start, tmp_path):
     assert not report["private"] and report["epsilon"] is None
     assert report["objective"] == "head" and report["prompt"] is None
     assert not (tmp_path / "out" / "privacy.json").exists()
+
+
+# -- examples/finetune_classifier.py: the job twice, DP and its non-private twin --
+
+
+def finetune_example():
+    import runpy
+
+    return runpy.run_path("examples/finetune_classifier.py")
+
+
+def test_the_example_refuses_a_non_private_model_of_user_text(tmp_path):
+    from tests.test_jobs_bert_initial_weights import publish
+
+    start = publish(_pico_file(tmp_path), tmp_path / "user-text", private=False)
+    with pytest.raises(JobError, match="without DP"):
+        finetune_example()["main"](["--public-model", start, "--train",
+                                    tiny_task(tmp_path / "t.jsonl"), "--label-words",
+                                    "bad,good", "--output-dir", str(tmp_path / "out")])
+
+
+def _pico_file(folder):
+    import keras
+
+    from tests.test_jobs_bert_initial_weights import PICO, VOCABULARY
+    from tf_megadp.jobs.bert import training
+    from tf_megadp.jobs.bert.config import PretrainConfig
+
+    keras.utils.set_random_seed(0)
+    training.build_model(PretrainConfig(**PICO), len(VOCABULARY)).save(folder / "pico.keras")
+    return folder / "pico.keras"
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_example_prints_the_dp_run_beside_its_twin(public_start, tmp_path, capsys):
+    reports = finetune_example()["main"](
+        ["--public-model", public_start, "--train", tiny_task(tmp_path / "t.jsonl"),
+         "--label-words", "bad,good", "--epochs", "2", "--output-dir", str(tmp_path / "out")])
+    assert reports["dp"]["private"] and not reports["non_private"]["private"]
+    assert 0 < reports["dp"]["epsilon"] <= 8.0 * 1.0001
+    printed = capsys.readouterr().out
+    assert "non-private prompt" in printed and "DP prompt" in printed

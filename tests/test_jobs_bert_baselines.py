@@ -11,11 +11,11 @@ import math
 import pytest
 
 from tf_megadp.jobs.bert.baselines import (
-    STANDARD_ERRORS,
     BaselineDidNotLearnError,
     accuracy_ratio,
     learning_verdict,
 )
+from tf_megadp.jobs.common.verdicts import STANDARD_ERRORS
 
 
 class TestTheVerdict:

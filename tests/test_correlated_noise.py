@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.accounting.correlated_noise: `BandMF` and `BLT`, frozen and validated.
+"""Specification of tf_megadp.accounting.noise.bandmf and .blt: `BandMF` and `BLT`, frozen and validated.
 
 The value types describe a run's correlated noise to the optimizer (the
 unit-norm strategy, the buffers) and to the accountant (the run's event).
@@ -16,7 +16,7 @@ import pytest
 from scipy import linalg
 
 from tf_megadp.accounting import matrix_factorization as mf
-from tf_megadp.accounting.correlated_noise import BLT, BandMF
+from tf_megadp.accounting.noise import BLT, BandMF
 from tf_megadp.errors import PrivacyConfigurationError
 
 

@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.optimizer.noise_buffers: correlated noise, streamed in memory.
+"""Specification of tf_megadp.optimizer.noise: correlated noise, streamed in memory.
 
 The noise of logical step t is sigma C_clip (C^{-1} z)_t for the mechanism's
 unit-norm strategy C (issue 39). On a model whose every gradient is zero,
@@ -125,8 +125,10 @@ def test_the_ledger_records_one_segment_with_the_mechanism(run):
     noise, _, model, _ = run
     [entry] = tf_megadp.model_ledger(model).entries
     strategy = model.optimizer.noise_strategy
-    assert (entry.steps, entry.noise, entry.strategy_hash, entry.bands, entry.segment_start) == (
-        STEPS, noise.kind, strategy.strategy_hash, strategy.bands, True)
+    # The mechanism's record: its kind, its parameters and the hash of the strategy streamed.
+    assert (entry.steps, entry.noise, entry.mechanism, entry.segment_start) == (
+        STEPS, strategy.record(), noise, True)
+    assert strategy.strategy_hash in entry.noise
     if isinstance(noise, BandMF):
         assert (entry.sampling, entry.cycle_length, entry.sampling_rate) == (
             "cyclic_poisson", 4, BATCH * 4 / N)
@@ -148,7 +150,7 @@ def test_the_report_names_the_segment_and_the_strategy_never_the_buffers(run):
 
 def test_the_buffers_hold_the_last_outputs_and_nothing_is_saved_of_them(run):
     noise, streamed, model, _ = run
-    buffers = model.optimizer._in_memory.noise_buffers
+    buffers = model.optimizer.noise_stage.state.noise_buffers
     assert len(buffers) == 2 and all(len(slots) == noise.noise_buffers for slots in buffers)
     names = {v.name for v in model.optimizer.variables}
     assert not any("noise_buffer" in name for name in names)

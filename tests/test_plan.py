@@ -163,7 +163,8 @@ class TestArithmetic:
         # 3.75, 18.77 and 78.82 GiB: b = 16 already exceeds a 16 GiB v3 core.
         status, out, _ = run_cli(capsys, path)
         assert status == 0 and re.search(
-            r"noise buffers : .*b = 4: 3\.7\d GiB, b = 16: 18\.7\d GiB, b = 64: 78\.8\d GiB", out)
+            r"noise buffers : .*bandmf 4: 3\.7\d GiB, bandmf 16: 18\.7\d GiB, "
+            r"bandmf 64: 78\.8\d GiB", out)
 
     @pytest.mark.parametrize("ema_momentum", [None, 0.999])
     def test_optimizer_state_is_what_the_jobs_inner_optimizer_builds(self, tmp_path,

@@ -16,8 +16,10 @@ noise keeps. From it each test checks, without TensorFlow:
   the Gaussian mechanism of the dense C's worst column sum.
 """
 
+import ast
 import json
 import math
+import os
 
 import dp_accounting
 import numpy as np
@@ -231,3 +233,55 @@ def test_the_ledger_checks_a_segments_noise_through_its_mechanism():
     assert fixed.mechanism == LambdaCGD(0.6)
     with pytest.raises(PrivacyConfigurationError, match="only with fixed-order"):
         LedgerEntry(5, 0.1, 1.0, sampling="poisson", noise=record)
+
+
+def test_accounting_has_no_import_circle_even_through_function_level_imports():
+    """Issue 50: accountant -> calibration -> run_description -> BandMF.for_run -> calibration was one.
+
+    Every `import` of a tf_megadp.accounting module counts, at module level
+    or inside a function, except those under `if TYPE_CHECKING:` (never run).
+    """
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "tf_megadp", "accounting")
+    modules = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                relative = os.path.relpath(path, os.path.dirname(os.path.dirname(root)))
+                module = relative[:-3].replace(os.sep, ".").removesuffix(".__init__")
+                modules[module] = ast.parse(open(path, encoding="utf-8").read())
+
+    def imports(tree):
+        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.dump(node.test) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module:
+                # `from package import module` needs the module; other names, the package.
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                         else node.module for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            yield from (name for name in names if name in modules)
+
+    graph = {module: set(imports(tree)) for module, tree in modules.items()}
+    for module in graph:
+        graph[module].discard(module)
+    visiting, done = [], set()
+
+    def visit(module):
+        if module in done:
+            return
+        assert module not in visiting, " -> ".join(visiting[visiting.index(module):] + [module])
+        visiting.append(module)
+        for name in sorted(graph[module]):
+            visit(name)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)

@@ -22,7 +22,7 @@ the same slot every epoch). They are what correlated noise needs for a
 proof, and their `segment_event` composes the steps of one segment of noise
 (`LedgerEntry.segment_start`) at once. Which sampling a noise has a proof
 for is the noise mechanism's to say (`NoiseMechanism.check_sampling`,
-`tf_megadp.accounting.noise`): `check_noise_fields` asks it.
+`tf_megadp.accounting.noise`, which reads the kinds' names from here).
 
 Two kinds belong to the ledger itself, not to a sampler: `NOISELESS` (steps
 applied with noise multiplier 0, which make epsilon infinite) and
@@ -40,20 +40,19 @@ from typing import Any, Callable, Iterable, Sequence
 import dp_accounting
 
 from tf_megadp.accounting import mechanisms
-from tf_megadp.accounting.noise import read_noise_record
-# The names of the segment kinds, shared with the noise mechanisms' proofs.
-from tf_megadp.accounting.noise.base import CYCLIC_POISSON, FIXED_ORDER
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
     "CYCLIC_POISSON",
     "FIXED_ORDER",
+    "POISSON",
+    "SHUFFLE",
     "FIXED_ORDER_WARNING",
     "NOISELESS",
     "SHUFFLE_WARNING",
     "UNACCOUNTED",
     "SamplingKind",
-    "check_noise_fields",
+    "check_segment_fields",
     "cyclic_poisson_segment_event",
     "fixed_order_segment_event",
     "refusal_error",
@@ -360,13 +359,18 @@ SHUFFLE_WARNING = (
 )
 
 # The samplers' kinds.
-register_sampling_kind(SamplingKind("poisson", poisson_step_event, truncates=True,
+POISSON = "poisson"
+SHUFFLE = "shuffle"
+register_sampling_kind(SamplingKind(POISSON, poisson_step_event, truncates=True,
                                     follows_schedule=True, proven_guarantee=True,
                                     ends_step_at_pass=False))
-register_sampling_kind(SamplingKind("shuffle", shuffle_step_event, warning=SHUFFLE_WARNING))
+register_sampling_kind(SamplingKind(SHUFFLE, shuffle_step_event, warning=SHUFFLE_WARNING))
 
 
 # -- Correlated noise's kinds: cyclic Poisson and fixed order (issue 39) --------------
+
+CYCLIC_POISSON = "cyclic_poisson"
+FIXED_ORDER = "fixed_order"
 
 
 FIXED_ORDER_WARNING = (
@@ -377,20 +381,14 @@ FIXED_ORDER_WARNING = (
 )
 
 
-def check_noise_fields(entry: Any) -> None:
-    """Checks an entry's noise record and segment fields against its sampling (`LedgerEntry` calls it).
-
-    The record is read back by its own mechanism (`noise.read_noise_record`),
-    which refuses a sampling it has no proof for; the sampling kind checks
-    its own segment fields.
+def check_segment_fields(entry: Any) -> None:
+    """Checks an entry's segment fields against its sampling kind (`LedgerEntry` calls it).
 
     Raises:
-        ValueError: a malformed or foreign noise record, or numbers the kind
-            does not take.
-        PrivacyConfigurationError: a pairing of noise and sampling without proof.
+        ValueError: numbers the kind does not take (a cycle or a
+            participation on a kind accounted step by step, or a kind's own
+            check).
     """
-    mechanism, _ = read_noise_record(entry.noise)
-    mechanism.check_sampling(entry.sampling, max(1, int(entry.cycle_length)))
     kind = sampling_kind(entry.sampling)
     if kind.check_noise is not None:
         kind.check_noise(entry)

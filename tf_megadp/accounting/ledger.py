@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from tf_megadp.accounting import mechanisms
-from tf_megadp.accounting.events import check_noise_fields, sampling_kind
+from tf_megadp.accounting.events import check_segment_fields, sampling_kind
 from tf_megadp.accounting.noise import NoiseMechanism, default_noise, read_noise_record
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, sampling_rate_of
 
@@ -180,7 +180,11 @@ class LedgerEntry:
             raise ValueError(
                 "count_noise_multiplier must be a finite number >= 0 (0: no count), got "
                 f"{self.count_noise_multiplier!r}.")
-        check_noise_fields(self)
+        # The noise record is read back by its own mechanism, which refuses a
+        # sampling it has no proof for; the sampling kind checks its fields.
+        mechanism, _ = read_noise_record(self.noise)
+        mechanism.check_sampling(self.sampling, max(1, int(self.cycle_length)))
+        check_segment_fields(self)
 
     @property
     def equivalent_noise_multiplier(self) -> float:

@@ -20,10 +20,9 @@ import numpy as np
 
 from tf_megadp._validate import check_num_examples, check_positive_int
 from tf_megadp.accounting import matrix_factorization as mf
+from tf_megadp.accounting.engines import quiet_unconverged_orders
+from tf_megadp.accounting.events import CYCLIC_POISSON, FIXED_ORDER, POISSON
 from tf_megadp.accounting.noise.base import (
-    CYCLIC_POISSON,
-    FIXED_ORDER,
-    POISSON,
     NoiseMechanism,
     NoiseStrategy,
     StreamOps,
@@ -293,16 +292,18 @@ def _calibrated_rdp_sigma(target_epsilon: float, delta: float, *, sampling_rate:
     The cyclic Poisson event of b bands and cycle b is DP-SGD's Poisson
     event at q = B b / N over ceil(T / b) rounds
     (tests/test_matrix_factorization.py checks that they are equal), so the
-    search needs only dp_accounting, not the library's calibration (which
-    would make this module import the run description, which imports it).
+    search needs only dp_accounting's RDP accountant (the library's "rdp"
+    engine), not the library's calibration, which would make this module
+    import the run description, which imports it.
     """
     def event(sigma):
         return dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(sampling_rate,
                                                 dp_accounting.GaussianDpEvent(sigma)), rounds)
 
-    return float(dp_accounting.calibrate_dp_mechanism(
-        dp_accounting.rdp.RdpAccountant, event, target_epsilon, delta))
+    with quiet_unconverged_orders():
+        return float(dp_accounting.calibrate_dp_mechanism(
+            dp_accounting.rdp.RdpAccountant, event, target_epsilon, delta))
 
 
 @dataclasses.dataclass(frozen=True)

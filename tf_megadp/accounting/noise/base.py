@@ -46,6 +46,7 @@ import numpy as np
 
 from tf_megadp._validate import check_positive_int
 from tf_megadp.accounting import matrix_factorization as mf
+from tf_megadp.accounting.events import FIXED_ORDER
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
@@ -61,10 +62,6 @@ __all__ = [
     "register_noise",
     "resolve_noise",
 ]
-
-# The samplings the accounting knows (`tf_megadp.accounting.events`), by the
-# names a mechanism's proofs speak of.
-POISSON, CYCLIC_POISSON, FIXED_ORDER, SHUFFLE = "poisson", "cyclic_poisson", "fixed_order", "shuffle"
 
 
 def fixed_order_participation(steps: int, steps_per_epoch: int) -> tuple[int, int, int]:

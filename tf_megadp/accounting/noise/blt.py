@@ -17,10 +17,8 @@ import numpy as np
 
 from tf_megadp._validate import check_positive_int
 from tf_megadp.accounting import matrix_factorization as mf
+from tf_megadp.accounting.events import CYCLIC_POISSON, FIXED_ORDER, POISSON
 from tf_megadp.accounting.noise.base import (
-    CYCLIC_POISSON,
-    FIXED_ORDER,
-    POISSON,
     NoiseMechanism,
     NoiseStrategy,
     StreamOps,

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from tf_megadp._validate import check_positive_int
+from tf_megadp.accounting.events import FIXED_ORDER
 from tf_megadp.accounting.noise.base import (
-    FIXED_ORDER,
     NoiseMechanism,
     NoiseStrategy,
     StreamOps,

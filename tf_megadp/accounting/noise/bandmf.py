@@ -255,8 +255,15 @@ class BandMF(NoiseMechanism):
         delta: float,
         max_bands: int = 64,
         candidate_bands: Sequence[int] | None = None,
+        phase_starts: Sequence[int] = (),
     ) -> dict[int, float]:
         """sigma_b * sqrt(E(C_b)) for each candidate b at (target_epsilon, delta) (see `for_run`).
+
+        Args:
+            phase_starts: the steps where a growing batch's later phases
+                start: a cyclic round of b steps must not straddle two of
+                them (`cyclic_poisson_segment_event` refuses it), so only the
+                b that divide every one of them are candidates (b = 1 always).
 
         Returns:
             {b: the RMSE of the run's noisy prefix sums in units of C_clip},
@@ -269,8 +276,9 @@ class BandMF(NoiseMechanism):
         if candidate_bands is None:
             top = min(check_positive_int("max_bands", max_bands), limit)
             candidate_bands = [2 ** i for i in range(int(math.log2(max(top, 1))) + 1)]
-        candidates = sorted({check_positive_int("candidate_bands", b) for b in candidate_bands}
-                            | {1})
+        candidates = sorted(b for b in {check_positive_int("candidate_bands", b)
+                                         for b in candidate_bands} | {1}
+                            if all(start % b == 0 for start in phase_starts))
         if candidates[-1] > limit:
             raise PrivacyConfigurationError(
                 f"candidate_bands {candidates} must be at most min(N // B, T) = {limit}: with "

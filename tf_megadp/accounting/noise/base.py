@@ -300,8 +300,15 @@ class NoiseMechanism:
 
     @classmethod
     def expected_errors(cls, *, num_examples: int, batch_size: int, steps: int,
-                        target_epsilon: float, delta: float) -> dict[Any, float]:
+                        target_epsilon: float, delta: float,
+                        phase_starts: Sequence[int] = ()) -> dict[Any, float]:
         """The expected error of the run for each candidate parameter (`--bands auto`).
+
+        Args:
+            num_examples, batch_size, steps: N, the (mean) expected batch B, T.
+            target_epsilon, delta: the budget.
+            phase_starts: the steps where a schedule's later phases start
+                (a candidate whose sampling cannot follow them is left out).
 
         Returns:
             {parameter: the RMSE of the run's noisy prefix sums in units of

@@ -163,10 +163,18 @@ class PrivacySettings:
             raise JobError("--bands auto chooses for a budget: pass --target-epsilon.")
         cls = noise_class(self.noise)
         n = schedule.num_examples
+        starts, step = [], 0
+        for phase in schedule.phases[:-1]:
+            step += phase.steps
+            starts.append(step)
         try:
+            # A growing batch is ranked at its largest batch (where q = B b / N
+            # must stay <= 1); the run's sigma is then calibrated on the
+            # schedule itself, as every run's is.
             errors = cls.expected_errors(
-                num_examples=n, batch_size=schedule.phases[0].batch_size,
-                steps=schedule.total_steps, target_epsilon=self.target_epsilon,
+                num_examples=n, steps=schedule.total_steps,
+                batch_size=max(phase.batch_size for phase in schedule.phases),
+                target_epsilon=self.target_epsilon, phase_starts=starts,
                 delta=self.delta if self.delta is not None else default_delta(n))
         except ValueError as error:
             raise JobError(f"--noise {self.noise} --bands auto: {error}") from None

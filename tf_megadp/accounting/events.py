@@ -434,7 +434,7 @@ def _round_key(entry: Any) -> tuple:
 
 def cyclic_poisson_segment_event(entries: Sequence[Any], num_examples: int
                                  ) -> dp_accounting.DpEvent:
-    """The event of one noise segment of cyclic Poisson steps (amplified BandMF).
+    """The event of one noise segment of cyclic Poisson steps (an amplified banded strategy).
 
     The examples are split into L = `cycle_length` groups of at most
     ceil(N / L); step t Poisson-samples group t mod L at q = B L / N. The

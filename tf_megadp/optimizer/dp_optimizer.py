@@ -136,12 +136,11 @@ class DPOptimizer(keras.optimizers.Optimizer):
             compute").
         noise: None (default): independent noise, N(0, sigma^2 C^2) fresh
             every step. A registered noise mechanism
-            (`tf_megadp.accounting.noise`: `tf_megadp.BandMF`,
-            `tf_megadp.BLT`, `tf_megadp.LambdaCGD`): correlated noise,
-            sigma C (C^{-1} z)_t for the mechanism's unit-norm strategy C
-            (matrix-factorization DP-FTRL), streamed by the mechanism
-            through the model-sized buffers it needs (none for LambdaCGD),
-            in memory only; sigma is then the noise multiplier on that C.
+            (`tf_megadp.accounting.noise`, `noise_kinds()`): correlated
+            noise, sigma C (C^{-1} z)_t for the mechanism's unit-norm
+            strategy C (matrix-factorization DP-FTRL), streamed by the
+            mechanism through the model-sized buffers it needs (possibly
+            none), in memory only; sigma is then the noise multiplier on that C.
             A strategy optimized for the run's steps needs the run's
             `schedule`, and the sampler must be one the mechanism's
             accounting has a proof for (its `check_sampling`); the private

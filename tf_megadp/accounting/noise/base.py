@@ -240,7 +240,7 @@ class NoiseMechanism:
 
     @classmethod
     def from_option(cls, value: float | None) -> "NoiseMechanism":
-        """The mechanism of the one number a flag gives (`option`), e.g. `--noise bandmf --bands 4`.
+        """The mechanism of the one number a flag gives (`option`): `--noise KIND --bands P`.
 
         Raises:
             PrivacyConfigurationError: the mechanism takes no such number and
@@ -330,7 +330,7 @@ class NoiseMechanism:
             noise_multiplier, self.sensitivity(steps, steps_per_epoch=steps_per_epoch))
 
     def label(self) -> str:
-        """The mechanism in words, for logs and statements ("BandMF correlated noise (4 bands)")."""
+        """The mechanism in words, for logs and statements (its kind and its sizes)."""
         return f"{self.kind} noise"
 
 

@@ -216,8 +216,8 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     if config.hardware is not None:
         plan = _check_planned_hardware(config, replicas, train.vocabulary_size, init)
     schedule = config.make_schedule(population, replicas)
-    # --bands auto: the mechanism's choice by the run's expected error (for
-    # BandMF, b = 1, DP-SGD itself, is a candidate), fixed before planning.
+    # --bands auto: the mechanism's choice by the run's expected error (DP-SGD
+    # itself among the candidates), fixed before planning.
     config, noise_choice = config.with_chosen_noise(schedule)
     if noise_choice is not None:
         log(f"--bands auto: {config.noise} with {noise_choice['parameter']} "

@@ -129,12 +129,9 @@ def mechanism_description(noise, sampling: str, cycle_length: int | None) -> str
         sampling: the sampling kind.
         cycle_length: L of cyclic Poisson sampling.
 
-    Example:
-    ```python
-    mechanism_description(tf_megadp.BandMF(4), "cyclic_poisson", 4)
-    # 'BandMF correlated noise (4 bands) on cyclic Poisson sampling (4 groups: step t
-    #  samples group t mod 4)'
-    ```
+    Returns:
+        The mechanism's `label` on the sampling in words, e.g. "... on
+        cyclic Poisson sampling (4 groups: step t samples group t mod 4)".
     """
     from tf_megadp.accounting.noise import default_noise
 

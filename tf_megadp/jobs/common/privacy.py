@@ -73,10 +73,9 @@ class PrivacySettings:
             mechanism's kind (`NOISES`: `tf_megadp.accounting.noise`), trained
             with the sampling its accounting has a proof for
             (`NoiseMechanism.accounted_sampling`).
-        bands: the mechanism's one parameter (`NoiseMechanism.option`: the
-            bands of "bandmf", the buffers of "blt", the lambda of
-            "lambda_cgd"), or "auto" for the mechanism's choice by the run's
-            expected error (`with_chosen_noise`).
+        bands: the mechanism's one parameter (`NoiseMechanism.option`, its
+            bands, buffers or lambda), or "auto" for the mechanism's choice
+            by the run's expected error (`with_chosen_noise`).
         max_truncation_probability: the largest probability per logical step
             that a Poisson batch overflows its static capacity.
     """
@@ -128,9 +127,9 @@ class PrivacySettings:
     def noise_accounting(self) -> dict[str, Any]:
         """The `RunDescription` fields of the run's noise and the sampling it needs.
 
-        Example:
-            >>> PrivacySettings(noise="bandmf", bands=4).noise_accounting()["cycle_length"]
-            4
+        Returns:
+            {} for DP-SGD; else {"noise": the mechanism, **its
+            `accounted_sampling`} (a cycle length, or the fixed order).
         """
         mechanism = self.noise_mechanism()
         if mechanism is None:
@@ -141,9 +140,9 @@ class PrivacySettings:
         """These settings with "auto" replaced by the mechanism's choice for the run.
 
         The mechanism ranks its candidates by the expected error of the run
-        at the target epsilon (`NoiseMechanism.expected_errors`); for BandMF
-        b = 1, DP-SGD itself, is always one of them, so the choice is never
-        worse than DP-SGD by that error.
+        at the target epsilon (`NoiseMechanism.expected_errors`), DP-SGD
+        itself among them where the mechanism reaches it (one band), so the
+        choice is never worse than DP-SGD by that error.
 
         Args:
             schedule: the run's `BatchSizeSchedule` (N, B of its first

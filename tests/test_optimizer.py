@@ -879,3 +879,53 @@ def test_a_clipping_strategy_instance_serves_one_optimizer():
         tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, clipping=strategy)
     fresh = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, clipping="ghost")
     assert fresh.clipping_strategy is not strategy
+
+
+class TestComposition:
+    """Issue 50: DPOptimizer is a composition of named stages, not mixins joined by `self.` calls."""
+
+    def test_the_optimizer_is_one_keras_optimizer_holding_its_stages(self):
+        from tf_megadp.optimizer.accumulators import AccumulationStage
+        from tf_megadp.optimizer.ledger import LedgerStage
+        from tf_megadp.optimizer.noise import NoiseStage
+
+        assert tf_megadp.DPOptimizer.__bases__ == (keras.optimizers.Optimizer,)
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0)
+        assert isinstance(optimizer.accumulation_stage, AccumulationStage)
+        assert isinstance(optimizer.noise_stage, NoiseStage)
+        assert isinstance(optimizer.ledger_stage, LedgerStage)
+
+    def test_dp_settings_can_be_given_whole_and_only_once(self):
+        settings = DPSettings(l2_norm_clip=0.5, noise_multiplier=2.0, accumulation_steps=3)
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), settings=settings)
+        assert optimizer.settings is settings
+        assert (optimizer.l2_norm_clip, optimizer.accumulation_steps) == (0.5, 3)
+        assert tf_megadp.DPOptimizer.from_config(optimizer.get_config()).settings == settings
+        with pytest.raises(TypeError, match=r"and \['noise_multiplier'\] as well"):
+            tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), noise_multiplier=1.0,
+                                  settings=settings)
+
+    def test_no_self_call_crosses_a_file_of_the_optimizer_package(self):
+        """A method that calls `self.name(...)` finds `name` in its own file (or in Keras)."""
+        import ast
+        import os
+
+        folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "tf_megadp", "optimizer")
+        trees = {name: ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
+                 for name in os.listdir(folder) if name.endswith(".py")}
+        defined = {name: {node.name for node in ast.walk(tree)
+                          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                   for name, tree in trees.items()}
+        crossing = []
+        for name, tree in trees.items():
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "self"
+                        and node.func.attr not in defined[name]):
+                    crossing += [(name, node.func.attr, other) for other in defined
+                                 if node.func.attr in defined[other]]
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "locals":
+                    crossing.append((name, "locals", None))
+        assert crossing == []

@@ -37,7 +37,13 @@ from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.accounting import PrivacyLedger
 from tf_megadp.accounting.noise import NoiseMechanism, NoiseStrategy
 from tf_megadp.optimizer.accumulators import AccumulationStage
-from tf_megadp.optimizer.ledger import LedgerStage, claim, ledger_owner, read_ledger
+from tf_megadp.optimizer.ledger import (
+    APPLIED_STEP_COLUMNS,
+    LedgerStage,
+    claim,
+    ledger_owner,
+    read_ledger,
+)
 from tf_megadp.optimizer.memory import InMemoryState, InMemoryVariables
 from tf_megadp.optimizer.noise import NoiseStage, replica_stddev
 from tf_megadp.optimizer.settings import SETTING_NAMES, DPSettings, check_inner_optimizer
@@ -534,7 +540,7 @@ class DPOptimizer(keras.optimizers.Optimizer):
         them into ledger entries (see `LedgerStage.take_applied_steps`).
         """
         if not self.built:
-            return np.zeros((0, 7))
+            return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
         return self.ledger_stage.take_applied_steps()
 
     def take_carried_over_steps(self) -> int | None:
@@ -918,8 +924,7 @@ def _settings_of(settings: DPSettings | None, arguments: dict[str, Any]) -> DPSe
         return DPSettings(**arguments)
     if not isinstance(settings, DPSettings):
         raise TypeError(f"settings must be a tf_megadp.optimizer.DPSettings, got {settings!r}.")
-    also = sorted(name for name, value in arguments.items() if value is not _UNSET[name]
-                  and value != _UNSET[name])
+    also = sorted(name for name, value in arguments.items() if value != _UNSET[name])
     if also:
         raise TypeError(
             f"DPOptimizer got settings=DPSettings(...) and {also} as well: pass each setting "

@@ -41,9 +41,8 @@ class InMemoryState:
     """
 
     def __init__(self, what: str):
-        # Set through object.__setattr__ so that the name is the only plain
-        # attribute a reader of __dict__ meets besides the variables.
-        object.__setattr__(self, "_what", what)
+        # What it holds, in words: the only plain attribute besides the variables.
+        self._what = what
 
     def __repr__(self) -> str:
         return f"<DPOptimizer in-memory state: {self._what}, not shown>"

@@ -21,8 +21,8 @@ delta) over its own sampler (`tf_megadp.make_private_with_epsilon`):
   given.
 
 Each (mechanism, seed) trains once; the seed fixes the model's
-initialization and the data order's secret is the sampler's (seeded here,
-so that a study can be repeated: not for release). Prints per run sigma,
+initialization and the sampler's draws (seeded samplers: not for release);
+the noise key comes from OS entropy, so a rerun draws other noise. Prints per run sigma,
 the ledger's epsilon, the held-out accuracy and loss, and per mechanism
 the mean with the standard error over seeds, and the machine's load beside
 each timing: the machine may be shared, so times are indications only.

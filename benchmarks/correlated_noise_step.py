@@ -1,4 +1,4 @@
-"""Step time and memory of correlated noise (BandMF, BLT) against independent noise, one process.
+"""Step time and memory of correlated noise (BandMF, BLT, lambda-CGD) against independent noise, one process.
 
 Tiny BertMaskedLM (2 layers, hidden 128) under the private `fit`, clipping
 "auto", the same schedule for every mechanism (B = m expected examples per
@@ -6,7 +6,9 @@ logical step, k micro-batches of m, sigma = 1): only the noise differs.
 
 - independent noise (DP-SGD), Poisson sampling;
 - `BandMF(num_bands=b)` for each `--bands`, cyclic Poisson with cycle_length = b;
-- `BLT(num_buffers=d)` for each `--buffers`, fixed order.
+- `BLT(num_buffers=d)` for each `--buffers`, fixed order;
+- `LambdaCGD(lam)` for each `--lambdas`, fixed order: no buffer (z_(t-1)
+  is drawn again), so its memory must be DP-SGD's.
 
 Timing: every model trains `--rounds` rounds of `--steps` logical steps,
 each round one `fit` call on its own sampler of the schedule's next steps
@@ -23,11 +25,13 @@ the optimizer is built (accumulators, ledger and buffers; beyond the
 independent optimizer's), and the largest peak growth of resident memory
 during a timed round (the step's temporaries; `_measure.PeakRss`).
 
-The noise update alone: after the rounds, the optimizer's own update of
-every variable's correlated noise from one draw ((C^-1 z)_t and its buffer
-writes), compiled once and timed `--update-repeats` times (median), as a
-share of the independent step: the step-time difference of two loaded
-runs is noisier than the update it would measure.
+The noise stage alone: after the rounds, the optimizer's noise stage for
+one logical step (`NoiseStage.noisy_sums`: every variable's draws, its
+mechanism's stream with its buffer writes, the noisy sums), compiled once
+and timed `--update-repeats` times (median), as a share of the independent
+step: the step-time difference of two loaded runs is noisier than the
+update it would measure. Independent noise's is the draw alone, so the
+difference is what a mechanism adds (lambda-CGD: a second draw).
 
 Each row prints the 1-minute load average: the machine may be shared.
 
@@ -104,21 +108,22 @@ class Mechanism:
                                 end_step=end, seed=0, **extra)
 
     def noise_update_seconds(self, repeats):
-        """Median seconds of the step's noise update alone: (C^-1 z)_t of every variable.
+        """Median seconds of the step's noise stage alone: draws, stream, noisy sums.
 
-        The optimizer's own graph code (`NoiseBuffers._correlate`) on one
-        fixed draw per variable, compiled once and called `repeats` times:
-        what correlated noise adds to a step beyond the draw that
-        independent noise makes too, measured directly rather than as the
-        difference of two loaded step times.
+        The optimizer's own graph code (`NoiseStage.noisy_sums`, the noise
+        stage of a logical step) on the accumulators as they are, compiled
+        once and called `repeats` times, measured directly rather than as
+        the difference of two loaded step times.
         """
-        optimizer = self.model.optimizer
-        draws = [tf.random.normal(v.shape) for v in self.model.trainable_variables]
+        stage = self.model.optimizer.noise_stage
+        sums = self.model.optimizer.accumulation_stage.sums()
+        connected = [True] * len(sums)
 
         @tf.function
         def update(step):
-            return tf.add_n([tf.reduce_sum(optimizer._correlate(index, z, step))
-                             for index, z in enumerate(draws)])
+            noisy = stage.noisy_sums(sums, connected, step, tf.constant(0, tf.int64),
+                                     tf.constant(1.0))
+            return tf.add_n([tf.reduce_sum(tf.cast(n, tf.float32)) for n in noisy])
 
         steps = iter(range(1, 10**6))
         return time_per_call(lambda: update(tf.constant(next(steps), tf.int64)).numpy(),
@@ -143,6 +148,7 @@ def main(argv=None):
     parser.add_argument("--micro-batch", type=int, default=32, help="m = B")
     parser.add_argument("--bands", default="4,16", help="BandMF bands, comma-separated")
     parser.add_argument("--buffers", default="4", help="BLT buffers, comma-separated")
+    parser.add_argument("--lambdas", default="0.5", help="lambda-CGD lambdas, comma-separated")
     parser.add_argument("--steps", type=int, default=10, help="logical steps per round")
     parser.add_argument("--rounds", type=int, default=6, help="rounds, warm-up included")
     parser.add_argument("--warmup", type=int, default=1)
@@ -155,6 +161,7 @@ def main(argv=None):
     m = args.micro_batch
     bands = [int(b) for b in args.bands.split(",") if b]
     buffers = [int(d) for d in args.buffers.split(",") if d]
+    lambdas = [float(lam) for lam in args.lambdas.split(",") if lam]
     # N = 2 max(b) B, so that every cycle length samples its groups at q <= 1/2.
     rows = 2 * max(bands + [1]) * m
     x, y, w = make_data(rows, args, np.random.default_rng(0))
@@ -168,6 +175,8 @@ def main(argv=None):
                              args, cycle_length=b) for b in bands]
     mechanisms += [Mechanism(f"BLT d={d}", tf_megadp.BLT(num_buffers=d), data, schedule, args,
                              fixed_order=True) for d in buffers]
+    mechanisms += [Mechanism(f"lambda={lam:g}", tf_megadp.LambdaCGD(lam), data, schedule, args,
+                             fixed_order=True) for lam in lambdas]
 
     commit = subprocess.run(["git", "log", "--oneline", "-1"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()

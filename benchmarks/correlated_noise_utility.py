@@ -1,4 +1,4 @@
-"""Held-out MLM accuracy of DP-SGD, BandMF and BLT at equal epsilon on the job's default corpus.
+"""Held-out MLM accuracy of DP-SGD, BandMF, BLT and lambda-CGD at equal epsilon on the job's default corpus.
 
 The BERT job's data and model (`tf_megadp.jobs.bert`: the offline default
 corpus of docstrings, its public vocabulary, the "nano" BertMaskedLM, the
@@ -8,7 +8,13 @@ sampler (`tf_megadp.make_private_with_epsilon`):
 
 - DP-SGD: independent noise, Poisson sampling (q = B / N);
 - `BandMF(num_bands=b)`: cyclic Poisson sampling with cycle_length = b;
-- `BLT(num_buffers=d)`: fixed-order epochs (no amplification).
+- `BLT(num_buffers=d)`: fixed-order epochs (no amplification);
+- `LambdaCGD(lam)` (with --mechanisms ...,lambda_cgd): fixed-order epochs,
+  no buffer.
+
+A long run where correlated noise is meant to pay is
+benchmarks/correlated_noise_long_run.py (this job is too slow on a CPU for
+thousands of steps).
 
 The same steps, batch and AdamW for all (the job's defaults otherwise), a
 few model-initialisation seeds each. Prints sigma, the held-out masked-token
@@ -48,7 +54,7 @@ from tf_megadp.jobs.bert.training import (  # noqa: E402
 def _sampler(mechanism, train, args):
     """The job's token shards drawn as the mechanism's accounting needs them."""
     n, batch, m = len(train), args.batch_size, args.micro_batch_size
-    if mechanism == "blt":
+    if mechanism in ("blt", "lambda_cgd"):
         schedule = tf_megadp.BatchSizeSchedule(
             [tf_megadp.Phase(args.steps, batch, -(-batch // m))], num_examples=n,
             micro_batch_size=m)
@@ -62,7 +68,8 @@ def _sampler(mechanism, train, args):
 def run(mechanism, seed, data, args) -> dict:
     train, heldout_x, heldout_y, heldout_w, vocabulary_size, config, delta = data
     noise = {"dpsgd": None, "bandmf": tf_megadp.BandMF(num_bands=args.bands),
-             "blt": tf_megadp.BLT(num_buffers=args.buffers)}[mechanism]
+             "blt": tf_megadp.BLT(num_buffers=args.buffers),
+             "lambda_cgd": tf_megadp.LambdaCGD(args.lam)}[mechanism]
     sampler = _sampler(mechanism, train, args)
     keras.utils.set_random_seed(seed)
     model = build_model(config, vocabulary_size)
@@ -105,7 +112,7 @@ def plot(results, path, title, unigram=None) -> None:
         accuracies = [r["accuracy"] for r in results if r["mechanism"] == mechanism]
         axis.bar(index, np.mean(accuracies), color="#c8d7e8", width=0.6)
         axis.plot([index] * len(accuracies), accuracies, "o", color="#1f4e79", ms=4)
-    labels = {"dpsgd": "DP-SGD", "bandmf": "BandMF", "blt": "BLT"}
+    labels = {"dpsgd": "DP-SGD", "bandmf": "BandMF", "blt": "BLT", "lambda_cgd": "lambda-CGD"}
     axis.set_xticks(range(len(mechanisms)), [labels.get(m, m) for m in mechanisms])
     if unigram is not None:
         axis.axhline(unigram, color="gray", ls=":", label="unigram baseline")
@@ -125,6 +132,7 @@ def main(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=64)
     parser.add_argument("--bands", type=int, default=4)
     parser.add_argument("--buffers", type=int, default=4)
+    parser.add_argument("--lam", type=float, default=0.9, help="lambda-CGD's lambda")
     parser.add_argument("--target-epsilon", type=float, default=5.36)
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--accountant", default="pld")

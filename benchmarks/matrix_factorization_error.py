@@ -1,4 +1,4 @@
-"""Prefix-sum RMSE of optimized BandMF and BLT strategies against independent noise.
+"""Prefix-sum RMSE of optimized BandMF and BLT strategies and DP-lambda-CGD against independent noise.
 
 The error of a correlated-noise mechanism on the model is the error of the
 noisy prefix sums of the updates (tf_megadp.accounting.matrix_factorization,
@@ -10,6 +10,11 @@ unit noise multiplier, sqrt(sens^2 * ||A C^{-1}||_F^2 / n), for
 - BandMF with b bands: the optimized strategy, and the truncated sqrt
   coefficients it starts from (Fichtenberger et al. 2023);
 - BLT with d buffers, optimized for the participation;
+- DP-lambda-CGD (Kalinin et al., arXiv 2601.22334; no buffer) for each
+  --lambdas, and at the lambda of least RMSE for the participation (a
+  bounded scalar search); its error is also written in closed form
+  (prefix sums of C^{-1}'s column (1, -lambda) / sqrt(1 - lambda^2)) and
+  the two must agree;
 - with --full-reference, the full Toeplitz strategies (b = n): the sqrt
   factorization C = A^(1/2) and the optimized n-band strategy, the
   references the BLT papers compare to;
@@ -42,8 +47,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the package to import its TensorFlow exports on first use only.
 import tf_megadp_cli  # noqa: E402,F401
 import dp_accounting  # noqa: E402
+import numpy as np  # noqa: E402
+from scipy import optimize  # noqa: E402
+
 from tf_megadp.accounting import calibrate_noise_multiplier  # noqa: E402
 from tf_megadp.accounting import matrix_factorization as mf  # noqa: E402
+from tf_megadp.accounting.noise import LambdaCGD  # noqa: E402
 
 
 def rmse(strategy, noise, steps, epochs):
@@ -54,10 +63,50 @@ def rmse(strategy, noise, steps, epochs):
     return sens.value * math.sqrt(mf.prefix_sum_mse(noise)), sens.exact
 
 
-def rows(steps, epochs, bands, buffers, full_reference):
+def lambda_cgd_rmse(lam, steps, epochs):
+    """(RMSE per unit sigma, exact) of DP-lambda-CGD: the library's strategy, C^{-1} in closed form."""
+    strategy = LambdaCGD(lam).resolve(steps).column(steps)
+    noise = np.zeros(steps)
+    noise[0] = 1.0
+    if steps > 1:
+        noise[1] = -lam
+    return rmse(strategy, noise / math.sqrt(1.0 - lam ** 2), steps, epochs)
+
+
+def lambda_cgd_closed_form(lam, steps):
+    """sqrt(sens^2 E) of lambda-CGD for one pass (k = 1), written out.
+
+    Prefix sums of C^{-1}'s column: 1 / s at t = 0, (1 - lam) / s after,
+    s = sqrt(1 - lam^2); E = (n + (1 - lam)^2 n (n - 1) / 2) / (n s^2);
+    sens^2 = sum_{k<n} (1 - lam^2) lam^(2k) = 1 - lam^(2n).
+    """
+    error = (steps + (1 - lam) ** 2 * steps * (steps - 1) / 2) / (steps * (1 - lam ** 2))
+    return math.sqrt((1 - lam ** (2 * steps)) * error)
+
+
+def best_lambda(steps, epochs):
+    """The lambda in [0, 0.9999] of least RMSE for the participation (bounded scalar search)."""
+    result = optimize.minimize_scalar(lambda lam: lambda_cgd_rmse(lam, steps, epochs)[0],
+                                      bounds=(0.0, 0.9999), method="bounded",
+                                      options={"xatol": 1e-6})
+    return float(result.x)
+
+
+def rows(steps, epochs, bands, buffers, full_reference, lambdas=()):
     """(mechanism, memory in model copies, RMSE, exact sensitivity, seconds) for one setting."""
     separation = -(-steps // epochs)
     out = [("independent noise", 0, math.sqrt(epochs * (steps + 1) / 2), True, 0.0)]
+    began = time.perf_counter()
+    chosen = best_lambda(steps, epochs)
+    search = time.perf_counter() - began
+    for lam in list(lambdas) + [chosen]:
+        value, exact = lambda_cgd_rmse(lam, steps, epochs)
+        if epochs == 1:
+            # The library's strategy against the closed form, one pass.
+            assert math.isclose(value, lambda_cgd_closed_form(lam, steps), rel_tol=1e-9), lam
+        name = (f"lambda-CGD, best lambda = {lam:.4f}" if lam is chosen
+                else f"lambda-CGD, lambda = {lam:g}")
+        out.append((name, 0, value, exact, search if lam is chosen else 0.0))
     for b in bands:
         if b > steps:
             continue
@@ -131,6 +180,8 @@ def main():
     parser.add_argument("--epochs", type=int, nargs="*", default=[1, 4])
     parser.add_argument("--bands", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--buffers", type=int, nargs="*", default=[1, 2, 4, 8])
+    parser.add_argument("--lambdas", type=float, nargs="*", default=[0.5, 0.9, 0.99],
+                        help="DP-lambda-CGD's lambdas (the best one is added)")
     parser.add_argument("--full-reference", type=int, default=1000,
                         help="also the full (b = n) strategies for n up to this")
     parser.add_argument("--timing-steps", type=int, default=0,
@@ -148,7 +199,8 @@ def main():
             print("| mechanism | buffers (model copies) | RMSE per unit sigma | vs independent "
                   "| sensitivity | optimizer s |")
             print("|---|---:|---:|---:|---|---:|")
-            table = rows(steps, epochs, args.bands, args.buffers, args.full_reference)
+            table = rows(steps, epochs, args.bands, args.buffers, args.full_reference,
+                         args.lambdas)
             independent = table[0][2]
             for name, memory, value, exact, seconds in table:
                 print(f"| {name} | {memory} | {value:.4f} | {value / independent:.4f} | "

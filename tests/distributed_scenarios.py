@@ -155,7 +155,7 @@ def run_private_step(step, strategy, data, micro_steps, chief_saves_to=None):
 
 def accumulators_of(optimizer):
     """The DPOptimizer's in-memory accumulators (never saved, so only read live)."""
-    return optimizer._in_memory.accumulators
+    return optimizer.accumulation_stage.state.accumulators
 
 
 def at_first_micro_step(strategy, save_path=None):

@@ -366,7 +366,7 @@ def test_one_example_moves_the_count_by_one_and_the_sum_by_at_most_the_steps_cli
 
     def unnoised(weight):
         model.train_on_batch(x, y, sample_weight=weight)
-        state = optimizer._in_memory
+        state = optimizer.accumulation_stage.state
         count = float(state.centred_count.value.numpy())
         total = np.concatenate([a.value.numpy().ravel() for a in state.accumulators])
         assert optimizer.discard_partial_step() == 1

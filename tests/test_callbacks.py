@@ -117,11 +117,11 @@ def test_epsilon_reaches_history_csv_batch_logs_and_the_report(data, tmp_path):
     assert report["settings"]["l2_norm_clip"] == 1.0
     assert report["settings"]["per_example_scaling"] == "clip"
     assert report["settings"]["automatic_scaling_stability"] is None
-    # Independent noise: the mechanism's columns (issue 39) at their defaults.
+    # Independent noise: its record, and the segment fields at their defaults.
     assert report["ledger"] == [dict(steps=8, sampling_rate=BATCH / N, noise_multiplier=1.0,
                                      max_batch_size=0, sampling="shuffle",
-                                     count_noise_multiplier=0.0, noise="independent",
-                                     strategy_hash=0, bands=0, cycle_length=0, cycle_position=0,
+                                     count_noise_multiplier=0.0, noise='{"kind":"independent"}',
+                                     cycle_length=0, cycle_position=0,
                                      steps_per_epoch=0, participations=0, sensitivity=0.0,
                                      segment_start=False)]
     assert report["data"]["poisson_guarantee"] is False
@@ -795,7 +795,7 @@ class _TwinSampler(tf_megadp.PoissonSampler):
 def test_a_newly_registered_sampling_kind_flows_through_the_ledger_keeper(data, monkeypatch):
     # Issue 29: the keeper branched on sampling == "poisson", so a new sampler
     # needed edits there (and DataSource accepted only "poisson" and "shuffle").
-    twin = dataclasses.replace(events.sampling_kind("poisson"), name="poisson_twin", code=7)
+    twin = dataclasses.replace(events.sampling_kind("poisson"), name="poisson_twin")
     monkeypatch.setitem(events._KINDS, "poisson_twin", twin)
     x, y = data
     sampler = _TwinSampler.from_arrays(x, y, batch_size=BATCH, epochs=1,

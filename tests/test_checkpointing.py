@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import tf_megadp
-from tf_megadp.accounting import LEDGER_COLUMNS
+from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.run import training_state
 from tf_megadp.run.training_state import restore_training_state, save_training_state
 from tests import reference
@@ -125,8 +125,8 @@ def test_a_save_killed_after_its_first_file_leaves_the_previous_checkpoint_whole
 
 @pytest.mark.parametrize("suffix", [".keras", ".weights.h5"])
 def test_a_file_whose_ledger_has_another_shape_is_refused(tmp_path, suffix):
-    # Ledger rows of another width (no tf_megadp release wrote them): loading
-    # them in part would lose the ledger's steps, so the load refuses.
+    # A ledger variable of another size (no tf_megadp release wrote it): loading
+    # it in part would lose the ledger's steps, so the load refuses.
     model = private_model()
     model.optimizer.build(model.trainable_variables)
     path = tmp_path / f"run{suffix}"
@@ -140,9 +140,9 @@ def test_a_file_whose_ledger_has_another_shape_is_refused(tmp_path, suffix):
         weights = path
     with h5py.File(weights, "r+") as handle:
         group = handle["optimizer"]["vars"]
-        width = len(LEDGER_COLUMNS)
-        at = next(key for key in group if group[key].shape[1:] == (width,))
-        narrow = group[at][()][:, :width - 1]
+        width = model.optimizer.ledger_stage.privacy_ledger.shape[0]
+        at = next(key for key in group if group[key].shape == (width,))
+        narrow = group[at][()][:width - 1]
         del group[at]
         group.create_dataset(at, data=narrow)
     if suffix == ".keras":
@@ -157,3 +157,40 @@ def test_a_file_whose_ledger_has_another_shape_is_refused(tmp_path, suffix):
         fresh = private_model()
         with pytest.raises(ValueError, match=f"has shape .*{width - 1}.* cannot be loaded whole"):
             fresh.load_weights(path)
+
+
+def _cells(text, count):
+    """`text` as the ledger variable stores it: UTF-8, 6 bytes to a float64 cell, big-endian."""
+    data = text.encode() + bytes(6 * count - len(text.encode()))
+    return np.array([int.from_bytes(data[i:i + 6], "big") for i in range(0, len(data), 6)],
+                    np.float64)
+
+
+def test_a_file_whose_ledger_holds_a_foreign_noise_record_is_refused_by_name(tmp_path):
+    """A ledger entry whose noise no registered mechanism reads back is never loaded."""
+    model = private_model()
+    model.optimizer.build(model.trainable_variables)
+    path = tmp_path / "run.weights.h5"
+    model.save_weights(path)
+    honest = PrivacyLedger([LedgerEntry(3, 0.1, 1.0)]).to_json()
+    foreign = honest.replace('\\"independent\\"', '\\"laplace\\"')
+    assert "laplace" in foreign and len(foreign) == len(honest) - 4
+    width = model.optimizer.ledger_stage.privacy_ledger.shape[0]
+    with h5py.File(path, "r+") as handle:
+        group = handle["optimizer"]["vars"]
+        at = next(key for key in group if group[key].shape == (width,))
+        group[at][...] = _cells(foreign, width)
+        # The ledger's length is the variable declared right after it.
+        group[str(int(at) + 1)][()] = len(foreign.encode())
+    fresh = private_model()
+    fresh.optimizer.build(fresh.trainable_variables)
+    with pytest.raises(ValueError, match="privacy_ledger variable holds no ledger.*"
+                                         "names no registered noise"):
+        fresh.load_weights(path)
+    # Control: the honest ledger, written the same way, loads.
+    with h5py.File(path, "r+") as handle:
+        group = handle["optimizer"]["vars"]
+        group[at][...] = _cells(honest, width)
+        group[str(int(at) + 1)][()] = len(honest.encode())
+    fresh.load_weights(path)
+    assert tf_megadp.read_ledger(fresh.optimizer).total_steps == 3

@@ -56,12 +56,15 @@ def test_epsilon_of_bandmf_with_cycles_matches_the_amplified_event(capsys):
         1.1, num_examples=60000, batch_size=256, steps=1000, cycle_length=4, num_bands=4)],
         1e-5), rel=1e-12)
     [entry] = report["ledger"]
-    assert (entry["noise"], entry["bands"], entry["cycle_length"], entry["segment_start"]) == (
-        "bandmf", 4, 4, True)
+    # The noise record: BandMF's kind, its bands and the hash of its strategy.
+    record = json.loads(entry["noise"])
+    assert (record["kind"], record["num_bands"], entry["cycle_length"],
+            entry["segment_start"]) == ("bandmf", 4, 4, True)
     status, out, _ = run(capsys, "epsilon", *RUN, "--noise-multiplier", "1.1",
                          "--accountant", "rdp", "--noise", "bandmf", "--bands", "4",
                          "--cycle-length", "4")
-    assert "(B = 256), sigma = 1.1, bandmf noise (4 bands" in out and "cycle 4" in out
+    assert ("(B = 256), sigma = 1.1, BandMF correlated noise (4 bands)" in out
+            and f"strategy {record['strategy']}" in out and "cycle 4" in out)
 
 
 def test_epsilon_prints_a_privacy_statement(capsys):

@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.accounting.correlated_noise: `BandMF` and `BLT`, frozen and validated.
+"""Specification of tf_megadp.accounting.noise.bandmf and .blt: `BandMF` and `BLT`, frozen and validated.
 
 The value types describe a run's correlated noise to the optimizer (the
 unit-norm strategy, the buffers) and to the accountant (the run's event).
@@ -16,7 +16,7 @@ import pytest
 from scipy import linalg
 
 from tf_megadp.accounting import matrix_factorization as mf
-from tf_megadp.accounting.correlated_noise import BLT, BandMF
+from tf_megadp.accounting.noise import BLT, BandMF
 from tf_megadp.errors import PrivacyConfigurationError
 
 
@@ -71,6 +71,21 @@ class TestBandMF:
                "candidate_bands": [1, 16]}
         assert BandMF.for_run(target_epsilon=0.5, **run).num_bands < (
             BandMF.for_run(target_epsilon=50.0, **run).num_bands)
+
+    def test_for_run_never_does_worse_than_dp_sgd_by_the_runs_expected_error(self):
+        """Issue 50: b = 1 (DP-SGD, Poisson) is always a candidate, and wins where amplification pays most."""
+        run = {"num_examples": 10_000, "batch_size": 100, "steps": 400, "delta": 1e-6}
+        errors = BandMF.expected_errors(target_epsilon=0.2, candidate_bands=[4, 16], **run)
+        assert set(errors) == {1, 4, 16}
+        assert min(errors, key=errors.get) == 1
+        assert BandMF.for_run(target_epsilon=0.2, candidate_bands=[4, 16], **run) == BandMF(1)
+        # BandMF(1) is DP-SGD: no buffer, accounted with plain Poisson sampling.
+        assert BandMF(1).noise_buffers == 0 and BandMF(1).accounted_sampling() == {}
+        BandMF(1).check_sampling("poisson")
+        # At a large budget the bands pay: the choice is the least error, never above b = 1's.
+        errors = BandMF.expected_errors(target_epsilon=8.0, **run)
+        chosen = BandMF.for_run(target_epsilon=8.0, **run).num_bands
+        assert chosen > 1 and errors[chosen] == min(errors.values()) < errors[1]
 
     def test_for_run_refuses_bands_whose_groups_cannot_hold_a_batch(self):
         with pytest.raises(PrivacyConfigurationError, match="min\\(N // B, T\\) = 100"):

@@ -445,7 +445,7 @@ def test_a_checkpoint_resumes_the_ledger_and_holds_no_partial_step(data, tmp_pat
     restored.checkpoint().read(path).assert_consumed()
     assert restored.logical_step == 2
     assert int(restored.optimizer.micro_steps.numpy()) == 0
-    assert not any(np.any(a.numpy()) for a in restored.optimizer._in_memory.accumulators)
+    assert not any(np.any(a.numpy()) for a in restored.optimizer.accumulation_stage.state.accumulators)
     for a, b in zip(weights(restored_model), weights(model)):
         np.testing.assert_array_equal(a, b)
     rest = sampler_of(data, epochs=2, seed=6, start_step=restored.logical_step)

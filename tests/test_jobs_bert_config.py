@@ -324,7 +324,8 @@ class TestCorrelatedNoise:
         (dict(noise="bandmf", privacy_unit="author", corpus=["a.jsonl"]),
          "Drop --noise \\(independent noise\\) for a user-level run"),
         (dict(noise="blt", schedule=[(4, 16), (4, 64)]),
-         "pass --batch-size and --steps, or --noise bandmf"),
+         "pass --batch-size and --steps, or for a growing batch a --noise accounted with "
+         "cyclic Poisson sampling"),
     ])
     def test_settings_without_a_proof_are_refused_naming_the_fix(self, fields, message):
         with pytest.raises(pretraining.PretrainError, match=message):
@@ -332,10 +333,12 @@ class TestCorrelatedNoise:
 
     @pytest.mark.parametrize("noise, sampling, cycle, said", [
         (None, "poisson", None, "independent Gaussian noise (DP-SGD) on Poisson sampling"),
-        ({"kind": "bandmf", "bands": 4, "noise_buffers": None}, "cyclic_poisson", 4,
+        ({"record": '{"kind":"bandmf","num_bands":4,"strategy":"0123456789ab"}'},
+         "cyclic_poisson", 4,
          "BandMF correlated noise (4 bands) on cyclic Poisson sampling (4 groups: step t "
          "samples group t mod 4)"),
-        ({"kind": "blt", "bands": None, "noise_buffers": 3}, "fixed_order", None,
+        ({"record": '{"kind":"blt","num_buffers":3,"strategy":"0123456789ab"}'},
+         "fixed_order", None,
          "BLT correlated noise (3 buffers) on fixed-order sampling (one secret order, the "
          "same every epoch)"),
     ])

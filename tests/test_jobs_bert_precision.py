@@ -68,7 +68,7 @@ def dp_step(precision, clipping, initial):
         "logits": logits.dtype.name,
         "compute": model.backbone.dtype_policy.compute_dtype,
         "variables": {v.dtype for v in model.trainable_variables},
-        "accumulators": {a.dtype for a in optimizer._in_memory.accumulators},
+        "accumulators": {a.dtype for a in optimizer.accumulation_stage.state.accumulators},
         "norms": batch.norms.dtype.name,
         "clipped_sum": {g.dtype.name for g in batch.gradient_sum if g is not None},
     }

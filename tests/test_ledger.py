@@ -2,9 +2,10 @@
 
 A `LedgerEntry` is a run of identical logical steps; a `PrivacyLedger` is
 the entries of a run in training order, identical consecutive steps merged.
-Both round-trip through the optimizer's `privacy_ledger` rows (checkpoints)
-and through JSON (reports), and refuse any number that would make an
-epsilon computed from them a lie. No accountant, optimizer or callback is
+Both round-trip through JSON (the optimizer's `privacy_ledger` variable,
+checkpoints and reports: one format, whatever the noise mechanism, each
+entry's noise one record its mechanism reads back), and refuse any number
+or record that would make an epsilon computed from them a lie. No accountant, optimizer or callback is
 involved here: the epsilon of a ledger is tests/test_accounting.py's.
 """
 
@@ -15,22 +16,27 @@ import math
 import numpy as np
 import pytest
 
-from tf_megadp.accounting import LEDGER_COLUMNS, LedgerEntry, PrivacyLedger, ledger_from_schedule
+from tf_megadp.accounting import LedgerEntry, PrivacyLedger, ledger_from_schedule
 from tf_megadp.accounting.events import NOISELESS, UNACCOUNTED
+from tf_megadp.accounting.ledger import DEFAULT_NOISE_RECORD
+from tf_megadp.accounting.noise import BLT, BandMF
 from tf_megadp.steps import BatchSizeSchedule, Phase
 
-# The sampling kinds' codes in column 4 of a ledger row. Checkpoints store
-# them: a code that changed would read an old run's steps as another kind.
-PERMANENT_CODES = {"poisson": 0, "shuffle": 1, "cyclic_poisson": 2, "fixed_order": 3,
-                   NOISELESS: -1, UNACCOUNTED: -2}
-# The noise kinds' codes (column 6), as permanent.
-NOISE_CODES = {"independent": 0, "bandmf": 1, "blt": 2}
+# Every kind a ledger stores, by name.
+KINDS = ("poisson", "shuffle", "cyclic_poisson", "fixed_order", NOISELESS, UNACCOUNTED)
+# The records of a BandMF of 4 bands and a BLT of 2 buffers, as their mechanisms write them.
+BANDMF_RECORD = BandMF(4).resolve(16).record()
+BLT_RECORD = BLT(2, buffer_decays=(0.9, 0.5), output_scales=(0.1, 0.2)).resolve(100).record()
 
 # One entry of each segment kind, with every noise field set.
-CYCLIC = dict(sampling="cyclic_poisson", noise="bandmf", strategy_hash=2**47 + 5, bands=4,
-              cycle_length=4, cycle_position=1)
-FIXED = dict(sampling="fixed_order", noise="blt", strategy_hash=12345, bands=2,
-             steps_per_epoch=25, participations=4, sensitivity=1.7)
+CYCLIC = dict(sampling="cyclic_poisson", noise=BANDMF_RECORD, cycle_length=4, cycle_position=1)
+FIXED = dict(sampling="fixed_order", noise=BLT_RECORD, steps_per_epoch=25, participations=4,
+             sensitivity=1.7)
+
+
+def _stored(ledger):
+    """`ledger` after the round trip of the optimizer's ledger variable (its JSON)."""
+    return PrivacyLedger.from_json(ledger.to_json())
 
 
 # -- One entry ---------------------------------------------------------------------
@@ -41,7 +47,7 @@ def test_an_entry_holds_plain_python_numbers_whatever_it_was_given():
                         count_noise_multiplier=np.float32(8.0))
     assert entry == LedgerEntry(5, 0.25, 1.5, 40, "poisson", 8.0)
     assert [type(value) for value in dataclasses.astuple(entry)] == [
-        int, float, float, int, str, float, str, int, int, int, int, int, int, float, bool]
+        int, float, float, int, str, float, str, int, int, int, int, float, bool]
     # Hashable and equal by value: the accountant caches epsilon by entries.
     assert hash(entry) == hash(LedgerEntry(5, 0.25, 1.5, 40, "poisson", 8.0))
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -88,7 +94,7 @@ def test_a_full_batch_and_a_truncated_poisson_step_are_valid():
 def test_a_steps_only_kind_records_a_count_and_nothing_else(kind):
     entry = LedgerEntry.steps_only(4, kind)
     assert dataclasses.astuple(entry) == (
-        4, 0.0, 0.0, 0, kind, 0.0, "independent", 0, 0, 0, 0, 0, 0, 0.0, False)
+        4, 0.0, 0.0, 0, kind, 0.0, DEFAULT_NOISE_RECORD, 0, 0, 0, 0, 0.0, False)
     # Any other number would be invented: the steps had no known mechanism.
     for numbers in ((0.1, 0.0, 0, kind), (0.0, 1.0, 0, kind), (0.0, 0.0, 5, kind)):
         with pytest.raises(ValueError, match="records a count of steps only"):
@@ -116,43 +122,47 @@ def test_same_mechanism_ignores_the_count_of_steps_only():
 # -- Rows (checkpoints) and JSON (reports) ----------------------------------------------
 
 
-@pytest.mark.parametrize("kind, code", sorted(PERMANENT_CODES.items()))
-def test_each_kind_keeps_its_permanent_code_in_a_row(kind, code):
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_kind_is_stored_by_its_name(kind):
     segment = {"cyclic_poisson": CYCLIC, "fixed_order": FIXED}.get(kind, {"sampling": kind})
     entry = (LedgerEntry.steps_only(2, kind) if kind in (NOISELESS, UNACCOUNTED)
              else LedgerEntry(2, 0.5, 1.0, segment_start=kind in ("cyclic_poisson", "fixed_order"),
                               **segment))
-    row = entry.to_row()
-    assert len(row) == len(LEDGER_COLUMNS) == 15
-    assert row[LEDGER_COLUMNS.index("sampling_kind")] == code
-    assert LedgerEntry.from_row(row) == entry
+    [stored] = json.loads(PrivacyLedger([entry]).to_json())
+    assert stored["sampling"] == kind
+    assert _stored(PrivacyLedger([entry])).entries == (entry,)
 
 
 @pytest.mark.parametrize("fields", [CYCLIC, FIXED], ids=["cyclic", "fixed_order"])
-def test_a_segment_entry_keeps_its_mechanism_in_a_row(fields):
+def test_a_segment_entry_keeps_its_mechanisms_record(fields):
     entry = LedgerEntry(9, 0.1, 1.3, segment_start=True, **fields)
-    row = dict(zip(LEDGER_COLUMNS, entry.to_row()))
-    assert row["noise"] == NOISE_CODES[fields["noise"]]
-    # 48 bits of the strategy's hash: exact in a float64 cell.
-    assert row["strategy_hash"] == fields["strategy_hash"] and row["segment_start"] == 1.0
-    assert LedgerEntry.from_row(entry.to_row()) == entry
+    [stored] = json.loads(PrivacyLedger([entry]).to_json())
+    # The record, as its mechanism wrote it: kind, parameters, the strategy's hash.
+    record = json.loads(stored["noise"])
+    assert record["kind"] == entry.mechanism.kind and len(record["strategy"]) == 12
+    assert stored["segment_start"] is True
+    assert _stored(PrivacyLedger([entry])).entries == (entry,)
 
 
 @pytest.mark.parametrize("fields, message", [
     (dict(CYCLIC, cycle_length=2), "cycle_length = 2 is smaller than num_bands = 4"),
     (dict(CYCLIC, cycle_position=4), "0 <= cycle_position < L"),
-    (dict(CYCLIC, noise="blt"), "BLT.*no privacy proof under Poisson"),
+    (dict(CYCLIC, noise=BLT_RECORD), "BLT.*no privacy proof under Poisson"),
     (dict(CYCLIC, steps_per_epoch=3), "no fixed-order participation"),
     (dict(FIXED, sensitivity=0.0), "sensitivity > 0"),
     (dict(FIXED, participations=0), "participations >= 1"),
     (dict(FIXED, cycle_length=4), "has no cycle"),
-    (dict(sampling="poisson", noise="bandmf", strategy_hash=1, bands=4),
+    (dict(sampling="poisson", noise=BANDMF_RECORD),
      "Poisson sampling without cycles under BandMF"),
-    (dict(sampling="shuffle", noise="bandmf", strategy_hash=1, bands=4), "no privacy proof with"),
+    (dict(sampling="shuffle", noise=BANDMF_RECORD), "no privacy proof with"),
     (dict(sampling="poisson", cycle_length=4), "accounted step by step"),
     (dict(sampling="poisson", segment_start=True), "accounted step by step"),
-    (dict(noise="independent", bands=3), "Independent noise has no strategy"),
-    (dict(noise="laplace"), "noise must be one of"),
+    (dict(noise='{"kind":"independent","strategy":"0123456789ab"}'), "has a strategy hash"),
+    (dict(noise='{"kind":"bandmf","num_bands":4}'), "lacks a strategy hash"),
+    (dict(noise='{"kind":"laplace"}'), "names no registered noise"),
+    (dict(noise='{"kind":"bandmf","num_bands":0,"strategy":"0123456789ab"}'),
+     "bandmf ledger noise record .* is malformed"),
+    (dict(noise="bandmf"), "must be JSON text"),
 ])
 def test_an_entry_refuses_noise_its_sampling_has_no_proof_for(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -170,28 +180,30 @@ def test_an_entry_that_opens_a_segment_is_never_merged():
     assert [(e.steps, e.segment_start) for e in ledger] == [(5, True), (4, True)]
 
 
-def test_a_row_lists_the_columns_in_order():
+def test_the_stored_json_lists_the_fields():
     entry = LedgerEntry(7, 0.004, 0.9, 5_000, "poisson", 6.4)
-    assert dict(zip(LEDGER_COLUMNS, entry.to_row())) == {
-        "steps": 7.0, "sampling_rate": 0.004, "noise_multiplier": 0.9,
-        "max_batch_size": 5_000.0, "sampling_kind": 0.0, "count_noise_multiplier": 6.4,
-        "noise": 0.0, "strategy_hash": 0.0, "bands": 0.0, "cycle_length": 0.0,
-        "cycle_position": 0.0, "steps_per_epoch": 0.0, "participations": 0.0,
-        "sensitivity": 0.0, "segment_start": 0.0}
+    assert json.loads(PrivacyLedger([entry]).to_json()) == [{
+        "steps": 7, "sampling_rate": 0.004, "noise_multiplier": 0.9,
+        "max_batch_size": 5_000, "sampling": "poisson", "count_noise_multiplier": 6.4,
+        "noise": DEFAULT_NOISE_RECORD, "cycle_length": 0, "cycle_position": 0,
+        "steps_per_epoch": 0, "participations": 0, "sensitivity": 0.0, "segment_start": False}]
+    assert json.loads(DEFAULT_NOISE_RECORD) == {"kind": "independent"}
 
 
-@pytest.mark.parametrize("row, message", [
-    ([7, 0.004, 0.9, 0, 0, 0], "A ledger row has 15 columns"),  # the layout before issue 39
-    ([7, 0.004, 0.9, 0, 0] + [0] * 11, "A ledger row has 15 columns"),
-    ([7, 0.004, 0.9, 0, 7] + [0] * 10, "Unknown sampling kind code 7"),
-    ([7, 0.004, 0.9, 0, 0, 0, 5] + [0] * 8, "Unknown noise code 5"),
+@pytest.mark.parametrize("text, message", [
+    ("[{", "must be JSON text"),
+    ('{"steps": 7}', "JSON list of entries"),
+    ('[{"steps": 7, "sampling_rate": 0.004, "noise_multiplier": 0.9, "sampling": "bins"}]',
+     "sampling must be one of"),
+    ('[{"steps": 7, "sampling_rate": 0.004, "noise_multiplier": 0.9, '
+     '"noise": "{\\"kind\\": \\"laplace\\"}"}]', "names no registered noise"),
 ])
-def test_a_row_of_another_layout_or_kind_is_refused(row, message):
+def test_a_stored_ledger_that_is_malformed_or_foreign_is_refused(text, message):
     with pytest.raises(ValueError, match=message):
-        LedgerEntry.from_row(row)
+        PrivacyLedger.from_json(text)
 
 
-def test_a_ledger_round_trips_through_rows_and_json():
+def test_a_ledger_round_trips_through_json():
     ledger = PrivacyLedger([
         LedgerEntry(5, 0.001, 1.1),
         LedgerEntry(7, 0.004, 0.9, max_batch_size=5_000),
@@ -202,13 +214,9 @@ def test_a_ledger_round_trips_through_rows_and_json():
         LedgerEntry(3, 0.02, 1.1, segment_start=True, **CYCLIC),
         LedgerEntry(6, 0.004, 2.0, segment_start=True, **FIXED),
     ])
-    rows = ledger.to_rows()
-    assert rows.dtype == np.float64 and rows.shape == (8, len(LEDGER_COLUMNS))
-    assert PrivacyLedger.from_rows(rows) == ledger
-    assert PrivacyLedger.from_rows(rows.tolist()) == ledger
+    assert _stored(ledger) == ledger
     assert PrivacyLedger.from_list(json.loads(json.dumps(ledger.to_list()))) == ledger
-    assert PrivacyLedger().to_rows().shape == (0, len(LEDGER_COLUMNS))
-    assert PrivacyLedger.from_rows(PrivacyLedger().to_rows()) == PrivacyLedger()
+    assert _stored(PrivacyLedger()) == PrivacyLedger()
 
 
 def test_json_without_the_required_fields_is_refused_naming_them():
@@ -257,7 +265,7 @@ def test_a_copy_is_independent_and_entries_cannot_be_changed_through_the_ledger(
     assert ledger != copy and ledger != ledger.entries
     assert repr(ledger) == "PrivacyLedger([LedgerEntry(steps=3, sampling_rate=0.1, " \
         "noise_multiplier=1.0, max_batch_size=0, sampling='poisson', " \
-        "count_noise_multiplier=0.0, noise='independent', strategy_hash=0, bands=0, " \
+        "count_noise_multiplier=0.0, noise='{\"kind\":\"independent\"}', " \
         "cycle_length=0, cycle_position=0, steps_per_epoch=0, participations=0, " \
         "sensitivity=0.0, segment_start=False)])"
 

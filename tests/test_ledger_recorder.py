@@ -48,8 +48,7 @@ def _applied(model, rows=ROWS):
     """What the compiled step does when it applies a noisy update (without tracing one)."""
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
-    optimizer._in_memory.step_rows.assign(rows)
-    optimizer._record_applied_step(SIGMA, 1, float(rows), 0.0, False)
+    optimizer.ledger_stage.record_applied_step(SIGMA, 1, float(rows), float(rows), 0.0, False)
     optimizer.iterations.assign_add(1)
 
 
@@ -99,7 +98,8 @@ def test_a_step_of_more_rows_than_the_data_has_examples_is_refused(model):
 def test_a_buffer_that_overflowed_is_refused_not_read_in_part(model):
     recorder = _recorder(model, num_examples=16)
     optimizer = model.optimizer
-    optimizer.applied_rows.assign(optimizer.applied_steps.shape[0] + 1)
+    optimizer.ledger_stage.applied_rows.assign(
+        optimizer.ledger_stage.applied_steps.shape[0] + 1)
     with pytest.raises(PrivacyConfigurationError, match="differently configured logical steps"):
         recorder.take_applied_steps()
 
@@ -117,7 +117,7 @@ def test_unaccounted_steps_join_the_ledger_as_it_stands(model):
 # -- Who writes the ledger --------------------------------------------------------
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LEDGER_VARIABLES = {"privacy_ledger", "privacy_ledger_rows", "carried_steps", "applied_steps",
+_LEDGER_VARIABLES = {"privacy_ledger", "privacy_ledger_length", "carried_steps", "applied_steps",
                      "applied_rows"}
 # What writes them, outside Keras's own loading: the optimizer's ledger module's
 # functions and methods (a call on a recorder is the recorder's protocol,
@@ -153,9 +153,10 @@ def _writers():
 def test_the_ledger_variables_are_written_in_the_optimizers_ledger_module_only():
     assigning, calling = _writers()
     assert assigning == {"tf_megadp.optimizer.ledger"}
-    # Besides that module, only the run's recorder records steps, and a
+    # Besides that module (and the DPOptimizer, whose public methods hand
+    # over to its ledger stage), only the run's recorder records steps, and a
     # release's continuation starts a ledger.
-    assert calling == {"tf_megadp.optimizer.ledger", "tf_megadp.run.ledger_recorder",
+    assert calling == {"tf_megadp.optimizer.dp_optimizer", "tf_megadp.run.ledger_recorder",
                        "tf_megadp.run.weights_origin"}
 
 
@@ -200,7 +201,7 @@ def test_a_new_sampler_opens_a_new_noise_segment_and_its_own_continues_it():
         schedule=_SCHEDULE, noise=tf_megadp.BandMF(4)), loss="mse")
     optimizer = model.optimizer
     optimizer.build(model.trainable_variables)
-    state = optimizer._in_memory
+    state = optimizer.noise_stage.state
     # As after a step of a segment drawing assignment "a" (the next step is 3).
     state.segment_generation.assign(0)
     state.segment_next_step.assign(3)

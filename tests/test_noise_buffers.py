@@ -1,4 +1,4 @@
-"""Specification of tf_megadp.optimizer.noise_buffers: correlated noise, streamed in memory.
+"""Specification of tf_megadp.optimizer.noise: correlated noise, streamed in memory.
 
 The noise of logical step t is sigma C_clip (C^{-1} z)_t for the mechanism's
 unit-norm strategy C (issue 39). On a model whose every gradient is zero,
@@ -16,7 +16,7 @@ import pytest
 from scipy import linalg
 
 import tf_megadp
-from tf_megadp import BLT, BandMF, BatchSizeSchedule, Phase, PrivacyConfigurationError
+from tf_megadp import BLT, BandMF, BatchSizeSchedule, LambdaCGD, Phase, PrivacyConfigurationError
 from tf_megadp.accounting import matrix_factorization as mf
 from tests import preempted_run, reference
 
@@ -77,8 +77,11 @@ def _zero_gradient_run(noise):
     return -(BATCH / (SIGMA * CLIP)) * np.diff(weights, axis=0).T, model, privacy.report()
 
 
-@pytest.fixture(scope="module", params=[BandMF(num_bands=4), BLT(num_buffers=2)],
-                ids=["bandmf", "blt"])
+LAM = 0.6
+
+
+@pytest.fixture(scope="module", params=[BandMF(num_bands=4), BLT(num_buffers=2), LambdaCGD(LAM)],
+                ids=["bandmf", "blt", "lambda_cgd"])
 def run(request):
     with pytest.warns(UserWarning, match="seed"):
         streamed, model, report = _zero_gradient_run(request.param)
@@ -115,6 +118,10 @@ def test_the_noise_is_the_reference_stream_of_the_draws(run):
                       for t in range(STEPS)])
     if isinstance(noise, BandMF):
         expected = mf.banded_inverse_stream(strategy.coefficients, draws)
+    elif isinstance(noise, LambdaCGD):
+        # (z_t - lam z_(t-1)) / sqrt(1 - lam^2): z_(t-1) is the same draw, drawn again.
+        previous = np.concatenate([np.zeros_like(draws[:1]), draws[:-1]])
+        expected = (draws - LAM * previous) / math.sqrt(1 - LAM ** 2)
     else:
         expected = mf.blt_inverse_stream(strategy.buffer_decays, strategy.output_scales,
                                          draws) / strategy.unit_scale
@@ -125,8 +132,10 @@ def test_the_ledger_records_one_segment_with_the_mechanism(run):
     noise, _, model, _ = run
     [entry] = tf_megadp.model_ledger(model).entries
     strategy = model.optimizer.noise_strategy
-    assert (entry.steps, entry.noise, entry.strategy_hash, entry.bands, entry.segment_start) == (
-        STEPS, noise.kind, strategy.strategy_hash, strategy.bands, True)
+    # The mechanism's record: its kind, its parameters and the hash of the strategy streamed.
+    assert (entry.steps, entry.noise, entry.mechanism, entry.segment_start) == (
+        STEPS, strategy.record(), noise, True)
+    assert strategy.strategy_hash in entry.noise
     if isinstance(noise, BandMF):
         assert (entry.sampling, entry.cycle_length, entry.sampling_rate) == (
             "cyclic_poisson", 4, BATCH * 4 / N)
@@ -146,9 +155,27 @@ def test_the_report_names_the_segment_and_the_strategy_never_the_buffers(run):
     assert report["settings"]["noise_strategy"]["strategy_hash"] == strategy.strategy_hash
 
 
+def test_lambda_cgd_noise_has_lag_one_correlation_minus_lam_over_one_plus_lam_squared(run):
+    """Kalinin et al.'s noise z_t - lam z_(t-1): corr(n_t, n_(t-1)) = -lam / (1 + lam^2), none beyond."""
+    noise, streamed, _, _ = run
+    if not isinstance(noise, LambdaCGD):
+        pytest.skip("lambda-CGD's own correlation")
+    correlation = np.corrcoef(streamed.T)
+    lag1 = np.array([correlation[t, t - 1] for t in range(2, STEPS)])
+    lag2 = np.array([correlation[t, t - 2] for t in range(2, STEPS)])
+    # 100,250 draws per pair: a standard error of about 1 / sqrt(P) = 0.003.
+    np.testing.assert_allclose(lag1, -LAM / (1 + LAM ** 2), atol=0.02)
+    np.testing.assert_allclose(lag2, 0.0, atol=0.02)
+    # Step 0 opens the segment: z_0 alone, variance 1 / (1 - lam^2); later
+    # steps (1 + lam^2) / (1 - lam^2).
+    variance = streamed.var(axis=0)
+    assert variance[0] == pytest.approx(1 / (1 - LAM ** 2), rel=0.02)
+    np.testing.assert_allclose(variance[1:], (1 + LAM ** 2) / (1 - LAM ** 2), rtol=0.02)
+
+
 def test_the_buffers_hold_the_last_outputs_and_nothing_is_saved_of_them(run):
     noise, streamed, model, _ = run
-    buffers = model.optimizer._in_memory.noise_buffers
+    buffers = model.optimizer.noise_stage.state.noise_buffers
     assert len(buffers) == 2 and all(len(slots) == noise.noise_buffers for slots in buffers)
     names = {v.name for v in model.optimizer.variables}
     assert not any("noise_buffer" in name for name in names)
@@ -207,6 +234,51 @@ def test_a_resumed_run_opens_a_new_segment_and_reuses_no_noise(tmp_path):
     ledger = tf_megadp.model_ledger(model)
     assert [(e.steps, e.segment_start, e.cycle_position) for e in ledger] == [
         (4, True, 0), (2, True, 0)]
+
+
+def test_a_resumed_lambda_cgd_run_draws_no_noise_of_the_abandoned_branch(tmp_path):
+    """lambda-CGD keeps no buffer: it draws z_(t-1) again. After a rollback it must not.
+
+    As above, step 5's crash rolls the run back to step 4. The replayed
+    step 4 opens a new segment in generation 1: x'_4 = z'_4 / sqrt(1 - lam^2),
+    with no z_3 (drawn in generation 0, released by the abandoned branch),
+    and x'_5 = (z'_5 - lam z'_4) / sqrt(1 - lam^2).
+    """
+    noise = LambdaCGD(LAM)
+    sampler = _sampler(noise, steps=6, width=reference.ROLLBACK_INPUTS)
+    model = tf_megadp.make_private(reference.rollback_model())
+    with pytest.warns(UserWarning, match="seed"):
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=SIGMA,
+            schedule=sampler.schedule, noise=noise, seed=SEED), loss=reference.zero_loss)
+    updates = _Updates()
+
+    class CrashAfterStep5(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if int(self.model.optimizer.iterations.numpy()) == 5:
+                raise preempted_run.Crash("preempted after logical step 5")
+
+    backup = str(tmp_path / "backup")
+    with pytest.raises(preempted_run.Crash):
+        model.fit(sampler.as_dataset(), verbose=0, callbacks=[
+            updates, CrashAfterStep5(), keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    first = dict(updates.weights)
+    replayed = _Updates()
+    model.fit(sampler.as_dataset(), verbose=0, callbacks=[
+        replayed, keras.callbacks.BackupAndRestore(backup, save_freq=1)])
+    assert sorted(replayed.weights) == [5, 6]
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    z4, z5 = (reference.flat(reference.noise_draws(SEED, t, shapes, generation=1)) for t in (4, 5))
+    scale = math.sqrt(1 - LAM ** 2)
+    x4 = -(BATCH / (SIGMA * CLIP)) * (replayed.weights[5] - first[4])
+    x5 = -(BATCH / (SIGMA * CLIP)) * (replayed.weights[6] - replayed.weights[5])
+    np.testing.assert_allclose(x4, z4 / scale, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(x5, (z5 - LAM * z4) / scale, rtol=1e-3, atol=1e-3)
+    # Control: the abandoned branch's z_3 (generation 0) is not in the replayed step 4.
+    z3 = reference.flat(reference.noise_draws(SEED, 3, shapes, generation=0))
+    assert not np.allclose(x4, (z4 - LAM * z3) / scale, atol=1e-2)
+    assert [(e.steps, e.segment_start) for e in tf_megadp.model_ledger(model)] == [
+        (4, True), (2, True)]
 
 
 

@@ -56,7 +56,7 @@ def noise_update(*, seed, accumulation_steps=1, micro_batch=2, dtype="float32"):
     before = reference.weights(model)
     model.fit(x, y, batch_size=micro_batch, shuffle=False, verbose=0)
     assert int(optimizer.iterations.numpy()) == 1
-    accumulator_dtypes = {v.dtype for v in optimizer._in_memory.accumulators}
+    accumulator_dtypes = {v.dtype for v in optimizer.accumulation_stage.state.accumulators}
     assert accumulator_dtypes == {"float64" if dtype == "float64" else "float32"}
     return np.concatenate([(a - b).ravel() for a, b in zip(reference.weights(model), before)])
 
@@ -150,11 +150,12 @@ class TestSettings:
         fields = dataclasses.fields(DPSettings)
         arguments = [parameter for parameter in
                      inspect.signature(tf_megadp.DPOptimizer).parameters.values()
-                     if parameter.name not in ("optimizer", "name", "kwargs")]
+                     if parameter.name not in ("optimizer", "settings", "name", "kwargs")]
         assert [p.name for p in arguments] == [f.name for f in fields] == list(SETTING_NAMES)
         for parameter, field in zip(arguments, fields):
-            default = inspect.Parameter.empty if field.default is dataclasses.MISSING else (
-                field.default)
+            # The two settings without a default default to None in the
+            # signature: DPOptimizer(inner, settings=DPSettings(...)) gives them.
+            default = None if field.default is dataclasses.MISSING else field.default
             assert parameter.default == default, field.name
         optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, seed=5)
         assert set(SETTING_NAMES) <= set(optimizer.get_config())
@@ -217,7 +218,7 @@ class TestCorrelatedNoiseSettings:
          "one sigma for the run"),
         ({"schedule": None}, "which only a schedule gives"),
         ({"noise": tf_megadp.BandMF(40)}, "exceeds the run's 20 steps"),
-        ({"noise": "bandmf"}, "noise must be None, a tf_megadp.BandMF"),
+        ({"noise": "bandmf"}, "noise must be None or a registered noise mechanism"),
     ])
     def test_noise_without_a_stream_is_refused_when_built(self, kwargs, message):
         settings = {"l2_norm_clip": 1.0, "noise_multiplier": 1.0, "schedule": self.SCHEDULE,
@@ -359,7 +360,7 @@ class TestPersistence:
         assert isinstance(optimizer, tf_megadp.DPOptimizer)
         assert int(optimizer.iterations.numpy()) == 1
         assert int(optimizer.micro_steps.numpy()) == 0
-        assert all(not np.any(a.numpy()) for a in optimizer._in_memory.accumulators)
+        assert all(not np.any(a.numpy()) for a in optimizer.accumulation_stage.state.accumulators)
         assert tf_megadp.read_ledger(optimizer).total_steps == 1
         tf_megadp.make_private(loaded)
         _train_micro_batches(loaded, x[:12], y[:12], batch=4)
@@ -492,10 +493,13 @@ class TestSecrets:
         optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(1.0), l2_norm_clip=CLIP,
                                           noise_multiplier=SIGMA)
         optimizer.build(model.trainable_variables)
-        state = optimizer._in_memory
+        state = optimizer.accumulation_stage.state
         state.accumulators[0].assign(np.full((3, 2), 0.123456, "float32"))
         shown = repr(vars(optimizer)) + repr(optimizer.__dict__)
-        for word in state.noise_key.numpy():
+        for stage in (optimizer.accumulation_stage, optimizer.noise_stage,
+                      optimizer.ledger_stage):  # And each stage's own attributes.
+            shown += repr(vars(stage))
+        for word in optimizer.noise_stage.state.noise_key.numpy():
             assert str(int(word)) not in shown
         assert "0.123456" not in shown
         # Control: the value is really there, in memory.
@@ -530,7 +534,7 @@ class TestSecrets:
                       callbacks=[checkpoint, backup])
         files["backup"] = tmp_path / "backup" / "latest.weights.h5"
         update = [a - b for a, b in zip(reference.weights(model), before)]
-        key = optimizer._in_memory.noise_key.numpy()
+        key = optimizer.noise_stage.state.noise_key.numpy()
 
         # The attack works with the real key: the test can fail.
         recovered = _recovered_sum(update, key, DIVISOR)
@@ -570,7 +574,7 @@ class TestSecrets:
         for start in (0, 2, 4):  # One noisy step applied, one micro-batch accumulated.
             train((x[start:start + 2], y[start:start + 2]))
         update = [a - b for a, b in zip(reference.weights(model), before)]
-        key = step.optimizer._in_memory.noise_key.numpy()
+        key = step.optimizer.noise_stage.state.noise_key.numpy()
         recovered = _recovered_sum(update, key, DIVISOR)
         for r, c in zip(recovered, clipped_sum):  # The attack works with the real key.
             np.testing.assert_allclose(r, c, atol=1e-4)
@@ -626,7 +630,7 @@ class TestSecrets:
             keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: logged.append(
                 repr(logs)))])
         files["backup"] = tmp_path / "backup" / "latest.weights.h5"
-        buffers = [b.numpy() for slots in optimizer._in_memory.noise_buffers for b in slots]
+        buffers = [b.numpy() for slots in optimizer.noise_stage.state.noise_buffers for b in slots]
         assert len(buffers) == 6 and all(np.any(b != 0) for b in buffers)  # In memory, live.
         files["model"] = tmp_path / "model.keras"
         model.save(files["model"])
@@ -668,7 +672,9 @@ class TestSecrets:
         for buffer in buffers:
             for value in buffer.ravel()[:8]:
                 assert repr(float(value))[:8] not in config + "".join(logged)
-        assert "noise buffers, not shown" in repr(vars(optimizer))
+        # The optimizer shows its noise stage, whose in-memory state shows no value.
+        assert "noise stage" in repr(vars(optimizer))
+        assert "noise buffers, not shown" in repr(vars(optimizer.noise_stage))
 
     def test_the_release_file_has_no_optimizer(self, tmp_path):
         model = _private_dense()
@@ -873,3 +879,53 @@ def test_a_clipping_strategy_instance_serves_one_optimizer():
         tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, clipping=strategy)
     fresh = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0, clipping="ghost")
     assert fresh.clipping_strategy is not strategy
+
+
+class TestComposition:
+    """Issue 50: DPOptimizer is a composition of named stages, not mixins joined by `self.` calls."""
+
+    def test_the_optimizer_is_one_keras_optimizer_holding_its_stages(self):
+        from tf_megadp.optimizer.accumulators import AccumulationStage
+        from tf_megadp.optimizer.ledger import LedgerStage
+        from tf_megadp.optimizer.noise import NoiseStage
+
+        assert tf_megadp.DPOptimizer.__bases__ == (keras.optimizers.Optimizer,)
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), 1.0, 1.0)
+        assert isinstance(optimizer.accumulation_stage, AccumulationStage)
+        assert isinstance(optimizer.noise_stage, NoiseStage)
+        assert isinstance(optimizer.ledger_stage, LedgerStage)
+
+    def test_dp_settings_can_be_given_whole_and_only_once(self):
+        settings = DPSettings(l2_norm_clip=0.5, noise_multiplier=2.0, accumulation_steps=3)
+        optimizer = tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), settings=settings)
+        assert optimizer.settings is settings
+        assert (optimizer.l2_norm_clip, optimizer.accumulation_steps) == (0.5, 3)
+        assert tf_megadp.DPOptimizer.from_config(optimizer.get_config()).settings == settings
+        with pytest.raises(TypeError, match=r"and \['noise_multiplier'\] as well"):
+            tf_megadp.DPOptimizer(keras.optimizers.SGD(0.1), noise_multiplier=1.0,
+                                  settings=settings)
+
+    def test_no_self_call_crosses_a_file_of_the_optimizer_package(self):
+        """A method that calls `self.name(...)` finds `name` in its own file (or in Keras)."""
+        import ast
+        import os
+
+        folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "tf_megadp", "optimizer")
+        trees = {name: ast.parse(open(os.path.join(folder, name), encoding="utf-8").read())
+                 for name in os.listdir(folder) if name.endswith(".py")}
+        defined = {name: {node.name for node in ast.walk(tree)
+                          if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+                   for name, tree in trees.items()}
+        crossing = []
+        for name, tree in trees.items():
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "self"
+                        and node.func.attr not in defined[name]):
+                    crossing += [(name, node.func.attr, other) for other in defined
+                                 if node.func.attr in defined[other]]
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "locals":
+                    crossing.append((name, "locals", None))
+        assert crossing == []

@@ -163,7 +163,32 @@ class TestArithmetic:
         # 3.75, 18.77 and 78.82 GiB: b = 16 already exceeds a 16 GiB v3 core.
         status, out, _ = run_cli(capsys, path)
         assert status == 0 and re.search(
-            r"noise buffers : .*b = 4: 3\.7\d GiB, b = 16: 18\.7\d GiB, b = 64: 78\.8\d GiB", out)
+            r"noise buffers : .*bandmf 4: 3\.7\d GiB, bandmf 16: 18\.7\d GiB, "
+            r"bandmf 64: 78\.8\d GiB", out)
+
+    def test_bands_auto_is_chosen_by_the_runs_expected_error_with_dp_sgd_a_candidate(self):
+        """Issue 50: --noise bandmf --bands auto: the plan states each candidate's error and the choice."""
+        import dataclasses
+
+        from tf_megadp.accounting.noise import BandMF
+
+        path = [p for p in CONFIGS if raw(p)["model"]["num_layers"] == 24][0]
+        config = dataclasses.replace(plan.load_config(path), noise="bandmf", bands="auto",
+                                     noise_multiplier=None, target_epsilon=8.0)
+        result = plan.make_plan(config)
+        choice = result["noise_choice"]
+        errors = {int(b): e for b, e in choice["expected_errors"].items()}
+        assert 1 in errors and choice["chosen"] == min(errors, key=errors.get)
+        schedule = config.make_schedule(config.num_examples, config.hardware.replicas)
+        assert errors == pytest.approx(BandMF.expected_errors(
+            num_examples=schedule.num_examples,
+            batch_size=max(phase.batch_size for phase in schedule.phases),
+            steps=schedule.total_steps, target_epsilon=8.0, delta=result["delta"],
+            phase_starts=[sum(p.steps for p in schedule.phases[:i + 1])
+                          for i in range(len(schedule.phases) - 1)]), rel=1e-12)
+        # The plan is the chosen mechanism's: its buffers, and the choice in words.
+        assert result["noise"]["bands"] == choice["chosen"]
+        assert f"--bands auto chose bands {choice['chosen']}" in plan.format_plan(result)
 
     @pytest.mark.parametrize("ema_momentum", [None, 0.999])
     def test_optimizer_state_is_what_the_jobs_inner_optimizer_builds(self, tmp_path,

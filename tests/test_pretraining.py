@@ -576,8 +576,8 @@ def test_the_job_trains_with_correlated_noise_at_the_epsilon_it_calibrated(
     assert "Poisson, " not in summary and "DP-SGD" not in summary
     assert privacy["settings"]["noise_strategy"] == report["noise"]
     [entry] = privacy["ledger"]
-    assert (entry["sampling"], entry["noise"], entry["steps"], entry["segment_start"]) == (
-        sampling, noise, 4, True)
+    assert (entry["sampling"], json.loads(entry["noise"])["kind"], entry["steps"],
+            entry["segment_start"]) == (sampling, noise, 4, True)
     # The ledger's epsilon is the one sigma was calibrated for, as
     # dp_accounting computes it for the mechanism over the job's schedule
     # (up to the float32 sigma the steps recorded).

@@ -40,7 +40,8 @@ _LAZY = {
 _LIBRARY = {
     "distribute": ("tf_megadp.distribute", None),
     "AdaptiveClipping": ("tf_megadp.adaptive_clipping", "AdaptiveClipping"),
-    **{name: ("tf_megadp.accounting.correlated_noise", name) for name in ("BLT", "BandMF")},
+    # The noise mechanisms a user names (`noise=`); the registry is `accounting.noise`.
+    **{name: ("tf_megadp.accounting.noise", name) for name in ("BLT", "BandMF", "LambdaCGD")},
     **{name: ("tf_megadp.accounting", name)
        for name in ("LedgerEntry", "PrivacyAccountant", "PrivacyLedger",
                     "calibrate_noise_multiplier", "compute_epsilon", "ledger_from_schedule")},
@@ -78,6 +79,7 @@ __all__ = [
     "AutoClipping",
     "BLT",
     "BandMF",
+    "LambdaCGD",
     "BatchScaledSchedule",
     "BatchSizeSchedule",
     "ClippingStrategy",

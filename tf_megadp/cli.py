@@ -91,6 +91,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
     """The description of a training run, shared by `epsilon` and `calibrate`."""
     # Here, not at the top: `tf-megadp --help` needs no accounting (nor SciPy).
     from tf_megadp.accounting import DEFAULT_ACCOUNTANT, accountant_names, sampling_kinds
+    from tf_megadp.accounting.noise import default_noise, noise_class, noise_kinds
 
     run = parser.add_argument_group("the run (or --schedule)")
     run.add_argument("--num-examples", type=int, metavar="N",
@@ -118,15 +119,16 @@ def _add_run_arguments(parser: argparse.ArgumentParser, *, with_noise: bool) -> 
                         help="how batches are drawn (default: poisson; shuffle is "
                              "reported as Poisson, which understates the loss; "
                              "fixed_order: one secret order, the same every epoch)")
-    noise = parser.add_argument_group("correlated noise (default: independent, DP-SGD)")
-    noise.add_argument("--noise", choices=("independent", "bandmf", "blt"),
-                       default="independent",
-                       help="the gradient noise: bandmf (banded matrix factorization, with "
-                            "--cycle-length >= --bands or --sampling fixed_order) or blt "
-                            "(buffered linear Toeplitz, with --sampling fixed_order); sigma "
-                            "is then the noise multiplier on its unit-norm strategy")
-    noise.add_argument("--bands", type=int, metavar="B",
-                       help="bands of --noise bandmf, buffers of --noise blt")
+    noise = parser.add_argument_group(
+        f"correlated noise (default: {default_noise().kind}, DP-SGD)")
+    noise.add_argument("--noise", choices=noise_kinds(), default=default_noise().kind,
+                       help="the gradient noise (sigma is then the noise multiplier on its "
+                            "unit-norm strategy): " + "; ".join(
+                                f"{kind}: {noise_class(kind).summary}" for kind in noise_kinds()))
+    noise.add_argument("--noise-parameter", "--bands", dest="noise_parameter", type=float, metavar="P",
+                       help="the mechanism's one parameter: " + ", ".join(
+                           f"{noise_class(kind).option} of {kind}" for kind in noise_kinds()
+                           if noise_class(kind).option))
     noise.add_argument("--cycle-length", type=int, metavar="L",
                        help="cyclic Poisson sampling: L groups, step t samples group t mod L "
                             "at q = B L / N (default 1: Poisson)")
@@ -196,29 +198,32 @@ def _run_keywords(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _noise(args: argparse.Namespace):
-    """The `BandMF` or `BLT` of --noise and --bands (None: independent noise)."""
-    if args.noise == "independent":
-        if args.bands is not None:
-            raise UsageError("--bands needs --noise bandmf or --noise blt.")
-        return None
-    if args.bands is None:
-        raise UsageError(f"--noise {args.noise} needs --bands (its bands or buffers).")
-    from tf_megadp.accounting.correlated_noise import BLT, BandMF
+    """The mechanism of --noise and its --noise-parameter (None: the default noise)."""
+    from tf_megadp.accounting.noise import default_noise, noise_class
 
+    cls = noise_class(args.noise)
+    if cls.option is None and args.noise_parameter is not None:
+        raise UsageError(
+            f"--bands needs --noise with a parameter (--noise {args.noise} takes none); "
+            "--noise-parameter is its other name.")
+    if cls.option is not None and args.noise_parameter is None:
+        raise UsageError(f"--noise {args.noise} needs --bands (or --noise-parameter): its "
+                         f"{cls.option}.")
     try:
-        return BandMF(num_bands=args.bands) if args.noise == "bandmf" else BLT(
-            num_buffers=args.bands)
+        mechanism = cls.from_option(args.noise_parameter)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    return None if mechanism == default_noise() else mechanism
 
 
 def _noise_phrase(entry: dict[str, Any]) -> str:
     """How a ledger entry's noise and participation read in the statement ("" for DP-SGD)."""
+    from tf_megadp.accounting.noise import default_noise, read_noise_record
+
     parts = []
-    if entry.get("noise", "independent") != "independent":
-        parts.append(f"{entry['noise']} noise ({entry['bands']} "
-                     f"{'bands' if entry['noise'] == 'bandmf' else 'buffers'}, strategy "
-                     f"{entry['strategy_hash']:012x})")
+    mechanism, strategy = read_noise_record(entry["noise"])
+    if mechanism != default_noise():
+        parts.append(f"{mechanism.label()}, strategy {strategy}")
     if entry.get("cycle_length"):
         parts.append(f"cycle {entry['cycle_length']}")
     if entry.get("steps_per_epoch"):

@@ -44,8 +44,8 @@ kinds and their DpEvents, every built-in kind registered there), `ledger`
 registry and the cached epsilon), `accountant` (`PrivacyAccountant`, budget
 search), `calibration` (`compute_epsilon`, `calibrate_noise_multiplier`),
 `report` (the published report), `matrix_factorization` (correlated noise:
-Toeplitz strategies, their error, sensitivity and events) and
-`correlated_noise` (`BandMF`, `BLT`). It needs numpy, scipy and
+Toeplitz strategies, their error, sensitivity and events) and `noise` (the
+noise mechanisms: a registry, one module per mechanism). It needs numpy, scipy and
 dp_accounting, never TensorFlow: `tf-megadp epsilon` and `calibrate` run
 without it.
 """
@@ -63,11 +63,11 @@ from tf_megadp.accounting.events import (
     sampling_kinds,
 )
 from tf_megadp.accounting.ledger import (
-    LEDGER_COLUMNS,
     LedgerEntry,
     PrivacyLedger,
     ledger_from_schedule,
 )
+from tf_megadp.accounting.noise import noise_kinds, register_noise
 from tf_megadp.accounting.run_description import RunDescription
 from tf_megadp.steps import steps_for_epochs
 
@@ -78,7 +78,8 @@ __all__ = [
     "SamplingKind",
     "register_sampling_kind",
     "sampling_kinds",
-    "LEDGER_COLUMNS",
+    "noise_kinds",
+    "register_noise",
     "LedgerEntry",
     "PrivacyLedger",
     "PrivacyAccountant",

@@ -15,7 +15,7 @@ import contextlib
 import functools
 import logging
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -24,8 +24,6 @@ from scipy import stats
 from tf_megadp.accounting import mechanisms
 from tf_megadp.accounting.events import ledger_event
 
-if TYPE_CHECKING:
-    from tf_megadp.accounting.ledger import LedgerEntry
 
 __all__ = [
     "DEFAULT_ACCOUNTANT",
@@ -425,8 +423,20 @@ class TruncationAwareAccountant(_StepAccountant):
 
 @functools.lru_cache(maxsize=256)
 def epsilon(
-    entries: tuple[LedgerEntry, ...], num_examples: int, delta: float, accountant: str
+    entries: tuple[Any, ...], num_examples: int, delta: float, accountant: str
 ) -> float:
+    """epsilon at `delta` of a ledger's entries (`LedgerEntry`s, hashable) over N examples.
+
+    Args:
+        entries: the ledger's entries (typed loosely: the ledger module
+            imports the noise mechanisms, whose band search uses this module).
+        num_examples: N.
+        delta: delta.
+        accountant: a registered accountant's name.
+
+    Returns:
+        epsilon (0 for no entry).
+    """
     # Cached: callbacks ask for the same ledger at every epoch end and log step.
     if not entries:
         return 0.0

@@ -1,7 +1,7 @@
 """Sampling kinds, the registry that turns a ledger entry into a `dp_accounting` event.
 
 A ledger entry names how its steps drew their examples: its sampling kind.
-Each kind is one `SamplingKind`, registered once, with the event of one step, its code in the optimizer's ledger rows, whether its steps
+Each kind is one `SamplingKind`, registered once, with the event of one step, whether its steps
 may be truncated, the warning its epsilon carries, and what the ledger keeper
 needs to know of its steps (whether they follow the sampler's schedule, end
 at a new pass over the data, give a proven guarantee). A kind without an
@@ -18,11 +18,11 @@ needs).
 Two kinds are accounted by noise segment, not step by step: "cyclic_poisson"
 (a Poisson sampler with `cycle_length` L > 1: step t draws from group
 t mod L only) and "fixed_order" (`FixedOrderSampler`: one secret order,
-the same slot every epoch). They are what correlated noise (BandMF, BLT)
-needs for a proof, and their `segment_event` composes the steps of one
-segment of noise (`LedgerEntry.segment_start`) at once;
-`check_noise_sampling` refuses every pairing of noise and sampling that has
-no proof, with the fix.
+the same slot every epoch). They are what correlated noise needs for a
+proof, and their `segment_event` composes the steps of one segment of noise
+(`LedgerEntry.segment_start`) at once. Which sampling a noise has a proof
+for is the noise mechanism's to say (`NoiseMechanism.check_sampling`,
+`tf_megadp.accounting.noise`, which reads the kinds' names from here).
 
 Two kinds belong to the ledger itself, not to a sampler: `NOISELESS` (steps
 applied with noise multiplier 0, which make epsilon infinite) and
@@ -40,19 +40,19 @@ from typing import Any, Callable, Iterable, Sequence
 import dp_accounting
 
 from tf_megadp.accounting import mechanisms
-from tf_megadp.accounting.mechanisms import INDEPENDENT_NOISE, NOISE_CODES
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
     "CYCLIC_POISSON",
     "FIXED_ORDER",
+    "POISSON",
+    "SHUFFLE",
     "FIXED_ORDER_WARNING",
     "NOISELESS",
     "SHUFFLE_WARNING",
     "UNACCOUNTED",
     "SamplingKind",
-    "check_noise_fields",
-    "check_noise_sampling",
+    "check_segment_fields",
     "cyclic_poisson_segment_event",
     "fixed_order_segment_event",
     "refusal_error",
@@ -62,7 +62,6 @@ __all__ = [
     "shuffle_step_event",
     "register_sampling_kind",
     "sampling_kind",
-    "sampling_kind_of_code",
     "sampling_kinds",
 ]
 
@@ -73,8 +72,6 @@ class SamplingKind:
 
     Args:
         name: the kind's name in ledgers, reports and `DataSource`s.
-        code: its number in the optimizer's `privacy_ledger` rows; stored in
-            checkpoints, so it never changes once released.
         step_event: the `dp_accounting` event of one step of a ledger entry
             of this kind, `step_event(entry, num_examples)`; None for a kind
             the accountant must refuse.
@@ -101,18 +98,17 @@ class SamplingKind:
         segment_event: instead of `step_event`, for kinds whose steps are
             accounted by noise segment: the event of one segment's entries
             (`segment_event(entries, num_examples)`).
-        check_noise: checks the noise fields of an entry of this kind
-            (`LedgerEntry.noise`, `cycle_length`, ...), raising what has no
-            proof; None for a kind that takes independent noise only.
+        check_noise: checks the segment fields of an entry of this kind
+            (`cycle_length`, `steps_per_epoch`, ...); None for a kind
+            accounted step by step, whose entries have none.
 
     Example:
     ```python
-    register_sampling_kind(SamplingKind("balls_in_bins", 2, step_event=None))
+    register_sampling_kind(SamplingKind("balls_in_bins", step_event=None))
     ```
     """
 
     name: str
-    code: int
     step_event: Callable[[Any, int], dp_accounting.DpEvent] | None
     truncates: bool = False
     warning: str | None = None
@@ -138,27 +134,24 @@ def register_sampling_kind(kind: SamplingKind) -> SamplingKind:
     """Adds `kind` to the kinds that ledgers record and the accountant reads.
 
     Raises:
-        ValueError: another kind has its name or its code.
+        ValueError: another kind has its name.
     """
-    for other in _KINDS.values():
-        if other.name == kind.name or other.code == kind.code:
-            raise ValueError(
-                f"Sampling kind {kind.name!r} (code {kind.code}) clashes with the "
-                f"registered {other.name!r} (code {other.code}): each kind needs its "
-                "own name and ledger code."
-            )
+    if kind.name in _KINDS:
+        raise ValueError(
+            f"Sampling kind {kind.name!r} clashes with the registered one of that name: "
+            "each kind needs its own name."
+        )
     _KINDS[kind.name] = kind
     return kind
 
 
 def sampling_kinds() -> tuple[str, ...]:
-    """The registered kinds that say how a step draws its examples, by code.
+    """The registered kinds that say how a step draws its examples, in registration order.
 
     The ledger's own steps-only kinds (`NOISELESS`, `UNACCOUNTED`) are left
     out: no run can be planned or drawn with them.
     """
-    return tuple(sorted((name for name, kind in _KINDS.items() if not kind.steps_only),
-                        key=lambda name: _KINDS[name].code))
+    return tuple(name for name, kind in _KINDS.items() if not kind.steps_only)
 
 
 def sampling_kind(name: str) -> SamplingKind:
@@ -169,14 +162,6 @@ def sampling_kind(name: str) -> SamplingKind:
         raise ValueError(
             f"sampling must be one of {sampling_kinds()}, got {name!r}."
         ) from None
-
-
-def sampling_kind_of_code(code: float) -> SamplingKind:
-    """The registered kind whose ledger code is `code`."""
-    for kind in _KINDS.values():
-        if kind.code == code:
-            return kind
-    raise ValueError(f"Unknown sampling kind code {code} in a ledger row.")
 
 
 def refusal_error(name: str, steps: int) -> PrivacyConfigurationError:
@@ -230,8 +215,8 @@ def entry_event(entry: Any, num_examples: int) -> dp_accounting.DpEvent:
 
 def _segment_fields(entry: Any) -> tuple:
     """What every entry of one noise segment shares: its sampling and its mechanism."""
-    return (entry.sampling, entry.noise, entry.strategy_hash, entry.bands, entry.cycle_length,
-            entry.steps_per_epoch, entry.participations, entry.sensitivity)
+    return (entry.sampling, entry.noise, entry.cycle_length, entry.steps_per_epoch,
+            entry.participations, entry.sensitivity)
 
 
 def _segments(entries: Iterable[Any]) -> Iterable[list[Any]]:
@@ -296,12 +281,11 @@ def ledger_event(entries: Iterable[Any], num_examples: int) -> dp_accounting.DpE
     return dp_accounting.ComposedDpEvent(events)
 
 
-# The ledger's own kinds. Their codes are stored in checkpoints and never
-# change; they are negative so that samplers keep the codes from 0 up.
+# The ledger's own kinds.
 NOISELESS = "noiseless"
 UNACCOUNTED = "unaccounted"
 register_sampling_kind(SamplingKind(
-    NOISELESS, -1, step_event=None, steps_only=True, infinite_epsilon=True,
+    NOISELESS, step_event=None, steps_only=True, infinite_epsilon=True,
     refusal=(
         "{steps} logical steps were applied with noise_multiplier 0: they released "
         "exact gradients, so epsilon is infinite and the run is NOT differentially "
@@ -309,7 +293,7 @@ register_sampling_kind(SamplingKind(
         "calibrate it: tf_megadp.calibrate_noise_multiplier); to report a finite "
         "epsilon, restore a checkpoint taken before those steps.")))
 register_sampling_kind(SamplingKind(
-    UNACCOUNTED, -2, step_event=None, steps_only=True,
+    UNACCOUNTED, step_event=None, steps_only=True,
     refusal=(
         "{steps} logical steps of this model were taken on data whose size was "
         "unknown (or outside fit, e.g. train_on_batch, or by a PrivateStep whose data "
@@ -374,17 +358,20 @@ SHUFFLE_WARNING = (
     "get a guarantee that matches the number."
 )
 
-# The samplers' kinds. Their ledger codes are stored in checkpoints: they never change.
-register_sampling_kind(SamplingKind("poisson", 0, poisson_step_event, truncates=True,
+# The samplers' kinds.
+POISSON = "poisson"
+SHUFFLE = "shuffle"
+register_sampling_kind(SamplingKind(POISSON, poisson_step_event, truncates=True,
                                     follows_schedule=True, proven_guarantee=True,
                                     ends_step_at_pass=False))
-register_sampling_kind(SamplingKind("shuffle", 1, shuffle_step_event, warning=SHUFFLE_WARNING))
+register_sampling_kind(SamplingKind(SHUFFLE, shuffle_step_event, warning=SHUFFLE_WARNING))
 
 
 # -- Correlated noise's kinds: cyclic Poisson and fixed order (issue 39) --------------
 
 CYCLIC_POISSON = "cyclic_poisson"
 FIXED_ORDER = "fixed_order"
+
 
 FIXED_ORDER_WARNING = (
     "Fixed-order epochs are accounted without amplification by sampling, for adding or "
@@ -394,81 +381,15 @@ FIXED_ORDER_WARNING = (
 )
 
 
-def check_noise_sampling(noise: str, bands: int, sampling: str, cycle_length: int = 1) -> None:
-    """Refuses a pairing of gradient noise and sampling that no theorem covers, naming the fix.
-
-    Independent noise goes with every sampling. Correlated noise needs one
-    of two proofs: BandMF with cyclic Poisson sampling of cycle_length
-    L >= b (amplified: Choquette-Choo et al. 2023, Theorem 4), or BandMF or
-    BLT with fixed-order epochs (no amplification, the minsep sensitivity).
-
-    Args:
-        noise: "independent", "bandmf" or "blt".
-        bands: b of a BandMF (d of a BLT).
-        sampling: the registered sampling kind of the steps.
-        cycle_length: L (1 for Poisson without cycles).
+def check_segment_fields(entry: Any) -> None:
+    """Checks an entry's segment fields against its sampling kind (`LedgerEntry` calls it).
 
     Raises:
-        PrivacyConfigurationError: BandMF with Poisson sampling without cycles
-            or with L < b; a BLT with (cyclic) Poisson sampling; correlated
-            noise with shuffled fixed-size batches or any other kind.
-        ValueError: an unknown noise kind.
+        ValueError: numbers the kind does not take (a cycle or a
+            participation on a kind accounted step by step, or a kind's own
+            check).
     """
-    if noise not in NOISE_CODES:
-        raise ValueError(f"noise must be one of {sorted(NOISE_CODES)}, got {noise!r}.")
-    if noise == INDEPENDENT_NOISE or sampling == FIXED_ORDER:
-        return
-    poisson = sampling in ("poisson", CYCLIC_POISSON)
-    if noise == "blt" and poisson:
-        raise PrivacyConfigurationError(
-            f"BLT(num_buffers={bands}) has no privacy proof under Poisson or cyclic Poisson "
-            "sampling: its strategy is not banded, so every participation's noise is "
-            "correlated with every other's and amplification by sampling does not apply. "
-            "Train it with fixed-order epochs (tf_megadp.FixedOrderSampler, accounted "
-            f"without amplification), or use BandMF(num_bands=b) with cyclic Poisson "
-            "sampling (cycle_length >= b).")
-    if noise == "bandmf" and poisson and cycle_length <= 1:
-        raise PrivacyConfigurationError(
-            f"Poisson sampling without cycles under BandMF(num_bands={bands}) has no privacy "
-            "proof: an example can join two steps fewer than b apart, whose noise the "
-            "bands correlate, and amplification by sampling no longer applies step by step. "
-            f"Sample with cycle_length >= {bands} (e.g. PoissonSampler.from_arrays(..., "
-            f"cycle_length={bands}), which amplifies most), train with fixed-order epochs "
-            "(tf_megadp.FixedOrderSampler), or use noise=None (independent noise).")
-    if noise == "bandmf" and poisson and cycle_length < bands:
-        raise PrivacyConfigurationError(
-            f"cycle_length = {cycle_length} is smaller than num_bands = {bands}: an "
-            "example's participations would share bands, which the cyclic Poisson "
-            f"accounting does not cover. Raise cycle_length to at least {bands}, or lower "
-            f"num_bands to at most {cycle_length}.")
-    if not poisson:
-        raise PrivacyConfigurationError(
-            f"{noise} noise has no privacy proof with {sampling!r} batches: correlated "
-            "noise is accounted only with cyclic Poisson sampling (BandMF, cycle_length >= "
-            "num_bands) or fixed-order epochs (tf_megadp.FixedOrderSampler). Feed one of "
-            "those samplers' datasets, or use noise=None.")
-
-
-def check_noise_fields(entry: Any) -> None:
-    """Checks an entry's noise fields against its sampling kind (`LedgerEntry` calls it).
-
-    Raises:
-        ValueError: an unknown noise kind, or numbers the kind does not take.
-        PrivacyConfigurationError: a pairing without proof (`check_noise_sampling`).
-    """
-    if entry.noise not in NOISE_CODES:
-        raise ValueError(f"noise must be one of {sorted(NOISE_CODES)}, got {entry.noise!r}.")
-    if entry.noise == INDEPENDENT_NOISE and (entry.strategy_hash or entry.bands):
-        raise ValueError(
-            "Independent noise has no strategy: strategy_hash and bands are 0, got "
-            f"{entry.strategy_hash} and {entry.bands}.")
-    if entry.noise != INDEPENDENT_NOISE and (int(entry.bands) < 1 or int(entry.strategy_hash) < 0):
-        raise ValueError(
-            f"{entry.noise} noise needs bands >= 1 and its strategy's hash, got bands "
-            f"{entry.bands}, hash {entry.strategy_hash}.")
     kind = sampling_kind(entry.sampling)
-    check_noise_sampling(entry.noise, int(entry.bands), entry.sampling,
-                         max(1, int(entry.cycle_length)))
     if kind.check_noise is not None:
         kind.check_noise(entry)
         return
@@ -513,7 +434,7 @@ def _round_key(entry: Any) -> tuple:
 
 def cyclic_poisson_segment_event(entries: Sequence[Any], num_examples: int
                                  ) -> dp_accounting.DpEvent:
-    """The event of one noise segment of cyclic Poisson steps (amplified BandMF).
+    """The event of one noise segment of cyclic Poisson steps (an amplified banded strategy).
 
     The examples are split into L = `cycle_length` groups of at most
     ceil(N / L); step t Poisson-samples group t mod L at q = B L / N. The
@@ -610,12 +531,11 @@ def fixed_order_segment_event(entries: Sequence[Any], num_examples: int
     return dp_accounting.GaussianDpEvent(precision ** -0.5)
 
 
-# Their ledger codes are stored in checkpoints: they never change.
 register_sampling_kind(SamplingKind(
-    CYCLIC_POISSON, 2, step_event=None, truncates=True, follows_schedule=True,
+    CYCLIC_POISSON, step_event=None, truncates=True, follows_schedule=True,
     proven_guarantee=True, ends_step_at_pass=False,
     segment_event=cyclic_poisson_segment_event, check_noise=_check_cyclic_entry))
 register_sampling_kind(SamplingKind(
-    FIXED_ORDER, 3, step_event=None, warning=FIXED_ORDER_WARNING, follows_schedule=True,
+    FIXED_ORDER, step_event=None, warning=FIXED_ORDER_WARNING, follows_schedule=True,
     proven_guarantee=True, ends_step_at_pass=False,
     segment_event=fixed_order_segment_event, check_noise=_check_fixed_order_entry))

@@ -1,49 +1,39 @@
 """The privacy ledger: the logical steps a run has taken, as phases of identical steps.
 
-The same numbers the `DPOptimizer` stores in its `privacy_ledger` variable
-(one row per phase, `LEDGER_COLUMNS`), so a checkpoint carries what the run
-has spent; `ledger_from_schedule` describes a planned run the same way
-(`tf_megadp.accounting.run_description.RunDescription.ledger`).
+The `DPOptimizer` stores a ledger in its `privacy_ledger` variable as the
+JSON of `PrivacyLedger.to_list` (`to_json`), so a checkpoint carries what
+the run has spent in the same form as a report or a weights file's record
+(`tf_megadp.run.provenance`); `ledger_from_schedule` describes a planned
+run the same way (`tf_megadp.accounting.run_description.RunDescription.ledger`).
+
+The format does not depend on the noise mechanism: an entry's noise is one
+serialized record (`NoiseStrategy.record`) that its mechanism reads back
+(`noise.read_noise_record`), whatever the mechanism's numbers are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from tf_megadp.accounting import mechanisms
-from tf_megadp.accounting.events import check_noise_fields, sampling_kind, sampling_kind_of_code
-from tf_megadp.accounting.mechanisms import INDEPENDENT_NOISE, NOISE_CODES, noise_of_code
+from tf_megadp.accounting.events import check_segment_fields, sampling_kind
+from tf_megadp.accounting.noise import NoiseMechanism, default_noise, read_noise_record
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, sampling_rate_of
 
-__all__ = ["LEDGER_COLUMNS", "LedgerEntry", "PrivacyLedger", "ledger_from_schedule"]
+__all__ = ["DEFAULT_NOISE_RECORD", "LedgerEntry", "PrivacyLedger", "ledger_from_schedule"]
 
-LEDGER_COLUMNS = (
-    "steps",
-    "sampling_rate",
-    "noise_multiplier",
-    "max_batch_size",
-    "sampling_kind",
-    "count_noise_multiplier",
-    # The noise's mechanism (independent, or correlated: issue 39).
-    "noise",
-    "strategy_hash",
-    "bands",
-    "cycle_length",
-    "cycle_position",
-    "steps_per_epoch",
-    "participations",
-    "sensitivity",
-    "segment_start",
-)
-# The fields of a correlated-noise segment, with their values for independent
-# noise and for the steps-only kinds.
-_NOISE_DEFAULTS = {"strategy_hash": 0, "bands": 0, "cycle_length": 0, "cycle_position": 0,
-                   "steps_per_epoch": 0, "participations": 0, "sensitivity": 0.0,
-                   "segment_start": False}
+# The record of the noise of a run that names none (DP-SGD's), and of the
+# steps-only kinds' entries.
+DEFAULT_NOISE_RECORD = default_noise().resolve(1).record()
+# The fields of a noise segment's sampling, with their values for the kinds
+# accounted step by step and for the steps-only kinds.
+_SEGMENT_DEFAULTS = {"cycle_length": 0, "cycle_position": 0, "steps_per_epoch": 0,
+                     "participations": 0, "sensitivity": 0.0, "segment_start": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +58,12 @@ class LedgerEntry:
             releases (its noise over its sensitivity 1/2; see
             `tf_megadp.accounting.mechanisms`), and `noise_multiplier` is the
             gradient's; 0 when the step releases the gradient only.
-        noise: the gradient noise's kind (`mechanisms.NOISE_CODES`):
-            ``"independent"`` (DP-SGD), ``"bandmf"`` or ``"blt"`` (correlated
-            by a strategy C, `tf_megadp.accounting.correlated_noise`; then
-            `noise_multiplier` is sigma on the unit-norm C).
-        strategy_hash: `NoiseStrategy.strategy_hash` of the strategy (0 for
-            independent noise): which coefficients the noise streamed.
-        bands: b of a BandMF, d of a BLT; 0 for independent noise.
+        noise: the gradient noise's record (`NoiseStrategy.record`, JSON
+            text): its mechanism's kind and parameters and, for a strategy
+            other than C = I, the hash of the strategy it streamed
+            (`tf_megadp.accounting.noise`; `noise_multiplier` is sigma on
+            the unit-norm C). Read back, and its sampling checked, by its
+            mechanism. Default: DP-SGD's (`DEFAULT_NOISE_RECORD`).
         cycle_length: L of cyclic Poisson sampling ("cyclic_poisson"); 0
             for every other kind.
         cycle_position: cyclic Poisson: the group (t mod L) of the entry's
@@ -97,9 +86,7 @@ class LedgerEntry:
     max_batch_size: int = 0
     sampling: str = "poisson"
     count_noise_multiplier: float = 0.0
-    noise: str = INDEPENDENT_NOISE
-    strategy_hash: int = 0
-    bands: int = 0
+    noise: str = DEFAULT_NOISE_RECORD
     cycle_length: int = 0
     cycle_position: int = 0
     steps_per_epoch: int = 0
@@ -119,8 +106,7 @@ class LedgerEntry:
         else:
             self._check_mechanism()
         # Normalise numpy scalars so that entries compare and serialise alike.
-        for name in ("strategy_hash", "bands", "cycle_length", "cycle_position",
-                     "steps_per_epoch", "participations"):
+        for name in ("cycle_length", "cycle_position", "steps_per_epoch", "participations"):
             object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "sensitivity", float(self.sensitivity))
         object.__setattr__(self, "segment_start", bool(self.segment_start))
@@ -147,8 +133,8 @@ class LedgerEntry:
         """A steps-only kind's entry has no mechanism: any number but steps would be invented."""
         numbers = (self.sampling_rate, self.noise_multiplier, self.max_batch_size,
                    self.count_noise_multiplier) + tuple(
-            getattr(self, name) for name in _NOISE_DEFAULTS)
-        if any(float(value) != 0.0 for value in numbers) or self.noise != INDEPENDENT_NOISE:
+            getattr(self, name) for name in _SEGMENT_DEFAULTS)
+        if any(float(value) != 0.0 for value in numbers) or self.noise != DEFAULT_NOISE_RECORD:
             raise ValueError(
                 f"A {self.sampling!r} ledger entry records a count of steps only; its "
                 "sampling_rate, noise_multiplier, max_batch_size and "
@@ -194,7 +180,11 @@ class LedgerEntry:
             raise ValueError(
                 "count_noise_multiplier must be a finite number >= 0 (0: no count), got "
                 f"{self.count_noise_multiplier!r}.")
-        check_noise_fields(self)
+        # The noise record is read back by its own mechanism, which refuses a
+        # sampling it has no proof for; the sampling kind checks its fields.
+        mechanism, _ = read_noise_record(self.noise)
+        mechanism.check_sampling(self.sampling, max(1, int(self.cycle_length)))
+        check_segment_fields(self)
 
     @property
     def equivalent_noise_multiplier(self) -> float:
@@ -214,49 +204,10 @@ class LedgerEntry:
 
         return mechanism(self) == mechanism(other)
 
-    def to_row(self) -> list[float]:
-        """The entry as one row of the optimizer's `privacy_ledger` variable."""
-        return [
-            float(self.steps),
-            self.sampling_rate,
-            self.noise_multiplier,
-            float(self.max_batch_size),
-            float(sampling_kind(self.sampling).code),
-            self.count_noise_multiplier,
-            float(NOISE_CODES[self.noise]),
-            float(self.strategy_hash),
-            float(self.bands),
-            float(self.cycle_length),
-            float(self.cycle_position),
-            float(self.steps_per_epoch),
-            float(self.participations),
-            self.sensitivity,
-            float(self.segment_start),
-        ]
-
-    @classmethod
-    def from_row(cls, row: Sequence[float]) -> "LedgerEntry":
-        """Inverse of `to_row`."""
-        if len(row) != len(LEDGER_COLUMNS):
-            raise ValueError(
-                f"A ledger row has {len(LEDGER_COLUMNS)} columns {LEDGER_COLUMNS}, "
-                f"got {len(row)}."
-            )
-        values = dict(zip(LEDGER_COLUMNS, (float(value) for value in row)))
-        return cls(
-            steps=int(values["steps"]),
-            sampling_rate=values["sampling_rate"],
-            noise_multiplier=values["noise_multiplier"],
-            max_batch_size=int(values["max_batch_size"]),
-            sampling=sampling_kind_of_code(values["sampling_kind"]).name,
-            count_noise_multiplier=values["count_noise_multiplier"],
-            noise=noise_of_code(values["noise"]),
-            sensitivity=values["sensitivity"],
-            segment_start=bool(values["segment_start"]),
-            **{name: int(values[name]) for name in (
-                "strategy_hash", "bands", "cycle_length", "cycle_position", "steps_per_epoch",
-                "participations")},
-        )
+    @property
+    def mechanism(self) -> NoiseMechanism:
+        """The noise mechanism its record describes (read back by the mechanism)."""
+        return read_noise_record(self.noise)[0]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -370,29 +321,50 @@ class PrivacyLedger:
                 return False
         return True
 
-    def to_rows(self) -> np.ndarray:
-        """The ledger as a float64 array of shape (len(self), len(LEDGER_COLUMNS))."""
-        return np.array(
-            [entry.to_row() for entry in self._entries], dtype=np.float64
-        ).reshape(len(self._entries), len(LEDGER_COLUMNS))
-
-    @classmethod
-    def from_rows(cls, rows: np.ndarray | Sequence[Sequence[float]]) -> "PrivacyLedger":
-        """Inverse of `to_rows`; pass only the rows in use."""
-        return cls(LedgerEntry.from_row(row) for row in np.asarray(rows, np.float64))
-
     def to_list(self) -> list[dict[str, Any]]:
+        """The entries as JSON-serializable dicts (`from_list` rebuilds the ledger exactly)."""
         return [entry.to_dict() for entry in self._entries]
 
     @classmethod
     def from_list(cls, entries: Iterable[dict[str, Any]]) -> "PrivacyLedger":
+        """Inverse of `to_list`.
+
+        Raises:
+            ValueError: an entry without the required fields or with a field
+                no entry has, or any number or record an entry refuses.
+        """
         try:
             return cls(LedgerEntry(**entry) for entry in entries)
         except TypeError as error:
             raise ValueError(
-                f"A ledger entry needs the fields {LEDGER_COLUMNS[:3]} and may have "
+                f"A ledger entry needs the fields {_REQUIRED_FIELDS} and may have "
                 f"the others of {[f.name for f in dataclasses.fields(LedgerEntry)]}: {error}"
             ) from error
+
+    def to_json(self) -> str:
+        """`to_list` as compact JSON text (what the optimizer's `privacy_ledger` variable holds).
+
+        Python's JSON writes every float so that it reads back exactly.
+        """
+        return json.dumps(self.to_list(), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "PrivacyLedger":
+        """Inverse of `to_json`.
+
+        Raises:
+            ValueError: text that is not a JSON list of entries, or an entry
+                refused as in `from_list` (a malformed or foreign noise record
+                is refused by name).
+        """
+        try:
+            entries = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"A privacy ledger must be JSON text: {error}") from None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError(
+                f"A privacy ledger is a JSON list of entries, got {str(text)[:80]!r}.")
+        return cls.from_list(entries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -405,6 +377,10 @@ class PrivacyLedger:
 
     def __repr__(self) -> str:
         return f"PrivacyLedger({self._entries!r})"
+
+
+# The fields every ledger entry states.
+_REQUIRED_FIELDS = ("steps", "sampling_rate", "noise_multiplier")
 
 
 def ledger_from_schedule(

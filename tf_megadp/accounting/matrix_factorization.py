@@ -4,8 +4,8 @@ Independent noise (DP-SGD) adds a fresh Gaussian to the clipped gradient sum
 of every step. A matrix-factorization mechanism correlates it so that later
 steps partly cancel earlier noise in the model, which sums the updates. This
 module holds the mathematics of the two strategy families tf_megadp offers,
-in float64 NumPy/SciPy (no TensorFlow); `tf_megadp.accounting.correlated_noise`
-holds the public value types `BandMF` and `BLT` that use it.
+in float64 NumPy/SciPy (no TensorFlow); `tf_megadp.accounting.noise`
+holds the noise mechanisms that use it (one module each).
 
 Conventions (issue 39; every function here follows them):
 

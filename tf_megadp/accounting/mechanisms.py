@@ -12,9 +12,8 @@ clipping keeps the run's sigma by raising the gradient's own multiplier to
 sigma_grad = (sigma^-2 - (2 s)^-2)^-1/2 (`gradient_noise_multiplier`).
 
 The gradient's noise is independent from step to step (DP-SGD) or
-correlated across steps by a matrix-factorization strategy
-(`tf_megadp.accounting.correlated_noise`): `NOISE_CODES` names the kinds a
-ledger row records.
+correlated across steps by a matrix-factorization strategy: the noise
+mechanisms are a registry of their own (`tf_megadp.accounting.noise`).
 
 These are accounting concepts (numbers, `dp_accounting` events), used by the
 sampling kinds' events (`tf_megadp.accounting.events`), the accountants
@@ -32,9 +31,6 @@ from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = [
     "COUNT_SENSITIVITY",
-    "INDEPENDENT_NOISE",
-    "NOISE_CODES",
-    "noise_of_code",
     "as_single_gaussian",
     "equivalent_noise_multiplier",
     "gradient_noise_multiplier",
@@ -43,21 +39,6 @@ __all__ = [
 
 # Adding or removing one example moves the centred count by 1/2.
 COUNT_SENSITIVITY = 0.5
-
-# The kinds of gradient noise, by their code in the optimizer's ledger rows
-# (stored in checkpoints: a code never changes once released). Independent
-# noise is DP-SGD's; the others are `correlated_noise.BandMF` and `BLT`.
-INDEPENDENT_NOISE = "independent"
-NOISE_CODES = {INDEPENDENT_NOISE: 0, "bandmf": 1, "blt": 2}
-
-
-def noise_of_code(code: float) -> str:
-    """The noise kind whose ledger code is `code`; a ValueError for an unknown one."""
-    for name, value in NOISE_CODES.items():
-        if value == code:
-            return name
-    raise ValueError(f"Unknown noise code {code} in a ledger row.")
-
 
 def gradient_noise_multiplier(noise_multiplier: float, count_stddev: float) -> tuple[float, float]:
     """(sigma_grad, count noise multiplier) whose pair is one Gaussian of `noise_multiplier`.

@@ -4,7 +4,7 @@
 and `tf-megadp epsilon`/`calibrate` take the same description of a run: a
 `BatchSizeSchedule`, or constant N, B, steps (or epochs), sigma and
 truncation, the sampling kind (with cyclic Poisson's cycle length) and the
-gradient noise's mechanism (independent, `BandMF`, `BLT`). They build this
+gradient noise's mechanism (a registered `tf_megadp.accounting.noise` mechanism). They build this
 one value from their keyword arguments, which checks it once and turns it
 into the run's ledger (`ledger`) and `dp_accounting` event (`dp_event`).
 """
@@ -17,14 +17,8 @@ import math
 import dp_accounting
 
 from tf_megadp._validate import check_num_examples, check_positive_int
-from tf_megadp.accounting.correlated_noise import BLT, BandMF, NoiseStrategy, resolve_noise
-from tf_megadp.accounting.events import (
-    CYCLIC_POISSON,
-    FIXED_ORDER,
-    check_noise_sampling,
-    ledger_event,
-    sampling_kind,
-)
+from tf_megadp.accounting.events import CYCLIC_POISSON, FIXED_ORDER, ledger_event, sampling_kind
+from tf_megadp.accounting.noise import NoiseMechanism, NoiseStrategy, noise_kinds, resolve_noise
 from tf_megadp.accounting.ledger import LedgerEntry, PrivacyLedger, ledger_from_schedule
 from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.steps import (
@@ -76,9 +70,10 @@ class RunDescription:
             ``"poisson"`` with `cycle_length` > 1) or ``"fixed_order"``.
         max_batch_size: truncation of constant-batch Poisson steps (None or
             0: none); with a schedule, each phase's capacity.
-        noise: None (independent noise, DP-SGD), a `BandMF` or a `BLT`;
+        noise: None (independent noise, DP-SGD) or a registered noise
+            mechanism (`tf_megadp.accounting.noise`);
             `noise_multiplier` is then sigma on its unit-norm strategy,
-            resolved for the run's steps (a BLT for its epochs).
+            resolved for the run's steps (and epochs).
         cycle_length: L of cyclic Poisson sampling: step t samples group
             t mod L of the N examples at q = B L / N (None or 1: Poisson
             without cycles).
@@ -90,9 +85,7 @@ class RunDescription:
     Raises:
         PrivacyConfigurationError: both `steps` and `epochs`, or `epochs`
             with a schedule; a pairing of noise and sampling without proof
-            (`events.check_noise_sampling`: BandMF with Poisson sampling
-            without cycles or L < b, a BLT with Poisson sampling, correlated
-            noise with shuffled batches); cyclic q = B L / N > 1; a
+            (the mechanism's `check_sampling`); cyclic q = B L / N > 1; a
             fixed-order run whose batch size or noise changes.
         ValueError: an unknown sampling kind, a setting missing or given
             twice, a batch larger than N, a phase the run reaches without a
@@ -115,7 +108,7 @@ class RunDescription:
     noise_multiplier: float | None = None
     sampling: str = "poisson"
     max_batch_size: int | None = None
-    noise: BandMF | BLT | None = None
+    noise: NoiseMechanism | None = None
     cycle_length: int | None = None
     prior: PrivacyLedger | None = None
 
@@ -146,8 +139,9 @@ class RunDescription:
 
     def _check_sampling_and_noise(self) -> None:
         """Names the kind of a cyclic run, and refuses noise without a proof for its sampling."""
-        if self.noise is not None and not isinstance(self.noise, (BandMF, BLT)):
-            raise TypeError(f"noise must be None, a BandMF or a BLT, got {self.noise!r}.")
+        if self.noise is not None and not isinstance(self.noise, NoiseMechanism):
+            raise TypeError(f"noise must be None or a registered noise mechanism "
+                            f"({list(noise_kinds())}), got {self.noise!r}.")
         cycle = 1 if self.cycle_length is None else check_positive_int(
             "cycle_length", self.cycle_length)
         if self.sampling == "poisson" and cycle > 1:
@@ -158,10 +152,8 @@ class RunDescription:
                 f"sampling is {self.sampling!r}. Pass sampling='poisson' (or "
                 "'cyclic_poisson'), or drop cycle_length.")
         object.__setattr__(self, "cycle_length", cycle)
-        noise = "independent" if self.noise is None else self.noise.kind
-        bands = 0 if self.noise is None else (
-            self.noise.num_bands if isinstance(self.noise, BandMF) else self.noise.num_buffers)
-        check_noise_sampling(noise, bands, self.sampling, cycle)
+        if self.noise is not None:
+            self.noise.check_sampling(self.sampling, cycle)
 
     @property
     def segmented(self) -> bool:
@@ -307,8 +299,7 @@ def segment_fields(strategy: NoiseStrategy, *, sampling: str, sampling_rate: flo
     fields = {
         "sampling_rate": sampling_rate, "noise_multiplier": noise_multiplier,
         "max_batch_size": max_batch_size, "sampling": sampling,
-        "count_noise_multiplier": count_noise_multiplier, "noise": strategy.kind,
-        "strategy_hash": strategy.strategy_hash, "bands": strategy.bands,
+        "count_noise_multiplier": count_noise_multiplier, "noise": strategy.record(),
         "segment_start": segment_start,
     }
     if sampling == CYCLIC_POISSON:

@@ -34,15 +34,19 @@ built for variables that carry another one's ledger continues that ledger
 The modules, one concept each:
 
 * `settings`: `DPSettings`, the privacy settings, validated once and frozen;
-* `accumulators`: the in-memory state of a logical step (accumulators, the
-  secret noise key, the draw generation) and the noise;
-* `ledger`: the ledger variables, declared, read and written there only;
-* `dp_optimizer`: `DPOptimizer`, the Keras optimizer and its logical step.
+* `memory`: the variables no file sees, and the in-memory state each stage keeps;
+* `accumulators`: the accumulation stage (the clipped sums of a logical step);
+* `noise`: the noise stage (the secret key, the draw generation, and the
+  run's noise mechanism's stream, looked up by the mechanism);
+* `ledger`: the ledger stage, its variables declared, read and written there only;
+* `dp_optimizer`: `DPOptimizer`, the Keras optimizer: a composition of the
+  three stages, its logical step the chain accumulate -> noise -> inner
+  apply -> ledger.
 """
 
 from __future__ import annotations
 
-from tf_megadp.optimizer.accumulators import accumulation_dtype
+from tf_megadp.optimizer.memory import accumulation_dtype
 from tf_megadp.optimizer.dp_optimizer import PRIVATE_STEP_TOKEN, DPOptimizer
 from tf_megadp.optimizer.ledger import (
     APPLIED_STEP_COLUMNS,

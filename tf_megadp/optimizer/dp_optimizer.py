@@ -1,13 +1,22 @@
 """`DPOptimizer`: the Keras optimizer of a private run, and its logical step.
 
 One micro-batch at a time, the private step hands over its clipped sum
-(`add_micro_batch`); the optimizer adds it to its accumulators and, after
-the last micro-batch of a logical step, adds the noise once, applies the
-update through the inner optimizer and appends the step to its ledger
-buffer. Each part of that is one named method, and the decision "is the
-logical step due" is taken in the replica context or, under strategies that
-all-reduce through `merge_call`, in the cross-replica context, as Keras's
-`LossScaleOptimizer` separates its two paths.
+(`add_micro_batch`). The optimizer is a composition of named stages, each
+owning its slice of the state:
+
+* `accumulation_stage` (`accumulators.AccumulationStage`): the clipped
+  sums of the logical step, in memory only;
+* `noise_stage` (`noise.NoiseStage`): the secret key, the draw generation
+  and the run's noise mechanism's stream;
+* `ledger_stage` (`ledger.LedgerStage`): the privacy ledger and the buffer
+  of steps the graph applied.
+
+After the last micro-batch of a logical step the chain runs once:
+accumulate -> noise -> inner apply -> ledger (`_end_logical_step`). The
+decision "is the logical step due" is taken in the replica context or,
+under strategies that all-reduce through `merge_call`, in the
+cross-replica context, as Keras's `LossScaleOptimizer` separates its two
+paths.
 """
 
 from __future__ import annotations
@@ -25,10 +34,18 @@ from tf_megadp import _keras_compat
 from tf_megadp import adaptive_clipping as adaptive
 from tf_megadp.clipping import ClippingStrategy, get_clipping_strategy
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer.accumulators import Accumulators
-from tf_megadp.accounting.correlated_noise import BLT, BandMF
-from tf_megadp.optimizer.ledger import LedgerOfWeights
-from tf_megadp.optimizer.noise_buffers import NoiseBuffers
+from tf_megadp.accounting import PrivacyLedger
+from tf_megadp.accounting.noise import NoiseMechanism, NoiseStrategy
+from tf_megadp.optimizer.accumulators import AccumulationStage
+from tf_megadp.optimizer.ledger import (
+    APPLIED_STEP_COLUMNS,
+    LedgerStage,
+    claim,
+    ledger_owner,
+    read_ledger,
+)
+from tf_megadp.optimizer.memory import InMemoryState, InMemoryVariables
+from tf_megadp.optimizer.noise import NoiseStage, replica_stddev
 from tf_megadp.optimizer.settings import SETTING_NAMES, DPSettings, check_inner_optimizer
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
 
@@ -39,11 +56,12 @@ __all__ = ["DPOptimizer", "PRIVATE_STEP_TOKEN"]
 # secret. Gradients from user code are not clipped per example.
 PRIVATE_STEP_TOKEN = object()
 # What cannot change once built: the settings, and the objects built from them.
-_FROZEN = frozenset(SETTING_NAMES) | {"settings", "inner_optimizer", "clipping_strategy"}
+_FROZEN = frozenset(SETTING_NAMES) | {"settings", "inner_optimizer", "clipping_strategy",
+                                      "accumulation_stage", "noise_stage", "ledger_stage"}
 
 
 @keras.saving.register_keras_serializable(package="tf_megadp")
-class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.Optimizer):
+class DPOptimizer(keras.optimizers.Optimizer):
     """Wraps a Keras optimizer to perform DP-SGD with mega-batch accumulation.
 
     One *logical step* is `accumulation_steps` micro-batches (times the number
@@ -123,17 +141,18 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
             two keeps the unscaling exact (docs/concepts.md, "Float16
             compute").
         noise: None (default): independent noise, N(0, sigma^2 C^2) fresh
-            every step. A `tf_megadp.BandMF` or `tf_megadp.BLT`: correlated
+            every step. A registered noise mechanism
+            (`tf_megadp.accounting.noise`, `noise_kinds()`): correlated
             noise, sigma C (C^{-1} z)_t for the mechanism's unit-norm
-            strategy C (matrix-factorization DP-FTRL), streamed through b - 1
-            (BandMF) or d (BLT) model-sized buffers per replica that live in
-            memory only; sigma is then the noise multiplier on that C. Needs
-            the run's `schedule` (its strategy is optimized for the run's
-            steps) and a sampler its accounting has a proof for: BandMF with
-            cyclic Poisson sampling (`cycle_length >= num_bands`) or fixed
-            order, BLT with fixed order (`tf_megadp.FixedOrderSampler`); the
-            private fit refuses any other (docs/privacy.md, "Correlated
-            noise").
+            strategy C (matrix-factorization DP-FTRL), streamed by the
+            mechanism through the model-sized buffers it needs (possibly
+            none), in memory only; sigma is then the noise multiplier on that C.
+            A strategy optimized for the run's steps needs the run's
+            `schedule`, and the sampler must be one the mechanism's
+            accounting has a proof for (its `check_sampling`); the private
+            fit refuses any other (docs/privacy.md, "Correlated noise").
+        settings: instead of the settings above, a `DPSettings` (then
+            give none of them).
         name: optimizer name.
 
     Example:
@@ -148,8 +167,8 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
     def __init__(
         self,
         optimizer: keras.optimizers.Optimizer,
-        l2_norm_clip: float,
-        noise_multiplier: float,
+        l2_norm_clip: float | None = None,
+        noise_multiplier: float | None = None,
         accumulation_steps: int | None = None,
         normalize_by: float | None = None,
         seed: int | None = None,
@@ -160,11 +179,11 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
         examples_per_unit: int = 1,
         adaptive_clipping: adaptive.AdaptiveClipping | dict | None = None,
         loss_scale: float | None = None,
-        noise: BandMF | BLT | dict | None = None,
+        noise: NoiseMechanism | dict | None = None,
+        settings: DPSettings | None = None,
         name: str | None = None,
         **kwargs,
     ):
-        given = locals()  # The arguments, taken before any other local exists.
         if kwargs:
             raise ValueError(
                 f"DPOptimizer does not take {sorted(kwargs)}: set learning-rate "
@@ -181,7 +200,16 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
                 "added twice and accounted once). Wrap the plain optimizer."
             )
         check_inner_optimizer(optimizer)
-        settings = DPSettings(**{setting: given[setting] for setting in SETTING_NAMES})
+        arguments = {
+            "l2_norm_clip": l2_norm_clip, "noise_multiplier": noise_multiplier,
+            "accumulation_steps": accumulation_steps, "normalize_by": normalize_by,
+            "seed": seed, "schedule": schedule, "clipping": clipping,
+            "per_example_scaling": per_example_scaling,
+            "automatic_scaling_stability": automatic_scaling_stability,
+            "examples_per_unit": examples_per_unit, "adaptive_clipping": adaptive_clipping,
+            "loss_scale": loss_scale, "noise": noise,
+        }
+        settings = _settings_of(settings, arguments)
         if settings.seed is not None:
             warnings.warn(
                 f"DPOptimizer(seed={settings.seed}) makes the noise reproducible: anyone "
@@ -198,9 +226,16 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
         self.clipping_strategy = (_claimed(settings.clipping)
                                   if isinstance(settings.clipping, ClippingStrategy)
                                   else get_clipping_strategy(settings.clipping))
+        # The stages of the logical step, each with its slice of the state.
+        self.accumulation_stage = AccumulationStage(
+            counts_unclipped=settings.adaptive_clipping is not None)
+        self.noise_stage = NoiseStage(settings.noise_strategy(), settings.seed)
+        self.ledger_stage = LedgerStage()
+        # Adaptive clipping's noisy updates that left the weights or C
+        # non-finite, counted in the graph (in memory only).
+        self._apply_state = InMemoryState("count of non-finite updates")
         # (logical step, C) at every ledger update of this process (the report's).
         self.clip_norm_trajectory: list[tuple[int, float]] = []
-        self._carried_from: int | None = None  # See `take_carried_over_steps`.
         self._settings_frozen = True
         if settings.noiseless:
             warnings.warn(
@@ -252,7 +287,7 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
         super().__setattr__("settings", settings)
         # Correlated noise is optimized for the run's steps: the longer run
         # streams another strategy, from a new segment.
-        self._noise_strategy = None
+        self.noise_stage.strategy = settings.noise_strategy()
         self.end_noise_segment()
         return settings.schedule
 
@@ -306,6 +341,78 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
             report["noise_strategy"] = self.noise_strategy.describe()
         return report
 
+    # -- The settings, each read as an attribute --------------------------------
+
+    @property
+    def l2_norm_clip(self) -> float:
+        """C, the per-example gradient norm bound (`DPSettings`)."""
+        return self.settings.l2_norm_clip
+
+    @property
+    def noise_multiplier(self) -> float:
+        """sigma (`DPSettings`)."""
+        return self.settings.noise_multiplier
+
+    @property
+    def accumulation_steps(self) -> int | None:
+        """Micro-batches per logical step; None with a schedule (`DPSettings`)."""
+        return self.settings.accumulation_steps
+
+    @property
+    def normalize_by(self) -> float | None:
+        """The divisor B of the noisy sum, or None (`DPSettings`)."""
+        return self.settings.normalize_by
+
+    @property
+    def seed(self) -> int | None:
+        """The noise seed (None: OS entropy) (`DPSettings`)."""
+        return self.settings.seed
+
+    @property
+    def schedule(self) -> BatchSizeSchedule | None:
+        """The run's `BatchSizeSchedule`, or None (`DPSettings`)."""
+        return self.settings.schedule
+
+    @property
+    def clipping(self) -> str | ClippingStrategy:
+        """The clipping strategy's name or instance (`DPSettings`)."""
+        return self.settings.clipping
+
+    @property
+    def per_example_scaling(self) -> str:
+        """"clip" or "automatic" (`DPSettings`)."""
+        return self.settings.per_example_scaling
+
+    @property
+    def automatic_scaling_stability(self) -> float:
+        """gamma of automatic clipping (`DPSettings`)."""
+        return self.settings.automatic_scaling_stability
+
+    @property
+    def examples_per_unit(self) -> int:
+        """Rows per privacy unit (`DPSettings`)."""
+        return self.settings.examples_per_unit
+
+    @property
+    def adaptive_clipping(self) -> adaptive.AdaptiveClipping | None:
+        """Adaptive clipping's rule, or None (`DPSettings`)."""
+        return self.settings.adaptive_clipping
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The fixed loss scale, or None (`DPSettings`)."""
+        return self.settings.loss_scale
+
+    @property
+    def noise(self) -> NoiseMechanism | None:
+        """The noise mechanism as given (None: independent noise) (`DPSettings`)."""
+        return self.settings.noise
+
+    @property
+    def noise_strategy(self) -> NoiseStrategy:
+        """The strategy this optimizer's noise streams (C = I without `noise`)."""
+        return self.noise_stage.strategy
+
     def take_nonfinite_updates(self) -> int:
         """Adaptively clipped updates that left the weights or C non-finite since the last call.
 
@@ -313,7 +420,7 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
         """
         if self.adaptive_clipping is None or not self.built:
             return 0
-        counter = self._in_memory.nonfinite_updates
+        counter = self._apply_state.nonfinite_updates
         count = int(counter.numpy())
         if count:
             counter.assign(0)
@@ -321,12 +428,204 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
 
     # -- Keras plumbing -------------------------------------------------------
 
+    # -- The stages' state, as the rest of tf_megadp reads it ------------------
+
+    @property
+    def micro_steps(self):
+        """Micro-batches accumulated in the current logical step (a variable, in memory only)."""
+        return self.accumulation_stage.state.micro_steps
+
+    @property
+    def micro_step(self) -> int:
+        """The number of micro-batches accumulated in the current logical step (Python)."""
+        return int(keras.ops.convert_to_numpy(self.micro_steps)) if self.built else 0
+
+    @property
+    def nonfinite_examples(self):
+        """Examples dropped for a non-finite gradient since the optimizer was built (in memory)."""
+        return self.accumulation_stage.state.nonfinite_examples
+
+    @property
+    def current_clip_norm(self):
+        """C of the current logical step: the `clip_norm` variable's value with
+        adaptive clipping (a tensor), else `l2_norm_clip`."""
+        if self.adaptive_clipping is None:
+            return self.l2_norm_clip
+        return tf.convert_to_tensor(self.clip_norm.value)
+
+    def discard_partial_step(self) -> int:
+        """Drops the micro-batches accumulated since the last noisy update.
+
+        Nothing computed from them was released, so discarding them spends
+        no privacy, and no example of theirs can reach a later noisy sum.
+
+        Returns:
+            The number of micro-batches discarded.
+        """
+        return self.accumulation_stage.discard() if self.built else 0
+
+    def draw_generation(self, starts_step) -> tf.Tensor:
+        """The draw generation of the current logical step; opens a new one on a replay.
+
+        Called by the private step before a micro-batch's forward pass
+        (`starts_step`: whether it is the first of its logical step) and by
+        the noisy update (`starts_step` True); see `NoiseStage.draw_generation`.
+
+        Returns:
+            The generation, an int64 scalar tensor.
+        """
+        return self.noise_stage.draw_generation(tf.cast(self.iterations, tf.int64), starts_step)
+
+    def end_noise_segment(self) -> None:
+        """Closes the open noise segment: the next noisy step opens a new one, with zeroed buffers.
+
+        Called when what the noise stream follows changes outside the graph:
+        other data, a restored state, an extended schedule.
+        """
+        if self.built:
+            self.noise_stage.end_segment()
+
+    def continue_noise_segment(self, data) -> None:
+        """Keeps the open segment only if `data` is what it was drawing (at a run's start).
+
+        Args:
+            data: the public token of the data's secret assignment of
+                examples to steps (`DataSource.assignment`), None if the
+                data has none: then a new segment starts.
+        """
+        self.noise_stage.continue_segment(data)
+
+    def noise_segment_continues(self, step: int) -> bool:
+        """Whether logical step `step`, taken next, would continue the open segment."""
+        return self.built and self.noise_stage.segment_continues(step)
+
+    # -- The ledger of the weights ---------------------------------------------
+
+    @property
+    def steps_carried(self) -> int:
+        """Logical steps that earlier optimizers of the same weights applied (in the ledger)."""
+        return self.ledger_stage.steps_carried if self.built else 0
+
+    @property
+    def logical_steps_applied(self) -> int:
+        """Noisy updates these weights received: this optimizer's and those it took over."""
+        return self.ledger_stage.steps_applied if self.built else 0
+
+    @property
+    def logical_steps_recorded(self) -> int:
+        """Logical steps in the ledger, of every kind (noiseless and unaccounted ones too)."""
+        return self.ledger_stage.steps_recorded if self.built else 0
+
+    @property
+    def unrecorded_steps(self) -> int:
+        """Applied logical steps that no ledger entry records (taken outside `fit`).
+
+        The private `fit` records every step it applies after each batch,
+        and a custom loop's `tf_megadp.PrivateStep` when its `record` runs;
+        steps applied by `train_on_batch` or a loop that calls `train_step`
+        itself stay unrecorded, and epsilon cannot be reported while there
+        are any.
+        """
+        return self.logical_steps_applied - self.logical_steps_recorded
+
+    @property
+    def pending_applied_steps(self) -> int:
+        """Logical steps the compiled step applied that no one has taken from its buffer yet."""
+        return self.ledger_stage.pending_applied_steps if self.built else 0
+
+    def take_applied_steps(self) -> np.ndarray:
+        """The rows (`APPLIED_STEP_COLUMNS`) the compiled step appended since the last take.
+
+        They leave the buffer: the caller (the run's ledger recorder) turns
+        them into ledger entries (see `LedgerStage.take_applied_steps`).
+        """
+        if not self.built:
+            return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
+        return self.ledger_stage.take_applied_steps()
+
+    def take_carried_over_steps(self) -> int | None:
+        """The steps this optimizer took over from another when built, reported once.
+
+        Returns:
+            The previous optimizer's applied steps the first time it is
+            asked after `build` took them over (the private run warns), else None.
+        """
+        return self.ledger_stage.take_carried_over_steps()
+
+    def start_ledger(self, ledger: PrivacyLedger) -> None:
+        """Makes `ledger` the start of this optimizer's, as steps it applied (a release's).
+
+        Args:
+            ledger: the ledger of the weights' earlier steps.
+        """
+        self.ledger_stage.start(ledger)
+
+    def check_ledger_covers(self, variables) -> None:
+        """Checks, before a private step, that this optimizer's ledger covers `variables`.
+
+        Args:
+            variables: the model's trainable variables.
+
+        Raises:
+            PrivacyConfigurationError: another DPOptimizer trained them
+                after this one (for example the model was compiled with a
+                new DPOptimizer, trained, and compiled again with this one),
+                so this ledger misses its steps.
+        """
+        owner = ledger_owner(variables)
+        if owner is not None and owner is not self and owner.built and (
+                owner.ledger_stage.has_history()) and (
+            owner.logical_steps_applied != self.logical_steps_applied
+            or read_ledger(owner) != read_ledger(self)
+        ):
+            raise PrivacyConfigurationError(
+                f"This model's weights were trained further by another DPOptimizer "
+                f"({owner.logical_steps_applied} logical steps in all, this optimizer "
+                f"records {self.logical_steps_applied}): its ledger misses those steps. "
+                "Compile with a fresh DPOptimizer (it takes the ledger of the weights "
+                "over), or restore the run with keras.models.load_model or "
+                "tf_megadp.restore_training_state."
+            )
+        claim(self, variables)
+
+    def _continue_ledger_of(self, variables) -> None:
+        """Takes over the ledger of the DPOptimizer whose ledger covers `variables`.
+
+        The new optimizer continues exactly where the previous one stopped:
+        its ledger (with the steps it could not account and those without
+        noise), and the count of steps applied (`carried_steps` plus this
+        optimizer's `iterations`). Wrapping the previous optimizer's inner
+        optimizer continues its state (moments, iterations) as well.
+        """
+        previous = ledger_owner(variables)
+        self.ledger_stage.forget_carried_over_steps()
+        if (previous is not None and previous is not self and previous.built
+                and previous.ledger_stage.has_history()):
+            same_inner = previous.inner_optimizer is self.inner_optimizer
+            if not same_inner and int(keras.ops.convert_to_numpy(self.iterations)) != 0:
+                raise PrivacyConfigurationError(
+                    f"The inner optimizer has already taken "
+                    f"{int(keras.ops.convert_to_numpy(self.iterations))} "
+                    "steps that no privacy ledger recorded, and this model's weights "
+                    "carry the ledger of another DPOptimizer. Wrap a fresh inner "
+                    "optimizer, or the inner optimizer of the DPOptimizer that trained "
+                    "the model (model.optimizer.inner_optimizer) to continue its state."
+                )
+            # Steps the previous optimizer applied outside fit were never
+            # recorded: they join the ledger as unaccounted steps.
+            self.ledger_stage.take_over(previous.ledger_stage, continues_iterations=same_inner,
+                                        unrecorded_steps=previous.unrecorded_steps)
+        claim(self, variables)
+
     def build(self, var_list):
         if self.built:
             return
-        self._build_in_memory_state(var_list)
-        self._build_ledger_variables()
+        memory = InMemoryVariables(self)
+        self.accumulation_stage.build(memory, var_list)
+        self.noise_stage.build(memory, var_list)
+        self.ledger_stage.build(self.add_variable, self.inner_optimizer.iterations)
         if self.adaptive_clipping is not None:
+            self._apply_state.nonfinite_updates = memory.scalar("nonfinite_updates", "int64")
             # C_t, a DP release: saved and restored with the optimizer.
             self.clip_norm = self.add_variable(
                 shape=(), dtype="float64", aggregation="only_first_replica", name="clip_norm",
@@ -381,7 +680,10 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
             # buffers follow other steps than the loaded weights'.
             self.discard_partial_step()
             self.end_noise_segment()
-            self._ledger_loaded(_keras_compat.optimizer_trainable_variables(self))
+            # A file whose ledger this tf_megadp cannot read is refused by name.
+            self.ledger_stage.read()
+            self.ledger_stage.forget_carried_over_steps()
+            claim(self, _keras_compat.optimizer_trainable_variables(self))
 
     @property
     def iterations(self):
@@ -490,38 +792,21 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
             self.build(trainable_variables)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         self.settings.check_step_layout(micro_batch_size, replicas)
-        self._accumulate(gradient_sum, micro_batch_size, nonfinite, centred_count)
+        self.accumulation_stage.add(gradient_sum, micro_batch_size, nonfinite, centred_count,
+                                    replicas)
         step = tf.cast(self.iterations, tf.int64)
         accumulation_steps, divisor, noise_multiplier = self._phase(step, micro_batch_size,
                                                                     replicas)
         end_step = functools.partial(self._end_logical_step, trainable_variables,
                                      [g is not None for g in gradient_sum], accumulation_steps)
         if _keras_compat.strategy_supports_no_merge_call():
-            return tf.cond(self._in_memory.micro_steps >= accumulation_steps,
+            return tf.cond(self.micro_steps >= accumulation_steps,
                            lambda: end_step(step, divisor, noise_multiplier), _not_applied)
         # `end_step` is bound to the merge function, not passed as one of its
         # arguments: merge_call groups each argument into one value per replica.
         return tf.distribute.get_replica_context().merge_call(
             functools.partial(self._end_step_in_cross_replica_context, end_step),
             args=(accumulation_steps, step, divisor, noise_multiplier))
-
-    def _accumulate(self, gradient_sum, micro_batch_size, nonfinite, centred_count) -> None:
-        """Adds a micro-batch's clipped sums and counts to this replica's accumulators."""
-        state = self._in_memory
-        for accumulator, gradient in zip(state.accumulators, gradient_sum):
-            if gradient is not None:
-                accumulator.assign_add(tf.cast(gradient, accumulator.dtype))
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        state.micro_steps.assign_add(1)
-        state.step_rows.assign_add(tf.cast(micro_batch_size, tf.int64) * replicas)
-        state.nonfinite_examples.assign_add(tf.cast(nonfinite, tf.int64))
-        if self.adaptive_clipping is not None:
-            if centred_count is None:
-                raise PrivacyConfigurationError(
-                    "This DPOptimizer clips adaptively but the step gave it no count of "
-                    "unclipped examples. Train through tf_megadp.make_private or a "
-                    "tf_megadp.PrivateStep.")
-            state.centred_count.assign_add(tf.cast(centred_count, tf.float64))
 
     def _phase(self, step, micro_batch_size, replicas: int):
         """(accumulation steps, divisor B, noise multiplier) of logical step `step`, as tensors."""
@@ -545,7 +830,7 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
         cross-replica context instead, as Keras's LossScaleOptimizer does:
         every replica holds the same micro-step count, so replica 0 decides.
         """
-        due = self._in_memory.micro_steps.value >= distribution.experimental_local_results(
+        due = self.micro_steps.value >= distribution.experimental_local_results(
             accumulation_steps)[0]
 
         def end_on_every_replica():
@@ -556,7 +841,7 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
 
     def _end_logical_step(self, trainable_variables, connected, accumulation_steps, step,
                           divisor, noise_multiplier) -> tf.Tensor:
-        """The end of a logical step: noise once, the update, C's update, the ledger row."""
+        """The chain of a logical step's end: accumulated sums -> noise -> inner apply -> ledger."""
         count_multiplier = tf.constant(0.0, tf.float32)
         count_stddev = None
         if self.adaptive_clipping is not None:
@@ -564,31 +849,42 @@ class DPOptimizer(LedgerOfWeights, NoiseBuffers, Accumulators, keras.optimizers.
                 self.adaptive_clipping, noise_multiplier, divisor)
         # A state restored inside the step (without its micro-step counter)
         # is caught here: the noise never repeats a drawn step's.
-        generation = self.draw_generation(True)
-        new_segment = self._open_noise_segment(step, generation)
-        # Every noise of the step (gradient and count) uses this step's C.
-        self._apply_noise(trainable_variables, connected, step, generation, divisor,
-                          noise_multiplier)
+        generation = self.noise_stage.draw_generation(step, True)
+        new_segment = self.noise_stage.open_segment(step, generation)
+        # Noise: every noise of the step (gradient and count) uses this step's C.
+        clip_norm = self.current_clip_norm
+        if tf.is_tensor(clip_norm):  # Adaptive clipping: this step's C.
+            clip_norm = tf.cast(clip_norm, noise_multiplier.dtype)
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        noisy_sums = self.noise_stage.noisy_sums(
+            self.accumulation_stage.sums(), connected, step, generation,
+            replica_stddev(noise_multiplier, clip_norm, replicas))
+        # Inner apply: the noisy sums over B.
+        variables = [v for v, is_connected in zip(trainable_variables, connected) if is_connected]
+        self.inner_optimizer.apply(
+            [tf.cast(noisy / tf.cast(divisor, noisy.dtype), variable.dtype)
+             for noisy, variable in zip(noisy_sums, variables)], variables)
+        self.accumulation_stage.reset()
         if self.adaptive_clipping is not None:
             self._release_count(trainable_variables, step, generation, divisor, count_stddev)
-        self._record_applied_step(noise_multiplier, accumulation_steps, divisor, count_multiplier,
-                                  new_segment)
+        # Ledger.
+        self.ledger_stage.record_applied_step(
+            noise_multiplier, accumulation_steps, self.accumulation_stage.take_rows(), divisor,
+            count_multiplier, new_segment)
         return tf.constant(True)
 
     def _release_count(self, trainable_variables, step, generation, divisor, count_stddev) -> None:
         """Adaptive clipping: releases the noisy count of unclipped examples and moves C."""
-        state = self._in_memory
         adaptive.release_count_and_update(
-            self.adaptive_clipping, self.clip_norm, state.centred_count.value,
+            self.adaptive_clipping, self.clip_norm, self.accumulation_stage.take_centred_count(),
             count_stddev, divisor, tf.random.experimental.stateless_fold_in(
-                self._step_key(step, generation), len(state.accumulators)),
+                self.noise_stage.step_key(step, generation), len(trainable_variables)),
             tf.distribute.get_strategy().num_replicas_in_sync,
             self.adaptive_clipping.clip_norm_bounds(self.l2_norm_clip))
-        state.centred_count.assign(0.0)
         # Read by the ledger recorder, which stops the run once the step is
         # in the ledger.
         finite = adaptive.all_finite(self.clip_norm.value, trainable_variables)
-        state.nonfinite_updates.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        self._apply_state.nonfinite_updates.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
 
     # -- Serialization ---------------------------------------------------------
 
@@ -612,15 +908,28 @@ def _not_applied() -> tf.Tensor:
     return tf.constant(False)
 
 
-def _setting(name: str) -> property:
-    return property(lambda optimizer: getattr(optimizer.settings, name),
-                    doc=f"`DPSettings.{name}`: fixed at construction.")
+# Each setting's value when DPOptimizer is not given it.
+_UNSET = {field.name: (None if field.default is dataclasses.MISSING else field.default)
+          for field in dataclasses.fields(DPSettings)}
 
 
-# Each setting reads as an attribute of the optimizer (`optimizer.l2_norm_clip`).
-for _name in SETTING_NAMES:
-    setattr(DPOptimizer, _name, _setting(_name))
-del _name
+def _settings_of(settings: DPSettings | None, arguments: dict[str, Any]) -> DPSettings:
+    """The `DPSettings` of a DPOptimizer: the one given, or those its arguments describe.
+
+    Raises:
+        TypeError: `settings` is not a `DPSettings`, or comes with settings
+            given one by one as well (which of them would hold?).
+    """
+    if settings is None:
+        return DPSettings(**arguments)
+    if not isinstance(settings, DPSettings):
+        raise TypeError(f"settings must be a tf_megadp.optimizer.DPSettings, got {settings!r}.")
+    also = sorted(name for name, value in arguments.items() if value != _UNSET[name])
+    if also:
+        raise TypeError(
+            f"DPOptimizer got settings=DPSettings(...) and {also} as well: pass each setting "
+            "once, in the DPSettings (dataclasses.replace(settings, ...) changes one).")
+    return settings
 
 
 # A strategy instance caches its traced passes per model: given to a second

@@ -1,18 +1,23 @@
-"""The ledger of the weights: the `DPOptimizer` variables that hold the privacy spent.
+"""The ledger stage: the `DPOptimizer` variables that hold the privacy spent, declared, read and written here only.
 
 Every variable of the ledger is declared, read and written in this module
-(`LedgerOfWeights`, the part of `DPOptimizer` that keeps them):
+(`LedgerStage`, the last stage of a `DPOptimizer`'s logical step):
 
-* `privacy_ledger` and `privacy_ledger_rows`: the `PrivacyLedger` of every
-  noisy update the weights received (`read_ledger`, `write_ledger`);
+* `privacy_ledger` and `privacy_ledger_length`: the `PrivacyLedger` of
+  every noisy update the weights received, as the JSON of its entries
+  (`PrivacyLedger.to_json`, the same form as a report's), packed 6 bytes to
+  a float64 cell (`read_ledger`, `write_ledger`). The format is the same
+  whatever the noise mechanism: each entry's noise is one record its
+  mechanism reads back. A file whose ledger is malformed or holds a
+  record no registered mechanism reads is refused by name;
 * `carried_steps`: the logical steps earlier optimizers of the same weights
   applied (a model compiled again with a new `DPOptimizer` continues the
   ledger of the weights: the model's variables name the optimizer whose
-  ledger covers their value);
+  ledger covers their value, `ledger_owner`);
 * `applied_steps` and `applied_rows`: the buffer where the compiled step
   appends each noisy update as it applied it (`APPLIED_STEP_COLUMNS`), which
   the run's ledger recorder drains (`take_applied_steps`) and turns into
-  ledger entries, adding N and the sampling.
+  ledger entries, adding N, the sampling and the noise record.
 
 Outside this module, only the run's ledger recorder
 (`tf_megadp.run.ledger_recorder`) writes the ledger, through the functions
@@ -21,19 +26,25 @@ and methods here.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_megadp.accounting import LEDGER_COLUMNS, LedgerEntry, PrivacyLedger
+from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.errors import PrivacyConfigurationError
 
-__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerOfWeights", "ledger_owner",
+__all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerStage", "ledger_owner",
            "read_ledger", "write_ledger"]
 
-# Rows of phases the ledger variable can hold; consecutive identical steps share a row.
-LEDGER_CAPACITY = 256
+# Bytes of ledger JSON the variable holds (about 300 bytes an entry, and
+# consecutive identical steps share an entry).
+LEDGER_CAPACITY = 96 * 1024
+# Bytes per float64 cell: a 48-bit integer is exact in a float64.
+_BYTES_PER_CELL = 6
+_CELLS = -(-LEDGER_CAPACITY // _BYTES_PER_CELL)
 # What the compiled step records of every noisy update it applies, as it used
 # them; the ledger recorder of the private `fit` turns these rows into ledger
 # entries (adding N and the sampling) after every batch, so the buffer only
@@ -52,11 +63,11 @@ _LEDGER_OWNER = "_tf_megadp_ledger_owner"
 class _LedgerOwner:
     """The optimizer whose ledger covers a variable's value (see `_LEDGER_OWNER`)."""
 
-    def __init__(self, optimizer: "LedgerOfWeights"):
+    def __init__(self, optimizer):
         self.optimizer = optimizer
 
 
-def ledger_owner(variables) -> "LedgerOfWeights | None":
+def ledger_owner(variables):
     """The DPOptimizer whose ledger covers `variables` (None if none does).
 
     Raises:
@@ -78,7 +89,14 @@ def ledger_owner(variables) -> "LedgerOfWeights | None":
     return owners[0] if owners else None
 
 
-def read_ledger(optimizer: "LedgerOfWeights") -> PrivacyLedger:
+def claim(optimizer, variables) -> None:
+    """Marks `variables` as covered by `optimizer`'s ledger."""
+    holder = _LedgerOwner(optimizer)
+    for variable in variables:
+        setattr(variable, _LEDGER_OWNER, holder)
+
+
+def read_ledger(optimizer) -> PrivacyLedger:
     """The `PrivacyLedger` stored in a `DPOptimizer`.
 
     An optimizer that is not built yet has recorded nothing and returns an
@@ -101,99 +119,181 @@ def read_ledger(optimizer: "LedgerOfWeights") -> PrivacyLedger:
     tf_megadp.read_ledger(model.optimizer).total_steps
     ```
     """
-    if not isinstance(optimizer, LedgerOfWeights):
+    stage = getattr(optimizer, "ledger_stage", None)
+    if not isinstance(stage, LedgerStage):
         raise TypeError(
             f"read_ledger reads a tf_megadp.DPOptimizer's ledger; got {optimizer!r}, "
             "which keeps none."
         )
-    if not optimizer.built:
-        return PrivacyLedger()
-    rows = int(keras.ops.convert_to_numpy(optimizer.privacy_ledger_rows))
-    table = keras.ops.convert_to_numpy(optimizer.privacy_ledger)
-    return PrivacyLedger.from_rows(table[:rows])
+    return stage.read() if optimizer.built else PrivacyLedger()
 
 
-def write_ledger(optimizer: "LedgerOfWeights", ledger: PrivacyLedger) -> None:
+def write_ledger(optimizer, ledger: PrivacyLedger) -> None:
     """Stores `ledger` in a built `DPOptimizer`'s `privacy_ledger` variable.
 
     Raises:
-        RuntimeError: the ledger has more rows than the variable holds.
+        RuntimeError: the ledger is longer than the variable holds.
     """
-    rows = ledger.to_rows()
-    capacity = optimizer.privacy_ledger.shape[0]
-    if len(rows) > capacity:
-        raise RuntimeError(
-            f"The privacy ledger needs {len(rows)} rows but the optimizer stores "
-            f"{capacity}: the sampling rate or noise multiplier changed too often. "
-            "Change them per phase of a BatchSizeSchedule instead of per step."
-        )
-    table = np.zeros(optimizer.privacy_ledger.shape, np.float64)
-    table[: len(rows)] = rows
-    optimizer.privacy_ledger.assign(table)
-    optimizer.privacy_ledger_rows.assign(len(rows))
+    optimizer.ledger_stage.write(ledger)
 
 
 def _number(variable) -> int:
     return int(keras.ops.convert_to_numpy(variable))
 
 
-class LedgerOfWeights:
-    """The part of `DPOptimizer` that keeps the ledger of the weights it trains."""
+def _packed(text: str) -> tuple[np.ndarray, int]:
+    """(float64 cells holding the UTF-8 bytes of `text`, 6 to a cell, zero-padded; its length)."""
+    data = text.encode("utf-8")
+    if len(data) > LEDGER_CAPACITY:
+        raise RuntimeError(
+            f"The privacy ledger needs {len(data)} bytes but the optimizer stores "
+            f"{LEDGER_CAPACITY}: the sampling rate or noise multiplier changed too often. "
+            "Change them per phase of a BatchSizeSchedule instead of per step.")
+    padded = data + bytes(_CELLS * _BYTES_PER_CELL - len(data))
+    cells = np.frombuffer(padded, np.uint8).reshape(_CELLS, _BYTES_PER_CELL).astype(np.uint64)
+    weights = (np.uint64(256) ** np.arange(_BYTES_PER_CELL - 1, -1, -1, dtype=np.uint64))
+    return (cells * weights).sum(axis=1).astype(np.float64), len(data)
 
-    def _build_ledger_variables(self) -> None:
+
+def _unpacked(cells: np.ndarray, length: int) -> str:
+    """The text `_packed` stored: the first `length` bytes of the cells.
+
+    Raises:
+        ValueError: cells that hold no 6-byte integers, a length past them,
+            or bytes that are not UTF-8.
+    """
+    cells = np.asarray(cells, np.float64).reshape(-1)
+    if not (0 <= length <= cells.size * _BYTES_PER_CELL):
+        raise ValueError(f"its length {length} is outside its {cells.size} cells")
+    if not np.all((cells >= 0) & (cells < 2.0 ** (8 * _BYTES_PER_CELL))
+                  & (cells == np.floor(cells))):
+        raise ValueError("its cells are not 6-byte integers")
+    values = cells.astype(np.uint64)
+    shifts = np.uint64(8) * np.arange(_BYTES_PER_CELL - 1, -1, -1, dtype=np.uint64)
+    data = ((values[:, None] >> shifts) & np.uint64(255)).astype(np.uint8).tobytes()
+    return data[:length].decode("utf-8")
+
+
+class LedgerStage:
+    """The privacy ledger of the weights a `DPOptimizer` trains, and the steps its graph applied.
+
+    Its variables are the optimizer's own (made by its `add_variable`, so
+    saved with every file of the optimizer); `build` declares them.
+    """
+
+    def __init__(self):
+        self._carried_from: int | None = None  # See `take_carried_over_steps`.
+
+    def __repr__(self) -> str:
+        return "<DPOptimizer ledger stage>"
+
+    def build(self, add_variable: Callable[..., Any], iterations) -> None:
         """Declares the ledger's variables (saved with every file of the optimizer).
 
-        Their order is their position in Keras's saved files; the attribute
-        names are their names in a `tf.train.Checkpoint`.
+        Args:
+            add_variable: the optimizer's `add_variable`. The order of the
+                calls is the variables' position in Keras's saved files.
+            iterations: the optimizer's count of logical steps applied.
         """
-        self.privacy_ledger = self.add_variable(
-            shape=(LEDGER_CAPACITY, len(LEDGER_COLUMNS)), dtype="float64", name="privacy_ledger")
-        self.privacy_ledger_rows = self.add_variable(
-            shape=(), dtype="int64", name="privacy_ledger_rows")
+        self._iterations = iterations
+        self.privacy_ledger = add_variable(shape=(_CELLS,), dtype="float64",
+                                           name="privacy_ledger")
+        self.privacy_ledger_length = add_variable(shape=(), dtype="int64",
+                                                  name="privacy_ledger_length")
         # Ledger steps taken by earlier optimizers of the same model.
-        self.carried_steps = self.add_variable(shape=(), dtype="int64", name="carried_steps")
-        self.applied_steps = self.add_variable(
+        self.carried_steps = add_variable(shape=(), dtype="int64", name="carried_steps")
+        self.applied_steps = add_variable(
             shape=(_APPLIED_CAPACITY, len(APPLIED_STEP_COLUMNS)), dtype="float64",
             aggregation="only_first_replica", name="applied_steps")
-        self.applied_rows = self.add_variable(
+        self.applied_rows = add_variable(
             shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows")
+
+    # -- The ledger (eager) -------------------------------------------------------
+
+    def read(self) -> PrivacyLedger:
+        """The stored ledger.
+
+        Raises:
+            PrivacyConfigurationError: the variable holds no ledger this
+                tf_megadp reads (malformed, or a noise record of a mechanism
+                it does not know), named.
+        """
+        try:
+            text = _unpacked(keras.ops.convert_to_numpy(self.privacy_ledger),
+                             _number(self.privacy_ledger_length))
+            return PrivacyLedger.from_json(text) if text else PrivacyLedger()
+        except ValueError as error:
+            raise PrivacyConfigurationError(
+                f"The optimizer's privacy_ledger variable holds no ledger tf_megadp can "
+                f"account: {error}. The file was not written by this tf_megadp with these "
+                "settings, or was changed; its ledger cannot be loaded, so neither can the "
+                "state. Start a new run, or restore a file this version wrote.") from None
+
+    def write(self, ledger: PrivacyLedger) -> None:
+        """Stores `ledger` (its JSON, packed).
+
+        Raises:
+            RuntimeError: its JSON is longer than `LEDGER_CAPACITY` bytes.
+        """
+        cells, length = _packed(ledger.to_json() if len(ledger) else "")
+        self.privacy_ledger.assign(cells)
+        self.privacy_ledger_length.assign(length)
 
     @property
     def steps_carried(self) -> int:
         """Logical steps that earlier optimizers of the same weights applied (in the ledger)."""
-        return _number(self.carried_steps) if self.built else 0
+        return _number(self.carried_steps)
 
     @property
-    def logical_steps_applied(self) -> int:
+    def steps_applied(self) -> int:
         """Noisy updates these weights received: this optimizer's and those it took over."""
-        if not self.built:
-            return 0
-        return _number(self.carried_steps) + _number(self.iterations)
+        return _number(self.carried_steps) + _number(self._iterations)
 
     @property
-    def logical_steps_recorded(self) -> int:
+    def steps_recorded(self) -> int:
         """Logical steps in the ledger, of every kind (noiseless and unaccounted ones too)."""
-        if not self.built:
-            return 0
-        return read_ledger(self).total_steps
+        return self.read().total_steps
 
-    @property
-    def unrecorded_steps(self) -> int:
-        """Applied logical steps that no ledger entry records (taken outside `fit`).
+    def has_history(self) -> bool:
+        return self.steps_applied > 0 or self.steps_recorded > 0
 
-        The private `fit` records every step it applies after each batch,
-        and a custom loop's `tf_megadp.PrivateStep` when its `record` runs;
-        steps applied by `train_on_batch` or a loop that calls `train_step`
-        itself stay unrecorded, and epsilon cannot be reported while there
-        are any.
+    def start(self, ledger: PrivacyLedger) -> None:
+        """Makes `ledger` the start of this one, as steps applied by another optimizer (a release's)."""
+        self.write(ledger)
+        self.carried_steps.assign(ledger.total_steps)
+
+    def take_over(self, previous: "LedgerStage", *, continues_iterations: bool,
+                  unrecorded_steps: int) -> None:
+        """Continues `previous`'s ledger: its entries, and the count of steps it applied.
+
+        Args:
+            previous: the ledger stage of the optimizer that trained the weights.
+            continues_iterations: whether this optimizer's step count
+                continues `previous`'s (it wraps the same inner optimizer).
+            unrecorded_steps: steps `previous` applied outside fit, which
+                join the ledger as unaccounted steps.
         """
-        return self.logical_steps_applied - self.logical_steps_recorded
+        carried = previous.steps_carried if continues_iterations else previous.steps_applied
+        ledger = previous.read()
+        ledger.append(LedgerEntry.steps_only(max(0, unrecorded_steps), UNACCOUNTED))
+        self.write(ledger)
+        self.carried_steps.assign(carried)
+        self._carried_from = previous.steps_applied
+
+    def take_carried_over_steps(self) -> int | None:
+        """The steps taken over from another optimizer when built, reported once (else None)."""
+        carried, self._carried_from = self._carried_from, None
+        return carried
+
+    def forget_carried_over_steps(self) -> None:
+        """A loaded ledger replaces whatever was taken over: nothing is reported."""
+        self._carried_from = None
+
+    # -- The steps the graph applied ------------------------------------------------
 
     @property
     def pending_applied_steps(self) -> int:
         """Logical steps the compiled step applied that no one has taken from its buffer yet."""
-        if not self.built:
-            return 0
         rows = min(_number(self.applied_rows), self.applied_steps.shape[0])
         return int(self.applied_steps.numpy()[:rows, 0].sum())
 
@@ -207,7 +307,7 @@ class LedgerOfWeights:
             PrivacyConfigurationError: more differently configured steps ran
                 than the buffer holds, so some were not recorded.
         """
-        count = _number(self.applied_rows) if self.built else 0
+        count = _number(self.applied_rows)
         if not count:
             return np.zeros((0, len(APPLIED_STEP_COLUMNS)))
         capacity = self.applied_steps.shape[0]
@@ -222,103 +322,9 @@ class LedgerOfWeights:
         self.applied_rows.assign(0)
         return table
 
-    def take_carried_over_steps(self) -> int | None:
-        """The steps this optimizer took over from another when built, reported once.
-
-        Returns:
-            The previous optimizer's applied steps the first time it is
-            asked after `build` took them over (the private run warns), else None.
-        """
-        carried, self._carried_from = getattr(self, "_carried_from", None), None
-        return carried
-
-    def start_ledger(self, ledger: PrivacyLedger) -> None:
-        """Makes `ledger` the start of this optimizer's, as steps it applied (a release's).
-
-        Args:
-            ledger: the ledger of the weights' earlier steps.
-        """
-        write_ledger(self, ledger)
-        # Those steps were applied to these weights by another optimizer.
-        self.carried_steps.assign(ledger.total_steps)
-
-    def _ledger_loaded(self, variables) -> None:
-        """The saved ledger was just loaded: it is the ledger of `variables`, as they are."""
-        self._carried_from = None
-        self._claim(variables)
-
-    def _has_history(self) -> bool:
-        return self.built and (self.logical_steps_applied > 0 or self.logical_steps_recorded > 0)
-
-    def _claim(self, variables) -> None:
-        """Marks `variables` as covered by this optimizer's ledger."""
-        holder = _LedgerOwner(self)
-        for variable in variables:
-            setattr(variable, _LEDGER_OWNER, holder)
-
-    def _continue_ledger_of(self, variables) -> None:
-        """Takes over the ledger of the DPOptimizer whose ledger covers `variables`.
-
-        The new optimizer continues exactly where the previous one stopped:
-        its ledger (with the steps it could not account and those without
-        noise), and the count of steps applied (`carried_steps` plus this
-        optimizer's `iterations`). Wrapping the previous optimizer's inner
-        optimizer continues its state (moments, iterations) as well.
-        """
-        previous = ledger_owner(variables)
-        self._carried_from = None
-        if previous is not None and previous is not self and previous._has_history():
-            if previous.inner_optimizer is self.inner_optimizer:
-                carried = _number(previous.carried_steps)  # Its iterations continue.
-            elif _number(self.iterations) == 0:
-                carried = previous.logical_steps_applied
-            else:
-                raise PrivacyConfigurationError(
-                    f"The inner optimizer has already taken {_number(self.iterations)} "
-                    "steps that no privacy ledger recorded, and this model's weights "
-                    "carry the ledger of another DPOptimizer. Wrap a fresh inner "
-                    "optimizer, or the inner optimizer of the DPOptimizer that trained "
-                    "the model (model.optimizer.inner_optimizer) to continue its state."
-                )
-            ledger = read_ledger(previous)
-            # Steps the previous optimizer applied outside fit were never
-            # recorded: they join the ledger as unaccounted steps.
-            ledger.append(LedgerEntry.steps_only(max(0, previous.unrecorded_steps), UNACCOUNTED))
-            write_ledger(self, ledger)
-            self.carried_steps.assign(carried)
-            self._carried_from = previous.logical_steps_applied
-        self._claim(variables)
-
-    def check_ledger_covers(self, variables) -> None:
-        """Checks, before a private step, that this optimizer's ledger covers `variables`.
-
-        Args:
-            variables: the model's trainable variables.
-
-        Raises:
-            PrivacyConfigurationError: another DPOptimizer trained them
-                after this one (for example the model was compiled with a
-                new DPOptimizer, trained, and compiled again with this one),
-                so this ledger misses its steps.
-        """
-        owner = ledger_owner(variables)
-        if owner is not None and owner is not self and owner._has_history() and (
-            owner.logical_steps_applied != self.logical_steps_applied
-            or read_ledger(owner) != read_ledger(self)
-        ):
-            raise PrivacyConfigurationError(
-                f"This model's weights were trained further by another DPOptimizer "
-                f"({owner.logical_steps_applied} logical steps in all, this optimizer "
-                f"records {self.logical_steps_applied}): its ledger misses those steps. "
-                "Compile with a fresh DPOptimizer (it takes the ledger of the weights "
-                "over), or restore the run with keras.models.load_model or "
-                "tf_megadp.restore_training_state."
-            )
-        self._claim(variables)
-
-    def _record_applied_step(self, noise_multiplier, accumulation_steps, divisor,
-                             count_noise_multiplier, new_segment):
-        """Appends the step just applied to `applied_steps`, as the graph used it.
+    def record_applied_step(self, noise_multiplier, accumulation_steps, rows, divisor,
+                            count_noise_multiplier, new_segment) -> None:
+        """Appends the step just applied to `applied_steps`, as the graph used it (graph).
 
         Consecutive identical steps share a row, except a step that opened a
         noise segment (`new_segment`), which starts one. A full buffer stops
@@ -326,17 +332,15 @@ class LedgerOfWeights:
         keeper refuses (it drains the buffer after every batch, so only
         `steps_per_execution` far above the capacity can fill it).
         """
-        state = self._in_memory
         row = tf.stack([
             tf.constant(1.0, tf.float64),
             tf.cast(noise_multiplier, tf.float64),
             tf.cast(accumulation_steps, tf.float64),
-            tf.cast(state.step_rows.value, tf.float64),
+            tf.cast(rows, tf.float64),
             tf.cast(divisor, tf.float64),
             tf.cast(count_noise_multiplier, tf.float64),
             tf.cast(new_segment, tf.float64),
         ])
-        state.step_rows.assign(0)
         count = self.applied_rows.value
         table = self.applied_steps.value
         last = tf.maximum(count - 1, 0)

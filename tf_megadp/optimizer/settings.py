@@ -20,11 +20,11 @@ import keras
 import tensorflow as tf
 
 from tf_megadp import adaptive_clipping as adaptive
-from tf_megadp.accounting.correlated_noise import (
-    BLT,
-    BandMF,
+from tf_megadp.accounting.noise import (
+    NoiseMechanism,
     NoiseStrategy,
     mechanism_from_dict,
+    noise_kinds,
     resolve_noise,
 )
 from tf_megadp.accounting.mechanisms import gradient_noise_multiplier
@@ -61,8 +61,8 @@ class DPSettings:
         examples_per_unit: k >= 1 rows per privacy unit.
         adaptive_clipping: a `tf_megadp.AdaptiveClipping` (or its dict), or None.
         loss_scale: a fixed loss scale S > 0 (mixed_float16), or None.
-        noise: None (independent noise), or a `tf_megadp.BandMF` or
-            `tf_megadp.BLT` (or its `to_dict`): correlated noise.
+        noise: None (independent noise), or a registered noise mechanism
+            (`tf_megadp.accounting.noise`, or its `to_dict`).
 
     Raises:
         ValueError, TypeError, PrivacyConfigurationError: a setting is out of
@@ -87,7 +87,7 @@ class DPSettings:
     examples_per_unit: int = 1
     adaptive_clipping: adaptive.AdaptiveClipping | None = None
     loss_scale: float | None = None
-    noise: BandMF | BLT | None = None
+    noise: NoiseMechanism | None = None
 
     def __post_init__(self):
         self._set("l2_norm_clip", _positive_finite("l2_norm_clip", self.l2_norm_clip))
@@ -180,22 +180,21 @@ class DPSettings:
                 self.normalize_by or 0.0, self.noise_multiplier))
         return config
 
-    def _checked_noise(self) -> BandMF | BLT | None:
-        """The correlated-noise mechanism, refused where its noise cannot be streamed.
+    def _checked_noise(self) -> NoiseMechanism | None:
+        """The noise mechanism, refused where its noise cannot be streamed.
 
         Its strategy is sigma C^{-1} z for one sigma: a schedule whose phases
-        set other noise multipliers, or sigma = 0, has none. The strategy is
-        optimized for the run's steps (and a BLT for its epochs), which only
-        a schedule gives, unless its numbers are given.
+        set other noise multipliers, or sigma = 0, has none. A strategy
+        optimized for the run's steps (`needs_run_length`) needs a schedule.
         """
         noise = self.noise
         if isinstance(noise, dict):
             noise = mechanism_from_dict(noise)
         if noise is None:
             return None
-        if not isinstance(noise, (BandMF, BLT)):
-            raise TypeError(f"noise must be None, a tf_megadp.BandMF or a tf_megadp.BLT, got "
-                            f"{noise!r}.")
+        if not isinstance(noise, NoiseMechanism):
+            raise TypeError(f"noise must be None or a registered noise mechanism "
+                            f"({list(noise_kinds())}), got {noise!r}.")
         if self.noise_multiplier == 0:
             raise PrivacyConfigurationError(
                 f"noise={noise!r} with noise_multiplier=0 adds no noise to correlate: the "
@@ -209,13 +208,11 @@ class DPSettings:
                 f"schedule's phases set the noise multipliers {sorted(sigmas)}. Leave "
                 "noise_multiplier unset on the phases (one sigma for the run), or use "
                 "noise=None.")
-        given = (noise.coefficients is not None if isinstance(noise, BandMF)
-                 else noise.buffer_decays is not None)
-        if self.schedule is None and not (given and isinstance(noise, BandMF)):
+        if self.schedule is None and noise.needs_run_length:
             raise PrivacyConfigurationError(
-                f"{noise!r} is optimized for the run's steps (and a BLT scaled over them), "
-                "which only a schedule gives: build the DPOptimizer with "
-                "schedule=sampler.schedule (the sampler's), or give BandMF(coefficients=...).")
+                f"{noise!r} is optimized (or scaled) for the run's steps, which only a "
+                "schedule gives: build the DPOptimizer with schedule=sampler.schedule (the "
+                "sampler's), or give the mechanism its numbers.")
         return noise
 
     # -- Derived values ----------------------------------------------------------
@@ -223,11 +220,13 @@ class DPSettings:
     def noise_strategy(self) -> NoiseStrategy:
         """The strategy the noise streams: the mechanism resolved for the run.
 
-        For the schedule's n steps (a BLT for its epochs of s = N // B
-        steps, the fixed-order sampler's); `INDEPENDENT` without `noise`.
+        For the schedule's n steps (and its epochs of s = N // B steps, the
+        fixed-order sampler's); C = I without `noise`. Without a schedule,
+        a mechanism that does not depend on the run's length (checked) is
+        resolved without one.
         """
         if self.noise is None or self.schedule is None:
-            return resolve_noise(self.noise, 1 if self.noise is None else self.noise.num_bands)
+            return resolve_noise(self.noise, None)
         schedule = self.schedule
         steps_per_epoch = schedule.num_examples // schedule.phases[0].batch_size
         return resolve_noise(self.noise, schedule.total_steps,
@@ -322,7 +321,7 @@ SETTING_NAMES = tuple(field.name for field in dataclasses.fields(DPSettings))
 
 
 def _serialized(value):
-    if isinstance(value, (BatchSizeSchedule, adaptive.AdaptiveClipping, BandMF, BLT)):
+    if isinstance(value, (BatchSizeSchedule, adaptive.AdaptiveClipping, NoiseMechanism)):
         return value.to_dict()
     if isinstance(value, ClippingStrategy):
         return type(value).__name__

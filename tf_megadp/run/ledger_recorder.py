@@ -39,7 +39,6 @@ from tf_megadp.accounting.events import (
     NOISELESS,
     UNACCOUNTED,
     SamplingKind,
-    check_noise_sampling,
     sampling_kind,
 )
 from tf_megadp.accounting.mechanisms import equivalent_noise_multiplier
@@ -287,9 +286,8 @@ class LedgerRecorder:
         new sampler's groups or order would let an example join two steps
         of one segment closer than the accounting assumes.
         """
-        strategy = optimizer.noise_strategy
-        check_noise_sampling(strategy.kind, strategy.bands, self.sampling,
-                             self.source.cycle_length if self.source is not None else 1)
+        optimizer.noise_strategy.mechanism().check_sampling(
+            self.sampling, self.source.cycle_length if self.source is not None else 1)
         optimizer.continue_noise_segment(
             self.source.assignment if self.source is not None else None)
 
@@ -446,7 +444,7 @@ class LedgerRecorder:
         phase = schedule.phase_at(step)
         last = self.ledger.entries[-1] if len(self.ledger) else None
         if not new_segment and (last is None or last.sampling != kind.name
-                                or last.strategy_hash != strategy.strategy_hash):
+                                or last.noise != strategy.record()):
             raise PrivacyConfigurationError(
                 f"Logical step {step} continued a noise segment that the privacy ledger does "
                 "not end with (its state was restored apart from the optimizer's). Restore "

@@ -199,8 +199,8 @@ def make_private_with_epsilon(
         l2_norm_clip: C, the per-example gradient norm bound.
         accountant: ``"pld"`` (default) or ``"rdp"``.
         clipping: the per-example clipping strategy (`DPOptimizer`'s `clipping`).
-        noise: None (independent noise), or a `tf_megadp.BandMF` or
-            `tf_megadp.BLT` (`DPOptimizer`'s `noise`): sigma is then
+        noise: None (independent noise), or a registered noise mechanism
+            (`DPOptimizer`'s `noise`, `tf_megadp.accounting.noise`): sigma is then
             calibrated for the mechanism with the sampler's cycle length (a
             `PoissonSampler(cycle_length=L)`) or fixed order (a
             `FixedOrderSampler`); a pairing without proof is refused.

@@ -24,7 +24,8 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     from tf_megadp.jobs.bert.config import (DP_LEARNING_RATE, LEARNING_RATE_SCALINGS,
                                             MODEL_PRESETS, NON_PRIVATE_LEARNING_RATE,
                                             PRECISIONS, SEPARATORS, PretrainConfig)
-    from tf_megadp.jobs.common.privacy import NOISES, PER_EXAMPLE_SCALINGS
+    from tf_megadp.accounting.noise import noise_class
+    from tf_megadp.jobs.common.privacy import AUTO, NOISES, PER_EXAMPLE_SCALINGS
 
     defaults = PretrainConfig()
     hidden = argparse.SUPPRESS
@@ -129,13 +130,17 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
     privacy.add_argument("--noise-multiplier", type=float, default=hidden,
                          help="sigma, instead of --target-epsilon")
     privacy.add_argument("--noise", choices=list(NOISES), default=hidden,
-                         help="correlated noise: bandmf (banded matrix factorization, cyclic "
-                              "Poisson sampling with cycle = --bands) or blt (fixed-order "
-                              "epochs); sigma is calibrated for it (default: independent "
-                              "noise; docs/privacy.md, 'Correlated noise')")
-    privacy.add_argument("--bands", type=int, metavar="B", default=hidden,
-                         help=f"bands of --noise bandmf, buffers of --noise blt "
-                              f"(default {defaults.bands})")
+                         help="correlated noise, trained with the sampling its accounting "
+                              "has a proof for; sigma is calibrated for it (default: "
+                              "independent noise; docs/privacy.md, 'Correlated noise'): "
+                              + "; ".join(f"{kind}: {noise_class(kind).summary}"
+                                          for kind in NOISES))
+    privacy.add_argument("--bands", type=_noise_parameter, metavar="P", default=hidden,
+                         help="the --noise mechanism's parameter ("
+                              + ", ".join(f"{noise_class(kind).option} of {kind}"
+                                          for kind in NOISES)
+                              + f"), or {AUTO} for the mechanism's choice by the run's "
+                              f"expected error (default {defaults.bands})")
     privacy.add_argument("--delta", type=float, default=hidden, help="default 1/N^1.1")
     privacy.add_argument("--l2-norm-clip", type=float, default=hidden,
                          help=f"C, the per-example gradient norm bound (default {defaults.l2_norm_clip})")
@@ -204,3 +209,17 @@ def _optional_fraction(text: str) -> float | None:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
+def _noise_parameter(text: str) -> int | float | str:
+    """--bands: an integer (bands, buffers), a number (lambda) or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number or 'auto', got {text!r}") from None

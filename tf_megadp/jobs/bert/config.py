@@ -410,11 +410,13 @@ class PretrainConfig(PrivacySettings):
                 f"--noise {self.noise} with --privacy-unit is not supported: the job "
                 "samples units by Poisson sampling only. Drop --noise (independent noise) "
                 "for a user-level run.")
-        if self.noise == "blt" and self.schedule and len(self.schedule) > 1:
+        fixed_order = self.bands != "auto" and (
+            self.noise_accounting().get("sampling") == "fixed_order")
+        if fixed_order and self.schedule and len(self.schedule) > 1:
             raise PretrainError(
-                "--noise blt samples in one fixed order, one batch size for the run (each "
-                "example keeps its slot every epoch): pass --batch-size and --steps, or "
-                "--noise bandmf (cyclic Poisson sampling) for a growing batch.")
+                f"--noise {self.noise} samples in one fixed order, one batch size for the run "
+                "(each example keeps its slot every epoch): pass --batch-size and --steps, or "
+                "for a growing batch a --noise accounted with cyclic Poisson sampling.")
 
     def _check_files(self) -> None:
         if self.resume and not self.output_dir:

@@ -12,12 +12,14 @@ The FLOPs and memory come from `tf_megadp.jobs.bert.cost_model` (its docstring
 has the arithmetic, checked against a keras-hub BERT and one measured DP
 step of BERT-Large).
 
-Correlated noise (`tf_megadp.BandMF`, `tf_megadp.BLT`; the job's --noise):
-the plan calibrates sigma for the run's mechanism and states what its
-buffers would add per core (not counted in the memory check), b - 1
-float32 copies of the trained parameters for BandMF with b bands (b = 4, 16,
-64), d for a BLT with d buffers (every replica streams its own share of the
-noise through its own buffers: docs/tpu.md).
+Correlated noise (the job's --noise, a registered mechanism of
+`tf_megadp.accounting.noise`): the plan calibrates sigma for the run's
+mechanism (with --bands auto, chosen first by the run's expected error:
+`noise_choice`) and states what its buffers would add per core (not
+counted in the memory check), as float32 copies of the trained
+parameters, and what each mechanism's `plan_examples` would (every
+replica streams its own share of the noise through its own buffers:
+docs/tpu.md).
 
 Example:
 ```python
@@ -34,7 +36,7 @@ import os
 from typing import Any, NamedTuple
 
 from tf_megadp import accounting
-from tf_megadp.accounting.correlated_noise import NoiseStrategy
+from tf_megadp.accounting.noise import noise_class, noise_kinds
 from tf_megadp.jobs.bert import cost_model, initial_weights
 from tf_megadp.jobs.bert.config import Hardware, PretrainError
 from tf_megadp.jobs.common.privacy import default_delta
@@ -52,8 +54,6 @@ __all__ = [
     "format_plan",
 ]
 
-# The bands whose noise buffers every plan states (issue 39).
-NOISE_BANDS = (4, 16, 64)
 # Always shown side by side in a plan's memory table (and the selected one).
 COMPARED = ("vectorized", "ghost")
 
@@ -114,6 +114,8 @@ def make_plan(config, *, vocabulary_size: int | None = None, init=None) -> dict[
     prior = init.composed_ledger(config) if init is not None else None
     try:
         schedule = config.make_schedule(config.num_examples, hardware.replicas)
+        # --bands auto: the mechanism's choice for this schedule and budget.
+        config, noise_choice = config.with_chosen_noise(schedule)
     except PretrainError as error:
         raise InfeasiblePlanError(str(error)) from None
     model = model_spec(config, vocabulary_size)
@@ -216,18 +218,19 @@ def make_plan(config, *, vocabulary_size: int | None = None, init=None) -> dict[
         "training_seconds": total_seconds,
         "memory_bytes": memory,
         "hbm_bytes": hbm,
-        # Per core, float32 copies of the trained weights, for
-        # BandMF(num_bands=b) with the given coefficients' shape (the
-        # optimization does not change their number).
+        # Per core, float32 copies of the trained weights, for each
+        # mechanism's examples (the optimization does not change their number).
         "noise_buffer_bytes": {
-            f"bandmf_{bands}": NoiseStrategy(
-                "bandmf", (1.0,) * bands).buffer_bytes(model.trainable_parameter_count())
-            for bands in NOISE_BANDS},
+            f"{kind}_{value}": noise_class(kind).from_option(value).noise_buffers
+            * 4 * model.trainable_parameter_count()
+            for kind in noise_kinds() for value in noise_class(kind).plan_examples},
         # The run's own noise (--noise): its buffers per core.
         "noise": None if config.noise is None else {
             "kind": config.noise, "bands": config.bands,
-            "buffer_bytes": (config.bands - (config.noise == "bandmf"))
+            "buffer_bytes": config.noise_mechanism().noise_buffers
             * 4 * model.trainable_parameter_count()},
+        # --bands auto: each candidate's expected error, and the one chosen.
+        "noise_choice": noise_choice,
     }
 
 
@@ -295,12 +298,18 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{memory['total'] / GIB:.2f} GiB of {plan['hbm_bytes'] / GIB:g}"
         )
     buffers = ", ".join(
-        f"b = {name.split('_')[1]}: {value / GIB:.2f} GiB"
+        f"{name.rsplit('_', 1)[0]} {name.rsplit('_', 1)[1]}: {value / GIB:.2f} GiB"
         for name, value in plan["noise_buffer_bytes"].items())
     noise = plan.get("noise")
     this_run = "independent noise, none" if noise is None else (
         f"{noise['kind']} with {noise['bands']}: {noise['buffer_bytes'] / GIB:.2f} GiB")
     lines.append(
-        f"  noise buffers : correlated noise (BandMF, b - 1 model copies) would add per core "
-        f"{buffers} (this run: {this_run})")
+        f"  noise buffers : correlated noise would add per core {buffers} (this run: "
+        f"{this_run})")
+    choice = plan.get("noise_choice")
+    if choice is not None:
+        lines.append(
+            f"  noise choice  : --bands auto chose {choice['parameter']} {choice['chosen']} "
+            "by the expected prefix-sum RMSE (units of C) of each candidate: " + ", ".join(
+                f"{value}: {error:.4g}" for value, error in choice["expected_errors"].items()))
     return "\n".join(lines)

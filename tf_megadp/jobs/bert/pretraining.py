@@ -216,6 +216,14 @@ def run_pretraining(config: PretrainConfig, *, log=print,
     if config.hardware is not None:
         plan = _check_planned_hardware(config, replicas, train.vocabulary_size, init)
     schedule = config.make_schedule(population, replicas)
+    # --bands auto: the mechanism's choice by the run's expected error (DP-SGD
+    # itself among the candidates), fixed before planning.
+    config, noise_choice = config.with_chosen_noise(schedule)
+    if noise_choice is not None:
+        log(f"--bands auto: {config.noise} with {noise_choice['parameter']} "
+            f"{noise_choice['chosen']} (expected prefix-sum RMSE by candidate, in units of C: "
+            + ", ".join(f"{value}: {error:.4g}"
+                        for value, error in noise_choice["expected_errors"].items()) + ").")
     prior = init.composed_ledger(config) if init is not None else None
     sigma, delta, planned_epsilon = plan_privacy(config, schedule, prior=prior, plan=plan,
                                                  init_from=config.init_from)
@@ -234,7 +242,8 @@ def run_pretraining(config: PretrainConfig, *, log=print,
             save_canaries(os.path.join(output_dir, CANARIES_NAME), canaries)
         return run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout,
                             strategy, output_dir, started, log, testing,
-                            learning_rate_source=learning_rate_source, init=init)
+                            learning_rate_source=learning_rate_source, init=init,
+                            noise_choice=noise_choice)
     except BaseException:
         if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
             shutil.rmtree(output_dir, ignore_errors=True)

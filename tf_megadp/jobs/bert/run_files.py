@@ -120,36 +120,37 @@ def _learning_lines(report: dict[str, Any]) -> list[str]:
             f"trained on              {population}"]
 
 
-def mechanism_description(noise: str | None, size: int, sampling: str,
-                          cycle_length: int | None) -> str:
+def mechanism_description(noise, sampling: str, cycle_length: int | None) -> str:
     """The noise mechanism and the sampling it is accounted with, in words (log and summary).
 
-    Example:
-    ```python
-    mechanism_description("bandmf", 4, "cyclic_poisson", 4)
-    # 'BandMF correlated noise (4 bands) on cyclic Poisson sampling (4 groups: step t
-    #  samples group t mod 4)'
-    ```
+    Args:
+        noise: the run's noise mechanism (`tf_megadp.accounting.noise`), or
+            None for DP-SGD's.
+        sampling: the sampling kind.
+        cycle_length: L of cyclic Poisson sampling.
+
+    Returns:
+        The mechanism's `label` on the sampling in words, e.g. "... on
+        cyclic Poisson sampling (4 groups: step t samples group t mod 4)".
     """
-    noises = {None: "independent Gaussian noise (DP-SGD)",
-              "bandmf": f"BandMF correlated noise ({size} bands)",
-              "blt": f"BLT correlated noise ({size} buffers)"}
+    from tf_megadp.accounting.noise import default_noise
+
     samplings = {
         "poisson": "Poisson sampling",
         "cyclic_poisson": (f"cyclic Poisson sampling ({cycle_length} groups: step t samples "
                            f"group t mod {cycle_length})"),
         "fixed_order": "fixed-order sampling (one secret order, the same every epoch)",
     }
-    return (f"{noises.get(noise, f'{noise} noise')} on "
+    return (f"{(noise or default_noise()).label()} on "
             f"{samplings.get(sampling, f'{sampling} sampling')}")
 
 
 def _report_mechanism(report: dict[str, Any]) -> str:
-    noise = report.get("noise") or {}
-    kind = noise.get("kind")
-    return mechanism_description(kind, noise.get("bands") if kind == "bandmf"
-                                 else noise.get("noise_buffers"),
-                                 report["sampling"], report.get("cycle_length"))
+    from tf_megadp.accounting.noise import read_noise_record
+
+    noise = report.get("noise")
+    mechanism = None if noise is None else read_noise_record(noise["record"])[0]
+    return mechanism_description(mechanism, report["sampling"], report.get("cycle_length"))
 
 
 def run_summary(report: dict[str, Any], output_dir: str) -> str:

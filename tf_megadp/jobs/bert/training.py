@@ -214,6 +214,8 @@ class _Job:
         log: prints one progress message.
         testing: the test-only seeds, or None.
         init: the `InitialWeights` the run started from (--init-from), or None.
+        noise_choice: what --bands auto chose (`PrivacySettings.with_chosen_noise`),
+            or None.
     """
 
     config: PretrainConfig
@@ -228,6 +230,7 @@ class _Job:
     log: Callable[[str], None]
     testing: Any = None
     init: Any = None
+    noise_choice: dict[str, Any] | None = None
 
     @property
     def private(self) -> bool:
@@ -263,7 +266,8 @@ class _Start:
 
 def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout,
                  strategy, output_dir, started, log, testing=None,
-                 learning_rate_source="given", init=None) -> dict[str, Any]:
+                 learning_rate_source="given", init=None,
+                 noise_choice=None) -> dict[str, Any]:
     """Trains the planned run (or continues it with --resume), releases it and reports.
 
     Args:
@@ -280,6 +284,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
         learning_rate_source: where the learning rate came from.
         init: the `InitialWeights` of --init-from (of the run's first
             start, on a resume), or None.
+        noise_choice: what --bands auto chose, or None.
 
     Returns:
         The run's report (report.json).
@@ -287,7 +292,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
     from tf_megadp import distribute
 
     job = _Job(config, schedule, sigma, delta, train, heldout, strategy, output_dir, started,
-               log, testing, init)
+               log, testing, init, noise_choice)
     batcher, heldout_set = _prepare_evaluation(job)
     model, start = _model_of_this_start(job, learning_rate_source)
     logical_done = _announce_progress(job, model)
@@ -526,15 +531,16 @@ def _sampler_of_this_start(job: _Job, logical_done: int):
              {"unit_ids": load_unit_ids(job.train), "privacy_unit": config.privacy_unit,
               "examples_per_unit": config.examples_per_unit})
     sampler_class = data.PrivacyUnitSampler if units else data.PoissonSampler
-    # Correlated noise is accounted over the sampling its proof needs:
-    # BandMF over cyclic Poisson groups (cycle = bands), BLT over one secret
-    # order kept every epoch. A resumed run draws a new order or new groups,
+    # Correlated noise is accounted over the sampling its proof needs (its
+    # mechanism's `accounted_sampling`: cyclic Poisson groups, or one secret
+    # order kept every epoch). A resumed run draws a new order or new groups,
     # and its optimizer a new noise segment: each is accounted on its own.
     options = dict(units)
-    if config.noise == "blt":
+    sampling = config.noise_accounting()
+    if sampling.get("sampling") == "fixed_order":
         sampler_class = data.FixedOrderSampler
-    elif config.noise == "bandmf":
-        options["cycle_length"] = config.bands
+    if sampling.get("cycle_length", 1) > 1:
+        options["cycle_length"] = sampling["cycle_length"]
     if job.testing is None:
         return sampler_class(
             job.train, job.schedule,
@@ -623,7 +629,7 @@ def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: fl
         f"Schedule: {schedule}; "
         + (f"sigma={job.sigma:.4f}, C={config.l2_norm_clip}, delta={job.delta:.3g}, planned "
            f"epsilon={planned_epsilon:.3f}; "
-           + mechanism_description(config.noise, config.bands, sampler.sampling_kind,
+           + mechanism_description(config.noise_mechanism(), sampler.sampling_kind,
                                    getattr(sampler, "cycle_length", None)) + "."
            if job.private
            else "NON-PRIVATE baseline (no clipping, no noise).")
@@ -664,6 +670,8 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
         # The correlated noise (--noise), the strategy it streamed, its bands.
         "noise": (model.optimizer.noise_strategy.describe()
                   if private and config.noise is not None else None),
+        # --bands auto: the candidates' expected errors and the one chosen.
+        "noise_choice": job.noise_choice,
         "schedule": schedule.to_dict(),
         "logical_steps": final_steps,
         "completed": final_steps >= schedule.total_steps,

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from tf_megadp.accounting import accountant_names
+from tf_megadp.accounting.noise import default_noise, noise_class, noise_kinds
 from tf_megadp.jobs.common.errors import JobError
 
 __all__ = ["NOISES", "PER_EXAMPLE_SCALINGS", "PrivacySettings", "default_delta",
@@ -23,9 +24,12 @@ __all__ = ["NOISES", "PER_EXAMPLE_SCALINGS", "PrivacySettings", "default_delta",
 
 # DPOptimizer's per_example_scaling.
 PER_EXAMPLE_SCALINGS = ("clip", "automatic")
-# Correlated noise a job can train with, each with the sampling its
-# accounting has a proof for (docs/privacy.md, "Correlated noise").
-NOISES = ("bandmf", "blt")
+# The noise a job can ask for besides the default (DP-SGD's): every
+# registered mechanism, each trained with the sampling its accounting has a
+# proof for (docs/privacy.md, "Correlated noise").
+NOISES = tuple(kind for kind in noise_kinds() if kind != default_noise().kind)
+# `bands` that asks for the mechanism's automatic choice (`with_chosen_noise`).
+AUTO = "auto"
 _NUMBERS = ("delta", "target_epsilon", "noise_multiplier", "l2_norm_clip",
             "max_truncation_probability", "automatic_scaling_stability",
             "adaptive_clipping_quantile", "adaptive_clipping_learning_rate",
@@ -65,11 +69,13 @@ class PrivacySettings:
             Keras step (no clipping, no noise).
         clipping: DPOptimizer's per-example strategy ("auto", "ghost" or
             "vectorized").
-        noise: None (independent noise, DP-SGD), "bandmf" (`tf_megadp.BandMF`
-            with `bands` bands, on cyclic Poisson sampling of cycle `bands`)
-            or "blt" (`tf_megadp.BLT` with `bands` buffers, on one secret
-            fixed order).
-        bands: b of "bandmf", d of "blt".
+        noise: None (independent noise, DP-SGD) or a registered noise
+            mechanism's kind (`NOISES`: `tf_megadp.accounting.noise`), trained
+            with the sampling its accounting has a proof for
+            (`NoiseMechanism.accounted_sampling`).
+        bands: the mechanism's one parameter (`NoiseMechanism.option`, its
+            bands, buffers or lambda), or "auto" for the mechanism's choice
+            by the run's expected error (`with_chosen_noise`).
         max_truncation_probability: the largest probability per logical step
             that a Poisson batch overflows its static capacity.
     """
@@ -87,7 +93,7 @@ class PrivacySettings:
     non_private: bool = False
     clipping: str = "auto"
     noise: str | None = None
-    bands: int = 4
+    bands: int | float | str = 4
     max_truncation_probability: float = 1e-9
 
     def adaptive_clipping(self):
@@ -101,27 +107,80 @@ class PrivacySettings:
                                 self.adaptive_clipping_count_stddev)
 
     def noise_mechanism(self):
-        """The run's `tf_megadp.BandMF` or `tf_megadp.BLT`, or None for independent noise."""
+        """The run's noise mechanism (`noise` with its parameter `bands`), or None for DP-SGD.
+
+        Raises:
+            JobError: an unknown kind, a parameter the mechanism refuses, or
+                "auto" not yet chosen (`with_chosen_noise`).
+        """
         if self.noise is None:
             return None
-        from tf_megadp.accounting.correlated_noise import BLT, BandMF
-
-        if self.noise == "bandmf":
-            return BandMF(num_bands=self.bands)
-        return BLT(num_buffers=self.bands)
+        if self.bands == AUTO:
+            raise JobError(
+                f"--noise {self.noise} --bands auto is chosen from the run's schedule and "
+                "budget (PrivacySettings.with_chosen_noise) before the run is planned.")
+        try:
+            return noise_class(self.noise).from_option(self.bands)
+        except (TypeError, ValueError) as error:
+            raise JobError(f"--noise {self.noise} --bands {self.bands!r}: {error}") from None
 
     def noise_accounting(self) -> dict[str, Any]:
         """The `RunDescription` fields of the run's noise and the sampling it needs.
 
-        Example:
-            >>> PrivacySettings(noise="bandmf", bands=4).noise_accounting()["cycle_length"]
-            4
+        Returns:
+            {} for DP-SGD; else {"noise": the mechanism, **its
+            `accounted_sampling`} (a cycle length, or the fixed order).
         """
-        if self.noise is None:
+        mechanism = self.noise_mechanism()
+        if mechanism is None:
             return {}
-        if self.noise == "bandmf":
-            return {"noise": self.noise_mechanism(), "cycle_length": self.bands}
-        return {"noise": self.noise_mechanism(), "sampling": "fixed_order"}
+        return {"noise": mechanism, **mechanism.accounted_sampling()}
+
+    def with_chosen_noise(self, schedule) -> tuple["PrivacySettings", dict[str, Any] | None]:
+        """These settings with "auto" replaced by the mechanism's choice for the run.
+
+        The mechanism ranks its candidates by the expected error of the run
+        at the target epsilon (`NoiseMechanism.expected_errors`), DP-SGD
+        itself among them where the mechanism reaches it (one band), so the
+        choice is never worse than DP-SGD by that error.
+
+        Args:
+            schedule: the run's `BatchSizeSchedule` (N, B of its first
+                phase, its steps).
+
+        Returns:
+            (the settings, what was chosen: {"parameter", "chosen",
+            "expected_errors"}), or (these settings, None) without "auto".
+
+        Raises:
+            JobError: "auto" without a target epsilon, or for a mechanism
+                without an automatic choice.
+        """
+        if self.noise is None or self.bands != AUTO:
+            return self, None
+        if self.target_epsilon is None:
+            raise JobError("--bands auto chooses for a budget: pass --target-epsilon.")
+        cls = noise_class(self.noise)
+        n = schedule.num_examples
+        starts, step = [], 0
+        for phase in schedule.phases[:-1]:
+            step += phase.steps
+            starts.append(step)
+        try:
+            # A growing batch is ranked at its largest batch (where q = B b / N
+            # must stay <= 1); the run's sigma is then calibrated on the
+            # schedule itself, as every run's is.
+            errors = cls.expected_errors(
+                num_examples=n, steps=schedule.total_steps,
+                batch_size=max(phase.batch_size for phase in schedule.phases),
+                target_epsilon=self.target_epsilon, phase_starts=starts,
+                delta=self.delta if self.delta is not None else default_delta(n))
+        except ValueError as error:
+            raise JobError(f"--noise {self.noise} --bands auto: {error}") from None
+        chosen = min(errors, key=errors.get)
+        return dataclasses.replace(self, bands=chosen), {
+            "parameter": cls.option, "chosen": chosen,
+            "expected_errors": {str(value): error for value, error in errors.items()}}
 
     def check_privacy(self) -> None:
         """Raises `JobError` naming the first bad privacy setting (and how to fix it)."""
@@ -174,8 +233,10 @@ class PrivacySettings:
             raise JobError(
                 f"noise must be one of {', '.join(NOISES)} (or None: independent noise), "
                 f"got {self.noise!r}.")
-        if isinstance(self.bands, bool) or not isinstance(self.bands, int) or self.bands < 1:
-            raise JobError(f"bands must be a positive integer, got {self.bands!r}.")
+        if self.bands != AUTO:
+            if isinstance(self.bands, bool) or not isinstance(self.bands, (int, float)):
+                raise JobError(f"bands must be a number or 'auto', got {self.bands!r}.")
+            self.noise_mechanism()  # Refuses a parameter the mechanism does not take.
         if self.non_private:
             raise JobError(
                 f"--noise {self.noise} is the noise of a private run: the non-private "

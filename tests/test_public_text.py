@@ -265,3 +265,29 @@ class TestCorpus:
             handle.write(".PP\nA new paragraph makes the page longer than it was before.\n")
         changed = public_corpus_documents(["man", "doc"], 10_000, roots=tree, cache_dir=cache)
         assert reads and changed != first
+
+
+def test_the_job_prepares_a_public_corpus_once_and_again_when_a_source_changes(
+        tree, tmp_path, monkeypatch):
+    from tf_megadp.jobs.bert import text
+
+    monkeypatch.setattr(public_text, "SourceRoots", lambda: tree)
+    public_text._machine_fingerprint.cache_clear()
+    monkeypatch.setattr(public_text, "_machine_fingerprint",
+                        lambda source: public_text.source_fingerprint(source, tree))
+    settings = dict(public_sources=["man", "doc", "more-docstrings"], sequence_length=16,
+                    vocabulary_size=120, min_tokens=2, max_characters=10_000,
+                    text_cache_dir=str(tmp_path / "cache"))
+    shards = text.prepare_corpus(tmp_path / "shards", None, **settings)
+    manifest = shards.manifest
+    assert manifest["source"] == "public corpus: man, doc, more-docstrings"
+    expected = {}
+    public_corpus_documents(["man", "doc", "more-docstrings"], 10_000, roots=tree,
+                            sizes=expected)
+    assert manifest["public_sources"] == expected
+    assert text.prepare_corpus(tmp_path / "shards", None, **settings).manifest["checksum"] \
+        == manifest["checksum"]
+    with open(os.path.join(tree.doc[0], "frob", "README.md"), "a") as handle:
+        handle.write("\nOne more paragraph of documentation changes the public corpus.\n")
+    assert text.prepare_corpus(tmp_path / "shards", None, **settings).manifest["checksum"] \
+        != manifest["checksum"]

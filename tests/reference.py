@@ -150,9 +150,18 @@ def noise_draws(seed, step, shapes, generation=0, replica=0):
     """
     key = tf.constant([seed, 0], tf.int64)
     for value in (step, generation, replica):
-        key = tf.random.experimental.stateless_fold_in(key, tf.constant(value, tf.int64))
-    return [tf.random.stateless_normal(shape, seed=tf.random.experimental.stateless_fold_in(
-        key, index)).numpy().astype(np.float64) for index, shape in enumerate(shapes)]
+        key = tf.random.experimental.stateless_fold_in(key, tf.constant(value, tf.int64),
+                                                       alg="philox")
+    return [box_muller(tf.random.experimental.stateless_fold_in(key, index, alg="philox"), shape)
+            for index, shape in enumerate(shapes)]
+
+
+def box_muller(key, shape):
+    """The standard normals of `noise.standard_normal`, by NumPy in float64 from Philox's words."""
+    words = tf.random.stateless_uniform([2, *shape], seed=key, minval=None, maxval=None,
+                                        dtype=tf.uint32, alg="philox").numpy().astype(np.float64)
+    radius = np.sqrt(-2.0 * np.log((words[0] + 0.5) * 2.0 ** -32))
+    return radius * np.cos(2.0 * np.pi * words[1] * 2.0 ** -32)
 
 
 def assert_covariance_is(samples, covariance, z_bound=6.0):

@@ -114,7 +114,10 @@ def public_start(tmp_path_factory):
     import keras
 
     folder = tmp_path_factory.mktemp("start")
-    keras.utils.set_random_seed(0)
+    # Not seed 0: test_jobs_bert_initial_weights's fabricated release holds
+    # seed 0's untrained values, and a process that met it (an xdist worker)
+    # rightly recognises them as that release's.
+    keras.utils.set_random_seed(1)
     vocabulary = list(VOCABULARY) + [w for w in WORDS if w not in VOCABULARY]
     model = training.build_model(PretrainConfig(model="pico", sequence_length=16,
                                                 vocabulary_size=len(vocabulary)),
@@ -237,7 +240,7 @@ def _pico_file(folder):
     from tf_megadp.jobs.bert import training
     from tf_megadp.jobs.bert.config import PretrainConfig
 
-    keras.utils.set_random_seed(0)
+    keras.utils.set_random_seed(1)  # Not seed 0: see public_start.
     training.build_model(PretrainConfig(**PICO), len(VOCABULARY)).save(folder / "pico.keras")
     return folder / "pico.keras"
 

@@ -18,6 +18,7 @@ from scipy import linalg
 import tf_megadp
 from tf_megadp import BLT, BandMF, BatchSizeSchedule, LambdaCGD, Phase, PrivacyConfigurationError
 from tf_megadp.accounting import matrix_factorization as mf
+from tf_megadp.optimizer import noise as noise_stage
 from tests import preempted_run, reference
 
 # SIGMA is no float32 number: the ledger records the step's float32 sigma.
@@ -58,14 +59,14 @@ class _Updates(keras.callbacks.Callback):
         self.weights.setdefault(step, reference.flat(reference.weights(self.model)))
 
 
-def _zero_gradient_run(noise):
+def _zero_gradient_run(noise, jit_compile="auto"):
     """(u (P x T), the model, its report) of a seeded run: u_t = -(B / (sigma C)) update_t."""
     model = tf_megadp.make_private(_wide_model())
     sampler = _sampler(noise)
     optimizer = tf_megadp.DPOptimizer(
         keras.optimizers.SGD(1.0), l2_norm_clip=CLIP, noise_multiplier=SIGMA,
         schedule=sampler.schedule, noise=noise, seed=SEED)
-    model.compile(optimizer=optimizer, loss=reference.zero_loss)
+    model.compile(optimizer=optimizer, loss=reference.zero_loss, jit_compile=jit_compile)
     updates = _Updates()
     updates.weights[0] = reference.flat(reference.weights(model))
     # batch_size=BATCH: each step's expected batch is B, also for a cyclic
@@ -153,6 +154,44 @@ def test_the_report_names_the_segment_and_the_strategy_never_the_buffers(run):
     assert report["sampling"]["accounted_as"] == f"noise segments (1): {kind}"
     assert report["settings"]["noise_strategy"] == strategy.describe()
     assert report["settings"]["noise_strategy"]["strategy_hash"] == strategy.strategy_hash
+
+
+def test_compiled_whole_with_xla_the_stream_draws_the_same_z_again():
+    """A step compiled whole (every TPU step) draws the z that the same step draws uncompiled.
+
+    TensorFlow's own stateless normal gives other values under XLA: a
+    lambda-CGD run resumed in the other mode would subtract lam z_(t-1)
+    of a z_(t-1) that was never added.
+    """
+    with pytest.warns(UserWarning, match="seed"):
+        streamed, model, _ = _zero_gradient_run(LambdaCGD(LAM), jit_compile=True)
+    shapes = [tuple(v.shape) for v in model.trainable_variables]
+    draws = np.stack([reference.flat(reference.noise_draws(SEED, t, shapes))
+                      for t in range(STEPS)])
+    previous = np.concatenate([np.zeros_like(draws[:1]), draws[:-1]])
+    expected = (draws - LAM * previous) / math.sqrt(1 - LAM ** 2)
+    np.testing.assert_allclose(streamed, expected.T, rtol=1e-3, atol=1e-3)
+
+
+class TestTheStandardNormal:
+    def test_it_is_the_same_in_and_out_of_xla(self):
+        import tensorflow as tf
+
+        key = tf.constant([5, 9], tf.int64)
+        draw = lambda k: noise_stage.standard_normal([400, 250], k, tf.float32)  # noqa: E731
+        eager = tf.function(draw)(key).numpy()
+        compiled = tf.function(draw, jit_compile=True)(key).numpy()
+        np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(eager, reference.box_muller(key, [400, 250]), atol=1e-5)
+
+    def test_its_standard_deviation_is_one_and_another_key_draws_anew(self):
+        import tensorflow as tf
+
+        first = noise_stage.standard_normal([100_000], tf.constant([1, 2], tf.int64), tf.float32)
+        second = noise_stage.standard_normal([100_000], tf.constant([1, 3], tf.int64), tf.float32)
+        reference.assert_std_is(first.numpy(), 1.0)
+        reference.assert_std_is(second.numpy() - first.numpy(), math.sqrt(2))
+        assert abs(float(np.mean(first.numpy()))) < 6 / math.sqrt(100_000)
 
 
 def test_lambda_cgd_noise_has_lag_one_correlation_minus_lam_over_one_plus_lam_squared(run):

@@ -289,7 +289,9 @@ def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
     """
     import tensorflow as tf
 
-    noise = tf.random.stateless_normal([], seed=key, dtype=tf.float64)
+    from tf_megadp.optimizer.noise import standard_normal
+
+    noise = standard_normal([], key, tf.float64)
     noisy = tf.cast(centred_sum, tf.float64) + tf.cast(stddev, tf.float64) / math.sqrt(
         replicas) * noise
     if replicas > 1:

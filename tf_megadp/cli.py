@@ -655,6 +655,57 @@ def _run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- public-model ---------------------------------------------------------------
+
+
+def _add_public_model_parser(subparsers) -> None:
+    from tf_megadp.jobs.bert.public_model import public_model_help
+
+    help_text, recipes = public_model_help()
+    parser = subparsers.add_parser("public-model", help=_HELP["public-model"],
+                                   description=help_text)
+    parser.add_argument("--minutes", type=int, default=None, metavar="M",
+                        help=f"the recipe: {recipes}")
+    hidden = argparse.SUPPRESS
+    for flag, kind, text in (
+            ("--model", str, "model preset (default: the recipe's)"),
+            ("--vocabulary-size", int, "WordPiece vocabulary size (default: the recipe's)"),
+            ("--sequence-length", int, "tokens per sequence (default: the recipe's)"),
+            ("--steps", int, "training steps (default: the recipe's)"),
+            ("--batch-size", int, "sequences per step (default: the recipe's)"),
+            ("--micro-batch-size", int, "sequences per micro-batch (default: the recipe's)"),
+            ("--learning-rate", float, "peak learning rate (default: the recipe's)"),
+            ("--warmup-steps", int, "linear warm-up steps (default: the recipe's)"),
+            ("--max-characters", int, "size cap of the public corpus (default: the recipe's)"),
+            ("--public-sources", str, "comma-separated public sources (default: all of "
+                                      "docstrings, more-docstrings, man, doc, package-docs)"),
+            ("--heldout-fraction", float, "share of sequences held out for the accuracy"),
+            ("--seed", int, "seeds the initialisation and the held-out split (default 0)")):
+        parser.add_argument(flag, type=kind, default=hidden, help=text)
+    parser.add_argument("--cache-dir", default=None,
+                        help="cache root (default ~/.cache/tf_megadp): the model goes to its "
+                             "public-models folder")
+    parser.add_argument("--no-build", action="store_true",
+                        help="print the path if the model is cached, else fail (exit 2)")
+    parser.set_defaults(handler=_run_public_model)
+
+
+def _run_public_model(args: argparse.Namespace) -> int:
+    from tf_megadp.jobs.bert.public_model import DEFAULT_MINUTES, public_model, public_model_config
+
+    overrides = {name: value for name, value in vars(args).items()
+                 if name not in ("handler", "command", "minutes", "cache_dir", "no_build")}
+    minutes = DEFAULT_MINUTES if args.minutes is None else args.minutes
+    # Refused (a bad flag, named) before TensorFlow loads.
+    public_model_config(minutes, cache_dir=args.cache_dir, **overrides)
+    if not args.no_build:
+        _import_tensorflow_quietly()
+    path = public_model(minutes, cache_dir=args.cache_dir, build=not args.no_build,
+                        **overrides)
+    print(path)
+    return 0
+
+
 # -- Entry point ----------------------------------------------------------------
 
 # One line per subcommand for `tf-megadp --help`; builders below.
@@ -666,6 +717,7 @@ _HELP = {
     "audit": "audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
     "evaluate": "held-out MLM accuracy of a model on a corpus, beside the unigram baseline",
     "finetune": "DP fine-tuning of a public BERT on labelled text (prompt or head)",
+    "public-model": "the public BERT fine-tuning starts from: built once without DP, cached",
 }
 
 _SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
@@ -676,6 +728,7 @@ _SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
     "audit": _add_audit_parser,
     "evaluate": _add_evaluate_parser,
     "finetune": _add_finetune_parser,
+    "public-model": _add_public_model_parser,
 }
 
 

@@ -45,7 +45,7 @@ from tf_megadp.optimizer.ledger import (
     read_ledger,
 )
 from tf_megadp.optimizer.memory import InMemoryState, InMemoryVariables
-from tf_megadp.optimizer.noise import NoiseStage, replica_stddev
+from tf_megadp.optimizer.noise import NoiseStage, fold_in, replica_stddev
 from tf_megadp.optimizer.settings import SETTING_NAMES, DPSettings, check_inner_optimizer
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
 
@@ -877,8 +877,8 @@ class DPOptimizer(keras.optimizers.Optimizer):
         """Adaptive clipping: releases the noisy count of unclipped examples and moves C."""
         adaptive.release_count_and_update(
             self.adaptive_clipping, self.clip_norm, self.accumulation_stage.take_centred_count(),
-            count_stddev, divisor, tf.random.experimental.stateless_fold_in(
-                self.noise_stage.step_key(step, generation), len(trainable_variables)),
+            count_stddev, divisor, fold_in(self.noise_stage.step_key(step, generation),
+                                           len(trainable_variables)),
             tf.distribute.get_strategy().num_replicas_in_sync,
             self.adaptive_clipping.clip_norm_bounds(self.l2_norm_clip))
         # Read by the ledger recorder, which stops the run once the step is

@@ -49,6 +49,12 @@ def add_run_config_arguments(parser: argparse.ArgumentParser) -> None:
                            f"one per line (default {defaults.document_separator})")
     data.add_argument("--max-characters", type=int, default=hidden,
                       help="size cap of the default corpus")
+    data.add_argument("--public-sources", metavar="NAMES", default=hidden,
+                      help="sources of the offline default corpus and its vocabulary, "
+                           "comma-separated: docstrings, more-docstrings, man, doc, "
+                           "package-docs (scipy, scikit-learn and matplotlib held out; "
+                           "default: docstrings of the standard library, numpy, keras and "
+                           "tensorflow)")
     data.add_argument("--heldout-fraction", type=float, default=hidden)
     data.add_argument("--privacy-unit", metavar="FIELD", default=hidden,
                       help="user-level privacy: the JSONL field naming each document's "

@@ -124,6 +124,13 @@ class PretrainConfig(PrivacySettings):
             per line). JSONL files always hold one document per line.
         max_characters: size cap of the default corpus (also when it only
             supplies the vocabulary of a user corpus).
+        public_sources: the sources of the offline default corpus (and of
+            the public vocabulary), comma-separated names of
+            `tf_megadp.jobs.bert.public_text.PUBLIC_SOURCES` such as
+            "docstrings,more-docstrings,man,doc,package-docs"; the
+            docstrings of `HELD_OUT_PACKAGES` are never among them. None
+            (default): the docstrings of the standard library, numpy,
+            keras and tensorflow, as the job has always read them.
         heldout_fraction: share of sequences kept out of training for evaluation.
         privacy_unit: user-level privacy: the JSONL field naming each
             document's privacy unit (its author, account, patient). Every
@@ -243,6 +250,7 @@ class PretrainConfig(PrivacySettings):
     vocabulary_from_training_corpus: bool = False
     document_separator: str = "blank-line"
     max_characters: int = 3_000_000
+    public_sources: str | None = None
     heldout_fraction: float = 0.05
     privacy_unit: str | None = None
     examples_per_unit: int = 4
@@ -433,6 +441,13 @@ class PretrainConfig(PrivacySettings):
             )
         if self.vocabulary and not os.path.isfile(self.vocabulary):
             raise PretrainError(f"--vocabulary {self.vocabulary}: no such file.")
+        if self.public_sources is not None:
+            from tf_megadp.jobs.bert.public_text import parse_public_sources
+
+            try:
+                parse_public_sources(self.public_sources)
+            except ValueError as error:
+                raise PretrainError(f"--public-sources: {error}") from None
 
     def _check_initial_weights(self) -> None:
         if self.lora_rank is not None and (isinstance(self.lora_rank, bool)

@@ -41,6 +41,7 @@ _YAML_FIELDS = {
              "vocabulary_from_training_corpus": "vocabulary_from_training_corpus",
              "document_separator": "document_separator",
              "max_characters": "max_characters", "heldout_fraction": "heldout_fraction",
+             "public_sources": "public_sources",
              "privacy_unit": "privacy_unit", "examples_per_unit": "examples_per_unit",
              "canaries": "canaries", "cache_dir": "cache_dir"},
     "run": {"output_dir": "output_dir", "eval_every": "eval_every",

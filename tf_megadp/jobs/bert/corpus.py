@@ -17,7 +17,8 @@ import numpy as np
 
 from tf_megadp.jobs.bert.config import SEPARATORS
 
-__all__ = ["CLS_ID", "CorpusError", "DEFAULT_PACKAGES", "MASK_ID", "PAD_ID", "SEP_ID",
+__all__ = ["CLS_ID", "CorpusError", "DEFAULT_PACKAGES", "HELD_OUT_DISTRIBUTIONS",
+           "HELD_OUT_PACKAGES", "MASK_ID", "PAD_ID", "SEP_ID",
            "SKIPPED_FOLDERS", "SPECIAL_TOKENS", "UNK_ID", "default_corpus_documents",
            "expand_sources", "package_roots", "read_documents", "root_docstrings",
            "write_synthetic_corpus"]
@@ -28,6 +29,13 @@ SPECIAL_TOKENS = ("[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]")
 # Their ids.
 PAD_ID, CLS_ID, SEP_ID, UNK_ID, MASK_ID = range(len(SPECIAL_TOKENS))
 DEFAULT_PACKAGES = ("stdlib", "numpy", "keras", "tensorflow")
+# Packages whose docstrings never enter a public pretraining corpus: the
+# fine-tuning task (issue 48) classifies them, so a public start must not have
+# read them. Import names; HELD_OUT_DISTRIBUTIONS are the same projects as pip
+# names them (their installed files are never read either,
+# `tf_megadp.jobs.bert.public_text`).
+HELD_OUT_PACKAGES = ("scipy", "sklearn", "matplotlib")
+HELD_OUT_DISTRIBUTIONS = ("scipy", "scikit-learn", "matplotlib")
 # Folders whose docstrings are test scaffolding or duplicated tooling, not prose.
 SKIPPED_FOLDERS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"}
 _MIN_DOCSTRING_CHARACTERS = 40

@@ -37,6 +37,23 @@ def _default_corpus_sources() -> list:
         (name, importlib.metadata.version(name)) for name in ("tensorflow", "keras", "numpy")]
 
 
+def _public_sources(config: PretrainConfig) -> tuple[str, ...] | None:
+    """The sources of the run's offline default corpus (None: the docstrings, as always)."""
+    if config.public_sources is None:
+        return None
+    from tf_megadp.jobs.bert.public_text import parse_public_sources
+
+    return parse_public_sources(config.public_sources)
+
+
+def public_corpus_sources(config: PretrainConfig) -> list:
+    """What a default corpus of `config.public_sources` depends on: package versions, files."""
+    from tf_megadp.jobs.bert.public_text import sources_fingerprint
+
+    return _default_corpus_sources() + [list(pair) for pair in
+                                        sources_fingerprint(_public_sources(config))]
+
+
 def _vocabulary_plan(config: PretrainConfig) -> dict[str, Any]:
     """Where the run's vocabulary comes from, as JSON (part of the corpus cache key).
 
@@ -50,6 +67,10 @@ def _vocabulary_plan(config: PretrainConfig) -> dict[str, Any]:
         return {"kind": "file", "path": path, "sha256": sha256_of_file(path)}
     if config.corpus and config.vocabulary_from_training_corpus:
         return {"kind": "training corpus"}
+    if config.public_sources is not None:
+        return {"kind": "default corpus", "max_characters": config.max_characters,
+                "public_sources": list(_public_sources(config)),
+                "sources": public_corpus_sources(config), "size": config.vocabulary_size}
     return {"kind": "default corpus", "max_characters": config.max_characters,
             "sources": _default_corpus_sources(), "size": config.vocabulary_size}
 
@@ -85,6 +106,13 @@ def vocabulary_report(config: PretrainConfig) -> dict[str, Any]:
                           "(named public by the user)"), True
     elif plan["kind"] == "training corpus":
         source, public = TRAINING_CORPUS_VOCABULARY, False
+    elif config.public_sources is not None:
+        from tf_megadp.jobs.bert.corpus import HELD_OUT_PACKAGES
+
+        source = ("public: the offline default corpus of sources "
+                  f"{', '.join(_public_sources(config))} (docstrings of "
+                  f"{', '.join(HELD_OUT_PACKAGES)} held out)")
+        public = True
     else:
         source = "public: the offline default corpus (docstrings of installed packages)"
         public = True
@@ -103,6 +131,8 @@ def _corpus_key(config: PretrainConfig) -> str:
         except text.CorpusError as error:
             raise PretrainError(str(error)) from None
         sources = [(os.path.abspath(f), os.path.getsize(f), os.path.getmtime(f)) for f in files]
+    elif config.public_sources is not None:
+        sources = public_corpus_sources(config)
     else:
         sources = _default_corpus_sources()
     key = json.dumps({
@@ -141,9 +171,15 @@ def _public_vocabulary(config: PretrainConfig, log=None):
         if not os.path.isfile(path):
             if log:
                 log("  learning the public vocabulary from the offline default corpus...")
-            vocabulary = text.learn_vocabulary(
-                text.default_corpus_documents(config.max_characters), config.vocabulary_size,
-                progress=log)
+            if config.public_sources is not None:
+                from tf_megadp.jobs.bert.public_text import public_corpus_documents
+
+                documents = public_corpus_documents(
+                    _public_sources(config), config.max_characters, progress=log,
+                    cache_dir=config.cache_dir or _default_cache_dir())
+            else:
+                documents = text.default_corpus_documents(config.max_characters)
+            vocabulary = text.learn_vocabulary(documents, config.vocabulary_size, progress=log)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             write_bytes_atomically(path, "".join(t + "\n" for t in vocabulary).encode("utf-8"))
         return text.read_vocabulary_file(path)
@@ -205,6 +241,8 @@ def prepare_data(config: PretrainConfig, log=None):
             separator=config.document_separator,
             progress=log,
             unit_field=config.privacy_unit,
+            public_sources=None if config.corpus else _public_sources(config),
+            text_cache_dir=config.cache_dir or _default_cache_dir(),
         )
         units = unit_files.load_unit_ids(corpus) if config.privacy_unit else None
     except text.CorpusError as error:

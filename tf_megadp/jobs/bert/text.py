@@ -338,7 +338,9 @@ def _inputs_checksum(
     User files are hashed by content. The default corpus is hashed by the
     name, size and modification time of every source file it may read (plus
     the Python version and the size cap): installing or upgrading a package
-    changes it, and a rebuild is needed only then.
+    changes it, and a rebuild is needed only then. A public corpus of
+    several sources is hashed by their `sources_fingerprint` (the same
+    for its files).
     """
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode("utf-8"))
 
@@ -348,7 +350,12 @@ def _inputs_checksum(
             digest.update(len(data).to_bytes(8, "little"))
             digest.update(data)
 
-    if sources is None:
+    if sources is None and settings.get("public_sources"):
+        from tf_megadp.jobs.bert.public_text import sources_fingerprint
+
+        feed("public", sys.version, max_characters,
+             json.dumps(sources_fingerprint(settings["public_sources"])))
+    elif sources is None:
         feed("default", sys.version, max_characters)
         for root in package_roots(DEFAULT_PACKAGES):
             for folder, subfolders, files in os.walk(root):
@@ -383,6 +390,8 @@ def prepare_corpus(
     separator: str = "blank-line",
     progress: Progress | None = None,
     unit_field: str | None = None,
+    public_sources: Sequence[str] | None = None,
+    text_cache_dir: str | os.PathLike | None = None,
 ) -> TokenShards:
     """Builds (or reuses) the token shards of a corpus for masked-LM pretraining.
 
@@ -424,6 +433,12 @@ def prepare_corpus(
             text of two units (the documents of each unit are packed
             together, `packing` within the unit), and each row's unit index
             is saved next to the shards (`units.load_unit_ids`).
+        public_sources: without `sources`, read the public corpus of these
+            sources (`tf_megadp.jobs.bert.public_text.PUBLIC_SOURCES`,
+            held-out packages excluded) instead of the default docstrings;
+            the manifest records the characters taken from each.
+        text_cache_dir: where the public sources' text is cached (None:
+            read every time).
 
     Returns:
         The `TokenShards`. If `output_dir` already holds shards built from the
@@ -479,6 +494,14 @@ def prepare_corpus(
                 f"A privacy unit ({unit_field!r}) is read from JSONL records: pass the "
                 "corpus files; the default corpus has no units.")
         settings["unit_field"] = unit_field
+    if public_sources is not None and sources is None:
+        from tf_megadp.jobs.bert.public_text import parse_public_sources
+
+        public_sources = parse_public_sources(public_sources)
+        # Only a public corpus has sources; the default corpus's key stays as it was.
+        settings["public_sources"] = list(public_sources)
+    else:
+        public_sources = None
     if sources is not None:
         # Only files have separators; the default corpus's key stays as it was.
         if separator not in SEPARATORS:
@@ -499,7 +522,15 @@ def prepare_corpus(
             return shards
 
     started = time.time()
-    if sources is None:
+    source_sizes: dict[str, dict[str, int]] = {}
+    if public_sources is not None:
+        from tf_megadp.jobs.bert.public_text import public_corpus_documents
+
+        documents, skipped = public_corpus_documents(
+            public_sources, max_characters, progress=progress, sizes=source_sizes,
+            cache_dir=None if text_cache_dir is None else os.fspath(text_cache_dir)), 0
+        description = f"public corpus: {', '.join(public_sources)}"
+    elif sources is None:
         documents, skipped = default_corpus_documents(max_characters), 0
         description = f"default corpus: docstrings of {', '.join(DEFAULT_PACKAGES)}"
     else:
@@ -572,6 +603,7 @@ def prepare_corpus(
             "privacy_unit": f"one sequence of {sequence_length} tokens",
             **unit_metadata,
             "source": description,
+            **({"public_sources": source_sizes} if public_sources is not None else {}),
             "num_documents": len(documents),
             "documents_skipped": skipped,
             "num_tokens": total,

@@ -472,14 +472,14 @@ def _recovered_sum(update, key, divisor):
     import tensorflow as tf
 
     step = generation = replica = tf.constant(0, tf.int64)
-    folded = tf.random.experimental.stateless_fold_in(tf.constant(key, tf.int64), step)
-    folded = tf.random.experimental.stateless_fold_in(folded, generation)
-    folded = tf.random.experimental.stateless_fold_in(folded, replica)
+    folded = tf.constant(key, tf.int64)
+    for value in (step, generation, replica):
+        folded = tf.random.experimental.stateless_fold_in(folded, value, alg="philox")
     recovered = []
     for index, delta in enumerate(update):
-        noise = tf.random.stateless_normal(
-            delta.shape, seed=tf.random.experimental.stateless_fold_in(folded, index))
-        recovered.append(-divisor * delta - SIGMA * CLIP * noise.numpy())
+        noise = reference.box_muller(
+            tf.random.experimental.stateless_fold_in(folded, index, alg="philox"), delta.shape)
+        recovered.append(-divisor * delta - SIGMA * CLIP * noise)
     return recovered
 
 

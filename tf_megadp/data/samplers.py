@@ -216,14 +216,17 @@ class PoissonSampler(Sampler):
             indices = indices[np.sort(keep)]
             self.truncated_steps += 1
             self.truncated_examples += size - capacity
-            warn_at_caller(
-                f"Poisson step {step} sampled {size} examples, more than its capacity "
-                f"{capacity}; kept a uniform subset of {capacity} (truncated steps so "
-                f"far: {self.truncated_steps}). The accountant covers this through "
-                f"max_batch_size={capacity}; if it recurs, build the schedule with a "
-                "smaller truncation_probability.",
-                RuntimeWarning,
-            )
+            # At the 1st, 10th, 100th... truncated step: a run's log is not a
+            # line per step (the report counts them all).
+            if str(self.truncated_steps).rstrip("0") == "1":
+                warn_at_caller(
+                    f"Poisson step {step} sampled {size} examples, more than its capacity "
+                    f"{capacity}; kept a uniform subset of {capacity} (truncated steps so "
+                    f"far: {self.truncated_steps}; warned again at 10, 100, ...). The "
+                    f"accountant covers this through max_batch_size={capacity}; if it "
+                    "recurs, build the schedule with a smaller truncation_probability.",
+                    RuntimeWarning,
+                )
         self.steps_drawn += 1
         return StepDraw(step, indices, size, capacity)
 

@@ -57,8 +57,17 @@ def _config(args, name: str, train: str | None, test: str | None, seed: int,
             learning_rate: float | None, output_dir: str):
     from tf_megadp.jobs.finetune.config import FinetuneConfig
 
+    from tf_megadp.jobs.finetune.run import DEFAULT_TASK_PROMPT
+
     objective, lora, epsilon = CONDITIONS[name]
+    prompt = {}
+    if args.train is None and train is not None:
+        # The default task's validation split, as files: its own prompt.
+        words = DEFAULT_TASK_PROMPT["words"]
+        prompt = dict(labels=list(words), label_words=list(words.values()),
+                      template=DEFAULT_TASK_PROMPT["template"])
     return FinetuneConfig(
+        **prompt,
         train=train, test=test, init_from=args.init_from, objective=objective,
         lora_rank=LORA_RANK if lora else None, target_epsilon=epsilon,
         non_private=epsilon is None, learning_rate=learning_rate, seed=seed,

@@ -102,6 +102,9 @@ def main(argv=None):
     parser.add_argument("--micro-batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2, help="micro-batches per fit call")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then N kept fit calls, each after the twin's fit, under cProfile: "
+                             "the functions that take a call's time beyond its steps")
     add_model_arguments(parser)
     args = parser.parse_args(argv)
     rows = args.steps * args.micro_batch
@@ -138,6 +141,24 @@ def main(argv=None):
               f"extra {statistics.median(extras):+.2f} steps "
               f"(each: {', '.join(f'{e:+.2f}' for e in extras)})")
     print(f"  load {load_average()}", flush=True)
+    if args.profile:
+        profile_kept_calls(private, twin, data, args)
+
+
+def profile_kept_calls(private, twin, data, args) -> None:
+    """cProfile of `args.profile` kept fit calls, each after the twin's fit (where the cost shows)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    for _ in range(args.profile):
+        timed_fit(twin, data, args)
+        profiler.enable()
+        timed_fit(private, data, args)
+        profiler.disable()
+    print(f"  cProfile of {args.profile} kept fit calls, each after the twin's fit "
+          "(cumulative seconds; the steps are the train function's calls):")
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(40)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""A public start that has learned: the public corpus source by source, 10/30/60-minute recipes, DP.
+"""A public start that has learned: the public corpus source by source, 10- and 30-minute recipes, DP.
 
 Studies (each writes `--output-dir`/<study>.json and prints a table; the
 machine's load average is recorded before and after every run, as it may be
@@ -16,7 +16,7 @@ shared):
   the held-out packages' docstrings (scipy, scikit-learn, matplotlib: the
   fine-tuning task's text, never trained on), with the job's own masked
   evaluation (`tf-megadp evaluate`).
-- ``budgets``: the `tf-megadp public-model` recipes of about 10, 30 and 60
+- ``budgets``: the `tf-megadp public-model` recipes of about 10 and 30
   minutes (`tf_megadp.jobs.bert.public_model.RECIPES`), each built with
   `public_model()` into `--cache-dir`, and their report: held-out MLM
   accuracy on the public corpus's own held-out split, the unigram baseline,
@@ -32,7 +32,7 @@ Run (one TensorFlow process; hours for budgets and dp):
 
     python benchmarks/public_start.py --study throughput
     python benchmarks/public_start.py --study sources
-    python benchmarks/public_start.py --study budgets      # the 10/30/60-minute comparison
+    python benchmarks/public_start.py --study budgets      # the 10- and 30-minute recipes
     python benchmarks/public_start.py --study dp
     python benchmarks/public_start.py --study vocabulary
 """
@@ -423,7 +423,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--cache-dir", default=None,
                         help="the public models' and corpora's cache root (default "
                              "~/.cache/tf_megadp)")
-    parser.add_argument("--minutes", type=int, nargs="+", default=[10, 30, 60],
+    parser.add_argument("--minutes", type=int, nargs="+", default=[10, 30],
                         help="budgets: the recipes to build; dp and vocabulary: the first "
                              "is the recipe compared")
     # throughput

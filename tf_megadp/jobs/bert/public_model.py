@@ -73,8 +73,10 @@ RECIPES: dict[int, dict[str, Any]] = {
 # What each recipe measured (docs/results.md; `benchmarks/public_start.py`
 # measures it again): minutes of training and held-out MLM accuracy.
 MEASURED: dict[int, str] = {
-    10: "",
-    30: "",
+    10: "measured: 5.4 min of training on a 2-core CPU, held-out MLM accuracy 0.160 "
+        "against the unigram 0.057",
+    30: "measured: 17.9 min of training on a 2-core CPU beside another run, held-out MLM "
+        "accuracy 0.295 against the unigram 0.057",
 }
 DEFAULT_MINUTES = 10
 # The settings a caller may change (the others are the recipe's, or fixed:

@@ -67,7 +67,8 @@ def dense_model(seed=0):
 
 
 def compiled(model, *, noise_multiplier=0.0, clip=CLIP, learning_rate=0.5,
-             momentum=0.9, accumulation=ACCUMULATION, seed=0, clipping="vectorized"):
+             momentum=0.9, accumulation=ACCUMULATION, seed=0, clipping="vectorized",
+             jit_compile="auto"):
     import warnings
 
     import keras
@@ -87,6 +88,7 @@ def compiled(model, *, noise_multiplier=0.0, clip=CLIP, learning_rate=0.5,
     model.compile(
         optimizer=optimizer,
         loss=__import__("keras").losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=jit_compile,
     )
     return model
 
@@ -299,6 +301,44 @@ def ghost_checks(strategy, replicas, result):
             (v.numpy() - i).tolist() for v, i in zip(model.trainable_variables, initial)],
         "single_device_update": [
             (v.numpy() - i).tolist() for v, i in zip(single.trainable_variables, initial)],
+        "identical_across_replicas": replicas_identical(strategy, model.trainable_variables),
+    }
+
+
+def compiled_whole_checks(strategy, replicas, result):
+    """The step compiled whole with XLA, as under TPUStrategy: traced once across fit calls.
+
+    Three fit calls of two logical steps each, with seeded noise, and a
+    non-private model's fit between them (issue 49).
+    """
+    import tensorflow as tf
+
+    from tf_megadp import distribute
+
+    x, y, w = dense_data(replicas)
+    with strategy.scope():
+        model = compiled(dense_model(), noise_multiplier=1.0, clipping="ghost",
+                         jit_compile=True)
+        other = dense_model(seed=1)
+        other.compile(optimizer="sgd", loss="sparse_categorical_crossentropy",
+                      jit_compile=True)
+    traces = []
+    step = model.train_step
+
+    def train_step(data):
+        traces.append(1)
+        return step(data)
+
+    model.train_step = train_step
+    for _ in range(3):
+        model.fit(distribute.distribute_micro_batches(strategy, global_micro_batches(x, y, w)),
+                  epochs=1, verbose=0, steps_per_epoch=ACCUMULATION * 2)
+        other.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH * replicas),
+                  epochs=1, verbose=0)
+    result["compiled_whole"] = {
+        # One trace runs the step once per replica.
+        "traces": len(traces) / replicas,
+        "logical_steps": int(model.optimizer.iterations.numpy()),
         "identical_across_replicas": replicas_identical(strategy, model.trainable_variables),
     }
 
@@ -610,6 +650,7 @@ def run_replicas(replicas, out_path):
     if replicas == 2:
         mixed_bfloat16_checks(strategy, replicas, result)
         ghost_checks(strategy, replicas, result)
+        compiled_whole_checks(strategy, replicas, result)
         sampling_secret_checks(strategy, result)
         result["noisy_fit_for_workers"] = noisy_fit_weights(strategy, replicas)
     seconds["total"] = time.perf_counter() - start

@@ -292,6 +292,14 @@ class TestMixedBfloat16:
 
 
 class TestGhostClipping:
+    def test_compiled_whole_with_xla_it_traces_once_across_fit_calls(self, replicated):
+        """As TPUStrategy compiles it: no trace (no XLA compilation) per fit call (issue 49)."""
+        if replicated["replicas"] != 2:
+            pytest.skip("checked on the 2-replica run")
+        compiled = replicated["compiled_whole"]
+        assert compiled["traces"] == 1
+        assert compiled["logical_steps"] == 6 and compiled["identical_across_replicas"]
+
     def test_distributed_ghost_step_equals_single_device(self, replicated):
         if replicated["replicas"] != 2:
             pytest.skip("ghost clipping is checked on the 2-replica run")

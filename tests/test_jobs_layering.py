@@ -173,7 +173,8 @@ def test_import_tf_megadp_audit_loads_neither_scikit_learn_nor_the_job():
 # package (`optimizer` holds every `tf_megadp.optimizer.*`) or a module.
 LAYERS = [
     # Foundation: what every layer may use.
-    ("errors", "_validate", "_keras_compat", "secret", "files", "steps", "_version"),
+    ("errors", "_validate", "_keras_compat", "secret", "gaussian", "files", "steps",
+     "_version"),
     # Accounting: numpy and dp_accounting only.
     ("accounting",),
     # What a step is made of: clipping (`clipping_memory` is its arithmetic

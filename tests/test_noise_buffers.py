@@ -16,9 +16,9 @@ import pytest
 from scipy import linalg
 
 import tf_megadp
-from tf_megadp import BLT, BandMF, BatchSizeSchedule, LambdaCGD, Phase, PrivacyConfigurationError
+from tf_megadp import BLT, BandMF, BatchSizeSchedule, LambdaCGD, Phase
 from tf_megadp.accounting import matrix_factorization as mf
-from tf_megadp.optimizer import noise as noise_stage
+from tf_megadp import gaussian
 from tests import preempted_run, reference
 
 # SIGMA is no float32 number: the ledger records the step's float32 sigma.
@@ -178,7 +178,7 @@ class TestTheStandardNormal:
         import tensorflow as tf
 
         key = tf.constant([5, 9], tf.int64)
-        draw = lambda k: noise_stage.standard_normal([400, 250], k, tf.float32)  # noqa: E731
+        draw = lambda k: gaussian.standard_normal([400, 250], k, tf.float32)  # noqa: E731
         eager = tf.function(draw)(key).numpy()
         compiled = tf.function(draw, jit_compile=True)(key).numpy()
         np.testing.assert_allclose(compiled, eager, rtol=0, atol=1e-5)
@@ -187,8 +187,8 @@ class TestTheStandardNormal:
     def test_its_standard_deviation_is_one_and_another_key_draws_anew(self):
         import tensorflow as tf
 
-        first = noise_stage.standard_normal([100_000], tf.constant([1, 2], tf.int64), tf.float32)
-        second = noise_stage.standard_normal([100_000], tf.constant([1, 3], tf.int64), tf.float32)
+        first = gaussian.standard_normal([100_000], tf.constant([1, 2], tf.int64), tf.float32)
+        second = gaussian.standard_normal([100_000], tf.constant([1, 3], tf.int64), tf.float32)
         reference.assert_std_is(first.numpy(), 1.0)
         reference.assert_std_is(second.numpy() - first.numpy(), math.sqrt(2))
         assert abs(float(np.mean(first.numpy()))) < 6 / math.sqrt(100_000)

@@ -510,3 +510,45 @@ class TestAKeptTrainFunctionOutlivesNoOptimizer:
         with pytest.raises(tf.errors.InvalidArgumentError, match="outlived its optimizer"):
             kept(iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(8, drop_remainder=True)))
         assert tf_megadp.model_ledger(model).total_steps == 4
+
+
+def count_traces(model):
+    """A list whose length grows by one each time Keras traces (and XLA compiles) the step."""
+    traces = []
+    step = model.train_step
+
+    def train_step(data):
+        traces.append(tf.nest.map_structure(lambda t: tuple(t.shape), data))
+        return step(data)
+
+    model.train_step = train_step
+    return traces
+
+
+@pytest.mark.filterwarnings("ignore:.*fixed-size batches, not Poisson draws")
+@pytest.mark.filterwarnings("ignore:.*noise_multiplier")
+class TestCompiledWhole:
+    """The DP step compiled whole with XLA (what TPUStrategy always does) traces once (issue 49).
+
+    A step that traced again at each fit call, or whose shapes were not
+    static, would be compiled by XLA again: on a TPU, minutes per call.
+    """
+
+    def test_it_traces_once_across_steps_fit_calls_and_other_models_fits(self):
+        x, y = dense_data(n=16)
+        model = tf_megadp.make_private(embedding_model())
+        model.compile(optimizer=tf_megadp.DPOptimizer(
+            keras.optimizers.SGD(0.1), l2_norm_clip=1.0, noise_multiplier=1.0,
+            accumulation_steps=2), loss=LOSS, jit_compile=True)
+        traces = count_traces(model)
+        other = embedding_model(seed=1)
+        other.compile(optimizer="sgd", loss=LOSS, jit_compile=True)
+        tokens = (np.abs(x[:, :4]) * 5).astype("int32") % 20
+        for _ in range(3):
+            model.fit(tokens, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+            other.fit(tokens, y, batch_size=4, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 12
+        assert traces == [((4, 4), (4,))]
+        # The count can fail: another batch shape is another trace.
+        model.fit(tokens[:6], y[:6], batch_size=6, shuffle=False, verbose=0)
+        assert len(traces) == 2

@@ -289,7 +289,7 @@ def noisy_count(centred_sum, stddev, key, replicas: int) -> tf.Tensor:
     """
     import tensorflow as tf
 
-    from tf_megadp.optimizer.noise import standard_normal
+    from tf_megadp.gaussian import standard_normal
 
     noise = standard_normal([], key, tf.float64)
     noisy = tf.cast(centred_sum, tf.float64) + tf.cast(stddev, tf.float64) / math.sqrt(

@@ -45,7 +45,8 @@ from tf_megadp.optimizer.ledger import (
     read_ledger,
 )
 from tf_megadp.optimizer.memory import InMemoryState, InMemoryVariables
-from tf_megadp.optimizer.noise import NoiseStage, fold_in, replica_stddev
+from tf_megadp.gaussian import fold_in
+from tf_megadp.optimizer.noise import NoiseStage, replica_stddev
 from tf_megadp.optimizer.settings import SETTING_NAMES, DPSettings, check_inner_optimizer
 from tf_megadp.steps import BatchSizeSchedule, noise_multiplier_of, step_capacity
 

@@ -42,50 +42,12 @@ import secrets
 import tensorflow as tf
 
 from tf_megadp.accounting.noise import NoiseStrategy
+from tf_megadp.gaussian import fold_in, standard_normal
 from tf_megadp.optimizer.memory import InMemoryState, InMemoryVariables
 
-__all__ = ["NoiseStage", "TensorStreamOps", "fold_in", "standard_normal"]
+__all__ = ["NoiseStage", "TensorStreamOps"]
 
 
-
-def fold_in(key, data) -> tf.Tensor:
-    """The Philox key derived from `key` and the int64 `data` (a step, a generation, an index)."""
-    return tf.random.experimental.stateless_fold_in(key, data, alg="philox")
-
-
-def standard_normal(shape, key, dtype) -> tf.Tensor:
-    """N(0, I) of `shape` and `dtype` from a Philox `key`, the same in and out of XLA.
-
-    Box-Muller on Philox's 32-bit words. `tf.random.stateless_normal`
-    turns the same words into other values under XLA than outside it, so a
-    step compiled whole (`compile(jit_compile=True)`, every TPU step) would
-    add other noise than the same step uncompiled: a run resumed in the
-    other mode, or a mechanism that draws a past z again (lambda-CGD),
-    would use a z that was never added. Its default generator under XLA
-    on a CPU is also about 20x slower (216 against 9 ms for a million
-    samples). Here the words are the same everywhere and only float
-    rounding differs (at most a few ulp). The uniforms have 32 bits, so
-    |z| reaches 6.8 (TensorFlow's kernel stops at 5.7).
-
-    Args:
-        shape: the output's shape (a 1-D int tensor or list).
-        key: an int64 [2] Philox key, secret (`NoiseStage.step_key`).
-        dtype: the output's float dtype; computed in float64 for float64,
-            in float32 otherwise.
-
-    Returns:
-        A tensor of independent standard normals.
-    """
-    compute = tf.float64 if dtype == tf.float64 else tf.float32
-    words = tf.random.stateless_uniform(tf.concat([[2], tf.cast(shape, tf.int32)], 0), seed=key,
-                                        minval=None, maxval=None, dtype=tf.uint32,
-                                        alg="philox")
-    scale = tf.constant(2.0 ** -32, compute)
-    radius_uniform = (tf.cast(words[0], compute) + 0.5) * scale  # in (0, 1): log is finite
-    angle_uniform = tf.cast(words[1], compute) * scale
-    normal = tf.sqrt(-2.0 * tf.math.log(radius_uniform)) * tf.cos(
-        tf.constant(2.0 * math.pi, compute) * angle_uniform)
-    return tf.cast(normal, dtype)
 
 
 class NoiseStage:

@@ -20,8 +20,8 @@ from tf_megadp.jobs.bert.config import SEPARATORS
 __all__ = ["CLS_ID", "CorpusError", "DEFAULT_PACKAGES", "HELD_OUT_DISTRIBUTIONS",
            "HELD_OUT_PACKAGES", "MASK_ID", "PAD_ID", "SEP_ID",
            "SKIPPED_FOLDERS", "SPECIAL_TOKENS", "UNK_ID", "default_corpus_documents",
-           "expand_sources", "package_roots", "read_documents", "root_docstrings",
-           "write_synthetic_corpus"]
+           "expand_sources", "file_docstrings", "package_roots", "read_documents",
+           "root_docstrings", "write_synthetic_corpus"]
 
 # BERT's special tokens, in the order keras-hub's WordPiece trainer reserves
 # them: [PAD] must be id 0 because padding rows and padding positions are zeros.
@@ -66,7 +66,8 @@ def package_roots(packages: Sequence[str]) -> list[str]:
     return roots
 
 
-def _docstrings(path: str) -> Iterator[str]:
+def file_docstrings(path: str) -> Iterator[str]:
+    """The docstrings of one Python file (nothing if it does not parse)."""
     try:
         with open(path, "rb") as handle:
             tree = ast.parse(handle.read(), filename=path)
@@ -151,7 +152,7 @@ def root_docstrings(root: str) -> Iterator[str]:
         subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_FOLDERS)
         for name in sorted(files):
             if name.endswith(".py"):
-                yield from _docstrings(os.path.join(folder, name))
+                yield from file_docstrings(os.path.join(folder, name))
 
 
 def expand_sources(sources: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:

@@ -59,8 +59,8 @@ from tf_megadp.jobs.bert.corpus import (
     HELD_OUT_PACKAGES,
     SKIPPED_FOLDERS,
     CorpusError,
-    _docstrings,
     default_corpus_documents,
+    file_docstrings,
 )
 
 __all__ = ["PUBLIC_SOURCES", "SourceRoots", "held_out_files", "held_out_paragraphs",
@@ -224,7 +224,7 @@ def held_out_paragraphs(roots: SourceRoots | None = None) -> set[bytes]:
     keys: set[bytes] = set()
     for folder in folders:
         for path in _python_files(folder):
-            for text in _docstrings(path):
+            for text in file_docstrings(path):
                 keys.add(_key(text))
                 for paragraph in _split_blank_lines(text):
                     if len(_normalized(paragraph)) >= HELD_OUT_MIN_CHARACTERS:
@@ -867,7 +867,7 @@ def _docstring_documents(paths: Sequence[str], held_out: set[bytes]) -> list[str
     seen: set[bytes] = set()
     documents = []
     for path in paths:
-        for text in _docstrings(path):
+        for text in file_docstrings(path):
             key = _key(text)
             if key in seen:
                 continue

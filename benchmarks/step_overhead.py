@@ -52,6 +52,12 @@ the head trainable): the ratios are then DP LoRA against non-private LoRA.
     python benchmarks/step_overhead.py --sizes mini --micro-batches 64 --lora-rank 8 \
         --paths train_on_batch,fit_arrays --clipping ghost,auto
 
+With `--dp-jit-compile` the DP models are compiled whole with XLA, as
+`TPUStrategy` always compiles a step (issue 49's row):
+
+    python benchmarks/step_overhead.py --sizes tiny --micro-batches 32 --paths fit_arrays \
+        --clipping ghost,auto --dp-jit-compile
+
 Vectorized clipping is skipped where its per-example gradients alone would
 exceed `--memory-budget-gib` (the row says so), so that the grid cannot
 exhaust a shared machine.
@@ -100,7 +106,9 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8000)
     parser.add_argument("--masks", type=int, default=20)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    # 0, the main job's setting: dropout makes the non-private XLA step on a
+    # CPU about twice as slow, so its ratios would flatter the DP step.
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="give every keras-hub backbone LoRA of this rank (0: none)")
 
@@ -210,7 +218,7 @@ def new_model(size, args, clipping, jit_compile, schedule=None):
     optimizer = tf_megadp.DPOptimizer(
         keras.optimizers.Adam(1e-4), l2_norm_clip=1.0, noise_multiplier=1.0,
         clipping=clipping_strategy(clipping), seed=0, **settings)
-    compile_model(model, optimizer, jit_compile=False)
+    compile_model(model, optimizer, jit_compile=args.dp_jit_compile)
     return model
 
 
@@ -378,6 +386,9 @@ def main(argv=None):
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=2,
                         help="logical steps per timed fit epoch")
+    parser.add_argument("--dp-jit-compile", action="store_true",
+                        help="compile the DP models' step whole with XLA "
+                             "(compile(jit_compile=True): what TPUStrategy always does)")
     parser.add_argument("--memory-budget-gib", type=float, default=6.0)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)

@@ -189,8 +189,9 @@ def diagnose(args) -> None:
     rates = _chosen_rates(args)
     for objective in ("head", "prompt"):
         for kind, settings in (("nonprivate", dict(non_private=True, target_epsilon=None)),
+                               # RDP: a PLD of sigma 1e-3 is refused (its grid).
                                ("clipping-only", dict(noise_multiplier=1e-3,
-                                                      target_epsilon=None)),
+                                                      target_epsilon=None, accountant="rdp")),
                                ("eps8", dict(target_epsilon=8.0))):
             run = f"{objective}-{kind}"
             if run in done:

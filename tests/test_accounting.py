@@ -959,3 +959,15 @@ def test_calibration_takes_the_mechanism():
     assert sigma == pytest.approx(calibrate_noise_multiplier(
         4.0, 1e-6, accountant="rdp", num_examples=60_000, batch_size=1_000, steps=250),
         rel=1e-6)
+
+
+def test_a_noise_multiplier_too_small_for_a_pld_grid_is_refused_naming_rdp():
+    # Before: sigma 1e-3 (clipping without noise, a diagnosis run) asked
+    # dp_accounting for a 38 GiB privacy-loss grid and died of it.
+    with pytest.raises(PrivacyConfigurationError, match=r"5,09\d,\d{3},\d{3} points.*'rdp'"):
+        compute_epsilon(num_examples=5_000, batch_size=1_000, steps=10, noise_multiplier=1e-3,
+                        delta=1e-5, accountant="pld")
+    # RDP accounts the same run at once; a sigma at the limit still builds its PLD.
+    assert compute_epsilon(num_examples=5_000, batch_size=1_000, steps=10,
+                           noise_multiplier=1e-3, delta=1e-5, accountant="rdp") > 1e4
+    assert engines.pld_grid_points(poisson(1, 0.2, 0.05)) < engines.PLD_GRID_LIMIT

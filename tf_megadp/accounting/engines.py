@@ -22,6 +22,7 @@ from dp_accounting import pld, rdp
 from scipy import stats
 
 from tf_megadp.accounting import mechanisms
+from tf_megadp.errors import PrivacyConfigurationError
 from tf_megadp.accounting.events import ledger_event
 
 
@@ -114,6 +115,12 @@ def quiet_unconverged_orders():
         logger.removeFilter(record_filter)
 
 
+# The largest one-step PLD the accountant builds (points of its privacy-loss
+# grid): about sigma = 0.03 for a Poisson step, ~10 s and ~1 GB. A run of
+# sigma 1e-3 (clipping without noise) asked dp_accounting for a 38 GiB grid.
+PLD_GRID_LIMIT = 10_000_000
+
+
 # One step's PLD holds ~1-3 MB at the default grid; 16 cover every phase of
 # a run (and its exact truncated steps) with room for a calibration's probes.
 @functools.lru_cache(maxsize=16)
@@ -124,7 +131,19 @@ def _step_pld(event: dp_accounting.DpEvent) -> pld.privacy_loss_distribution.Pri
     ~3 s for an exact truncated one); composing it over the steps is a few
     FFTs. A run asks for the same step at every log, every budget check and
     every probe of a budget search, so it is built once per process.
+
+    Raises:
+        PrivacyConfigurationError: the step's grid exceeds `PLD_GRID_LIMIT`
+            (a tiny noise multiplier); RDP accounts it at any sigma.
     """
+    points = pld_grid_points(event)
+    if points > PLD_GRID_LIMIT:
+        raise PrivacyConfigurationError(
+            f"The PLD accountant would build a privacy-loss grid of {points:,} points for one "
+            f"step of this run (more than {PLD_GRID_LIMIT:,}: its noise multiplier is tiny, and "
+            "time and memory grow as 1 / sigma^2). Account it with accountant='rdp' "
+            "(--accountant rdp: a valid, looser bound, fast at any sigma), or raise the "
+            "noise multiplier.")
     if isinstance(event, dp_accounting.TruncatedSubsampledGaussianDpEvent):
         return pld.privacy_loss_distribution.from_truncated_subsampled_gaussian_mechanism(
             dataset_size=event.dataset_size,

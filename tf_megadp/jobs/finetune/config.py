@@ -24,8 +24,8 @@ DEFAULT_TEMPLATE = "{text} it was [MASK] ."
 # The peak AdamW learning rate (linear decay to 0) of a run that sets none,
 # by (objective, private): measured on the default task's validation split
 # (docs/results.md, "Private fine-tuning"), never on its test split.
-LEARNING_RATES = {("prompt", True): 3e-3, ("prompt", False): 3e-4,
-                  ("head", True): 3e-3, ("head", False): 3e-4}
+LEARNING_RATES = {("prompt", True): 1e-2, ("prompt", False): 1e-3,
+                  ("head", True): 1e-2, ("head", False): 1e-3}
 
 
 @dataclasses.dataclass

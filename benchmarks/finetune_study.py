@@ -15,7 +15,7 @@ from) unless `--train`/`--test` name another. Three commands:
     python benchmarks/finetune_study.py grid --init-from PUBLIC/model.keras --output-dir D
 
     # 0. Why a head on [CLS] learns nothing under DP: each objective
-    #    non-private, with clipping alone (sigma 0.05), and at epsilon 8; what
+    #    non-private, with clipping alone (sigma 0.1), and at epsilon 8; what
     #    each model predicts on the test split (the share of its most
     #    predicted class, the spread of its logits across examples).
     python benchmarks/finetune_study.py diagnose --init-from PUBLIC/model.keras --output-dir D
@@ -189,10 +189,10 @@ def diagnose(args) -> None:
     rates = _chosen_rates(args)
     for objective in ("head", "prompt"):
         for kind, settings in (("nonprivate", dict(non_private=True, target_epsilon=None)),
-                               # sigma 0.05: noise of 5e-6 C per coordinate of the
+                               # sigma 0.1: noise of 1e-5 C per coordinate of the
                                # mean at B = 1,000, and a PLD grid the accountant
                                # builds (at 1e-3 it refuses one of 5e9 points).
-                               ("clipping-only", dict(noise_multiplier=0.05,
+                               ("clipping-only", dict(noise_multiplier=0.1,
                                                       target_epsilon=None)),
                                ("eps8", dict(target_epsilon=8.0))):
             run = f"{objective}-{kind}"

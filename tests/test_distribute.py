@@ -291,15 +291,21 @@ class TestMixedBfloat16:
         assert f32 @ bf16 / (np.linalg.norm(f32) * np.linalg.norm(bf16)) > 0.999
 
 
-class TestGhostClipping:
-    def test_compiled_whole_with_xla_it_traces_once_across_fit_calls(self, replicated):
-        """As TPUStrategy compiles it: no trace (no XLA compilation) per fit call (issue 49)."""
+class TestCompiledWhole:
+    def test_with_xla_under_a_strategy_it_traces_once_across_fit_calls(self, replicated):
+        """As TPUStrategy compiles it: no trace (no XLA compilation) per fit call (issue 49).
+
+        On one mirrored replica: XLA on CPU cannot run a replica on a second
+        logical CPU (see `compiled_whole_checks`).
+        """
         if replicated["replicas"] != 2:
-            pytest.skip("checked on the 2-replica run")
+            pytest.skip("checked in the 2-replica scenario's process")
         compiled = replicated["compiled_whole"]
         assert compiled["traces"] == 1
-        assert compiled["logical_steps"] == 6 and compiled["identical_across_replicas"]
+        assert compiled["logical_steps"] == 6
 
+
+class TestGhostClipping:
     def test_distributed_ghost_step_equals_single_device(self, replicated):
         if replicated["replicas"] != 2:
             pytest.skip("ghost clipping is checked on the 2-replica run")

@@ -24,25 +24,45 @@ import tensorflow as tf
 from tf_megadp.clipping import base
 from tf_megadp.clipping.vectorized import VectorizedClipping
 from tf_megadp.optimizer import DPOptimizer
+from tf_megadp.optimizer.accumulators import AccumulationStage
+from tf_megadp.optimizer.noise import NoiseStage
 
 __all__ = ["DoubleCountingDPOptimizer", "HalvedNoiseDPOptimizer", "UnclippedFirstExample", "PLANTED_BUGS"]
+
+
+class _HalvedNoiseStage(NoiseStage):
+    def noisy_sums(self, sums, connected, step, generation, stddev) -> list:
+        return super().noisy_sums(sums, connected, step, generation, stddev * 0.5)
+
+
+class _DoubleCountingStage(AccumulationStage):
+    def add(self, gradient_sum, *args, **kwargs) -> None:
+        doubled = [None if g is None else 2.0 * g for g in gradient_sum]
+        super().add(doubled, *args, **kwargs)
+
+
+def _with_broken_stage(optimizer: DPOptimizer, name: str, stage) -> None:
+    # The stages are frozen once DPOptimizer.__init__ returns (a real user
+    # cannot swap one); a planted bug goes around the freeze on purpose.
+    object.__setattr__(optimizer, name, stage)
 
 
 class HalvedNoiseDPOptimizer(DPOptimizer):
     """BROKEN: noise of sigma / 2, ledger of sigma. For audit tests only."""
 
-    def _apply_noise(self, trainable_variables, connected, step, generation, divisor,
-                     noise_multiplier):
-        super()._apply_noise(trainable_variables, connected, step, generation, divisor,
-                             noise_multiplier * 0.5)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _with_broken_stage(self, "noise_stage", _HalvedNoiseStage(
+            self.settings.noise_strategy(), self.settings.seed))
 
 
 class DoubleCountingDPOptimizer(DPOptimizer):
     """BROKEN: every clipped sum is accumulated twice. For audit tests only."""
 
-    def _accumulate(self, gradient_sum, *args, **kwargs):
-        doubled = [None if g is None else 2.0 * g for g in gradient_sum]
-        super()._accumulate(doubled, *args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _with_broken_stage(self, "accumulation_stage", _DoubleCountingStage(
+            counts_unclipped=self.settings.adaptive_clipping is not None))
 
 
 class UnclippedFirstExample(base.ClippingStrategy):

@@ -207,7 +207,9 @@ class TestMirroredReplicas:
         # ... not sqrt(R) times it (every replica's full noise), which the test rejects.
         assert noise["max_error_full_noise_per_replica"] > 0.1
         assert noise["covariance_ok"]
-        assert noise["ledger"] == [["cyclic_poisson", "bandmf", 6, True]]
+        [[sampling, noise_record, steps, segment_start]] = noise["ledger"]
+        assert (sampling, json.loads(noise_record)["kind"], steps, segment_start) == (
+            "cyclic_poisson", "bandmf", 6, True)
 
 
 class TestCustomLoopOnReplicas:

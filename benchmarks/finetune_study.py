@@ -71,8 +71,13 @@ def _config(args, name: str, train: str | None, test: str | None, seed: int,
         train=train, test=test, init_from=args.init_from, objective=objective,
         lora_rank=LORA_RANK if lora else None, target_epsilon=epsilon,
         non_private=epsilon is None, learning_rate=learning_rate, seed=seed,
-        epochs=args.epochs, output_dir=output_dir, verbose=0, checkpoint_minutes=0,
+        **_epochs(args), output_dir=output_dir, verbose=0, checkpoint_minutes=0,
         eval_every=args.eval_every)
+
+
+def _epochs(args) -> dict:
+    """`epochs` for FinetuneConfig: the flag's, or none (the job's default)."""
+    return {} if args.epochs is None else {"epochs": args.epochs}
 
 
 def _done(path: str) -> set[str]:
@@ -201,7 +206,7 @@ def diagnose(args) -> None:
             folder = os.path.join(args.output_dir, "runs", "diagnose", run)
             rate = rates.get(f"{objective}-full-{'nonprivate' if kind == 'nonprivate' else 'eps8'}")
             config = FinetuneConfig(train=args.train, test=args.test, init_from=args.init_from,
-                                    objective=objective, learning_rate=rate, epochs=args.epochs,
+                                    objective=objective, learning_rate=rate, **_epochs(args),
                                     output_dir=folder, verbose=0, checkpoint_minutes=0,
                                     eval_every=args.eval_every, **settings)
             row = _run(args, run, config, results)
@@ -322,7 +327,7 @@ def main(argv=None) -> None:
     parser.add_argument("--learning-rates", nargs="+", type=float,
                         default=[3e-4, 1e-3, 3e-3, 1e-2])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--epochs", type=float, default=10.0)
+    parser.add_argument("--epochs", type=float, help="passes over the data (default: the job's)")
     parser.add_argument("--eval-every", type=int, default=1000)
     parser.add_argument("--plot", help="write the bar chart to this PNG")
     parser.add_argument("--lock", help="hold an exclusive flock on this file while each run "

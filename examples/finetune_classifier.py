@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--objective", choices=["prompt", "head"], default="prompt")
     parser.add_argument("--lora-rank", type=int)
     parser.add_argument("--target-epsilon", type=float, default=8.0)
-    parser.add_argument("--epochs", type=float, default=10.0)
+    parser.add_argument("--epochs", type=float, help="passes over the data (default: the job's)")
     parser.add_argument("--output-dir", help="where the two runs go (default: a new temp folder)")
     args = parser.parse_args(argv)
 
@@ -56,8 +56,9 @@ def main(argv=None) -> dict:
     public = args.public_model or _public_model()
     folder = args.output_dir or tempfile.mkdtemp(prefix="finetune-")
     common = dict(train=args.train, test=args.test, init_from=public, objective=args.objective,
-                  lora_rank=args.lora_rank, epochs=args.epochs, verbose=0,
-                  label_words=args.label_words.split(",") if args.label_words else None)
+                  lora_rank=args.lora_rank, verbose=0,
+                  label_words=args.label_words.split(",") if args.label_words else None,
+                  **({} if args.epochs is None else {"epochs": args.epochs}))
     reports = {
         "dp": run_finetuning(FinetuneConfig(
             **common, target_epsilon=args.target_epsilon,

@@ -5,6 +5,11 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+# One thread per kernel: two xdist workers (and the distributed scenarios'
+# interpreters, which inherit this) already fill the two cores, and the
+# tests' tiny kernels gain nothing from a pool that oversubscribes them
+# (a heavy pair of files ran 7 % faster beside another TF process).
+os.environ.setdefault("TF_NUM_INTRAOP_THREADS", "1")
 
 
 # Files whose tests take minutes, heaviest first (measured with

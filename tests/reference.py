@@ -158,10 +158,16 @@ def noise_draws(seed, step, shapes, generation=0, replica=0):
 
 def box_muller(key, shape):
     """The standard normals of `noise.standard_normal`, by NumPy in float64 from Philox's words."""
-    words = tf.random.stateless_uniform([2, *shape], seed=key, minval=None, maxval=None,
-                                        dtype=tf.uint32, alg="philox").numpy().astype(np.float64)
-    radius = np.sqrt(-2.0 * np.log((words[0] + 0.5) * 2.0 ** -32))
-    return radius * np.cos(2.0 * np.pi * words[1] * 2.0 ** -32)
+    return box_muller_of_words(tf.random.stateless_uniform(
+        [2, *shape], seed=key, minval=None, maxval=None, dtype=tf.uint32, alg="philox").numpy())
+
+
+def box_muller_of_words(words, pair_axis=0):
+    """Box-Muller in float64 of Philox's uint32 words, paired along `pair_axis` (of size 2)."""
+    words = np.asarray(words).astype(np.float64)
+    first, second = np.take(words, 0, axis=pair_axis), np.take(words, 1, axis=pair_axis)
+    radius = np.sqrt(-2.0 * np.log((first + 0.5) * 2.0 ** -32))
+    return radius * np.cos(2.0 * np.pi * second * 2.0 ** -32)
 
 
 def assert_covariance_is(samples, covariance, z_bound=6.0):

@@ -204,6 +204,9 @@ class TestAPrivateRun:
         assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
 
 
+# Another whole run (about 10 s): slow (the 15-minute CI budget); the DP
+# head and the non-private twin run in the study and the example.
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_non_private_head_baseline_runs_and_says_so(public_start, tmp_path):
     report = run_finetuning(tiny_config(tiny_task(tmp_path / "t.jsonl"), public_start,

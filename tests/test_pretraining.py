@@ -706,6 +706,9 @@ class TestThePublishedVocabulary:
         for name, data in output_files(output):
             assert RARE_WORD.encode() not in data.lower(), name
 
+    # A whole job run for one flag (about 25 s): slow (the 15-minute CI
+    # budget); the default, which publishes nothing private, is tested above.
+    @pytest.mark.slow
     def test_the_flag_learns_it_on_the_corpus_warns_and_says_so(self, workspace, tmp_path):
         root, corpus, cache = workspace
         output = tmp_path / "corpus-vocabulary"

@@ -22,10 +22,16 @@ OBJECTIVES = ("prompt", "head")
 # The template of a task that names none (the seed paper's for sentiment).
 DEFAULT_TEMPLATE = "{text} it was [MASK] ."
 # The peak AdamW learning rate (linear decay to 0) of a run that sets none,
-# by (objective, private): measured on the default task's validation split
-# (docs/results.md, "Private fine-tuning"), never on its test split.
-LEARNING_RATES = {("prompt", True): 1e-2, ("prompt", False): 1e-3,
-                  ("head", True): 1e-2, ("head", False): 1e-3}
+# by (objective, private, LoRA): the best of a sweep on the default task's
+# validation split (docs/results.md, section 6), never on its test split.
+# Each is inside its sweep's range (its neighbours were worse). The head's
+# LoRA rates were not swept: they are the prompt's.
+LEARNING_RATES = {
+    ("prompt", True, False): 1e-2, ("prompt", False, False): 3e-3,
+    ("head", True, False): 1e-2, ("head", False, False): 3e-3,
+    ("prompt", True, True): 3e-2, ("prompt", False, True): 3e-2,
+    ("head", True, True): 3e-2, ("head", False, True): 3e-2,
+}
 
 
 @dataclasses.dataclass
@@ -59,7 +65,11 @@ class FinetuneConfig(PrivacySettings):
         sequence_length: T, tokens per example (the text is cut, the prompt kept).
         batch_size: the expected logical batch B (None: `batch_size_for(N)`).
         epochs: passes over the training data (expected: Poisson steps
-            draw each example with probability B / N per step).
+            draw each example with probability B / N per step). 30 by
+            default: on the default task's validation split, 30 epochs
+            against 10 took DP prompt fine-tuning at epsilon 8 from 0.704
+            to 0.741 and its non-private twin from 0.840 to 0.849
+            (docs/results.md, section 6).
         micro_batch_size: m, examples per micro-batch.
         learning_rate: the peak AdamW learning rate, decayed linearly to 0
             (None: `LEARNING_RATES` of the objective and kind of run).
@@ -89,7 +99,7 @@ class FinetuneConfig(PrivacySettings):
     lora_rank: int | None = None
     sequence_length: int = 64
     batch_size: int | None = None
-    epochs: float = 10.0
+    epochs: float = 30.0
     micro_batch_size: int = 64
     learning_rate: float | None = None
     weight_decay: float = 0.0
@@ -108,8 +118,9 @@ class FinetuneConfig(PrivacySettings):
         if self.learning_rate is not None:
             return float(self.learning_rate), "given"
         kind = "non-private" if self.non_private else "DP"
-        return (LEARNING_RATES[(self.objective, not self.non_private)],
-                f"{kind} {self.objective} default")
+        lora = self.lora_rank is not None
+        return (LEARNING_RATES[(self.objective, not self.non_private, lora)],
+                f"{kind} {self.objective}{' LoRA' if lora else ''} default")
 
     @staticmethod
     def batch_size_for(num_examples: int) -> int:

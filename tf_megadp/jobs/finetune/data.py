@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -188,6 +189,19 @@ def _stratified_split(labels: np.ndarray, fraction: float,
     return np.array(sorted(keep)), np.array(sorted(held))
 
 
+@functools.lru_cache(maxsize=None)
+def _summaries(package: str, max_characters: int) -> tuple[str, ...]:
+    """The anonymised first paragraphs of a package's docstrings, in file order.
+
+    Parsed once per process (seconds per package): a study runs the
+    default task dozens of times.
+    """
+    from tf_megadp.jobs.bert.corpus import package_roots, root_docstrings
+
+    return tuple(_anonymised(text.strip().split("\n\n")[0], max_characters)
+                 for text in root_docstrings(package_roots([package])[0]))
+
+
 def default_task(*, per_class: int = 2_500, test_fraction: float = 0.2,
                  max_characters: int = 200, seed: int = 0) -> LabelledTask:
     """Which package a docstring comes from (`DEFAULT_TASK_PACKAGES`), balanced.
@@ -203,15 +217,12 @@ def default_task(*, per_class: int = 2_500, test_fraction: float = 0.2,
     Returns:
         The task; deterministic for an installation and a seed.
     """
-    from tf_megadp.jobs.bert.corpus import package_roots, root_docstrings
-
     rng = np.random.default_rng(seed)
     seen: set[bytes] = set()
     by_class = []
     for package in DEFAULT_TASK_PACKAGES:
         texts = []
-        for text in root_docstrings(package_roots([package])[0]):
-            cleaned = _anonymised(text.strip().split("\n\n")[0], max_characters)
+        for cleaned in _summaries(package, max_characters):
             key = hashlib.sha1(cleaned.encode("utf-8")).digest()
             if len(cleaned) < _MIN_CHARACTERS or key in seen:
                 continue

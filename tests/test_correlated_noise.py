@@ -72,6 +72,9 @@ class TestBandMF:
         assert BandMF.for_run(target_epsilon=0.5, **run).num_bands < (
             BandMF.for_run(target_epsilon=50.0, **run).num_bands)
 
+    # Slow (15 s, CI's 15 minutes): tests/test_plan.py checks the same choice
+    # (b = 1 a candidate, the least expected error) through the plan.
+    @pytest.mark.slow
     def test_for_run_never_does_worse_than_dp_sgd_by_the_runs_expected_error(self):
         """Issue 50: b = 1 (DP-SGD, Poisson) is always a candidate, and wins where amplification pays most."""
         run = {"num_examples": 10_000, "batch_size": 100, "steps": 400, "delta": 1e-6}

@@ -137,7 +137,9 @@ def test_the_gradients_are_the_label_softmax_backpropagated_through_the_mlm_head
 @pytest.mark.filterwarnings("ignore:DPOptimizer with noise_multiplier=0")
 @pytest.mark.filterwarnings("ignore:arrays passed to fit")
 @pytest.mark.parametrize("clipping, lora", [
-    ("ghost", False), ("ghost", True),
+    # LoRA through the prompt head: slow (CI's 15 minutes); LoRA on BERT is
+    # exact in tests/test_clipping_lora.py by default.
+    ("ghost", False), pytest.param("ghost", True, marks=pytest.mark.slow),
     # auto picks ghost or vectorized per layer; its BERT rows are tested elsewhere.
     pytest.param("auto", False, marks=pytest.mark.slow)])
 def test_the_private_step_clips_as_the_naive_per_example_loop(task, clipping, lora):

@@ -157,17 +157,24 @@ def noise_draws(seed, step, shapes, generation=0, replica=0):
 
 
 def box_muller(key, shape):
-    """The standard normals of `noise.standard_normal`, by NumPy in float64 from Philox's words."""
+    """The standard normals of `gaussian.standard_normal`, by NumPy in float64 from Philox's words."""
+    pairs = -(-int(np.prod(shape)) // 2)
     return box_muller_of_words(tf.random.stateless_uniform(
-        [2, *shape], seed=key, minval=None, maxval=None, dtype=tf.uint32, alg="philox").numpy())
+        [2, pairs], seed=key, minval=None, maxval=None, dtype=tf.uint32, alg="philox").numpy(),
+        shape)
 
 
-def box_muller_of_words(words, pair_axis=0):
-    """Box-Muller in float64 of Philox's uint32 words, paired along `pair_axis` (of size 2)."""
+def box_muller_of_words(words, shape):
+    """Box-Muller in float64 of Philox's uint32 words [..., 2, pairs]: normals [..., *shape].
+
+    Pair i gives element i (its cosine) and element i + pairs (its sine).
+    """
     words = np.asarray(words).astype(np.float64)
-    first, second = np.take(words, 0, axis=pair_axis), np.take(words, 1, axis=pair_axis)
-    radius = np.sqrt(-2.0 * np.log((first + 0.5) * 2.0 ** -32))
-    return radius * np.cos(2.0 * np.pi * second * 2.0 ** -32)
+    radius = np.sqrt(-2.0 * np.log((words[..., 0, :] + 0.5) * 2.0 ** -32))
+    angle = 2.0 * np.pi * words[..., 1, :] * 2.0 ** -32
+    normals = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)], axis=-1)
+    size = int(np.prod(shape))
+    return normals[..., :size].reshape(words.shape[:-2] + tuple(shape))
 
 
 def assert_covariance_is(samples, covariance, z_bound=6.0):

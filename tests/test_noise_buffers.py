@@ -193,6 +193,21 @@ class TestTheStandardNormal:
         reference.assert_std_is(second.numpy() - first.numpy(), math.sqrt(2))
         assert abs(float(np.mean(first.numpy()))) < 6 / math.sqrt(100_000)
 
+    def test_both_outputs_of_each_pair_are_independent_normals_of_any_shape(self):
+        """Cosine and sine of one Box-Muller pair: elements i and i + n/2 (n odd included)."""
+        import tensorflow as tf
+        from scipy import stats
+
+        draws = gaussian.standard_normal([3, 66_667], tf.constant([4, 4], tf.int64),
+                                         tf.float32).numpy().ravel()
+        assert draws.size == 200_001
+        pairs = draws.size // 2
+        cosines, sines = draws[:pairs], draws[pairs + 1:]
+        assert abs(float(np.corrcoef(cosines, sines)[0, 1])) < 6 / math.sqrt(pairs)
+        assert abs(float(np.corrcoef(cosines ** 2, sines ** 2)[0, 1])) < 6 / math.sqrt(pairs)
+        for half in (cosines, sines):
+            assert stats.kstest(half, "norm").pvalue > 1e-6
+
 
 def test_lambda_cgd_noise_has_lag_one_correlation_minus_lam_over_one_plus_lam_squared(run):
     """Kalinin et al.'s noise z_t - lam z_(t-1): corr(n_t, n_(t-1)) = -lam / (1 + lam^2), none beyond."""

@@ -487,17 +487,19 @@ def _recovered_sums(update, keys, divisor):
                 folded = tf.random.experimental.stateless_fold_in(
                     folded, tf.constant(0, tf.int64), alg="philox")
             return tuple(tf.random.stateless_uniform(
-                [2, *shape], seed=tf.random.experimental.stateless_fold_in(folded, index,
-                                                                          alg="philox"),
+                [2, pairs], seed=tf.random.experimental.stateless_fold_in(folded, index,
+                                                                         alg="philox"),
                 minval=None, maxval=None, dtype=tf.uint32, alg="philox")
-                for index, shape in enumerate(shapes))
+                for index, pairs in enumerate(pair_counts))
 
         return tf.map_fn(of_key, keys, fn_output_signature=tuple(
-            tf.TensorSpec([2, *shape], tf.uint32) for shape in shapes))
+            tf.TensorSpec([2, pairs], tf.uint32) for pairs in pair_counts))
 
+    pair_counts = [-(-int(np.prod(shape)) // 2) for shape in shapes]
     return [-divisor * delta[None] - SIGMA * CLIP * reference.box_muller_of_words(
-                variable_words.numpy(), pair_axis=1)
-            for delta, variable_words in zip(update, words(tf.constant(keys, tf.int64)))]
+                variable_words.numpy(), shape)
+            for delta, variable_words, shape in zip(update, words(tf.constant(keys, tf.int64)),
+                                                    shapes)]
 
 
 class TestSecrets:

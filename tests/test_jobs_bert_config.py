@@ -356,7 +356,8 @@ class TestCorrelatedNoise:
             "l2_norm_clip": 1.0, "accountant": "pld", "adaptive_clipping": None,
             "noise": noise, "sampling": sampling, "cycle_length": cycle,
             "vocabulary": {"source": "public"}, "logical_steps": 10, "examples_per_s": 1.0,
-            "wall_time_s": 1.0}
+            "wall_time_s": 1.0, "train_time_s": 0.9,
+            "train_time_parts_s": {"fit": 0.7, "EvaluationAndCheckpoints": 0.2}}
         summary = run_summary(report, "run")
         assert f"mechanism               {said}\n" in summary, summary
         assert "Poisson, PLD" not in summary

@@ -188,6 +188,9 @@ class TestAPrivateRun:
             assert (root / "whole" / name).exists(), name
         privacy = json.loads((root / "whole" / "privacy.json").read_text())
         assert privacy["steps"] == whole["logical_steps"]
+        parts = whole["train_time_parts_s"]
+        assert {"fit", "EvaluationAndCheckpoints"} <= set(parts)
+        assert sum(parts.values()) == pytest.approx(whole["train_time_s"], abs=0.01)
 
     def test_its_release_carries_its_ledger(self, stopped_and_resumed):
         from tf_megadp.run import provenance

@@ -391,6 +391,16 @@ class TestResumeFromTheRunFolder:
         assert ("mechanism               independent Gaussian noise (DP-SGD) on Poisson "
                 "sampling") in summary, summary
 
+    def test_the_report_splits_the_train_time_between_fit_and_the_jobs_callbacks(
+            self, resumed_run, resumed_capture):
+        """Issue 49: the evaluation and checkpoint cadence counts in the train time, named."""
+        _, resumed, _ = resumed_run
+        parts = resumed["train_time_parts_s"]
+        assert {"fit", "EvaluationAndCheckpoints"} <= set(parts)
+        assert sum(parts.values()) == pytest.approx(resumed["train_time_s"], abs=0.01)
+        summary = resumed_capture[3].resumed_log[-1]
+        assert f"time                    train {resumed['train_time_s']:.1f} s: fit " in summary
+
     def test_the_resumed_run_says_where_it_resumed(self, resumed_capture):
         first, _, _, captured = resumed_capture
         line = next(line for line in captured.resumed_log if line.startswith("Resuming"))

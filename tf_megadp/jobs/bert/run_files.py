@@ -11,7 +11,8 @@ import os
 from typing import Any
 
 from tf_megadp.jobs.bert.config import PretrainConfig, PretrainError
-from tf_megadp.jobs.common.run_folder import INIT_KEY, REPORT_NAME, saved_extra, saved_settings
+from tf_megadp.jobs.common.run_folder import (INIT_KEY, REPORT_NAME, saved_extra, saved_settings,
+                                             train_time_line)
 
 CANARIES_NAME = "canaries.json"
 AUDIT_NAME = "audit.json"
@@ -41,7 +42,8 @@ RELEASED_OUTSIDE_EPSILON = (
     "num_examples, training_sequences, heldout_examples and heldout_masked_positions: "
     "exact counts (of privacy units, training and held-out sequences, held-out masked "
     "positions)",
-    "wall_time_s, train_time_s, examples_per_s: timings",
+    "wall_time_s, train_time_s, examples_per_s: timings; train_time_parts_s: the train time "
+    "in fit (the steps) and in each of the job's callbacks (evaluation, checkpoints, logs)",
     "truncated_steps: how many Poisson steps overflowed their capacity",
     "the vocabulary (vocab.txt), when vocabulary.public is false",
 )
@@ -177,6 +179,7 @@ def run_summary(report: dict[str, Any], output_dir: str) -> str:
     lines += [
         f"logical steps           {report['logical_steps']}   examples/s {report['examples_per_s']:.0f}"
         f"   wall time {report['wall_time_s']:.0f} s",
+        f"time                    {train_time_line(report)}",
         f"report                  {os.path.join(output_dir, REPORT_NAME)}",
         "=" * 64,
     ]

@@ -324,7 +324,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
     if chief:
         callbacks += run_folder.log_callbacks(output_dir, config.resume)
     _announce_training(job, start.learning_rate_source, planned_epsilon, sampler)
-    train_seconds = fitting.fit_run(
+    train_time = fitting.fit_run(
         model, dataset, strategy=strategy, several_workers=several_workers,
         callbacks=callbacks, epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
         steps_per_epoch=steps_per_epoch, verbose=run_folder.progress_verbosity(config.verbose))
@@ -338,7 +338,7 @@ def run_training(config, schedule, sigma, delta, planned_epsilon, train, heldout
             job.train.directory, job.train.manifest["vocabulary_file"]))
     report = run_folder.publishable(
         _report(job, model, sampler, privacy, start, heldout_set, final_steps=final_steps,
-                train_seconds=train_seconds), output_dir, PATH_FIELDS)
+                train_time=train_time), output_dir, PATH_FIELDS)
     if chief:
         write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
         if start.history:
@@ -637,7 +637,7 @@ def _announce_training(job: _Job, learning_rate_source: str, planned_epsilon: fl
 
 
 def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _HeldOut, *,
-            final_steps: int, train_seconds: float) -> dict[str, Any]:
+            final_steps: int, train_time: fitting.TrainTime) -> dict[str, Any]:
     """The run's report.json: what it learned, what it spent, what it trained on, its files."""
     import tf_megadp
     from tf_megadp.jobs.bert import trainable
@@ -677,9 +677,10 @@ def _report(job: _Job, model, sampler, privacy, start: _Start, heldout_set: _Hel
         "completed": final_steps >= schedule.total_steps,
         "examples_processed_expected": schedule.examples_processed(),
         "wall_time_s": time.time() - job.started,
-        "train_time_s": train_seconds,
+        "train_time_s": train_time.total_s,
+        "train_time_parts_s": train_time.report(),
         "examples_per_s": (sampler.total_micro_steps * sampler.micro_batch_rows)
-        / max(train_seconds, 1e-9),
+        / max(train_time.total_s, 1e-9),
         "truncated_steps": getattr(sampler, "truncated_steps", 0),  # fixed order: never
         "resumed_from_step": start.resumed_from,
         "resumes": start.resumes,

@@ -11,18 +11,71 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import NamedTuple
 
-__all__ = ["fit_run", "fit_with_private_step", "weighted_accuracy"]
+__all__ = ["TrainTime", "fit_run", "fit_with_private_step", "weighted_accuracy"]
+
+# The hooks a job's callbacks implement between the first and the last step.
+_TIMED_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
+                "on_train_batch_begin", "on_train_batch_end")
+
+
+class TrainTime(NamedTuple):
+    """Where a start's train time went.
+
+    Attributes:
+        total_s: the wall time of its fit.
+        callbacks_s: seconds inside each of the job's callbacks (evaluation,
+            checkpoints, the privacy report, logs), by the callback's class.
+    """
+
+    total_s: float
+    callbacks_s: dict[str, float]
+
+    @property
+    def fit_s(self) -> float:
+        """The rest: the steps, and Keras's and the private fit's own bookkeeping."""
+        return self.total_s - sum(self.callbacks_s.values())
+
+    def report(self) -> dict[str, float]:
+        """report.json's `train_time_parts_s`."""
+        return {"fit": round(self.fit_s, 3),
+                **{name: round(seconds, 3) for name, seconds in self.callbacks_s.items()}}
+
+
+def _timed_callbacks(callbacks: list, seconds: dict) -> None:
+    """Makes each callback add the time of its hooks to `seconds[its class name]`."""
+    for callback in callbacks:
+        name = type(callback).__name__.lstrip("_")
+        seconds.setdefault(name, 0.0)
+        for hook in _TIMED_HOOKS:
+            method = getattr(callback, hook)
+
+            def timed(*args, method=method, name=name, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    seconds[name] += time.perf_counter() - start
+
+            setattr(callback, hook, timed)
 
 
 def fit_run(model, dataset, *, strategy, several_workers: bool, callbacks: list, epochs: int,
-            initial_epoch: int, steps_per_epoch: int, verbose) -> float:
-    """Trains this start's epochs (a private custom loop under several workers); its seconds.
+            initial_epoch: int, steps_per_epoch: int, verbose) -> TrainTime:
+    """Trains this start's epochs (a private custom loop under several workers).
 
     Also with no epoch left (a run resumed after its last step): the
     privacy callback then reports the ledger without training.
+
+    Returns:
+        Its wall time, and the part of it inside each callback: a job's
+        evaluation and checkpoint cadence count in its train time, and a
+        DP run's is compared with its non-private twin's.
     """
-    train_started = time.time()
+    callback_seconds: dict[str, float] = {}
+    _timed_callbacks(callbacks, callback_seconds)
+    train_started = time.perf_counter()
     with warnings.catch_warnings():
         # keras-hub tasks that never use the backbone's pooler: Keras's
         # optimizer warns about it on every non-private run.
@@ -35,7 +88,7 @@ def fit_run(model, dataset, *, strategy, several_workers: bool, callbacks: list,
             model.fit(dataset, epochs=epochs, initial_epoch=initial_epoch,
                       steps_per_epoch=steps_per_epoch or None,
                       shuffle=False, callbacks=callbacks, verbose=verbose)
-    return time.time() - train_started
+    return TrainTime(time.perf_counter() - train_started, callback_seconds)
 
 
 def fit_with_private_step(model, strategy, dataset, *, epochs: int, steps_per_epoch: int,

@@ -37,7 +37,7 @@ __all__ = ["CHECKPOINT_NAME", "HISTORY_NAME", "INIT_KEY", "LORA_FACTORS_KEY", "M
            "VOCABULARY_NAME", "Checkpointer", "check_same_run", "config_dict",
            "export_release", "log_callbacks", "plot_history", "progress_callback",
            "progress_verbosity", "publishable", "restore_lora_factors", "saved_extra",
-           "saved_settings"]
+           "saved_settings", "train_time_line"]
 
 CHECKPOINT_NAME = "checkpoint"
 MODEL_NAME = "model.keras"
@@ -286,7 +286,7 @@ def progress_callback(*, private: bool, accumulation: int, logical_done: int,
     """
     import keras
 
-    class _Progress(keras.callbacks.Callback):
+    class _EvaluationAndCheckpoints(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self._last_saved = logical_done
             self._saved_at = time.monotonic()
@@ -326,7 +326,7 @@ def progress_callback(*, private: bool, accumulation: int, logical_done: int,
                 # (use_ema): a resumed run continues from the trained weights.
                 checkpointer.save(self.model)
 
-    return _Progress()
+    return _EvaluationAndCheckpoints()
 
 
 # -- Logs, plot, release -------------------------------------------------------------
@@ -413,3 +413,14 @@ def export_release(model, output_dir: str, vocabulary_file: str) -> None:
     export_model(model, os.path.join(output_dir, MODEL_NAME))
     atomic_write(os.path.join(output_dir, VOCABULARY_NAME),
                  lambda temporary: shutil.copyfile(vocabulary_file, temporary))
+
+
+def train_time_line(report: dict[str, Any]) -> str:
+    """The summary's line on where the train time went (report.json's `train_time_parts_s`)."""
+    parts = dict(report["train_time_parts_s"])
+    in_fit = parts.pop("fit")
+    callbacks = ", ".join(f"{name} {seconds:.1f}" for name, seconds in
+                          sorted(parts.items(), key=lambda item: -item[1]))
+    return (f"train {report['train_time_s']:.1f} s: fit {in_fit:.1f} s"
+            + (f", the job's callbacks {sum(parts.values()):.1f} s ({callbacks})"
+               if parts else ""))

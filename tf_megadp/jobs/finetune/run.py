@@ -54,7 +54,8 @@ RELEASED_OUTSIDE_EPSILON = (
     "training loss and accuracy on training batches (history.csv, tensorboard/, "
     "report.json history): exact statistics of the sampled batches",
     "the task's class counts and num_examples: exact counts",
-    "wall_time_s, train_time_s: timings",
+    "wall_time_s, train_time_s: timings; train_time_parts_s: the train time in fit (the "
+    "steps) and in each of the job's callbacks (evaluation, checkpoints, logs)",
 )
 
 
@@ -344,7 +345,7 @@ def _train(config, init, task, template, words, label_ids, x_test, sampler, sigm
            f"epsilon={planned_epsilon:.3f}." if private
            else "NON-PRIVATE baseline (no clipping, no noise)."))
     initial_epoch = len(history)
-    train_seconds = fitting.fit_run(
+    train_time = fitting.fit_run(
         model, dataset, strategy=strategy, several_workers=False, callbacks=callbacks,
         epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
         steps_per_epoch=remaining // epochs if epochs else 0,
@@ -354,7 +355,7 @@ def _train(config, init, task, template, words, label_ids, x_test, sampler, sigm
     run_folder.export_release(model, output_dir, init.vocabulary)
     report = run_folder.publishable(_report(
         config, init, task, template, words, model, sampler, privacy, sigma, delta, history,
-        state["resumes"], learning_rate, learning_rate_source, started, train_seconds,
+        state["resumes"], learning_rate, learning_rate_source, started, train_time,
         logical_done), output_dir, PATH_FIELDS)
     write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
     if history:
@@ -373,7 +374,7 @@ def _divisor_count(total: int, wanted: int) -> int:
 
 
 def _report(config, init, task, template, words, model, sampler, privacy, sigma, delta, history,
-            resumes, learning_rate, learning_rate_source, started, train_seconds,
+            resumes, learning_rate, learning_rate_source, started, train_time,
             logical_done) -> dict[str, Any]:
     private = not config.non_private
     accuracy = history[-1]["test_accuracy"] if history else float("nan")
@@ -410,7 +411,8 @@ def _report(config, init, task, template, words, model, sampler, privacy, sigma,
         "privacy_unit": "example",
         INIT_KEY: init.report(config),
         "wall_time_s": time.time() - started,
-        "train_time_s": train_seconds,
+        "train_time_s": train_time.total_s,
+        "train_time_parts_s": train_time.report(),
         "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
         "files": _file_guide(private),
         "history": history,
@@ -460,5 +462,6 @@ def _summary(report: dict[str, Any], output_dir: str) -> str:
         f"privacy                 {privacy}",
         f"logical steps           {report['logical_steps']}   wall time "
         f"{report['wall_time_s']:.0f} s",
+        f"time                    {run_folder.train_time_line(report)}",
         f"report                  {os.path.join(output_dir, REPORT_NAME)}",
         "=" * 64])

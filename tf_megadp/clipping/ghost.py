@@ -33,7 +33,7 @@ from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
 from tf_megadp.clipping.terms import squared_norm_of_sum
 from tf_megadp.errors import GhostClippingUnsupportedError
 
-__all__ = ["GhostClipping"]
+__all__ = ["GhostClipping", "gradient_records"]
 
 
 class GhostClipping(base.ClippingStrategy):
@@ -571,13 +571,37 @@ def _clipped_sum(terms, factors, keep, variable):
     return tf.cast(tf.reshape(total, variable.shape), variable.dtype)
 
 
-def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
-                  automatic_stability=None, *, mixing, examples_per_unit=1, loss_scale=None):
+def gradient_records(model: keras.Model, rules, x, y, sample_weight, loss_scale=None):
+    """The step's recorded pass: each trainable variable's per-example gradient terms.
+
+    The forward and backward pass that ghost clipping runs once per
+    micro-batch, before any norm: what its records cost alone is the first
+    phase of `benchmarks/step_profile.py`. Advances the dropout seeds, as the
+    step does.
+
+    Args:
+        model: the model, built.
+        rules: `tf_megadp.clipping.ghost_rules.plan_rules(model, fallback)`.
+        x, y, sample_weight: one micro-batch.
+        loss_scale: as `clip_and_sum`'s.
+
+    Returns:
+        (groups, consistent, losses, y_pred): `groups` maps the index of a
+        trainable variable to its terms (`tf_megadp.clipping.Term`, at most
+        one per kind); `consistent` is whether every layer kept the example
+        axis first; `losses` the per-example losses.
+    """
     with base.example_axis_guards(model), base.secret_seed_draws(model):
         records, consistent, losses, y_pred = _forward(model, rules, x, y, sample_weight,
                                                        loss_scale=loss_scale)
+    return _grouped(records, model.trainable_variables), consistent, losses, y_pred
+
+
+def _clip_and_sum(model, rules, x, y, sample_weight, l2_norm_clip,
+                  automatic_stability=None, *, mixing, examples_per_unit=1, loss_scale=None):
+    groups, consistent, losses, y_pred = gradient_records(model, rules, x, y, sample_weight,
+                                                          loss_scale)
     variables = model.trainable_variables
-    groups = _grouped(records, variables)
     batch_size = tf.shape(losses)[0]
     # The squared norm of each privacy unit's summed gradient (each example's
     # when a unit is one example), cross terms between its examples included.

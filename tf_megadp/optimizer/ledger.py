@@ -149,10 +149,15 @@ def _packed(text: str) -> tuple[np.ndarray, int]:
             f"The privacy ledger needs {len(data)} bytes but the optimizer stores "
             f"{LEDGER_CAPACITY}: the sampling rate or noise multiplier changed too often. "
             "Change them per phase of a BatchSizeSchedule instead of per step.")
-    padded = data + bytes(_CELLS * _BYTES_PER_CELL - len(data))
-    cells = np.frombuffer(padded, np.uint8).reshape(_CELLS, _BYTES_PER_CELL).astype(np.uint64)
+    # Only the cells the text fills are computed (it is written after every
+    # logical step; the rest of the 96 KiB stays zero).
+    used = -(-len(data) // _BYTES_PER_CELL)
+    padded = data + bytes(used * _BYTES_PER_CELL - len(data))
+    cells = np.frombuffer(padded, np.uint8).reshape(used, _BYTES_PER_CELL).astype(np.uint64)
     weights = (np.uint64(256) ** np.arange(_BYTES_PER_CELL - 1, -1, -1, dtype=np.uint64))
-    return (cells * weights).sum(axis=1).astype(np.float64), len(data)
+    packed = np.zeros(_CELLS, np.float64)
+    packed[:used] = (cells * weights).sum(axis=1)
+    return packed, len(data)
 
 
 def _unpacked(cells: np.ndarray, length: int) -> str:

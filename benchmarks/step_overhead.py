@@ -87,7 +87,7 @@ from _measure import PeakRss  # noqa: E402
 tf.get_logger().setLevel("ERROR")
 
 # name: (layers, hidden, heads)
-SIZES = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8)}
+SIZES = {"nano": (2, 64, 2), "tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8)}
 # Models whose loss scores every position (next-token / all-token targets).
 EVERY_POSITION = ("fullhead", "gpt2")
 PATHS = ("train_on_batch", "fit_arrays", "fit_poisson")

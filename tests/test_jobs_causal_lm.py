@@ -3,13 +3,15 @@
 The data: a packed row r is one example that reads r[:-1] and predicts
 r[1:], with only the text's tokens as targets; the unigram baseline and the
 held-out perplexity are those of their definitions. The job: bad settings
-are refused by name before anything runs; a private run stopped after one
-step and resumed with --resume alone ends with the planned steps and the
-epsilon accounted for the whole schedule, reports held-out accuracy and
-perplexity beside the unigram baseline, the privacy unit (one packed
-sequence), and writes the release (whose weights carry their ledger) and
-privacy.json. The runs train a pico GPT-2 for a few steps on generated
-text: they check the machinery, not what it learns.
+are refused by name before anything runs; a private run spends the
+epsilon accounted for its whole schedule, reports held-out accuracy and
+perplexity beside the unigram baseline and the privacy unit (one packed
+sequence), writes the release (whose weights carry their ledger) and
+privacy.json, refuses a resume that changes its privacy, and, stopped
+after one step and resumed with --resume alone, ends as the whole run. The runs train a pico GPT-2 for a few steps on generated
+text: they check the machinery, not what it learns. The resume and the
+non-private twin are `slow` (a run costs 16 s, nearly all of it the
+private step's tracing and XLA compilation).
 """
 
 import json
@@ -95,85 +97,98 @@ class TestRefusals:
 def tiny_config(corpus, root, output, **settings):
     values = dict(corpus=[corpus], output_dir=str(output), cache_dir=str(root / "cache"),
                   model="pico", sequence_length=16, vocabulary_size=200, micro_batch_size=16,
-                  batch_size=16, steps=3, eval_every=1, noise_multiplier=1.0,
+                  batch_size=16, steps=2, eval_every=1, noise_multiplier=1.0,
                   target_epsilon=None, accountant="rdp", warmup_steps=1, verbose=0,
                   # The public vocabulary is learned from this much of the default corpus.
-                  max_characters=300_000)
+                  max_characters=100_000)
     values.update(settings)
     return CausalLMConfig(**values)
 
 
+def whole_schedule_epsilon(report):
+    from tf_megadp import accounting
+    from tf_megadp.steps import BatchSizeSchedule
+
+    return accounting.compute_epsilon(
+        delta=report["delta"], schedule=BatchSizeSchedule.from_dict(report["schedule"]),
+        noise_multiplier=report["noise_multiplier"], accountant="rdp")
+
+
 @pytest.fixture(scope="module")
-def stopped_and_resumed(tmp_path_factory):
-    """A private run stopped after 1 of 3 steps, then resumed with --resume alone."""
+def private_run(tmp_path_factory):
+    """A private run of 2 steps on generated text (16 s: one XLA compilation of the step)."""
     from tf_megadp.jobs.causal_lm.run import run_causal_lm
 
     root = tmp_path_factory.mktemp("causal_lm")
     corpus = write_corpus(root)
-    config = tiny_config(corpus, root, root / "run", stop_after_steps=1)
-    stopped = run_causal_lm(config, log=lambda *_: None)
-    assert cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
-                     "--verbose", "0"]) == 0
-    resumed = json.loads((root / "run" / "report.json").read_text())
-    return stopped, resumed, config, root
+    report = run_causal_lm(tiny_config(corpus, root, root / "run"), log=lambda *_: None)
+    return report, corpus, root
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 class TestAPrivateRun:
-    def test_resume_alone_ends_with_the_planned_steps_and_their_epsilon(
-            self, stopped_and_resumed):
-        from tf_megadp import accounting
-        from tf_megadp.steps import BatchSizeSchedule
+    def test_it_spends_the_epsilon_of_its_whole_schedule(self, private_run):
+        report, _, _ = private_run
+        assert report["private"] and report["completed"] and report["logical_steps"] == 2
+        assert report["sampling"] == "poisson"
+        assert report["epsilon"] == pytest.approx(whole_schedule_epsilon(report), rel=1e-9)
+        assert report["delta"] == pytest.approx(1 / report["num_examples"] ** 1.1)
+        assert "packed sequence of 16 tokens" in report["privacy_unit"]
 
-        stopped, resumed, config, _ = stopped_and_resumed
-        assert stopped["logical_steps"] == 1 and not stopped["completed"]
-        assert resumed["logical_steps"] == 3 and resumed["completed"]
-        assert resumed["resumed_from_step"] == 1 and resumed["resumes"] == [1]
-        schedule = BatchSizeSchedule.from_dict(resumed["schedule"])
-        whole = accounting.compute_epsilon(delta=resumed["delta"], schedule=schedule,
-                                           noise_multiplier=1.0, accountant="rdp")
-        assert resumed["epsilon"] == pytest.approx(whole, rel=1e-9)
-        assert stopped["epsilon"] < resumed["epsilon"]
-        assert resumed["delta"] == pytest.approx(1 / resumed["num_examples"] ** 1.1)
+    def test_it_reports_accuracy_and_perplexity_beside_the_unigram_baseline(self, private_run):
+        report, _, _ = private_run
+        assert 0.0 <= report["heldout_accuracy"] <= 1.0
+        assert 1.0 < report["heldout_perplexity"] < 200 * 1.5
+        assert 0.0 < report["unigram_baseline_accuracy"] < 1.0
+        assert 1.0 < report["unigram_baseline_perplexity"] < 200
+        assert report["learned"] in (True, False)
+        assert report["learned_threshold"] > report["unigram_baseline_accuracy"]
+        assert [h["step"] for h in report["history"]] == [1, 2]
+        assert report["vocabulary"]["public"] is True
 
-    def test_it_reports_accuracy_and_perplexity_beside_the_unigram_baseline(
-            self, stopped_and_resumed):
-        _, resumed, _, _ = stopped_and_resumed
-        assert 0.0 <= resumed["heldout_accuracy"] <= 1.0
-        assert 1.0 < resumed["heldout_perplexity"] < 200 * 1.5
-        assert 0.0 < resumed["unigram_baseline_accuracy"] < 1.0
-        assert resumed["learned"] in (True, False)
-        assert resumed["learned_threshold"] > resumed["unigram_baseline_accuracy"]
-        assert "packed sequence of 16 tokens" in resumed["privacy_unit"]
-        assert [h["step"] for h in resumed["history"]] == [1, 2, 3]
-        assert resumed["vocabulary"]["public"] is True
-
-    def test_it_writes_the_release_and_its_ledger(self, stopped_and_resumed):
+    def test_it_writes_the_release_and_its_ledger(self, private_run):
         from tf_megadp.run import provenance
 
-        _, resumed, _, root = stopped_and_resumed
-        for name in ("model.keras", "vocab.txt", "privacy.json", "report.json", "report.png"):
+        report, _, root = private_run
+        for name in ("model.keras", "vocab.txt", "privacy.json", "report.json", "report.png",
+                     "checkpoint"):
             assert (root / "run" / name).exists(), name
         [record] = provenance.read_file_provenance(root / "run" / "model.keras")
-        assert record.ledger.total_steps == resumed["logical_steps"]
-        report_text = (root / "run" / "report.json").read_text()
-        assert str(root) not in report_text  # no path of this machine
+        assert record.ledger.total_steps == report["logical_steps"]
+        assert str(root) not in (root / "run" / "report.json").read_text()  # no machine path
 
-    def test_a_resume_that_changes_the_privacy_is_refused_by_name(self, stopped_and_resumed,
-                                                                   capsys):
-        _, _, _, root = stopped_and_resumed
+    def test_a_resume_that_changes_the_privacy_is_refused_by_name(self, private_run, capsys):
+        _, _, root = private_run
         status = cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
                            "--noise-multiplier", "2.0"])
         assert status == 2 and "noise_multiplier: 1.0 -> 2.0" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # a second whole run; the machinery is the private run's
+@pytest.mark.slow  # two more runs (30 s); the checkpoint is `run_folder`'s, as every job's
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_the_non_private_twin_reports_no_epsilon(tmp_path):
+def test_a_run_stopped_and_resumed_alone_ends_as_the_whole_run(private_run):
     from tf_megadp.jobs.causal_lm.run import run_causal_lm
 
-    corpus = write_corpus(tmp_path)
-    report = run_causal_lm(tiny_config(corpus, tmp_path, tmp_path / "twin", non_private=True,
+    whole, corpus, root = private_run
+    stopped = run_causal_lm(tiny_config(corpus, root, root / "stopped", stop_after_steps=1),
+                            log=lambda *_: None)
+    assert stopped["logical_steps"] == 1 and not stopped["completed"]
+    assert stopped["epsilon"] < whole["epsilon"]
+    assert cli.main(["causal-lm", "--output-dir", str(root / "stopped"), "--resume",
+                     "--verbose", "0"]) == 0
+    resumed = json.loads((root / "stopped" / "report.json").read_text())
+    assert resumed["logical_steps"] == whole["logical_steps"] and resumed["completed"]
+    assert resumed["resumed_from_step"] == 1 and resumed["resumes"] == [1]
+    assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
+
+
+@pytest.mark.slow  # a second whole run; the machinery is the private run's
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_non_private_twin_reports_no_epsilon(private_run):
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    _, corpus, root = private_run
+    report = run_causal_lm(tiny_config(corpus, root, root / "twin", non_private=True,
                                        noise_multiplier=None), log=lambda *_: None)
     assert report["private"] is False and report["epsilon"] is None
-    assert report["completed"] and not (tmp_path / "twin" / "privacy.json").exists()
+    assert report["completed"] and not (root / "twin" / "privacy.json").exists()

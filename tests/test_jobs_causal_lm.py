@@ -27,19 +27,6 @@ from tf_megadp.jobs.causal_lm.config import CausalLMConfig
 from tf_megadp.jobs.common.errors import JobError
 
 
-class _Rows:
-    """The `read` and `len` of a `TokenShards`, over rows in memory."""
-
-    def __init__(self, rows):
-        self.rows = np.asarray(rows, np.int32)
-
-    def __len__(self):
-        return len(self.rows)
-
-    def read(self, indices):
-        return self.rows[indices]
-
-
 class TestData:
     def test_a_row_predicts_its_next_text_tokens_only(self):
         # [CLS] 7 8 9 [SEP] [PAD] [PAD]
@@ -50,14 +37,28 @@ class TestData:
         assert w.tolist() == [[1, 1, 1, 0, 0, 0]]
 
     def test_the_unigram_baseline_predicts_the_most_frequent_training_target(self):
-        train = _Rows([[1, 7, 7, 8, 2], [1, 7, 9, 2, 0]])  # targets: 7 x3, 8, 9
+        train_y = np.array([[7, 7, 8, 2], [7, 9, 2, 0]])
+        train_w = np.array([[1, 1, 1, 0], [1, 1, 0, 0]])  # counted: 7 x3, 8, 9
         y = np.array([[7, 8, 6, 2]])
         w = np.array([[1.0, 1.0, 1.0, 0.0]])
-        baseline = data.unigram_baseline(train, y, w, vocabulary_size=10)
+        baseline = data.unigram_baseline(train_y, train_w, y, w, vocabulary_size=10)
         assert baseline.token == 7 and baseline.accuracy == pytest.approx(1 / 3)
-        # add-one over the 5 text tokens: p(7) = 4/10, p(8) = 2/10, p(6) = 1/10
-        expected = math.exp(-(math.log(0.4) + math.log(0.2) + math.log(0.1)) / 3)
+        # add-one over the 10 tokens: p(7) = 4/15, p(8) = 2/15, p(6) = 1/15
+        expected = math.exp(-(math.log(4 / 15) + math.log(2 / 15) + math.log(1 / 15)) / 3)
         assert baseline.perplexity == pytest.approx(expected)
+
+    def test_a_pair_is_one_row_whose_targets_are_its_completion_and_its_end(self):
+        import keras_hub
+
+        vocabulary = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]", "what", "is", "two",
+                      "plus", "one", "three", "four"]
+        tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocabulary, lowercase=True)
+        x, y, w = data.completion_examples(["what is two plus one", "two plus two"],
+                                           ["three", "four"], tokenizer, sequence_length=8)
+        # Row 0 is too long: the prompt loses its start, the completion stays whole.
+        assert x["token_ids"].tolist() == [[1, 6, 7, 8, 9, 10, 2], [1, 7, 8, 7, 11, 2, 0]]
+        assert y.tolist() == [[6, 7, 8, 9, 10, 2, 0], [7, 8, 7, 11, 2, 0, 0]]
+        assert w.tolist() == [[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 0, 0]]
 
     def test_held_out_perplexity_is_that_of_the_targets_alone(self):
         vocabulary = 6
@@ -85,7 +86,8 @@ class TestRefusals:
                 (dict(sequence_length=4), "sequence_length must be an integer >= 8"),
                 (dict(resume=True), "--resume needs --output-dir"),
                 (dict(corpus=[str(tmp_path / "none.txt")]), "no such file"),
-                (dict(target_epsilon=None), "--target-epsilon or --noise-multiplier")):
+                (dict(target_epsilon=None), "--target-epsilon or --noise-multiplier"),
+                (dict(train=str(tmp_path)), "needs both --train .* and --init-from")):
             with pytest.raises(JobError, match=message):
                 CausalLMConfig(**settings).validate()
 
@@ -192,3 +194,32 @@ def test_the_non_private_twin_reports_no_epsilon(private_run):
                                        noise_multiplier=None), log=lambda *_: None)
     assert report["private"] is False and report["epsilon"] is None
     assert report["completed"] and not (root / "twin" / "privacy.json").exists()
+
+
+def write_pairs(path, n=64, seed=0):
+    """Prompt/completion pairs of the generated corpus's words: "<subject> ..." -> "<verb>"."""
+    from tests.test_pretraining import OBJECTS, SUBJECTS, VERBS
+
+    rng = np.random.default_rng(seed)
+    lines = [json.dumps({"prompt": f"{rng.choice(SUBJECTS)} then", "completion":
+                         f"{rng.choice(VERBS)} {rng.choice(OBJECTS)}"}) for _ in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow  # a third run (16 s); its machinery is the pretraining run's
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fine_tuning_a_dp_release_composes_its_ledger(private_run):
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    release, corpus, root = private_run
+    pairs = write_pairs(root / "pairs.jsonl")
+    report = run_causal_lm(tiny_config(corpus, root, root / "tuned", corpus=None,
+                                       init_from=str(root / "run" / "model.keras"),
+                                       train=pairs, batch_size=16), log=lambda *_: None)
+    assert report["objective"].startswith("next token of the completion")
+    assert report["init"]["origin"] == "release"
+    assert "one prompt/completion pair" in report["privacy_unit"]
+    alone = whole_schedule_epsilon(report)
+    # The release's steps come first: more than this run's own epsilon.
+    assert report["epsilon"] > alone and report["completed"]

@@ -37,9 +37,33 @@ def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
                            f"{defaults.sequence_length})")
     data.add_argument("--heldout-fraction", type=float, default=hidden,
                       help=f"share of sequences held out (default {defaults.heldout_fraction})")
+    finetuning = parser.add_argument_group(
+        "fine-tuning (with --train and --init-from; the loss on the completions only)")
+    finetuning.add_argument("--train", metavar="FILE", default=hidden,
+                            help="JSONL (or CSV) prompt/completion pairs to fine-tune on; one "
+                                 "pair is one privacy unit")
+    finetuning.add_argument("--test", metavar="FILE", default=hidden,
+                            help="the pairs scored (default: a held-out share of --train)")
+    finetuning.add_argument("--prompt-field", default=hidden,
+                            help=f"the prompt's field (default {defaults.prompt_field!r})")
+    finetuning.add_argument("--completion-field", default=hidden,
+                            help=f"the completion's field (default "
+                                 f"{defaults.completion_field!r})")
+    finetuning.add_argument("--test-fraction", type=float, default=hidden,
+                            help=f"share of --train held out without --test (default "
+                                 f"{defaults.test_fraction})")
+    finetuning.add_argument("--init-from", metavar="PATH", default=hidden,
+                            help="the model.keras of a `tf-megadp causal-lm` run (a DP "
+                                 "release's ledger is composed into this run's epsilon)")
+    finetuning.add_argument("--init-public", action="store_true", default=hidden,
+                            help="state that --init-from was trained on public data only")
+    finetuning.add_argument("--init-data-disjoint", action="store_true", default=hidden,
+                            help="state that --init-from was trained on data sharing no "
+                                 "example with --train: its ledger is not composed")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=list(MODEL_PRESETS), default=hidden,
-                       help=f"GPT-2 size (default {defaults.model})")
+                       help=f"GPT-2 size of a pretraining run (default {defaults.model}; "
+                            "fine-tuning: the start's)")
     training = parser.add_argument_group("training")
     training.add_argument("--batch-size", type=int, default=hidden,
                           help=f"expected logical batch B (default {defaults.batch_size})")

@@ -27,7 +27,7 @@ NON_PRIVATE_LEARNING_RATE = 2e-3
 
 @dataclasses.dataclass
 class CausalLMConfig(PrivacySettings):
-    """Settings of one causal-LM pretraining run.
+    """Settings of one causal-LM run: pretraining, or fine-tuning with `train` and `init_from`.
 
     Args:
         corpus: text or JSONL files (None: the offline default corpus of
@@ -51,6 +51,19 @@ class CausalLMConfig(PrivacySettings):
             `warmup_steps`, then cosine decay to a tenth.
         warmup_steps, weight_decay: AdamW's schedule and decay.
         eval_every: logical steps between held-out evaluations.
+        init_from: fine-tuning: the model.keras of a `tf-megadp causal-lm`
+            run to start from (its architecture, context and vocabulary
+            are the run's; a DP release's ledger is composed into this
+            run's epsilon). Needs `train`.
+        init_public, init_data_disjoint: the user's statement of where
+            `init_from` comes from, when no file tells (as for `tf-megadp
+            pretrain --init-from`).
+        train: fine-tuning: JSONL (or CSV) of prompt/completion pairs; the
+            loss and the scores are on the completion's tokens (and the
+            [SEP] that ends it) only. One pair is one privacy unit.
+        test: the pairs scored (None: `test_fraction` of `train` held out).
+        prompt_field, completion_field: the fields of each pair.
+        test_fraction: the share of `train` held out without `test`.
         checkpoint_every, checkpoint_minutes, stop_after_steps, resume,
             output_dir, cache_dir, verbose: as for `tf-megadp pretrain`.
         seed: seeds what may be public: the initialisation and the
@@ -80,6 +93,19 @@ class CausalLMConfig(PrivacySettings):
     cache_dir: str | None = None
     verbose: int | str = "auto"
     seed: int = 0
+    init_from: str | None = None
+    init_public: bool = False
+    init_data_disjoint: bool = False
+    train: str | None = None
+    test: str | None = None
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    test_fraction: float = 0.1
+
+    @property
+    def fine_tuning(self) -> bool:
+        """Whether the run fine-tunes a start on prompt/completion pairs (else it pretrains)."""
+        return self.train is not None
 
     def learning_rate_choice(self) -> tuple[float, str]:
         """The peak learning rate, and where it comes from ("given" or the default of its kind)."""
@@ -127,6 +153,22 @@ class CausalLMConfig(PrivacySettings):
             raise JobError("--resume needs --output-dir of the run to continue.")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
             raise JobError(f"stop_after_steps must be >= 1, got {self.stop_after_steps}.")
+        if bool(self.train) != bool(self.init_from):
+            raise JobError(
+                "Fine-tuning needs both --train (prompt/completion pairs) and --init-from (the "
+                "model.keras of a `tf-megadp causal-lm` run); pretraining takes neither.")
+        if self.test and not self.train:
+            raise JobError("--test names the test split of --train: pass --train FILE too.")
+        for name in ("train", "test", "init_from"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise JobError(f"--{name.replace('_', '-')} {path}: no such file.")
+        if not 0 < self.test_fraction < 0.5:
+            raise JobError(f"test_fraction must be in (0, 0.5), got {self.test_fraction}.")
+        if self.init_public and self.init_data_disjoint:
+            raise JobError(
+                "--init-public and --init-data-disjoint are two statements of where "
+                "--init-from comes from: give the one that holds.")
         if self.noise is not None:
             raise JobError(
                 f"--noise {self.noise}: the causal-LM job trains with independent noise "

@@ -1,7 +1,11 @@
-"""`run_causal_lm`: one causal-LM pretraining run, end to end, on the shared run machinery.
+"""`run_causal_lm`: one causal-LM run, end to end, on the shared run machinery.
 
-The run prepares (or reuses) the packed corpus, holds out its split,
-builds a GPT-2 from keras-hub's constructors, plans its privacy
+A pretraining run prepares (or reuses) the packed corpus and holds out
+its split; a fine-tuning run reads prompt/completion pairs and starts
+from a `tf-megadp causal-lm` release (`--init-from`, checked as `tf-megadp
+pretrain --init-from` checks a start: a DP release's ledger is composed,
+a start of unknown origin needs the user's statement). Either builds a
+GPT-2 from keras-hub's constructors, plans its privacy
 (`plan_privacy`), trains with DP-SGD on Poisson-sampled logical batches
 (or the non-private baseline on the same batches), scores the held-out
 split, and writes the run folder (`tf_megadp.jobs.common.run_folder`):
@@ -14,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -26,6 +30,7 @@ from tf_megadp.jobs.common.errors import JobError
 from tf_megadp.jobs.common.privacy import new_dp_optimizer, plan_privacy
 from tf_megadp.jobs.common.run_folder import (
     CHECKPOINT_NAME,
+    INIT_KEY,
     MODEL_NAME,
     PLOT_NAME,
     PRIVACY_REPORT_NAME,
@@ -39,7 +44,9 @@ __all__ = ["COMMAND", "build_model", "run_causal_lm"]
 COMMAND = "tf-megadp causal-lm"
 # The settings that name files or folders of this machine (report.json names
 # them relative to the run folder, or by name).
-PATH_FIELDS = ("corpus", "output_dir", "cache_dir")
+PATH_FIELDS = ("corpus", "output_dir", "cache_dir", "init_from", "train", "test")
+# The keras-hub task a fine-tuning run starts from, and the command that writes it.
+GPT2_TASK = ("keras_hub>GPT2CausalLM", COMMAND)
 RELEASED_OUTSIDE_EPSILON = (
     "held-out accuracy and perplexity, and the unigram baseline's: computed on the held-out "
     "split, which is not trained on and not protected by DP (publish them only if that text "
@@ -51,12 +58,29 @@ RELEASED_OUTSIDE_EPSILON = (
 )
 
 
+class _RunData(NamedTuple):
+    """What a run trains on and is scored on, pretraining or fine-tuning alike."""
+
+    train: tuple  # (x, y, sample_weight)
+    test: tuple
+    vocabulary_size: int
+    vocabulary_file: str
+    vocabulary: dict[str, Any]  # report.json's account of it
+    description: str
+    privacy_unit: str
+    model: str  # a MODEL_PRESETS name
+    context: int  # the model's max_sequence_length
+    init: Any  # the fine-tuned start's `InitialWeights`, or None
+
+
 def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
                   ) -> dict[str, Any]:
-    """Runs (or resumes, `config.resume`) one causal-LM pretraining job and returns its report.
+    """Runs (or resumes, `config.resume`) one causal-LM job and returns its report.
 
-    Everything that can be checked before training is checked first: bad
-    input raises `JobError` before the output directory is created.
+    Pretraining from scratch on packed sequences, or, with `config.train`,
+    fine-tuning `config.init_from` on prompt/completion pairs. Everything
+    that can be checked before training is checked first: bad input raises
+    `JobError` before the output directory is created.
 
     Args:
         config: the run.
@@ -66,6 +90,7 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
         The report, as written to report.json.
     """
     from tf_megadp.run.training_state import has_training_state
+    from tf_megadp.steps import BatchSizeSchedule
 
     config.validate()
     started = time.time()
@@ -76,24 +101,25 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
     elif has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
         raise JobError(f"{output_dir} already holds a run; pass --resume to continue it or "
                        "choose another --output-dir.")
-    corpus, train, heldout = data.corpus_splits(config, log)
-    if config.batch_size > len(train):
-        raise JobError(f"--batch-size {config.batch_size} is larger than the {len(train)} "
-                       "training sequences: lower it.")
-    heldout_examples = data.next_token_examples(heldout.read(np.arange(len(heldout))))
-    baseline = data.unigram_baseline(train, heldout_examples[1], heldout_examples[2],
-                                     train.vocabulary_size)
-    from tf_megadp.steps import BatchSizeSchedule
-
-    schedule = BatchSizeSchedule.constant(config.steps, config.batch_size,
-                                          num_examples=len(train),
+    run_data = (_pairs_data(config, output_dir) if config.fine_tuning
+                else _corpus_data(config, log))
+    n = len(run_data.train[1])
+    if config.batch_size > n:
+        raise JobError(f"--batch-size {config.batch_size} is larger than the {n} training "
+                       "examples: lower it.")
+    baseline = data.unigram_baseline(run_data.train[1], run_data.train[2], run_data.test[1],
+                                     run_data.test[2], run_data.vocabulary_size)
+    schedule = BatchSizeSchedule.constant(config.steps, config.batch_size, num_examples=n,
                                           micro_batch_size=config.micro_batch_size)
-    sigma, delta, planned_epsilon = plan_privacy(config, schedule)
+    init = run_data.init
+    prior = init.composed_ledger(config) if init is not None and not config.non_private else None
+    sigma, delta, planned_epsilon = plan_privacy(
+        config, schedule, prior=prior, init_from=init.path if init is not None else None)
     created = not os.path.exists(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
-        return _train(config, corpus, train, heldout_examples, baseline, schedule, sigma, delta,
-                      planned_epsilon, output_dir, started, log)
+        return _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon,
+                      output_dir, started, log)
     except BaseException:
         if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
             import shutil
@@ -102,22 +128,81 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
         raise
 
 
-def build_model(config: CausalLMConfig, vocabulary_size: int):
+def _corpus_data(config: CausalLMConfig, log) -> _RunData:
+    """Pretraining: the packed corpus, its held-out split, the public vocabulary."""
+    from tf_megadp.jobs.bert.prepare import vocabulary_report
+
+    corpus, train, heldout = data.corpus_splits(config, log)
+    return _RunData(
+        train=data.next_token_examples(train.read(np.arange(len(train)))),
+        test=data.next_token_examples(heldout.read(np.arange(len(heldout)))),
+        vocabulary_size=train.vocabulary_size,
+        vocabulary_file=os.path.join(corpus.directory, corpus.manifest["vocabulary_file"]),
+        vocabulary=vocabulary_report(data.corpus_settings(config)),
+        description=str(corpus.manifest.get("source")),
+        privacy_unit=(f"one packed sequence of {config.sequence_length} tokens: a document "
+                      "longer than a sequence, or one sharing sequences with others, is "
+                      "protected only by group privacy over the sequences it touches"),
+        model=config.model, context=config.sequence_length - 1, init=None)
+
+
+def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
+    """Fine-tuning: the pairs, tokenized with the start's vocabulary; the start itself."""
+    import keras_hub
+
+    from tf_megadp.jobs.bert import initial_weights, text
+
+    if config.resume:
+        init = initial_weights.InitialWeights.from_dict(
+            run_folder.saved_extra(output_dir)[INIT_KEY])
+    else:
+        init = initial_weights.read_initial_weights(config.init_from, GPT2_TASK)
+        if not config.non_private:
+            init.origin(config)  # Refuses a start of unknown origin, naming the statement.
+    if init.vocabulary is None or init.vocabulary_public is False:
+        raise JobError(
+            f"--init-from {init.path}: fine-tuning needs the public vocabulary beside it "
+            f"({VOCABULARY_NAME} of a `{COMMAND}` run, whose report says it is public).")
+    if config.sequence_length - 1 > init.max_sequence_length:
+        raise JobError(
+            f"--sequence-length {config.sequence_length}: the start reads at most "
+            f"{init.max_sequence_length} tokens; pass at most {init.max_sequence_length + 1}.")
+    tokenizer = keras_hub.models.BertTokenizer(
+        vocabulary=text.read_vocabulary_file(init.vocabulary), lowercase=True)
+    train_pairs, test_pairs = data.read_pairs(config)
+    return _RunData(
+        train=data.completion_examples(*train_pairs, tokenizer, config.sequence_length),
+        test=data.completion_examples(*test_pairs, tokenizer, config.sequence_length),
+        vocabulary_size=init.vocabulary_size, vocabulary_file=init.vocabulary,
+        vocabulary={"source": ("public: the vocabulary of the start "
+                               + os.path.basename(init.path)),
+                    "public": True, "file": VOCABULARY_NAME},
+        description=f"{len(train_pairs[0]):,} prompt/completion pairs",
+        privacy_unit=("one prompt/completion pair (its row of "
+                      f"{config.sequence_length} tokens)"),
+        model=init.preset_name(), context=init.max_sequence_length, init=init)
+
+
+def build_model(model: str, vocabulary_size: int, context: int):
     """The run's `keras_hub.models.GPT2CausalLM`, from constructors (nothing is downloaded).
 
-    Its head is the token embedding reused (tied), and it reads L - 1
-    tokens. Dropout 0: the job's DP step and its non-private baseline
-    then compare at the same cost (dropout doubles the XLA step on a CPU).
+    Its head is the token embedding reused (tied). Dropout 0: the job's DP
+    step and its non-private baseline then compare at the same cost
+    (dropout doubles the XLA step on a CPU).
+
+    Args:
+        model: a `MODEL_PRESETS` name (layers, hidden, heads, intermediate).
+        vocabulary_size: V.
+        context: the most tokens it reads (its position table's rows).
     """
     import keras_hub
 
     from tf_megadp.jobs.bert.config import MODEL_PRESETS
 
-    layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
+    layers, hidden, heads, intermediate = MODEL_PRESETS[model]
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=vocabulary_size, num_layers=layers, num_heads=heads, hidden_dim=hidden,
-        intermediate_dim=intermediate, max_sequence_length=config.sequence_length - 1,
-        dropout=0.0)
+        intermediate_dim=intermediate, max_sequence_length=context, dropout=0.0)
     return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
 
 
@@ -142,23 +227,31 @@ def _inner_optimizer(config: CausalLMConfig, learning_rate: float, schedule,
                                   gradient_accumulation_steps=accumulation_steps)
 
 
-def _model(config, schedule, sigma, learning_rate, vocabulary_size, output_dir, sample):
-    """(model, its saved state): restored from the checkpoint (--resume) or new; made private."""
+def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
+    """(model, its saved state): restored from the checkpoint (--resume) or new; made private.
+
+    A fine-tuning run's new model takes the start's weights before it is
+    compiled, and, made private, declares them (a DP release's ledger is
+    composed into its epsilon, other starts are named by their origin).
+    """
     import keras
 
     import tf_megadp
+    from tf_megadp.jobs.bert import initial_weights
     from tf_megadp.run.training_state import restore_training_state
 
     private = not config.non_private
     keras.utils.set_random_seed(config.seed)
-    model = build_model(config, vocabulary_size)
-    model(sample)
+    model = build_model(run_data.model, run_data.vocabulary_size, run_data.context)
+    model({name: value[:1] for name, value in run_data.test[0].items()})
     state: dict[str, Any] = {"history": [], "resumes": []}
     if config.resume:
         state = restore_training_state(model, os.path.join(output_dir, CHECKPOINT_NAME),
                                        _compile_kwargs(private))
         state["resumes"] = state.get("resumes", []) + [int(model.optimizer.iterations)]
     else:
+        if run_data.init is not None:
+            initial_weights.load_into(model, run_data.init)
         accumulation = schedule.phases[0].accumulation_steps
         inner = _inner_optimizer(config, learning_rate, schedule,
                                  None if private or accumulation == 1 else accumulation)
@@ -170,29 +263,29 @@ def _model(config, schedule, sigma, learning_rate, vocabulary_size, output_dir, 
     if private:
         # Strict: data that no tf_megadp Poisson sampler drew is refused.
         tf_megadp.make_private(model, require_poisson_sampling=True)
+        if run_data.init is not None and not config.resume:
+            initial_weights.declare(model, run_data.init, config)
     return model, state
 
 
-def _train(config, corpus, train, heldout_examples, baseline, schedule, sigma, delta,
-           planned_epsilon, output_dir, started, log):
+def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, output_dir,
+           started, log):
     import tf_megadp
     from tf_megadp import distribute
 
     private = not config.non_private
     learning_rate, learning_rate_source = config.learning_rate_choice()
-    x_test, y_test, w_test = heldout_examples
+    x_test, y_test, w_test = run_data.test
     logical_done = (int(run_folder.saved_extra(output_dir).get("logical_steps", 0))
                     if config.resume else 0)
-    x, y, w = data.next_token_examples(train.read(np.arange(len(train))))
     end_step = None
     if config.stop_after_steps is not None:
         end_step = min(schedule.total_steps, logical_done + config.stop_after_steps)
     # The draws come from OS entropy, never from --seed (which report.json records).
     sampler = tf_megadp.PoissonSampler.from_arrays(
-        x, y, w, schedule=schedule, start_step=min(logical_done, schedule.total_steps),
+        *run_data.train, schedule=schedule, start_step=min(logical_done, schedule.total_steps),
         end_step=end_step)
-    model, state = _model(config, schedule, sigma, learning_rate, train.vocabulary_size,
-                          output_dir, {name: value[:1] for name, value in x_test.items()})
+    model, state = _model(config, run_data, schedule, sigma, learning_rate, output_dir)
     if state.get("learning_rate_source"):
         learning_rate_source = state["learning_rate_source"]
     dataset = sampler.as_dataset()
@@ -213,9 +306,12 @@ def _train(config, corpus, train, heldout_examples, baseline, schedule, sigma, d
         return data.heldout_scores(model, x_test, y_test, w_test, config.micro_batch_size)
 
     def record() -> dict[str, Any]:
-        return {"history": history, "resumes": state["resumes"],
-                "config": run_folder.config_dict(config),
-                "learning_rate_source": learning_rate_source}
+        saved = {"history": history, "resumes": state["resumes"],
+                 "config": run_folder.config_dict(config),
+                 "learning_rate_source": learning_rate_source}
+        if run_data.init is not None:
+            saved[INIT_KEY] = run_data.init.to_dict()
+        return saved
 
     checkpointer = run_folder.Checkpointer(output_dir, record)
     callbacks = ([privacy] if privacy else []) + [run_folder.progress_callback(
@@ -224,8 +320,10 @@ def _train(config, corpus, train, heldout_examples, baseline, schedule, sigma, d
         checkpoint_minutes=config.checkpoint_minutes, evaluate=evaluate, history=history,
         privacy=privacy, started=started, train_metrics={"accuracy": "train_accuracy"})]
     callbacks += run_folder.log_callbacks(output_dir, config.resume)
-    log(f"Causal-LM pretraining of a GPT-2 {config.model} on {corpus.manifest.get('source')}: "
-        f"N = {len(train):,} sequences of {config.sequence_length} tokens (the privacy unit), "
+    kind = ("fine-tuning " + os.path.basename(run_data.init.path) if run_data.init is not None
+            else "pretraining")
+    log(f"Causal LM ({kind}), GPT-2 {run_data.model}, on {run_data.description}: "
+        f"N = {schedule.num_examples:,} (unit: {run_data.privacy_unit.split(':')[0]}), "
         f"{len(y_test):,} held out; learning rate {learning_rate:g} ({learning_rate_source}); "
         f"schedule: {schedule}; "
         + (f"sigma={sigma:.4f}, C={config.l2_norm_clip}, delta={delta:.3g}, planned "
@@ -239,10 +337,9 @@ def _train(config, corpus, train, heldout_examples, baseline, schedule, sigma, d
         verbose=run_folder.progress_verbosity(config.verbose))
     if not epochs:
         checkpointer.save(model)
-    vocabulary_file = os.path.join(corpus.directory, corpus.manifest["vocabulary_file"])
-    run_folder.export_release(model, output_dir, vocabulary_file)
+    run_folder.export_release(model, output_dir, run_data.vocabulary_file)
     report = run_folder.publishable(_report(
-        config, corpus, model, sampler, privacy, sigma, delta, baseline, history,
+        config, run_data, model, sampler, privacy, sigma, delta, baseline, history,
         state["resumes"], learning_rate, learning_rate_source, started, train_seconds,
         logical_done, float(np.sum(w_test))), output_dir, PATH_FIELDS)
     write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
@@ -253,11 +350,10 @@ def _train(config, corpus, train, heldout_examples, baseline, schedule, sigma, d
     return report
 
 
-def _report(config, corpus, model, sampler, privacy, sigma, delta, baseline, history, resumes,
-            learning_rate, learning_rate_source, started, train_seconds, logical_done,
+def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, history,
+            resumes, learning_rate, learning_rate_source, started, train_seconds, logical_done,
             heldout_targets) -> dict[str, Any]:
     from tf_megadp.jobs.bert.config import MODEL_PRESETS
-    from tf_megadp.jobs.bert.prepare import vocabulary_report
 
     private = not config.non_private
     last = history[-1] if history else {}
@@ -265,7 +361,7 @@ def _report(config, corpus, model, sampler, privacy, sigma, delta, baseline, his
     learned, threshold = learned_beyond(accuracy, baseline.accuracy, heldout_targets)
     schedule = sampler.schedule
     steps = int(model.optimizer.iterations.numpy())
-    layers, hidden, heads, intermediate = MODEL_PRESETS[config.model]
+    layers, hidden, heads, intermediate = MODEL_PRESETS[run_data.model]
     return {
         "heldout_accuracy": accuracy,
         "heldout_perplexity": last.get("heldout_perplexity", float("nan")),
@@ -274,11 +370,12 @@ def _report(config, corpus, model, sampler, privacy, sigma, delta, baseline, his
         "learned": learned,
         "learned_threshold": threshold,
         "heldout_target_tokens": heldout_targets,
+        "objective": ("next token of the completion (fine-tuning)" if config.fine_tuning
+                      else "next token (pretraining)"),
         "model": {"family": "GPT-2 (keras_hub.models.GPT2CausalLM, tied head)",
-                  "preset": config.model, "layers": layers, "hidden": hidden, "heads": heads,
-                  "intermediate": intermediate, "vocabulary_size": int(model.backbone.
-                                                                       vocabulary_size),
-                  "context": config.sequence_length - 1},
+                  "preset": run_data.model, "layers": layers, "hidden": hidden, "heads": heads,
+                  "intermediate": intermediate, "vocabulary_size": run_data.vocabulary_size,
+                  "context": run_data.context},
         "trainable_parameters": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
         "private": private,
         "epsilon": float(privacy.epsilon) if private else None,
@@ -286,9 +383,7 @@ def _report(config, corpus, model, sampler, privacy, sigma, delta, baseline, his
         "noise_multiplier": sigma if private else None,
         "l2_norm_clip": config.l2_norm_clip if private else None,
         "accountant": config.accountant if private else None,
-        "privacy_unit": (f"one packed sequence of {config.sequence_length} tokens: a document "
-                         "longer than a sequence, or one sharing sequences with others, is "
-                         "protected only by group privacy over the sequences it touches"),
+        "privacy_unit": run_data.privacy_unit,
         "learning_rate": learning_rate,
         "learning_rate_source": learning_rate_source,
         "schedule": schedule.to_dict(),
@@ -298,8 +393,9 @@ def _report(config, corpus, model, sampler, privacy, sigma, delta, baseline, his
         "resumed_from_step": logical_done,
         "resumes": resumes,
         "num_examples": schedule.num_examples,
-        "corpus": corpus.manifest.get("source"),
-        "vocabulary": vocabulary_report(data.corpus_settings(config)),
+        "data": run_data.description,
+        INIT_KEY: run_data.init.report(config) if run_data.init is not None else None,
+        "vocabulary": run_data.vocabulary,
         "wall_time_s": time.time() - started,
         "train_time_s": train_seconds,
         "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
@@ -316,7 +412,7 @@ def _file_guide(private: bool) -> dict[str, str]:
         MODEL_NAME: ("release: architecture and weights only (tf_megadp.export_model; its "
                      "weights carry their privacy ledger), "
                      + ("covered by epsilon" if private else "NOT private (baseline)")),
-        VOCABULARY_NAME: "release: the public vocabulary (the offline default corpus's)",
+        VOCABULARY_NAME: "release: the public vocabulary the model reads",
         REPORT_NAME: f"this report: {statistics}",
         PLOT_NAME: f"held-out accuracy and epsilon per evaluation: {statistics}",
         run_folder.HISTORY_NAME: f"per-epoch training loss and metrics: {statistics}",

@@ -667,8 +667,11 @@ def _add_causal_lm_parser(subparsers) -> None:
         description="Pretrains a keras-hub GPT-2 (built from its constructors) from scratch "
                     "with DP-SGD on Poisson-sampled batches of packed sequences (one sequence "
                     "is the privacy unit): the offline default corpus of `tf-megadp pretrain`, "
-                    "or --corpus. Reports held-out next-token accuracy and perplexity beside "
-                    "the unigram baseline, with (epsilon, delta).",
+                    "or --corpus. With --init-from RUN/model.keras --train FILE, fine-tunes "
+                    "such a run's model on prompt/completion pairs instead (the loss on the "
+                    "completions; one pair is the privacy unit). Reports held-out next-token "
+                    "accuracy and perplexity beside the unigram baseline, with (epsilon, "
+                    "delta).",
     )
     add_causal_lm_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print report.json at the end")
@@ -751,7 +754,7 @@ _HELP = {
     "audit": "audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
     "evaluate": "held-out MLM accuracy of a model on a corpus, beside the unigram baseline",
     "finetune": "DP fine-tuning of a public BERT on labelled text (prompt or head)",
-    "causal-lm": "DP next-token pretraining of a GPT-2 (causal LM)",
+    "causal-lm": "DP next-token pretraining or fine-tuning of a GPT-2 (causal LM)",
     "public-model": "the public BERT fine-tuning starts from: built once without DP, cached",
 }
 

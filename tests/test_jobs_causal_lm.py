@@ -53,12 +53,12 @@ class TestData:
         vocabulary = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]", "what", "is", "two",
                       "plus", "one", "three", "four"]
         tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocabulary, lowercase=True)
-        x, y, w = data.completion_examples(["what is two plus one", "two plus two"],
+        x, y, w = data.completion_examples(["what is two plus one plus two", "two plus two"],
                                            ["three", "four"], tokenizer, sequence_length=8)
-        # Row 0 is too long: the prompt loses its start, the completion stays whole.
-        assert x["token_ids"].tolist() == [[1, 6, 7, 8, 9, 10, 2], [1, 7, 8, 7, 11, 2, 0]]
-        assert y.tolist() == [[6, 7, 8, 9, 10, 2, 0], [7, 8, 7, 11, 2, 0, 0]]
-        assert w.tolist() == [[0, 0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 0, 0]]
+        # Row 0 is too long: the prompt loses its start ("what is"), the completion stays.
+        assert x["token_ids"].tolist() == [[1, 7, 8, 9, 8, 7, 10], [1, 7, 8, 7, 11, 2, 0]]
+        assert y.tolist() == [[7, 8, 9, 8, 7, 10, 2], [7, 8, 7, 11, 2, 0, 0]]
+        assert w.tolist() == [[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 0, 0]]
 
     def test_held_out_perplexity_is_that_of_the_targets_alone(self):
         vocabulary = 6
@@ -97,7 +97,7 @@ class TestRefusals:
 
 
 def tiny_config(corpus, root, output, **settings):
-    values = dict(corpus=[corpus], output_dir=str(output), cache_dir=str(root / "cache"),
+    values = dict(corpus=[corpus] if corpus else None, output_dir=str(output), cache_dir=str(root / "cache"),
                   model="pico", sequence_length=16, vocabulary_size=200, micro_batch_size=16,
                   batch_size=16, steps=2, eval_every=1, noise_multiplier=1.0,
                   target_epsilon=None, accountant="rdp", warmup_steps=1, verbose=0,
@@ -212,11 +212,11 @@ def write_pairs(path, n=64, seed=0):
 def test_fine_tuning_a_dp_release_composes_its_ledger(private_run):
     from tf_megadp.jobs.causal_lm.run import run_causal_lm
 
-    release, corpus, root = private_run
+    _, _, root = private_run
     pairs = write_pairs(root / "pairs.jsonl")
-    report = run_causal_lm(tiny_config(corpus, root, root / "tuned", corpus=None,
+    report = run_causal_lm(tiny_config(None, root, root / "tuned",
                                        init_from=str(root / "run" / "model.keras"),
-                                       train=pairs, batch_size=16), log=lambda *_: None)
+                                       train=pairs), log=lambda *_: None)
     assert report["objective"].startswith("next token of the completion")
     assert report["init"]["origin"] == "release"
     assert "one prompt/completion pair" in report["privacy_unit"]

@@ -16,7 +16,6 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_megadp
 from tests import reference

@@ -1,16 +1,19 @@
 """Specification of `tf-megadp causal-lm` (`tf_megadp.jobs.causal_lm`).
 
 The data: a packed row r is one example that reads r[:-1] and predicts
-r[1:], with only the text's tokens as targets; the unigram baseline and the
-held-out perplexity are those of their definitions. The job: bad settings
-are refused by name before anything runs; a private run spends the
-epsilon accounted for its whole schedule, reports held-out accuracy and
-perplexity beside the unigram baseline and the privacy unit (one packed
-sequence), writes the release (whose weights carry their ledger) and
-privacy.json, refuses a resume that changes its privacy, and, stopped
-after one step and resumed with --resume alone, ends as the whole run. The runs train a pico GPT-2 for a few steps on generated
-text: they check the machinery, not what it learns. The resume and the
-non-private twin are `slow` (a run costs 16 s, nearly all of it the
+r[1:], with only the text's tokens as targets; a prompt/completion pair is
+one row whose targets are the completion and its end; the unigram baseline
+and the held-out perplexity are those of their definitions. The job: bad
+settings are refused by name before anything runs; a private run spends
+the epsilon accounted for its whole schedule, reports held-out accuracy
+and perplexity beside the unigram baseline and the privacy unit (one
+packed sequence), writes the release (whose weights carry their ledger)
+and privacy.json, refuses a resume that changes its privacy, and, stopped
+after one step and resumed with --resume alone, ends as the whole run;
+fine-tuning that release composes its ledger into the new epsilon. The
+runs train a pico GPT-2 for a few steps on generated text: they check the
+machinery, not what it learns. The resume, the non-private twin and the
+fine-tuning are `slow` (a run costs about 15 s, nearly all of it the
 private step's tracing and XLA compilation).
 """
 
@@ -97,7 +100,8 @@ class TestRefusals:
 
 
 def tiny_config(corpus, root, output, **settings):
-    values = dict(corpus=[corpus] if corpus else None, output_dir=str(output), cache_dir=str(root / "cache"),
+    values = dict(corpus=[corpus] if corpus else None, output_dir=str(output),
+                  cache_dir=str(root / "cache"),
                   model="pico", sequence_length=16, vocabulary_size=200, micro_batch_size=16,
                   batch_size=16, steps=2, eval_every=1, noise_multiplier=1.0,
                   target_epsilon=None, accountant="rdp", warmup_steps=1, verbose=0,

@@ -79,7 +79,8 @@ def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
                           help=f"AdamW's (default {defaults.weight_decay:g})")
     privacy = parser.add_argument_group("privacy")
     privacy.add_argument("--target-epsilon", type=float, default=hidden,
-                         help=f"calibrate sigma to spend this (default {defaults.target_epsilon:g})")
+                         help="calibrate sigma to spend this (default "
+                              f"{defaults.target_epsilon:g})")
     privacy.add_argument("--noise-multiplier", type=float, default=hidden,
                          help="sigma, instead of --target-epsilon")
     privacy.add_argument("--delta", type=float, default=hidden,

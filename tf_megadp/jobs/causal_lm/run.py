@@ -54,7 +54,8 @@ RELEASED_OUTSIDE_EPSILON = (
     "training loss and accuracy on training batches (history.csv, tensorboard/, report.json "
     "history): exact statistics of the sampled batches",
     "num_examples and the held-out target count: exact counts",
-    "wall_time_s, train_time_s: timings",
+    "wall_time_s, train_time_s: timings; train_time_parts_s: the train time in fit (the "
+    "steps) and in each of the job's callbacks (evaluation, checkpoints, logs)",
 )
 
 
@@ -330,7 +331,7 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
            f"epsilon={planned_epsilon:.3f}." if private
            else "NON-PRIVATE baseline (no clipping, no noise)."))
     initial_epoch = len(history)
-    train_seconds = fitting.fit_run(
+    train_time = fitting.fit_run(
         model, dataset, strategy=distribute.resolve_strategy("default"), several_workers=False,
         callbacks=callbacks, epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
         steps_per_epoch=remaining // epochs if epochs else 0,
@@ -340,7 +341,7 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
     run_folder.export_release(model, output_dir, run_data.vocabulary_file)
     report = run_folder.publishable(_report(
         config, run_data, model, sampler, privacy, sigma, delta, baseline, history,
-        state["resumes"], learning_rate, learning_rate_source, started, train_seconds,
+        state["resumes"], learning_rate, learning_rate_source, started, train_time,
         logical_done, float(np.sum(w_test))), output_dir, PATH_FIELDS)
     write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
     if history:
@@ -351,7 +352,7 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
 
 
 def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, history,
-            resumes, learning_rate, learning_rate_source, started, train_seconds, logical_done,
+            resumes, learning_rate, learning_rate_source, started, train_time, logical_done,
             heldout_targets) -> dict[str, Any]:
     from tf_megadp.jobs.bert.config import MODEL_PRESETS
 
@@ -397,7 +398,8 @@ def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, h
         INIT_KEY: run_data.init.report(config) if run_data.init is not None else None,
         "vocabulary": run_data.vocabulary,
         "wall_time_s": time.time() - started,
-        "train_time_s": train_seconds,
+        "train_time_s": train_time.total_s,
+        "train_time_parts_s": train_time.report(),
         "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
         "files": _file_guide(private),
         "history": history,
@@ -448,5 +450,6 @@ def _summary(report: dict[str, Any], output_dir: str) -> str:
         f"privacy                 {privacy}",
         f"logical steps           {report['logical_steps']}   wall time "
         f"{report['wall_time_s']:.0f} s",
+        f"time                    {run_folder.train_time_line(report)}",
         f"report                  {os.path.join(output_dir, REPORT_NAME)}",
         "=" * 64])

@@ -19,6 +19,10 @@ private step's tracing and XLA compilation).
 
 import json
 import math
+import os
+import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -211,16 +215,25 @@ def write_pairs(path, n=64, seed=0):
     return str(path)
 
 
-@pytest.mark.slow  # a third run (16 s); its machinery is the pretraining run's
-@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.slow  # a third run (20 s); its machinery is the pretraining run's
 def test_fine_tuning_a_dp_release_composes_its_ledger(private_run):
-    from tf_megadp.jobs.causal_lm.run import run_causal_lm
-
+    # Through the `tf-megadp` launcher, in its own process: it imports the
+    # library on first use, so the release's ledger must be read when the
+    # start's weights are loaded, not by an import that happened before.
     _, _, root = private_run
     pairs = write_pairs(root / "pairs.jsonl")
-    report = run_causal_lm(tiny_config(None, root, root / "tuned",
-                                       init_from=str(root / "run" / "model.keras"),
-                                       train=pairs), log=lambda *_: None)
+    output = root / "tuned"
+    command = [sys.executable, "-m", "tf_megadp_cli", "causal-lm", "--init-from",
+               str(root / "run" / "model.keras"), "--train", pairs, "--output-dir", str(output),
+               "--sequence-length", "16", "--batch-size", "16", "--micro-batch-size", "16",
+               "--steps", "2", "--noise-multiplier", "1.0", "--accountant", "rdp",
+               "--verbose", "0"]
+    root_of_repository = str(pathlib.Path(__file__).parents[1])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            cwd=root_of_repository,
+                            env={**os.environ, "PYTHONPATH": root_of_repository})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((output / "report.json").read_text())
     assert report["objective"].startswith("next token of the completion")
     assert report["init"]["origin"] == "release"
     assert "one prompt/completion pair" in report["privacy_unit"]

@@ -487,6 +487,12 @@ def load_into(model, init: InitialWeights) -> None:
     import keras_hub
 
     from tf_megadp import _keras_compat
+    # Installs the observer that reads a weights file's privacy ledger as
+    # Keras loads it; under the `tf-megadp` launcher, which imports the
+    # library on first use, nothing may have imported it yet, and a DP
+    # release loaded without it is not recognised (its run then refuses to
+    # start: its ledger would not be composed).
+    from tf_megadp.run import weights_origin  # noqa: F401
 
     if init.kind == "model.keras":
         with warnings.catch_warnings():

@@ -438,7 +438,8 @@ def _summary(report: dict[str, Any], output_dir: str) -> str:
                    f"{STANDARD_ERRORS:g} standard errors)")
     privacy = (f"epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}  (sigma "
                f"{report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, "
-               f"{report['accountant'].upper()}, Poisson sampling; unit: one packed sequence)"
+               f"{report['accountant'].upper()}, Poisson sampling; unit: "
+               f"{report['privacy_unit'].split(':')[0]})"
                if report["private"] else "NONE (non-private baseline)")
     return "\n".join([
         "", "=" * 64,

@@ -107,7 +107,8 @@ def measure_child(size: str, m: int, config: str, args: argparse.Namespace) -> d
 
     warnings.simplefilter("ignore")  # fixed-size-batch and sigma notices
     poisson = args.path == "fit_poisson"
-    x, y, w = step_overhead.make_data(max(args.steps, 4) * m, args, np.random.default_rng(0))
+    x, y, w = step_overhead.make_data(max(args.steps, 4) * m, args, np.random.default_rng(0),
+                                      size)
     # step_overhead's sampler holds steps * (warmup + repeats) logical steps;
     # it is seeded, so every sampler made here draws the same steps.
     new_sampler = lambda: step_overhead.poisson_sampler(
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds one configuration's child may run")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    # step_overhead's model builders read these: no LoRA, and the DP step
+    # compiled as `fit` compiles it (the per-example pass under XLA).
+    parser.set_defaults(lora_rank=0, dp_jit_compile=False)
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2: the steps 2..n figure needs a second step")

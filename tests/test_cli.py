@@ -263,7 +263,8 @@ print(status, ",".join(loaded))
      "--bands", "4", "--cycle-length", "4"],
     ["plan", str(pathlib.Path(__file__).parents[1] / "tpu_configs" / "bert_base_v3_8.yaml"),
      "--accountant", "pld"],
-], ids=["help", "epsilon", "calibrate", "plan"])
+    ["causal-lm", "--help"],
+], ids=["help", "epsilon", "calibrate", "plan", "causal-lm-help"])
 def test_the_accounting_commands_do_not_import_tensorflow(argv):
     result = subprocess.run(
         [sys.executable, "-c", _NO_TENSORFLOW_PROBE, *argv], capture_output=True, text=True,

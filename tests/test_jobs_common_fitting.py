@@ -3,6 +3,9 @@
 A job's train time holds its evaluation and checkpoint cadence; report.json
 splits it into the time in `fit` (the steps) and in each of the job's
 callbacks, so that a DP run's train time can be set beside its twin's.
+Every job divides its micro-steps into equal `fit` epochs, one evaluation
+each, and warms its learning rate up linearly, then decays it by a cosine
+to a tenth.
 """
 
 import time
@@ -47,3 +50,19 @@ def test_the_train_time_is_split_between_fit_and_each_callback():
     assert line.startswith(f"train {train_time.total_s:.1f} s: fit {parts['fit']:.1f} s, "
                            "the job's callbacks ")
     assert line.index("SlowEvaluation") < line.index("SlowLogs")  # the costliest first
+
+
+def test_the_epochs_divide_the_micro_steps_equally_and_none_are_left_for_nothing():
+    assert fitting.epochs_dividing(12, 5) == 4  # 4 epochs of 3, not 5 unequal ones
+    assert fitting.epochs_dividing(7, 3) == 1
+    assert fitting.epochs_dividing(6, 6) == 6
+    assert fitting.epochs_dividing(0, 3) == 0  # a resumed run after its last step
+
+
+def test_the_learning_rate_warms_up_then_decays_to_a_tenth():
+    # 10 logical steps, 2 of warm-up; the non-private twin counts 3 micro-steps a step.
+    for per_update in (1, 3):
+        rate = fitting.warmup_cosine_learning_rate(1e-3, 2, 10, per_update)
+        at = lambda step: float(rate(step * per_update))  # noqa: E731
+        assert at(0) == 0.0 and np.isclose(at(1), 5e-4) and np.isclose(at(2), 1e-3)
+        assert np.isclose(at(10), 1e-4)

@@ -3,8 +3,9 @@
 Each subcommand is a small `_add_<name>_parser(subparsers)` that declares its
 arguments and sets `handler`; this module only parses, and hands the work to
 the library (`epsilon`, `calibrate`), to the BERT job (`plan`, `pretrain`,
-`audit`, `evaluate`: `tf_megadp.jobs.bert`) or to the fine-tuning job
-(`finetune`: `tf_megadp.jobs.finetune`), each imported by its handler, so that
+`audit`, `evaluate`: `tf_megadp.jobs.bert`), to the fine-tuning job
+(`finetune`: `tf_megadp.jobs.finetune`) or to the causal-LM job
+(`causal-lm`: `tf_megadp.jobs.causal_lm`), each imported by its handler, so that
 the accounting subcommands never load keras-hub). Run from the `tf-megadp`
 launcher (tf_megadp_cli.py), `--help`, `epsilon`, `calibrate` and `plan`
 never import TensorFlow; `pretrain`, `audit` and `evaluate` import it quietly
@@ -655,6 +656,42 @@ def _run_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- causal-lm ------------------------------------------------------------------
+
+
+def _add_causal_lm_parser(subparsers) -> None:
+    from tf_megadp.jobs.causal_lm.arguments import add_causal_lm_arguments
+
+    parser = subparsers.add_parser(
+        "causal-lm", help=_HELP["causal-lm"],
+        description="Pretrains a keras-hub GPT-2 (built from its constructors) from scratch "
+                    "with DP-SGD on Poisson-sampled batches of packed sequences (one sequence "
+                    "is the privacy unit): the offline default corpus of `tf-megadp pretrain`, "
+                    "or --corpus. With --init-from RUN/model.keras --train FILE, fine-tunes "
+                    "such a run's model on prompt/completion pairs instead (the loss on the "
+                    "completions; one pair is the privacy unit). Reports held-out next-token "
+                    "accuracy and perplexity beside the unigram baseline, with (epsilon, "
+                    "delta).",
+    )
+    add_causal_lm_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print report.json at the end")
+    parser.set_defaults(handler=_run_causal_lm)
+
+
+def _run_causal_lm(args: argparse.Namespace) -> int:
+    from tf_megadp.jobs.causal_lm.arguments import causal_lm_config
+
+    config = causal_lm_config(args)
+    config.validate()  # Before TensorFlow loads: bad flags fail at once.
+    _import_tensorflow_quietly()
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    report = run_causal_lm(config)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
 # -- public-model ---------------------------------------------------------------
 
 
@@ -717,6 +754,7 @@ _HELP = {
     "audit": "audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
     "evaluate": "held-out MLM accuracy of a model on a corpus, beside the unigram baseline",
     "finetune": "DP fine-tuning of a public BERT on labelled text (prompt or head)",
+    "causal-lm": "DP next-token pretraining or fine-tuning of a GPT-2 (causal LM)",
     "public-model": "the public BERT fine-tuning starts from: built once without DP, cached",
 }
 
@@ -728,6 +766,7 @@ _SUBCOMMANDS: dict[str, Callable[[Any], None]] = {
     "audit": _add_audit_parser,
     "evaluate": _add_evaluate_parser,
     "finetune": _add_finetune_parser,
+    "causal-lm": _add_causal_lm_parser,
     "public-model": _add_public_model_parser,
 }
 

@@ -55,7 +55,7 @@ from tf_megadp.jobs.common.run_folder import (
     VOCABULARY_NAME,
 )
 
-__all__ = ["ORIGINS", "InitialWeights", "configured", "declare", "load_into",
+__all__ = ["BERT_TASK", "ORIGINS", "InitialWeights", "configured", "declare", "load_into",
            "read_initial_weights", "token_order"]
 
 ORIGINS = ("public", "release", "disjoint")
@@ -219,12 +219,23 @@ class InitialWeights:
         return cls(**{**values, "architecture": tuple(values["architecture"])})
 
 
-def read_initial_weights(path: str | os.PathLike) -> InitialWeights:
+# The task a job continues (its `model.keras`'s registered name) and the
+# command whose run folder holds one. Presets are BERT's alone.
+BERT_TASK = ("keras_hub>BertMaskedLM", "tf-megadp pretrain")
+
+
+def read_initial_weights(path: str | os.PathLike,
+                         task: tuple[str, str] = BERT_TASK) -> InitialWeights:
     """Reads what PATH is: its shape, vocabulary, content hash and origin files.
 
     Args:
         path: a `model.keras` of this job (its run folder beside it) or a
-            keras-hub preset directory.
+            keras-hub preset directory (BERT only).
+        task: (the registered name of the keras-hub task the job continues,
+            the command whose runs write it); the causal-LM job passes
+            GPT-2's. Its backbone must name its shape as BERT's does
+            (num_layers, hidden_dim, num_heads, intermediate_dim,
+            vocabulary_size, max_sequence_length).
 
     Returns:
         The `InitialWeights`.
@@ -239,8 +250,12 @@ def read_initial_weights(path: str | os.PathLike) -> InitialWeights:
     ```
     """
     path = os.path.abspath(os.fspath(path))
-    if os.path.isdir(path):
+    registered_name, command = task
+    if os.path.isdir(path) and task == BERT_TASK:
         return _read_preset(path)
+    if os.path.isdir(path):
+        raise PretrainError(
+            f"--init-from {path} is a folder; start from the model.keras of a `{command}` run.")
     if not os.path.isfile(path):
         raise PretrainError(f"--init-from {path}: no such file or preset directory.")
     try:
@@ -250,10 +265,10 @@ def read_initial_weights(path: str | os.PathLike) -> InitialWeights:
         raise PretrainError(
             f"--init-from {path}: not a Keras model file (.keras) nor a keras-hub preset "
             "directory.") from None
-    if config.get("registered_name") != "keras_hub>BertMaskedLM":
+    if config.get("registered_name") != registered_name:
         raise PretrainError(
             f"--init-from {path} holds a {config.get('class_name')}; the job continues a "
-            "keras-hub BertMaskedLM (the model.keras of a `tf-megadp pretrain` run).")
+            f"keras-hub {registered_name.split('>')[-1]} (the model.keras of a `{command}` run).")
     folder = os.path.dirname(path)
     return _with_provenance(path, "model.keras", sha256_of_file(path),
                             config["config"]["backbone"]["config"], folder,
@@ -472,6 +487,12 @@ def load_into(model, init: InitialWeights) -> None:
     import keras_hub
 
     from tf_megadp import _keras_compat
+    # Installs the observer that reads a weights file's privacy ledger as
+    # Keras loads it; under the `tf-megadp` launcher, which imports the
+    # library on first use, nothing may have imported it yet, and a DP
+    # release loaded without it is not recognised (its run then refuses to
+    # start: its ledger would not be composed).
+    from tf_megadp.run import weights_origin  # noqa: F401
 
     if init.kind == "model.keras":
         with warnings.catch_warnings():

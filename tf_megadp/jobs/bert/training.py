@@ -95,18 +95,12 @@ def _inner_optimizer(config: PretrainConfig, schedule, accumulation_steps: int |
     import keras
 
     from tf_megadp.jobs.bert.config import LEARNING_RATE_SCALINGS
+    from tf_megadp.jobs.common.fitting import warmup_cosine_learning_rate
     from tf_megadp.learning_rate import BatchScaledSchedule
 
-    total_steps = schedule.total_steps
     scale = accumulation_steps or 1
-    warmup = min(config.warmup_steps, max(total_steps - 1, 0)) * scale
-    learning_rate = keras.optimizers.schedules.CosineDecay(
-        initial_learning_rate=0.0 if warmup else config.learning_rate,
-        decay_steps=max(total_steps * scale - warmup, 1),
-        alpha=0.1,
-        warmup_target=config.learning_rate if warmup else None,
-        warmup_steps=warmup,
-    )
+    learning_rate = warmup_cosine_learning_rate(config.learning_rate, config.warmup_steps,
+                                                schedule.total_steps, scale)
     power = LEARNING_RATE_SCALINGS[config.learning_rate_scaling]
     if power:
         learning_rate = BatchScaledSchedule.for_batch_schedule(

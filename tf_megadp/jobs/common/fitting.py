@@ -5,6 +5,10 @@ Keras 3.15's `fit` and `evaluate` cannot run under
 job trains with `fit_with_private_step`, which runs the private `fit`'s own
 step in a custom loop and drives the same callbacks at the same points, and
 scores with `weighted_accuracy`, the accuracy `evaluate` computes.
+
+Every job also takes its learning rate (`warmup_cosine_learning_rate`) and
+the division of its micro-steps into equal `fit` epochs, one evaluation
+each (`epochs_dividing`), from here.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import time
 import warnings
 from typing import NamedTuple
 
-__all__ = ["TrainTime", "fit_run", "fit_with_private_step", "weighted_accuracy"]
+__all__ = ["TrainTime", "epochs_dividing", "fit_run", "fit_with_private_step",
+           "warmup_cosine_learning_rate", "weighted_accuracy"]
 
 # The hooks a job's callbacks implement between the first and the last step.
 _TIMED_HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
@@ -59,6 +64,51 @@ def _timed_callbacks(callbacks: list, seconds: dict) -> None:
                     seconds[name] += time.perf_counter() - start
 
             setattr(callback, hook, timed)
+
+
+def warmup_cosine_learning_rate(peak: float, warmup_steps: int, logical_steps: int,
+                                micro_steps_per_update: int = 1):
+    """A job's learning rate: linear warm-up to `peak`, then cosine decay to a tenth of it.
+
+    Args:
+        peak: the learning rate after the warm-up.
+        warmup_steps: logical steps of warm-up (at most all steps but one).
+        logical_steps: the run's logical steps.
+        micro_steps_per_update: how often the optimizer's iteration count
+            advances per logical step: 1 for a `DPOptimizer`, k for the
+            non-private baseline, which accumulates with Keras's own
+            `gradient_accumulation_steps` and so advances the schedule every
+            micro-batch (its horizon is scaled to match).
+
+    Returns:
+        A `keras.optimizers.schedules.CosineDecay`.
+    """
+    import keras
+
+    warmup = min(warmup_steps, max(logical_steps - 1, 0)) * micro_steps_per_update
+    return keras.optimizers.schedules.CosineDecay(
+        initial_learning_rate=0.0 if warmup else peak,
+        decay_steps=max(logical_steps * micro_steps_per_update - warmup, 1),
+        alpha=0.1,
+        warmup_target=peak if warmup else None,
+        warmup_steps=warmup,
+    )
+
+
+def epochs_dividing(micro_steps: int, wanted: int) -> int:
+    """The largest epoch count <= `wanted` that divides `micro_steps` (fit's epochs are equal).
+
+    Args:
+        micro_steps: the micro-steps this start trains (0: none left).
+        wanted: the epochs asked for (one per evaluation).
+
+    Returns:
+        The count; 0 when nothing is left to train.
+    """
+    for count in range(min(wanted, micro_steps), 0, -1):
+        if micro_steps % count == 0:
+            return count
+    return 0
 
 
 def fit_run(model, dataset, *, strategy, several_workers: bool, callbacks: list, epochs: int,

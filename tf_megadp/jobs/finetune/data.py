@@ -83,8 +83,13 @@ class LabelledTask:
 
 
 def read_labelled(path: str | os.PathLike, text_field: str = "text",
-                  label_field: str = "label") -> tuple[list[str], list[str]]:
+                  label_field: str = "label",
+                  field_flags: tuple[str, str] = ("--text-field", "--label-field")
+                  ) -> tuple[list[str], list[str]]:
     """(texts, labels as strings) of a JSONL or CSV file (by its extension: .csv is CSV).
+
+    Any two text fields of each record: the causal-LM job reads prompts and
+    completions with it, `field_flags` naming its own flags in the messages.
 
     Raises:
         JobError: the file cannot be read, or a line lacks a field (named,
@@ -104,8 +109,8 @@ def read_labelled(path: str | os.PathLike, text_field: str = "text",
                     if not isinstance(row, dict) or row.get(field) in (None, ""):
                         raise JobError(
                             f"{path}:{number}: no {field!r} field. Name the fields with "
-                            "--text-field and --label-field (JSONL: one object per line; "
-                            "CSV: a header row).")
+                            f"{field_flags[0]} and {field_flags[1]} (JSONL: one object per "
+                            "line; CSV: a header row).")
                 texts.append(str(row[text_field]))
                 labels.append(str(row[label_field]))
     except OSError as error:

@@ -313,7 +313,7 @@ def _train(config, init, task, template, words, label_ids, x_test, sampler, sigm
     steps_per_epoch_of_run = max(1, config.eval_every * accumulation)
     remaining = sampler.total_micro_steps
     epochs = math.ceil(remaining / steps_per_epoch_of_run) if remaining else 0
-    epochs = _divisor_count(remaining, epochs)
+    epochs = fitting.epochs_dividing(remaining, epochs)
     privacy = tf_megadp.PrivacyCallback(
         delta=delta, accountant=config.accountant,
         report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME),
@@ -363,14 +363,6 @@ def _train(config, init, task, template, words, label_ids, x_test, sampler, sigm
                                 "test accuracy", private)
     log(_summary(report, output_dir))
     return report
-
-
-def _divisor_count(total: int, wanted: int) -> int:
-    """The largest count <= `wanted` that divides `total` (fit's epochs are equal)."""
-    for count in range(min(wanted, total), 0, -1):
-        if total % count == 0:
-            return count
-    return 0 if total == 0 else 1
 
 
 def _report(config, init, task, template, words, model, sampler, privacy, sigma, delta, history,

@@ -1,0 +1,242 @@
+"""Specification of `tf-megadp causal-lm` (`tf_megadp.jobs.causal_lm`).
+
+The data: a packed row r is one example that reads r[:-1] and predicts
+r[1:], with only the text's tokens as targets; a prompt/completion pair is
+one row whose targets are the completion and its end; the unigram baseline
+and the held-out perplexity are those of their definitions. The job: bad
+settings are refused by name before anything runs; a private run spends
+the epsilon accounted for its whole schedule, reports held-out accuracy
+and perplexity beside the unigram baseline and the privacy unit (one
+packed sequence), writes the release (whose weights carry their ledger)
+and privacy.json, refuses a resume that changes its privacy, and, stopped
+after one step and resumed with --resume alone, ends as the whole run;
+fine-tuning that release composes its ledger into the new epsilon. The
+runs train a pico GPT-2 for a few steps on generated text: they check the
+machinery, not what it learns. The resume, the non-private twin and the
+fine-tuning are `slow` (a run costs about 15 s, nearly all of it the
+private step's tracing and XLA compilation).
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.test_pretraining import write_corpus
+from tf_megadp import cli
+from tf_megadp.jobs.causal_lm import data
+from tf_megadp.jobs.causal_lm.config import CausalLMConfig
+from tf_megadp.jobs.common.errors import JobError
+
+
+class TestData:
+    def test_a_row_predicts_its_next_text_tokens_only(self):
+        # [CLS] 7 8 9 [SEP] [PAD] [PAD]
+        x, y, w = data.next_token_examples([[1, 7, 8, 9, 2, 0, 0]])
+        assert x["token_ids"].tolist() == [[1, 7, 8, 9, 2, 0]]
+        assert x["padding_mask"].tolist() == [[1, 1, 1, 1, 1, 0]]
+        assert y.tolist() == [[7, 8, 9, 2, 0, 0]]
+        assert w.tolist() == [[1, 1, 1, 0, 0, 0]]
+
+    def test_the_unigram_baseline_predicts_the_most_frequent_training_target(self):
+        train_y = np.array([[7, 7, 8, 2], [7, 9, 2, 0]])
+        train_w = np.array([[1, 1, 1, 0], [1, 1, 0, 0]])  # counted: 7 x3, 8, 9
+        y = np.array([[7, 8, 6, 2]])
+        w = np.array([[1.0, 1.0, 1.0, 0.0]])
+        baseline = data.unigram_baseline(train_y, train_w, y, w, vocabulary_size=10)
+        assert baseline.token == 7 and baseline.accuracy == pytest.approx(1 / 3)
+        # add-one over the 10 tokens: p(7) = 4/15, p(8) = 2/15, p(6) = 1/15
+        expected = math.exp(-(math.log(4 / 15) + math.log(2 / 15) + math.log(1 / 15)) / 3)
+        assert baseline.perplexity == pytest.approx(expected)
+
+    def test_a_pair_is_one_row_whose_targets_are_its_completion_and_its_end(self):
+        import keras_hub
+
+        vocabulary = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "[MASK]", "what", "is", "two",
+                      "plus", "one", "three", "four"]
+        tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocabulary, lowercase=True)
+        x, y, w = data.completion_examples(["what is two plus one plus two", "two plus two"],
+                                           ["three", "four"], tokenizer, sequence_length=8)
+        # Row 0 is too long: the prompt loses its start ("what is"), the completion stays.
+        assert x["token_ids"].tolist() == [[1, 7, 8, 9, 8, 7, 10], [1, 7, 8, 7, 11, 2, 0]]
+        assert y.tolist() == [[7, 8, 9, 8, 7, 10, 2], [7, 8, 7, 11, 2, 0, 0]]
+        assert w.tolist() == [[0, 0, 0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 0, 0]]
+
+    def test_held_out_perplexity_is_that_of_the_targets_alone(self):
+        vocabulary = 6
+
+        def model(x, training=False):
+            # Uniform over the vocabulary, except token 5 twice as likely at every position.
+            logits = np.zeros(x["token_ids"].shape + (vocabulary,), np.float32)
+            logits[..., 5] = math.log(2.0)
+            return logits
+
+        y = np.array([[5, 3, 0], [5, 5, 4]])
+        w = np.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], np.float32)
+        x = {"token_ids": np.zeros((2, 3), np.int32)}
+        scores = data.heldout_scores(model, x, y, w, batch_size=1)
+        assert scores["heldout_accuracy"] == pytest.approx(3 / 5)
+        log_p = [math.log(2 / 7)] * 3 + [math.log(1 / 7)] * 2
+        assert scores["heldout_perplexity"] == pytest.approx(math.exp(-sum(log_p) / 5))
+
+
+class TestRefusals:
+    def test_bad_settings_name_the_fix_before_anything_runs(self, tmp_path):
+        for settings, message in (
+                (dict(model="huge"), "model must be one of"),
+                (dict(noise="bandmf"), "independent noise"),
+                (dict(sequence_length=4), "sequence_length must be an integer >= 8"),
+                (dict(resume=True), "--resume needs --output-dir"),
+                (dict(corpus=[str(tmp_path / "none.txt")]), "no such file"),
+                (dict(target_epsilon=None), "--target-epsilon or --noise-multiplier"),
+                (dict(train=str(tmp_path)), "needs both --train .* and --init-from")):
+            with pytest.raises(JobError, match=message):
+                CausalLMConfig(**settings).validate()
+
+    def test_the_cli_refuses_a_resume_without_a_run(self, tmp_path, capsys):
+        status = cli.main(["causal-lm", "--output-dir", str(tmp_path / "none"), "--resume"])
+        assert status == 2 and "no checkpoint" in capsys.readouterr().err
+
+
+def tiny_config(corpus, root, output, **settings):
+    values = dict(corpus=[corpus] if corpus else None, output_dir=str(output),
+                  cache_dir=str(root / "cache"),
+                  model="pico", sequence_length=16, vocabulary_size=200, micro_batch_size=16,
+                  batch_size=16, steps=2, eval_every=1, noise_multiplier=1.0,
+                  target_epsilon=None, accountant="rdp", warmup_steps=1, verbose=0,
+                  # The public vocabulary is learned from this much of the default corpus.
+                  max_characters=100_000)
+    values.update(settings)
+    return CausalLMConfig(**values)
+
+
+def whole_schedule_epsilon(report):
+    from tf_megadp import accounting
+    from tf_megadp.steps import BatchSizeSchedule
+
+    return accounting.compute_epsilon(
+        delta=report["delta"], schedule=BatchSizeSchedule.from_dict(report["schedule"]),
+        noise_multiplier=report["noise_multiplier"], accountant="rdp")
+
+
+@pytest.fixture(scope="module")
+def private_run(tmp_path_factory):
+    """A private run of 2 steps on generated text (16 s: one XLA compilation of the step)."""
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    root = tmp_path_factory.mktemp("causal_lm")
+    corpus = write_corpus(root)
+    report = run_causal_lm(tiny_config(corpus, root, root / "run"), log=lambda *_: None)
+    return report, corpus, root
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+class TestAPrivateRun:
+    def test_it_spends_the_epsilon_of_its_whole_schedule(self, private_run):
+        report, _, _ = private_run
+        assert report["private"] and report["completed"] and report["logical_steps"] == 2
+        assert report["sampling"] == "poisson"
+        assert report["epsilon"] == pytest.approx(whole_schedule_epsilon(report), rel=1e-9)
+        assert report["delta"] == pytest.approx(1 / report["num_examples"] ** 1.1)
+        assert "packed sequence of 16 tokens" in report["privacy_unit"]
+
+    def test_it_reports_accuracy_and_perplexity_beside_the_unigram_baseline(self, private_run):
+        report, _, _ = private_run
+        assert 0.0 <= report["heldout_accuracy"] <= 1.0
+        assert 1.0 < report["heldout_perplexity"] < 200 * 1.5
+        assert 0.0 < report["unigram_baseline_accuracy"] < 1.0
+        assert 1.0 < report["unigram_baseline_perplexity"] < 200
+        assert report["learned"] in (True, False)
+        assert report["learned_threshold"] > report["unigram_baseline_accuracy"]
+        assert [h["step"] for h in report["history"]] == [1, 2]
+        assert report["vocabulary"]["public"] is True
+
+    def test_it_writes_the_release_and_its_ledger(self, private_run):
+        from tf_megadp.run import provenance
+
+        report, _, root = private_run
+        for name in ("model.keras", "vocab.txt", "privacy.json", "report.json", "report.png",
+                     "checkpoint"):
+            assert (root / "run" / name).exists(), name
+        [record] = provenance.read_file_provenance(root / "run" / "model.keras")
+        assert record.ledger.total_steps == report["logical_steps"]
+        assert str(root) not in (root / "run" / "report.json").read_text()  # no machine path
+
+    def test_a_resume_that_changes_the_privacy_is_refused_by_name(self, private_run, capsys):
+        _, _, root = private_run
+        status = cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
+                           "--noise-multiplier", "2.0"])
+        assert status == 2 and "noise_multiplier: 1.0 -> 2.0" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two more runs (30 s); the checkpoint is `run_folder`'s, as every job's
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_run_stopped_and_resumed_alone_ends_as_the_whole_run(private_run):
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    whole, corpus, root = private_run
+    stopped = run_causal_lm(tiny_config(corpus, root, root / "stopped", stop_after_steps=1),
+                            log=lambda *_: None)
+    assert stopped["logical_steps"] == 1 and not stopped["completed"]
+    assert stopped["epsilon"] < whole["epsilon"]
+    assert cli.main(["causal-lm", "--output-dir", str(root / "stopped"), "--resume",
+                     "--verbose", "0"]) == 0
+    resumed = json.loads((root / "stopped" / "report.json").read_text())
+    assert resumed["logical_steps"] == whole["logical_steps"] and resumed["completed"]
+    assert resumed["resumed_from_step"] == 1 and resumed["resumes"] == [1]
+    assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
+
+
+@pytest.mark.slow  # a second whole run; the machinery is the private run's
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_non_private_twin_reports_no_epsilon(private_run):
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    _, corpus, root = private_run
+    report = run_causal_lm(tiny_config(corpus, root, root / "twin", non_private=True,
+                                       noise_multiplier=None), log=lambda *_: None)
+    assert report["private"] is False and report["epsilon"] is None
+    assert report["completed"] and not (root / "twin" / "privacy.json").exists()
+
+
+def write_pairs(path, n=64, seed=0):
+    """Prompt/completion pairs of the generated corpus's words: "<subject> ..." -> "<verb>"."""
+    from tests.test_pretraining import OBJECTS, SUBJECTS, VERBS
+
+    rng = np.random.default_rng(seed)
+    lines = [json.dumps({"prompt": f"{rng.choice(SUBJECTS)} then", "completion":
+                         f"{rng.choice(VERBS)} {rng.choice(OBJECTS)}"}) for _ in range(n)]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow  # a third run (20 s); its machinery is the pretraining run's
+def test_fine_tuning_a_dp_release_composes_its_ledger(private_run):
+    # Through the `tf-megadp` launcher, in its own process: it imports the
+    # library on first use, so the release's ledger must be read when the
+    # start's weights are loaded, not by an import that happened before.
+    _, _, root = private_run
+    pairs = write_pairs(root / "pairs.jsonl")
+    output = root / "tuned"
+    command = [sys.executable, "-m", "tf_megadp_cli", "causal-lm", "--init-from",
+               str(root / "run" / "model.keras"), "--train", pairs, "--output-dir", str(output),
+               "--sequence-length", "16", "--batch-size", "16", "--micro-batch-size", "16",
+               "--steps", "2", "--noise-multiplier", "1.0", "--accountant", "rdp",
+               "--verbose", "0"]
+    root_of_repository = str(pathlib.Path(__file__).parents[1])
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
+                            cwd=root_of_repository,
+                            env={**os.environ, "PYTHONPATH": root_of_repository})
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((output / "report.json").read_text())
+    assert report["objective"].startswith("next token of the completion")
+    assert report["init"]["origin"] == "release"
+    assert "one prompt/completion pair" in report["privacy_unit"]
+    alone = whole_schedule_epsilon(report)
+    # The release's steps come first: more than this run's own epsilon.
+    assert report["epsilon"] > alone and report["completed"]

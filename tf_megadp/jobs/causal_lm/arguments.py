@@ -1,0 +1,143 @@
+"""The flags of `tf-megadp causal-lm`, and the `CausalLMConfig` they give.
+
+Every flag defaults to "not given" (argparse.SUPPRESS): a given flag
+overrides the default field (or, with `--resume`, the run's saved one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+__all__ = ["add_causal_lm_arguments", "causal_lm_config"]
+
+
+def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declares the causal-LM job's flags on `parser`."""
+    from tf_megadp.jobs.bert.config import MODEL_PRESETS, SEPARATORS
+    from tf_megadp.jobs.causal_lm.config import CausalLMConfig
+
+    defaults = CausalLMConfig()
+    hidden = argparse.SUPPRESS
+    data = parser.add_argument_group("data")
+    data.add_argument("--corpus", nargs="+", metavar="FILE", default=hidden,
+                      help="text or JSONL files (default: the offline default corpus of "
+                           "`tf-megadp pretrain`, docstrings of installed packages)")
+    data.add_argument("--document-separator", choices=list(SEPARATORS), default=hidden,
+                      help="how plain-text files are cut into documents (default "
+                           f"{defaults.document_separator})")
+    data.add_argument("--max-characters", type=int, default=hidden,
+                      help=f"size cap of the default corpus (default {defaults.max_characters:,})")
+    data.add_argument("--vocabulary-size", type=int, default=hidden,
+                      help="WordPiece vocabulary size, learned from the public default corpus "
+                           f"(default {defaults.vocabulary_size})")
+    data.add_argument("--sequence-length", type=int, default=hidden,
+                      help="tokens per packed sequence, the privacy unit (default "
+                           f"{defaults.sequence_length})")
+    data.add_argument("--heldout-fraction", type=float, default=hidden,
+                      help=f"share of sequences held out (default {defaults.heldout_fraction})")
+    finetuning = parser.add_argument_group(
+        "fine-tuning (with --train and --init-from; the loss on the completions only)")
+    finetuning.add_argument("--train", metavar="FILE", default=hidden,
+                            help="JSONL (or CSV) prompt/completion pairs to fine-tune on; one "
+                                 "pair is one privacy unit")
+    finetuning.add_argument("--test", metavar="FILE", default=hidden,
+                            help="the pairs scored (default: a held-out share of --train)")
+    finetuning.add_argument("--prompt-field", default=hidden,
+                            help=f"the prompt's field (default {defaults.prompt_field!r})")
+    finetuning.add_argument("--completion-field", default=hidden,
+                            help=f"the completion's field (default "
+                                 f"{defaults.completion_field!r})")
+    finetuning.add_argument("--test-fraction", type=float, default=hidden,
+                            help=f"share of --train held out without --test (default "
+                                 f"{defaults.test_fraction})")
+    finetuning.add_argument("--init-from", metavar="PATH", default=hidden,
+                            help="the model.keras of a `tf-megadp causal-lm` run (a DP "
+                                 "release's ledger is composed into this run's epsilon)")
+    finetuning.add_argument("--init-public", action="store_true", default=hidden,
+                            help="state that --init-from was trained on public data only")
+    finetuning.add_argument("--init-data-disjoint", action="store_true", default=hidden,
+                            help="state that --init-from was trained on data sharing no "
+                                 "example with --train: its ledger is not composed")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", choices=list(MODEL_PRESETS), default=hidden,
+                       help=f"GPT-2 size of a pretraining run (default {defaults.model}; "
+                            "fine-tuning: the start's)")
+    training = parser.add_argument_group("training")
+    training.add_argument("--batch-size", type=int, default=hidden,
+                          help=f"expected logical batch B (default {defaults.batch_size})")
+    training.add_argument("--steps", type=int, default=hidden,
+                          help=f"logical steps (default {defaults.steps})")
+    training.add_argument("--micro-batch-size", type=int, default=hidden,
+                          help=f"sequences per micro-batch (default {defaults.micro_batch_size})")
+    training.add_argument("--learning-rate", type=float, default=hidden,
+                          help="peak AdamW learning rate (default: DP or non-private default)")
+    training.add_argument("--warmup-steps", type=int, default=hidden,
+                          help=f"linear warm-up steps (default {defaults.warmup_steps})")
+    training.add_argument("--weight-decay", type=float, default=hidden,
+                          help=f"AdamW's (default {defaults.weight_decay:g})")
+    privacy = parser.add_argument_group("privacy")
+    privacy.add_argument("--target-epsilon", type=float, default=hidden,
+                         help="calibrate sigma to spend this (default "
+                              f"{defaults.target_epsilon:g})")
+    privacy.add_argument("--noise-multiplier", type=float, default=hidden,
+                         help="sigma, instead of --target-epsilon")
+    privacy.add_argument("--delta", type=float, default=hidden,
+                         help="default 1 / N^1.1 for N training sequences")
+    privacy.add_argument("--l2-norm-clip", type=float, default=hidden,
+                         help=f"C (default {defaults.l2_norm_clip:g})")
+    privacy.add_argument("--clipping", choices=["auto", "ghost", "vectorized"], default=hidden,
+                         help="per-example clipping strategy (default auto)")
+    privacy.add_argument("--accountant", default=hidden, help="pld (default) or rdp")
+    privacy.add_argument("--non-private", action="store_true", default=hidden,
+                         help="the baseline: no clipping, no noise, the same batches")
+    run = parser.add_argument_group("run")
+    run.add_argument("--output-dir", default=hidden, help="the run's folder (default runs/...)")
+    run.add_argument("--resume", action="store_true", default=hidden,
+                     help="continue the run in --output-dir with its saved settings")
+    run.add_argument("--eval-every", type=int, default=hidden,
+                     help=f"logical steps between held-out evaluations (default "
+                          f"{defaults.eval_every})")
+    run.add_argument("--checkpoint-every", type=int, default=hidden,
+                     help="logical steps between checkpoints (default 0: by time only)")
+    run.add_argument("--checkpoint-minutes", type=float, default=hidden,
+                     help=f"minutes of training between checkpoints (default "
+                          f"{defaults.checkpoint_minutes:g})")
+    run.add_argument("--stop-after-steps", type=int, default=hidden,
+                     help="end this invocation after N logical steps (resume later)")
+    run.add_argument("--cache-dir", default=hidden,
+                     help="cache root of the prepared corpus (default ~/.cache/tf_megadp)")
+    run.add_argument("--seed", type=int, default=hidden,
+                     help="seeds the initialisation and the held-out split only; never the "
+                          "sampling nor the noise")
+    run.add_argument("--verbose", default=hidden, type=_verbosity,
+                     help="Keras fit verbosity (default auto)")
+
+
+def _verbosity(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
+def causal_lm_config(args: argparse.Namespace):
+    """The `CausalLMConfig` of the flags given (with `--resume`: the saved run's, then them)."""
+    from tf_megadp.jobs.causal_lm.config import CausalLMConfig
+    from tf_megadp.jobs.causal_lm.run import COMMAND
+    from tf_megadp.jobs.common import run_folder
+
+    given: dict[str, Any] = {name: value for name, value in vars(args).items()
+                             if name not in ("handler", "command", "json")}
+    if given.get("resume"):
+        if not given.get("output_dir"):
+            raise ValueError("--resume needs --output-dir, the folder of the run to continue.")
+        saved = run_folder.saved_settings(given["output_dir"], COMMAND)
+        config = CausalLMConfig(**{name: value for name, value in saved.items()
+                                   if name != "stop_after_steps"})
+    else:
+        config = CausalLMConfig()
+    if given.get("non_private"):
+        given.update(noise_multiplier=None, target_epsilon=None)
+    elif "noise_multiplier" in given and "target_epsilon" not in given and not given.get(
+            "resume"):
+        given["target_epsilon"] = None
+    return dataclasses.replace(config, **given)

@@ -1,0 +1,456 @@
+"""`run_causal_lm`: one causal-LM run, end to end, on the shared run machinery.
+
+A pretraining run prepares (or reuses) the packed corpus and holds out
+its split; a fine-tuning run reads prompt/completion pairs and starts
+from a `tf-megadp causal-lm` release (`--init-from`, checked as `tf-megadp
+pretrain --init-from` checks a start: a DP release's ledger is composed,
+a start of unknown origin needs the user's statement). Either builds a
+GPT-2 from keras-hub's constructors, plans its privacy
+(`plan_privacy`), trains with DP-SGD on Poisson-sampled logical batches
+(or the non-private baseline on the same batches), scores the held-out
+split, and writes the run folder (`tf_megadp.jobs.common.run_folder`):
+the release, its privacy report, report.json, the checkpoint that
+`--resume` continues.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from tf_megadp.files import write_json_atomically
+from tf_megadp.jobs.causal_lm import data
+from tf_megadp.jobs.causal_lm.config import CausalLMConfig
+from tf_megadp.jobs.common import fitting, run_folder
+from tf_megadp.jobs.common.errors import JobError
+from tf_megadp.jobs.common.privacy import new_dp_optimizer, plan_privacy
+from tf_megadp.jobs.common.run_folder import (
+    CHECKPOINT_NAME,
+    INIT_KEY,
+    MODEL_NAME,
+    PLOT_NAME,
+    PRIVACY_REPORT_NAME,
+    REPORT_NAME,
+    VOCABULARY_NAME,
+)
+from tf_megadp.jobs.common.verdicts import STANDARD_ERRORS, learned_beyond
+
+__all__ = ["COMMAND", "build_model", "run_causal_lm"]
+
+COMMAND = "tf-megadp causal-lm"
+# The settings that name files or folders of this machine (report.json names
+# them relative to the run folder, or by name).
+PATH_FIELDS = ("corpus", "output_dir", "cache_dir", "init_from", "train", "test")
+# The keras-hub task a fine-tuning run starts from, and the command that writes it.
+GPT2_TASK = ("keras_hub>GPT2CausalLM", COMMAND)
+RELEASED_OUTSIDE_EPSILON = (
+    "held-out accuracy and perplexity, and the unigram baseline's: computed on the held-out "
+    "split, which is not trained on and not protected by DP (publish them only if that text "
+    "may be published)",
+    "training loss and accuracy on training batches (history.csv, tensorboard/, report.json "
+    "history): exact statistics of the sampled batches",
+    "num_examples and the held-out target count: exact counts",
+    "wall_time_s, train_time_s: timings; train_time_parts_s: the train time in fit (the "
+    "steps) and in each of the job's callbacks (evaluation, checkpoints, logs)",
+)
+
+
+class _RunData(NamedTuple):
+    """What a run trains on and is scored on, pretraining or fine-tuning alike."""
+
+    train: tuple  # (x, y, sample_weight)
+    test: tuple
+    vocabulary_size: int
+    vocabulary_file: str
+    vocabulary: dict[str, Any]  # report.json's account of it
+    description: str
+    privacy_unit: str
+    model: str  # a MODEL_PRESETS name
+    context: int  # the model's max_sequence_length
+    init: Any  # the fine-tuned start's `InitialWeights`, or None
+
+
+def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
+                  ) -> dict[str, Any]:
+    """Runs (or resumes, `config.resume`) one causal-LM job and returns its report.
+
+    Pretraining from scratch on packed sequences, or, with `config.train`,
+    fine-tuning `config.init_from` on prompt/completion pairs. Everything
+    that can be checked before training is checked first: bad input raises
+    `JobError` before the output directory is created.
+
+    Args:
+        config: the run.
+        log: where progress lines go.
+
+    Returns:
+        The report, as written to report.json.
+    """
+    from tf_megadp.run.training_state import has_training_state
+    from tf_megadp.steps import BatchSizeSchedule
+
+    config.validate()
+    started = time.time()
+    output_dir = config.output_dir or os.path.join(
+        "runs", time.strftime("causal-lm-%Y%m%d-%H%M%S"))
+    if config.resume:
+        run_folder.check_same_run(run_folder.saved_settings(output_dir, COMMAND), config)
+    elif has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
+        raise JobError(f"{output_dir} already holds a run; pass --resume to continue it or "
+                       "choose another --output-dir.")
+    run_data = (_pairs_data(config, output_dir) if config.fine_tuning
+                else _corpus_data(config, log))
+    n = len(run_data.train[1])
+    if config.batch_size > n:
+        raise JobError(f"--batch-size {config.batch_size} is larger than the {n} training "
+                       "examples: lower it.")
+    baseline = data.unigram_baseline(run_data.train[1], run_data.train[2], run_data.test[1],
+                                     run_data.test[2], run_data.vocabulary_size)
+    schedule = BatchSizeSchedule.constant(config.steps, config.batch_size, num_examples=n,
+                                          micro_batch_size=config.micro_batch_size)
+    init = run_data.init
+    prior = init.composed_ledger(config) if init is not None and not config.non_private else None
+    sigma, delta, planned_epsilon = plan_privacy(
+        config, schedule, prior=prior, init_from=init.path if init is not None else None)
+    created = not os.path.exists(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    try:
+        return _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon,
+                      output_dir, started, log)
+    except BaseException:
+        if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
+            import shutil
+
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+
+
+def _corpus_data(config: CausalLMConfig, log) -> _RunData:
+    """Pretraining: the packed corpus, its held-out split, the public vocabulary."""
+    from tf_megadp.jobs.bert.prepare import vocabulary_report
+
+    corpus, train, heldout = data.corpus_splits(config, log)
+    return _RunData(
+        train=data.next_token_examples(train.read(np.arange(len(train)))),
+        test=data.next_token_examples(heldout.read(np.arange(len(heldout)))),
+        vocabulary_size=train.vocabulary_size,
+        vocabulary_file=os.path.join(corpus.directory, corpus.manifest["vocabulary_file"]),
+        vocabulary=vocabulary_report(data.corpus_settings(config)),
+        description=str(corpus.manifest.get("source")),
+        privacy_unit=(f"one packed sequence of {config.sequence_length} tokens: a document "
+                      "longer than a sequence, or one sharing sequences with others, is "
+                      "protected only by group privacy over the sequences it touches"),
+        model=config.model, context=config.sequence_length - 1, init=None)
+
+
+def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
+    """Fine-tuning: the pairs, tokenized with the start's vocabulary; the start itself."""
+    import keras_hub
+
+    from tf_megadp.jobs.bert import initial_weights, text
+
+    if config.resume:
+        init = initial_weights.InitialWeights.from_dict(
+            run_folder.saved_extra(output_dir)[INIT_KEY])
+    else:
+        init = initial_weights.read_initial_weights(config.init_from, GPT2_TASK)
+        if not config.non_private:
+            init.origin(config)  # Refuses a start of unknown origin, naming the statement.
+    if init.vocabulary is None or init.vocabulary_public is False:
+        raise JobError(
+            f"--init-from {init.path}: fine-tuning needs the public vocabulary beside it "
+            f"({VOCABULARY_NAME} of a `{COMMAND}` run, whose report says it is public).")
+    if config.sequence_length - 1 > init.max_sequence_length:
+        raise JobError(
+            f"--sequence-length {config.sequence_length}: the start reads at most "
+            f"{init.max_sequence_length} tokens; pass at most {init.max_sequence_length + 1}.")
+    tokenizer = keras_hub.models.BertTokenizer(
+        vocabulary=text.read_vocabulary_file(init.vocabulary), lowercase=True)
+    train_pairs, test_pairs = data.read_pairs(config)
+    return _RunData(
+        train=data.completion_examples(*train_pairs, tokenizer, config.sequence_length),
+        test=data.completion_examples(*test_pairs, tokenizer, config.sequence_length),
+        vocabulary_size=init.vocabulary_size, vocabulary_file=init.vocabulary,
+        vocabulary={"source": ("public: the vocabulary of the start "
+                               + os.path.basename(init.path)),
+                    "public": True, "file": VOCABULARY_NAME},
+        description=f"{len(train_pairs[0]):,} prompt/completion pairs",
+        privacy_unit=("one prompt/completion pair (its row of "
+                      f"{config.sequence_length} tokens)"),
+        model=init.preset_name(), context=init.max_sequence_length, init=init)
+
+
+def build_model(model: str, vocabulary_size: int, context: int):
+    """The run's `keras_hub.models.GPT2CausalLM`, from constructors (nothing is downloaded).
+
+    Its head is the token embedding reused (tied). Dropout 0: the job's DP
+    step and its non-private baseline then compare at the same cost
+    (dropout doubles the XLA step on a CPU).
+
+    Args:
+        model: a `MODEL_PRESETS` name (layers, hidden, heads, intermediate).
+        vocabulary_size: V.
+        context: the most tokens it reads (its position table's rows).
+    """
+    import keras_hub
+
+    from tf_megadp.jobs.bert.config import MODEL_PRESETS
+
+    layers, hidden, heads, intermediate = MODEL_PRESETS[model]
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocabulary_size, num_layers=layers, num_heads=heads, hidden_dim=hidden,
+        intermediate_dim=intermediate, max_sequence_length=context, dropout=0.0)
+    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+
+
+def _compile_kwargs(private: bool) -> dict[str, Any]:
+    import keras
+
+    return {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            "weighted_metrics": [keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            # Keras leaves XLA off on CPU; the DP step compiles its
+            # per-example pass with XLA, so the baseline must too to compare.
+            "jit_compile": not private}
+
+
+def _inner_optimizer(config: CausalLMConfig, learning_rate: float, schedule,
+                     accumulation_steps: int | None):
+    """AdamW with the jobs' warm-up and cosine decay over the logical steps."""
+    import keras
+
+    rate = fitting.warmup_cosine_learning_rate(learning_rate, config.warmup_steps,
+                                               schedule.total_steps, accumulation_steps or 1)
+    return keras.optimizers.AdamW(learning_rate=rate, weight_decay=config.weight_decay,
+                                  gradient_accumulation_steps=accumulation_steps)
+
+
+def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
+    """(model, its saved state): restored from the checkpoint (--resume) or new; made private.
+
+    A fine-tuning run's new model takes the start's weights before it is
+    compiled, and, made private, declares them (a DP release's ledger is
+    composed into its epsilon, other starts are named by their origin).
+    """
+    import keras
+
+    import tf_megadp
+    from tf_megadp.jobs.bert import initial_weights
+    from tf_megadp.run.training_state import restore_training_state
+
+    private = not config.non_private
+    keras.utils.set_random_seed(config.seed)
+    model = build_model(run_data.model, run_data.vocabulary_size, run_data.context)
+    model({name: value[:1] for name, value in run_data.test[0].items()})
+    state: dict[str, Any] = {"history": [], "resumes": []}
+    if config.resume:
+        state = restore_training_state(model, os.path.join(output_dir, CHECKPOINT_NAME),
+                                       _compile_kwargs(private))
+        state["resumes"] = state.get("resumes", []) + [int(model.optimizer.iterations)]
+    else:
+        if run_data.init is not None:
+            initial_weights.load_into(model, run_data.init)
+        accumulation = schedule.phases[0].accumulation_steps
+        inner = _inner_optimizer(config, learning_rate, schedule,
+                                 None if private or accumulation == 1 else accumulation)
+        model.compile(optimizer=(new_dp_optimizer(config, inner, schedule, sigma)
+                                 if private else inner), **_compile_kwargs(private))
+    if private != isinstance(model.optimizer, tf_megadp.DPOptimizer):
+        raise JobError(f"{output_dir} holds a {'non-' if private else ''}private run; resume it "
+                       f"{'with' if private else 'without'} --non-private.")
+    if private:
+        # Strict: data that no tf_megadp Poisson sampler drew is refused.
+        tf_megadp.make_private(model, require_poisson_sampling=True)
+        if run_data.init is not None and not config.resume:
+            initial_weights.declare(model, run_data.init, config)
+    return model, state
+
+
+def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, output_dir,
+           started, log):
+    import tf_megadp
+    from tf_megadp import distribute
+
+    private = not config.non_private
+    learning_rate, learning_rate_source = config.learning_rate_choice()
+    x_test, y_test, w_test = run_data.test
+    logical_done = (int(run_folder.saved_extra(output_dir).get("logical_steps", 0))
+                    if config.resume else 0)
+    end_step = None
+    if config.stop_after_steps is not None:
+        end_step = min(schedule.total_steps, logical_done + config.stop_after_steps)
+    # The draws come from OS entropy, never from --seed (which report.json records).
+    sampler = tf_megadp.PoissonSampler.from_arrays(
+        *run_data.train, schedule=schedule, start_step=min(logical_done, schedule.total_steps),
+        end_step=end_step)
+    model, state = _model(config, run_data, schedule, sigma, learning_rate, output_dir)
+    if state.get("learning_rate_source"):
+        learning_rate_source = state["learning_rate_source"]
+    dataset = sampler.as_dataset()
+    if not private:
+        distribute.build_without_reading(model, dataset.element_spec)
+    history = state["history"]
+    accumulation = schedule.phases[0].accumulation_steps
+    remaining = sampler.total_micro_steps
+    evaluations = max(1, math.ceil((sampler.end_step - sampler.start_step) / config.eval_every))
+    epochs = fitting.epochs_dividing(remaining, evaluations)
+    privacy = tf_megadp.PrivacyCallback(
+        delta=delta, accountant=config.accountant,
+        report_path=os.path.join(output_dir, PRIVACY_REPORT_NAME),
+        target_epsilon=config.target_epsilon if config.noise_multiplier is None else None
+    ) if private else None
+
+    def evaluate(model) -> dict[str, float]:
+        return data.heldout_scores(model, x_test, y_test, w_test, config.micro_batch_size)
+
+    def record() -> dict[str, Any]:
+        saved = {"history": history, "resumes": state["resumes"],
+                 "config": run_folder.config_dict(config),
+                 "learning_rate_source": learning_rate_source}
+        if run_data.init is not None:
+            saved[INIT_KEY] = run_data.init.to_dict()
+        return saved
+
+    checkpointer = run_folder.Checkpointer(output_dir, record)
+    callbacks = ([privacy] if privacy else []) + [run_folder.progress_callback(
+        private=private, accumulation=accumulation, logical_done=logical_done,
+        checkpointer=checkpointer, checkpoint_every=config.checkpoint_every,
+        checkpoint_minutes=config.checkpoint_minutes, evaluate=evaluate, history=history,
+        privacy=privacy, started=started, train_metrics={"accuracy": "train_accuracy"})]
+    callbacks += run_folder.log_callbacks(output_dir, config.resume)
+    kind = ("fine-tuning " + os.path.basename(run_data.init.path) if run_data.init is not None
+            else "pretraining")
+    log(f"Causal LM ({kind}), GPT-2 {run_data.model}, on {run_data.description}: "
+        f"N = {schedule.num_examples:,} (unit: {run_data.privacy_unit.split(':')[0]}), "
+        f"{len(y_test):,} held out; learning rate {learning_rate:g} ({learning_rate_source}); "
+        f"schedule: {schedule}; "
+        + (f"sigma={sigma:.4f}, C={config.l2_norm_clip}, delta={delta:.3g}, planned "
+           f"epsilon={planned_epsilon:.3f}." if private
+           else "NON-PRIVATE baseline (no clipping, no noise)."))
+    initial_epoch = len(history)
+    train_time = fitting.fit_run(
+        model, dataset, strategy=distribute.resolve_strategy("default"), several_workers=False,
+        callbacks=callbacks, epochs=initial_epoch + epochs, initial_epoch=initial_epoch,
+        steps_per_epoch=remaining // epochs if epochs else 0,
+        verbose=run_folder.progress_verbosity(config.verbose))
+    if not epochs:
+        checkpointer.save(model)
+    run_folder.export_release(model, output_dir, run_data.vocabulary_file)
+    report = run_folder.publishable(_report(
+        config, run_data, model, sampler, privacy, sigma, delta, baseline, history,
+        state["resumes"], learning_rate, learning_rate_source, started, train_time,
+        logical_done, float(np.sum(w_test))), output_dir, PATH_FIELDS)
+    write_json_atomically(os.path.join(output_dir, REPORT_NAME), report)
+    if history:
+        run_folder.plot_history(history, os.path.join(output_dir, PLOT_NAME), "heldout_accuracy",
+                                "held-out next-token accuracy", private)
+    log(_summary(report, output_dir))
+    return report
+
+
+def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, history,
+            resumes, learning_rate, learning_rate_source, started, train_time, logical_done,
+            heldout_targets) -> dict[str, Any]:
+    from tf_megadp.jobs.bert.config import MODEL_PRESETS
+
+    private = not config.non_private
+    last = history[-1] if history else {}
+    accuracy = last.get("heldout_accuracy", float("nan"))
+    learned, threshold = learned_beyond(accuracy, baseline.accuracy, heldout_targets)
+    schedule = sampler.schedule
+    steps = int(model.optimizer.iterations.numpy())
+    layers, hidden, heads, intermediate = MODEL_PRESETS[run_data.model]
+    return {
+        "heldout_accuracy": accuracy,
+        "heldout_perplexity": last.get("heldout_perplexity", float("nan")),
+        "unigram_baseline_accuracy": baseline.accuracy,
+        "unigram_baseline_perplexity": baseline.perplexity,
+        "learned": learned,
+        "learned_threshold": threshold,
+        "heldout_target_tokens": heldout_targets,
+        "objective": ("next token of the completion (fine-tuning)" if config.fine_tuning
+                      else "next token (pretraining)"),
+        "model": {"family": "GPT-2 (keras_hub.models.GPT2CausalLM, tied head)",
+                  "preset": run_data.model, "layers": layers, "hidden": hidden, "heads": heads,
+                  "intermediate": intermediate, "vocabulary_size": run_data.vocabulary_size,
+                  "context": run_data.context},
+        "trainable_parameters": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+        "private": private,
+        "epsilon": float(privacy.epsilon) if private else None,
+        "delta": delta if private else None,
+        "noise_multiplier": sigma if private else None,
+        "l2_norm_clip": config.l2_norm_clip if private else None,
+        "accountant": config.accountant if private else None,
+        "privacy_unit": run_data.privacy_unit,
+        "learning_rate": learning_rate,
+        "learning_rate_source": learning_rate_source,
+        "schedule": schedule.to_dict(),
+        "sampling": sampler.sampling_kind,
+        "logical_steps": steps,
+        "completed": steps >= schedule.total_steps,
+        "resumed_from_step": logical_done,
+        "resumes": resumes,
+        "num_examples": schedule.num_examples,
+        "data": run_data.description,
+        INIT_KEY: run_data.init.report(config) if run_data.init is not None else None,
+        "vocabulary": run_data.vocabulary,
+        "wall_time_s": time.time() - started,
+        "train_time_s": train_time.total_s,
+        "train_time_parts_s": train_time.report(),
+        "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
+        "files": _file_guide(private),
+        "history": history,
+        "config": run_folder.config_dict(config),
+    }
+
+
+def _file_guide(private: bool) -> dict[str, str]:
+    statistics = ("publish only if the statistics under released_outside_epsilon may "
+                  "be public")
+    guide = {
+        MODEL_NAME: ("release: architecture and weights only (tf_megadp.export_model; its "
+                     "weights carry their privacy ledger), "
+                     + ("covered by epsilon" if private else "NOT private (baseline)")),
+        VOCABULARY_NAME: "release: the public vocabulary the model reads",
+        REPORT_NAME: f"this report: {statistics}",
+        PLOT_NAME: f"held-out accuracy and epsilon per evaluation: {statistics}",
+        run_folder.HISTORY_NAME: f"per-epoch training loss and metrics: {statistics}",
+        "tensorboard": f"the same per-epoch logs: {statistics}",
+        CHECKPOINT_NAME: ("keep like the training data: training state for --resume; never "
+                          "publish"),
+    }
+    if private:
+        guide[PRIVACY_REPORT_NAME] = "release: the privacy report (epsilon, ledger)"
+    return guide
+
+
+def _summary(report: dict[str, Any], output_dir: str) -> str:
+    if report["learned"] is None:
+        verdict = "not evaluated"
+    elif report["learned"]:
+        verdict = (f"yes (above {report['learned_threshold']:.4f}: the unigram baseline + "
+                   f"{STANDARD_ERRORS:g} standard errors)")
+    else:
+        verdict = (f"NO: not above {report['learned_threshold']:.4f} (the unigram baseline + "
+                   f"{STANDARD_ERRORS:g} standard errors)")
+    privacy = (f"epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}  (sigma "
+               f"{report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, "
+               f"{report['accountant'].upper()}, Poisson sampling; unit: "
+               f"{report['privacy_unit'].split(':')[0]})"
+               if report["private"] else "NONE (non-private baseline)")
+    return "\n".join([
+        "", "=" * 64,
+        f"held-out accuracy       {report['heldout_accuracy']:.4f}   (unigram "
+        f"{report['unigram_baseline_accuracy']:.4f})",
+        f"held-out perplexity     {report['heldout_perplexity']:.2f}   (unigram "
+        f"{report['unigram_baseline_perplexity']:.2f})",
+        f"learned                 {verdict}",
+        f"privacy                 {privacy}",
+        f"logical steps           {report['logical_steps']}   wall time "
+        f"{report['wall_time_s']:.0f} s",
+        f"time                    {run_folder.train_time_line(report)}",
+        f"report                  {os.path.join(output_dir, REPORT_NAME)}",
+        "=" * 64])

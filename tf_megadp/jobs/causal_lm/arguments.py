@@ -7,8 +7,8 @@ overrides the default field (or, with `--resume`, the run's saved one).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from typing import Any
+
+from tf_megadp.jobs.common import flags
 
 __all__ = ["add_causal_lm_arguments", "causal_lm_config"]
 
@@ -77,67 +77,20 @@ def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
                           help=f"linear warm-up steps (default {defaults.warmup_steps})")
     training.add_argument("--weight-decay", type=float, default=hidden,
                           help=f"AdamW's (default {defaults.weight_decay:g})")
-    privacy = parser.add_argument_group("privacy")
-    privacy.add_argument("--target-epsilon", type=float, default=hidden,
-                         help="calibrate sigma to spend this (default "
-                              f"{defaults.target_epsilon:g})")
-    privacy.add_argument("--noise-multiplier", type=float, default=hidden,
-                         help="sigma, instead of --target-epsilon")
-    privacy.add_argument("--delta", type=float, default=hidden,
-                         help="default 1 / N^1.1 for N training sequences")
-    privacy.add_argument("--l2-norm-clip", type=float, default=hidden,
-                         help=f"C (default {defaults.l2_norm_clip:g})")
-    privacy.add_argument("--clipping", choices=["auto", "ghost", "vectorized"], default=hidden,
-                         help="per-example clipping strategy (default auto)")
-    privacy.add_argument("--accountant", default=hidden, help="pld (default) or rdp")
-    privacy.add_argument("--non-private", action="store_true", default=hidden,
-                         help="the baseline: no clipping, no noise, the same batches")
-    run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", default=hidden, help="the run's folder (default runs/...)")
-    run.add_argument("--resume", action="store_true", default=hidden,
-                     help="continue the run in --output-dir with its saved settings")
-    run.add_argument("--eval-every", type=int, default=hidden,
-                     help=f"logical steps between held-out evaluations (default "
-                          f"{defaults.eval_every})")
-    run.add_argument("--checkpoint-every", type=int, default=hidden,
-                     help="logical steps between checkpoints (default 0: by time only)")
-    run.add_argument("--checkpoint-minutes", type=float, default=hidden,
-                     help=f"minutes of training between checkpoints (default "
-                          f"{defaults.checkpoint_minutes:g})")
-    run.add_argument("--stop-after-steps", type=int, default=hidden,
-                     help="end this invocation after N logical steps (resume later)")
+    flags.add_privacy_flags(parser, defaults, examples="training sequences", clip_note="")
+    run = flags.add_run_flags(parser, defaults, evaluation="held-out")
     run.add_argument("--cache-dir", default=hidden,
                      help="cache root of the prepared corpus (default ~/.cache/tf_megadp)")
     run.add_argument("--seed", type=int, default=hidden,
                      help="seeds the initialisation and the held-out split only; never the "
                           "sampling nor the noise")
-    run.add_argument("--verbose", default=hidden, type=_verbosity,
+    run.add_argument("--verbose", default=hidden, type=flags.verbosity,
                      help="Keras fit verbosity (default auto)")
-
-
-def _verbosity(text: str) -> int | str:
-    return text if text == "auto" else int(text)
 
 
 def causal_lm_config(args: argparse.Namespace):
     """The `CausalLMConfig` of the flags given (with `--resume`: the saved run's, then them)."""
     from tf_megadp.jobs.causal_lm.config import CausalLMConfig
     from tf_megadp.jobs.causal_lm.run import COMMAND
-    from tf_megadp.jobs.common import run_folder
 
-    given: dict[str, Any] = {name: value for name, value in vars(args).items()
-                             if name not in ("handler", "command", "json")}
-    if given.get("resume"):
-        if not given.get("output_dir"):
-            raise ValueError("--resume needs --output-dir, the folder of the run to continue.")
-        saved = run_folder.saved_settings(given["output_dir"], COMMAND)
-        config = CausalLMConfig(**{name: value for name, value in saved.items()
-                                   if name != "stop_after_steps"})
-    else:
-        config = CausalLMConfig()
-    if given.get("non_private"):
-        given.update(noise_multiplier=None, target_epsilon=None)
-    elif "noise_multiplier" in given and "target_epsilon" not in given and not given.get(
-            "resume"):
-        given["target_epsilon"] = None
-    return dataclasses.replace(config, **given)
+    return flags.config_from_flags(args, CausalLMConfig, COMMAND)

@@ -31,13 +31,12 @@ from tf_megadp.jobs.common.privacy import new_dp_optimizer, plan_privacy
 from tf_megadp.jobs.common.run_folder import (
     CHECKPOINT_NAME,
     INIT_KEY,
-    MODEL_NAME,
     PLOT_NAME,
     PRIVACY_REPORT_NAME,
     REPORT_NAME,
     VOCABULARY_NAME,
 )
-from tf_megadp.jobs.common.verdicts import STANDARD_ERRORS, learned_beyond
+from tf_megadp.jobs.common.verdicts import learned_beyond, verdict_line
 
 __all__ = ["COMMAND", "build_model", "run_causal_lm"]
 
@@ -401,46 +400,17 @@ def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, h
         "train_time_s": train_time.total_s,
         "train_time_parts_s": train_time.report(),
         "released_outside_epsilon": list(RELEASED_OUTSIDE_EPSILON),
-        "files": _file_guide(private),
+        "files": run_folder.file_guide(
+            private, vocabulary="the public vocabulary the model reads",
+            plot="held-out accuracy and epsilon per evaluation"),
         "history": history,
         "config": run_folder.config_dict(config),
     }
 
 
-def _file_guide(private: bool) -> dict[str, str]:
-    statistics = ("publish only if the statistics under released_outside_epsilon may "
-                  "be public")
-    guide = {
-        MODEL_NAME: ("release: architecture and weights only (tf_megadp.export_model; its "
-                     "weights carry their privacy ledger), "
-                     + ("covered by epsilon" if private else "NOT private (baseline)")),
-        VOCABULARY_NAME: "release: the public vocabulary the model reads",
-        REPORT_NAME: f"this report: {statistics}",
-        PLOT_NAME: f"held-out accuracy and epsilon per evaluation: {statistics}",
-        run_folder.HISTORY_NAME: f"per-epoch training loss and metrics: {statistics}",
-        "tensorboard": f"the same per-epoch logs: {statistics}",
-        CHECKPOINT_NAME: ("keep like the training data: training state for --resume; never "
-                          "publish"),
-    }
-    if private:
-        guide[PRIVACY_REPORT_NAME] = "release: the privacy report (epsilon, ledger)"
-    return guide
-
-
 def _summary(report: dict[str, Any], output_dir: str) -> str:
-    if report["learned"] is None:
-        verdict = "not evaluated"
-    elif report["learned"]:
-        verdict = (f"yes (above {report['learned_threshold']:.4f}: the unigram baseline + "
-                   f"{STANDARD_ERRORS:g} standard errors)")
-    else:
-        verdict = (f"NO: not above {report['learned_threshold']:.4f} (the unigram baseline + "
-                   f"{STANDARD_ERRORS:g} standard errors)")
-    privacy = (f"epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}  (sigma "
-               f"{report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, "
-               f"{report['accountant'].upper()}, Poisson sampling; unit: "
-               f"{report['privacy_unit'].split(':')[0]})"
-               if report["private"] else "NONE (non-private baseline)")
+    verdict = verdict_line(report["learned"], report["learned_threshold"], "the unigram baseline")
+    privacy = run_folder.privacy_line(report)
     return "\n".join([
         "", "=" * 64,
         f"held-out accuracy       {report['heldout_accuracy']:.4f}   (unigram "

@@ -37,7 +37,7 @@ __all__ = ["CHECKPOINT_NAME", "HISTORY_NAME", "INIT_KEY", "LORA_FACTORS_KEY", "M
            "VOCABULARY_NAME", "Checkpointer", "check_same_run", "config_dict",
            "export_release", "log_callbacks", "plot_history", "progress_callback",
            "progress_verbosity", "publishable", "restore_lora_factors", "saved_extra",
-           "saved_settings", "train_time_line"]
+           "saved_settings", "train_time_line", "file_guide", "privacy_line"]
 
 CHECKPOINT_NAME = "checkpoint"
 MODEL_NAME = "model.keras"
@@ -424,3 +424,41 @@ def train_time_line(report: dict[str, Any]) -> str:
     return (f"train {report['train_time_s']:.1f} s: fit {in_fit:.1f} s"
             + (f", the job's callbacks {sum(parts.values()):.1f} s ({callbacks})"
                if parts else ""))
+
+
+def file_guide(private: bool, *, vocabulary: str, plot: str) -> dict[str, str]:
+    """report.json's `files`: what each file of a run is, and whether it may be published.
+
+    Args:
+        private: a DP run (its model is covered by epsilon and it writes
+            the privacy report), or the non-private baseline.
+        vocabulary: what the run's vocabulary is, after "release: ".
+        plot: what the run's plot shows, before ": publish only if ...".
+    """
+    statistics = ("publish only if the statistics under released_outside_epsilon may "
+                  "be public")
+    guide = {
+        MODEL_NAME: ("release: architecture and weights only (tf_megadp.export_model; its "
+                     "weights carry their privacy ledger), "
+                     + ("covered by epsilon" if private else "NOT private (baseline)")),
+        VOCABULARY_NAME: f"release: {vocabulary}",
+        REPORT_NAME: f"this report: {statistics}",
+        PLOT_NAME: f"{plot}: {statistics}",
+        HISTORY_NAME: f"per-epoch training loss and metrics: {statistics}",
+        "tensorboard": f"the same per-epoch logs: {statistics}",
+        CHECKPOINT_NAME: ("keep like the training data: training state for --resume; never "
+                          "publish"),
+    }
+    if private:
+        guide[PRIVACY_REPORT_NAME] = "release: the privacy report (epsilon, ledger)"
+    return guide
+
+
+def privacy_line(report: dict[str, Any]) -> str:
+    """The summary's privacy line: (epsilon, delta), sigma, C, the accountant, the unit."""
+    if not report["private"]:
+        return "NONE (non-private baseline)"
+    return (f"epsilon = {report['epsilon']:.3f}, delta = {report['delta']:.3g}  (sigma "
+            f"{report['noise_multiplier']:.4f}, C {report['l2_norm_clip']}, "
+            f"{report['accountant'].upper()}, Poisson sampling; unit: "
+            f"{report['privacy_unit'].split(':')[0]})")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["STANDARD_ERRORS", "learned_beyond"]
+__all__ = ["STANDARD_ERRORS", "learned_beyond", "verdict_line"]
 
 STANDARD_ERRORS = 3.0
 
@@ -39,3 +39,18 @@ def learned_beyond(accuracy: float, baseline_accuracy: float,
     margin = STANDARD_ERRORS * math.sqrt(p * (1.0 - p) / n) if n > 0 else math.inf
     threshold = p + margin
     return (None if math.isnan(accuracy) else bool(accuracy > threshold)), threshold
+
+
+def verdict_line(learned: bool | None, threshold: float, baseline: str) -> str:
+    """The summary's `learned` line, from `learned_beyond`'s answer.
+
+    Args:
+        learned, threshold: what `learned_beyond` returned.
+        baseline: the trivial baseline's name (e.g. "the majority class").
+    """
+    if learned is None:
+        return "not evaluated"
+    if learned:
+        return (f"yes (above {threshold:.4f}: {baseline} + {STANDARD_ERRORS:g} "
+                "standard errors)")
+    return f"NO: not above {threshold:.4f} ({baseline} + {STANDARD_ERRORS:g} standard errors)"

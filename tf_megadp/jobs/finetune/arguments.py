@@ -7,8 +7,8 @@ overrides the default field (or, with `--resume`, the run's saved one).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from typing import Any
+
+from tf_megadp.jobs.common import flags
 
 __all__ = ["add_finetune_arguments", "finetune_config"]
 
@@ -73,38 +73,13 @@ def add_finetune_arguments(parser: argparse.ArgumentParser) -> None:
                                "objective's, DP or non-private)")
     training.add_argument("--weight-decay", type=float, default=hidden,
                           help=f"AdamW's (default {defaults.weight_decay:g})")
-    privacy = parser.add_argument_group("privacy")
-    privacy.add_argument("--target-epsilon", type=float, default=hidden,
-                         help=f"calibrate sigma to spend this (default {defaults.target_epsilon:g})")
-    privacy.add_argument("--noise-multiplier", type=float, default=hidden,
-                         help="sigma, instead of --target-epsilon")
-    privacy.add_argument("--delta", type=float, default=hidden,
-                         help="default 1 / N^1.1 for N training examples")
-    privacy.add_argument("--l2-norm-clip", type=float, default=hidden,
-                         help=f"C (default {defaults.l2_norm_clip:g}, Li et al.'s)")
-    privacy.add_argument("--clipping", choices=["auto", "ghost", "vectorized"], default=hidden,
-                         help="per-example clipping strategy (default auto)")
-    privacy.add_argument("--accountant", default=hidden, help="pld (default) or rdp")
-    privacy.add_argument("--non-private", action="store_true", default=hidden,
-                         help="the baseline: no clipping, no noise, the same batches")
-    run = parser.add_argument_group("run")
-    run.add_argument("--output-dir", default=hidden, help="the run's folder (default runs/...)")
-    run.add_argument("--resume", action="store_true", default=hidden,
-                     help="continue the run in --output-dir with its saved settings")
-    run.add_argument("--eval-every", type=int, default=hidden,
-                     help=f"logical steps between test evaluations (default "
-                          f"{defaults.eval_every})")
-    run.add_argument("--checkpoint-every", type=int, default=hidden,
-                     help="logical steps between checkpoints (default 0: by time only)")
-    run.add_argument("--checkpoint-minutes", type=float, default=hidden,
-                     help=f"minutes of training between checkpoints (default "
-                          f"{defaults.checkpoint_minutes:g})")
-    run.add_argument("--stop-after-steps", type=int, default=hidden,
-                     help="end this invocation after N logical steps (resume later)")
+    flags.add_privacy_flags(parser, defaults, examples="training examples",
+                            clip_note=", Li et al.'s")
+    run = flags.add_run_flags(parser, defaults, evaluation="test")
     run.add_argument("--seed", type=int, default=hidden,
                      help="seeds the new weights (head, LoRA factors) only; never the "
                           "sampling nor the noise")
-    run.add_argument("--verbose", default=hidden, type=_verbosity,
+    run.add_argument("--verbose", default=hidden, type=flags.verbosity,
                      help="Keras fit verbosity (default auto)")
 
 
@@ -112,29 +87,9 @@ def _comma_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
-def _verbosity(text: str) -> int | str:
-    return text if text == "auto" else int(text)
-
-
 def finetune_config(args: argparse.Namespace):
     """The `FinetuneConfig` of the flags given (with `--resume`: the saved run's, then them)."""
-    from tf_megadp.jobs.common import run_folder
     from tf_megadp.jobs.finetune.config import FinetuneConfig
     from tf_megadp.jobs.finetune.run import COMMAND
 
-    given: dict[str, Any] = {name: value for name, value in vars(args).items()
-                             if name not in ("handler", "command", "json")}
-    if given.get("resume"):
-        if not given.get("output_dir"):
-            raise ValueError("--resume needs --output-dir, the folder of the run to continue.")
-        saved = run_folder.saved_settings(given["output_dir"], COMMAND)
-        config = FinetuneConfig(**{name: value for name, value in saved.items()
-                                   if name != "stop_after_steps"})
-    else:
-        config = FinetuneConfig()
-    if given.get("non_private"):
-        given.update(noise_multiplier=None, target_epsilon=None)
-    elif "noise_multiplier" in given and "target_epsilon" not in given and not given.get(
-            "resume"):
-        given["target_epsilon"] = None
-    return dataclasses.replace(config, **given)
+    return flags.config_from_flags(args, FinetuneConfig, COMMAND)

@@ -47,6 +47,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--lora-rank", type=int)
     parser.add_argument("--target-epsilon", type=float, default=8.0)
     parser.add_argument("--epochs", type=float, help="passes over the data (default: the job's)")
+    parser.add_argument("--sequence-length", type=int,
+                        help="tokens per example, at most the public model's positions "
+                             "(default: the job's)")
     parser.add_argument("--output-dir", help="where the two runs go (default: a new temp folder)")
     args = parser.parse_args(argv)
 
@@ -58,7 +61,9 @@ def main(argv=None) -> dict:
     common = dict(train=args.train, test=args.test, init_from=public, objective=args.objective,
                   lora_rank=args.lora_rank, verbose=0,
                   label_words=args.label_words.split(",") if args.label_words else None,
-                  **({} if args.epochs is None else {"epochs": args.epochs}))
+                  **({} if args.epochs is None else {"epochs": args.epochs}),
+                  **({} if args.sequence_length is None
+                     else {"sequence_length": args.sequence_length}))
     reports = {
         "dp": run_finetuning(FinetuneConfig(
             **common, target_epsilon=args.target_epsilon,

@@ -148,6 +148,14 @@ def test_a_start_of_unknown_origin_needs_a_statement(public_start, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_sequence_longer_than_the_starts_positions_is_refused_by_name(public_start, tmp_path):
+    with pytest.raises(JobError, match="--sequence-length 64 exceeds the 16 positions.*pass "
+                                       "--sequence-length 16 or less"):
+        run_finetuning(FinetuneConfig(train=tiny_task(tmp_path / "t.jsonl"), init_from=public_start,
+                                      output_dir=str(tmp_path / "out"), sequence_length=64))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_label_word_that_is_no_token_is_refused_before_training(public_start, tmp_path):
     config = tiny_config(tiny_task(tmp_path / "t.jsonl"), public_start, tmp_path / "out",
                          label_words=["bad", "superb"])
@@ -255,8 +263,10 @@ def _pico_file(folder):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_example_prints_the_dp_run_beside_its_twin(public_start, tmp_path, capsys):
     reports = finetune_example()["main"](
-        ["--public-model", public_start, "--train", tiny_task(tmp_path / "t.jsonl"),
-         "--label-words", "bad,good", "--epochs", "2", "--output-dir", str(tmp_path / "out")])
+        # 400 rows: the default batch of a smaller task holds more rows than it has.
+        ["--public-model", public_start, "--train", tiny_task(tmp_path / "t.jsonl", n=400),
+         "--label-words", "bad,good", "--epochs", "2", "--sequence-length", "16",
+         "--output-dir", str(tmp_path / "out")])
     assert reports["dp"]["private"] and not reports["non_private"]["private"]
     assert 0 < reports["dp"]["epsilon"] <= 8.0 * 1.0001
     printed = capsys.readouterr().out

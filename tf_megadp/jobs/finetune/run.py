@@ -81,6 +81,11 @@ def run_finetuning(config: FinetuneConfig, *, log: Callable[[str], None] = print
         raise JobError(f"{output_dir} already holds a run; pass --resume to continue it or "
                        "choose another --output-dir.")
     init = _start_of(config, output_dir)
+    if config.sequence_length > init.max_sequence_length:
+        raise JobError(
+            f"--sequence-length {config.sequence_length} exceeds the {init.max_sequence_length} "
+            f"positions of --init-from {init.path}: pass --sequence-length "
+            f"{init.max_sequence_length} or less.")
     learning_rate, learning_rate_source = config.learning_rate_choice()
     task, template, words = _task(config)
     log(f"Task: {task.description}: {len(task.train_texts):,} training and "

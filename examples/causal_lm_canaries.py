@@ -92,8 +92,18 @@ def greedy_digits(model, prefix_ids: list[int], cls_id: int, length: int) -> lis
     return tokens[-length:]
 
 
-def main(argv=None) -> None:
-    """Writes the corpus, trains DP and non-private, prints each canary's exposure and extraction."""
+def main(argv=None, **job_settings) -> list[tuple]:
+    """Writes the corpus, trains DP and non-private, prints each canary's exposure and extraction.
+
+    Args:
+        argv: the flags (None: the command line).
+        **job_settings: more `CausalLMConfig` fields for both runs (the
+            tests train a smaller model).
+
+    Returns:
+        One row per model and canary: (model, copies, secret, exposure in
+        bits, rank, whether greedy generation gave the secret).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="runs/causal-lm-canaries")
     parser.add_argument("--corpus-bytes", type=int, default=1_000_000)
@@ -119,15 +129,20 @@ def main(argv=None) -> None:
                            ("non-private", {"non_private": True, "target_epsilon": None})):
         folder = os.path.join(args.output_dir, name)
         if not os.path.exists(os.path.join(folder, "report.json")):
-            run_causal_lm(CausalLMConfig(corpus=[corpus], output_dir=folder, steps=args.steps,
-                                         eval_every=args.steps, verbose=0, **settings))
+            run_causal_lm(CausalLMConfig(**{
+                "corpus": [corpus], "output_dir": folder, "steps": args.steps,
+                "eval_every": args.steps, "verbose": 0, **settings, **job_settings}))
         reports[name] = folder
     rows = []
     for name, folder in reports.items():
         model = keras.saving.load_model(os.path.join(folder, "model.keras"), compile=False)
-        tokenizer = keras_hub.models.BertTokenizer(
-            vocabulary=text.read_vocabulary_file(os.path.join(folder, "vocab.txt")),
-            lowercase=True)
+        vocabulary = text.read_vocabulary_file(os.path.join(folder, "vocab.txt"))
+        missing = [digit for digit in DIGITS if digit not in vocabulary]
+        if missing:
+            raise SystemExit(f"The {name} run's vocabulary has no token for the digits {missing}, "
+                             "so its secrets cannot be scored: train with a larger "
+                             "vocabulary_size.")
+        tokenizer = keras_hub.models.BertTokenizer(vocabulary=vocabulary, lowercase=True)
         prefix_ids = keras.ops.convert_to_numpy(tokenizer(PREFIX)).tolist()
         digit_ids = [int(tokenizer.token_to_id(digit)) for digit in DIGITS]
         fmt = CanaryFormat(prefix_ids + [None] * SECRET_LENGTH, digit_ids)
@@ -146,6 +161,7 @@ def main(argv=None) -> None:
     for name, count, secret, bits, rank, extracted in rows:
         print(f"| {name} | {count} | {secret} | {bits:.2f} | {rank:.0f} | "
               f"{'yes' if extracted else 'no'} |")
+    return rows
 
 
 if __name__ == "__main__":

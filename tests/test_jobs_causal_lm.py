@@ -240,3 +240,24 @@ def test_fine_tuning_a_dp_release_composes_its_ledger(private_run):
     alone = whole_schedule_epsilon(report)
     # The release's steps come first: more than this run's own epsilon.
     assert report["epsilon"] > alone and report["completed"]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_canary_example_attacks_both_releases(tmp_path, capsys):
+    """examples/causal_lm_canaries.py on a pico GPT-2 for 2 steps: every canary of both models
+    scored among the 10^4 secrets (exposure in [0, 13.3] bits), the table printed."""
+    import runpy
+
+    example = runpy.run_path("examples/causal_lm_canaries.py")
+    rows = example["main"](
+        ["--output-dir", str(tmp_path / "out"), "--corpus-bytes", "200000", "--steps", "2"],
+        # The job's vocabulary size: the secrets' digits must be tokens of it.
+        model="pico", sequence_length=16, micro_batch_size=16, batch_size=16, warmup_steps=1,
+        cache_dir=str(tmp_path / "cache"))
+    assert [row[0] for row in rows] == ["DP"] * 8 + ["non-private"] * 8
+    assert sorted(row[1] for row in rows[:8]) == [0, 0, 1, 1, 8, 8, 32, 32]
+    for _, _, _, bits, rank, _ in rows:
+        assert 0.0 <= bits <= 4 * math.log2(10) + 1e-9 and 1 <= rank <= 10 ** 4
+    printed = capsys.readouterr().out
+    assert "| DP | 32 |" in printed and "| non-private | 0 |" in printed

@@ -20,6 +20,7 @@ import os
 from typing import Any, Sequence
 
 from tf_megadp.jobs.common.errors import JobError
+from tf_megadp.jobs.common.lora import check_lora_rank
 from tf_megadp.jobs.common.privacy import PrivacySettings
 
 __all__ = ["DEFAULT_LOSS_SCALE", "DP_LEARNING_RATE", "LEARNING_RATE_SCALINGS", "MODEL_PRESETS",
@@ -450,12 +451,7 @@ class PretrainConfig(PrivacySettings):
                 raise PretrainError(f"--public-sources: {error}") from None
 
     def _check_initial_weights(self) -> None:
-        if self.lora_rank is not None and (isinstance(self.lora_rank, bool)
-                                           or not isinstance(self.lora_rank, int)
-                                           or self.lora_rank < 1):
-            raise PretrainError(
-                f"lora_rank must be a positive integer (or None: no LoRA), got "
-                f"{self.lora_rank!r}.")
+        check_lora_rank(self.lora_rank)
         if self.max_sequence_length is not None and (
                 isinstance(self.max_sequence_length, bool)
                 or not isinstance(self.max_sequence_length, int)

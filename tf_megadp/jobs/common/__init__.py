@@ -14,5 +14,6 @@ knows BERT, masked-LM or classification:
 * `fitting`: the private fit, or under several workers the same private
   step in a custom loop that drives the same callbacks;
 * `verdicts`: whether a run learned, against its trivial baseline;
-* `flags`: a job's config from the flags given, over a saved run's.
+* `flags`: a job's config from the flags given, over a saved run's;
+* `lora`: a job's LoRA rank, checked and described once.
 """

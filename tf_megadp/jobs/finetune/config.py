@@ -14,6 +14,7 @@ import os
 from typing import Sequence
 
 from tf_megadp.jobs.common.errors import JobError
+from tf_megadp.jobs.common.lora import check_lora_rank
 from tf_megadp.jobs.common.privacy import PrivacySettings
 
 __all__ = ["DEFAULT_TEMPLATE", "LEARNING_RATES", "OBJECTIVES", "FinetuneConfig"]
@@ -146,11 +147,7 @@ class FinetuneConfig(PrivacySettings):
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be a positive integer, got {value!r}.")
-        if self.lora_rank is not None and (isinstance(self.lora_rank, bool)
-                                           or not isinstance(self.lora_rank, int)
-                                           or self.lora_rank < 1):
-            raise JobError(f"lora_rank must be a positive integer (or None), got "
-                           f"{self.lora_rank!r}.")
+        check_lora_rank(self.lora_rank)
         for name in ("epochs", "learning_rate", "weight_decay", "test_fraction",
                      "checkpoint_minutes"):
             value = getattr(self, name)

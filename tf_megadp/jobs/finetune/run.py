@@ -22,6 +22,7 @@ import numpy as np
 from tf_megadp.files import write_json_atomically
 from tf_megadp.jobs.common import fitting, run_folder
 from tf_megadp.jobs.common.errors import JobError
+from tf_megadp.jobs.common.lora import describe_training
 from tf_megadp.jobs.common.privacy import new_dp_optimizer, plan_privacy
 from tf_megadp.jobs.common.run_folder import (
     CHECKPOINT_NAME,
@@ -386,7 +387,7 @@ def _report(config, init, task, template, words, model, sampler, privacy, sigma,
         "objective": config.objective,
         "prompt": ({"template": template, "label_words": dict(zip(task.labels, words))}
                    if config.objective == "prompt" else None),
-        "trains": (f"LoRA rank {config.lora_rank}" if config.lora_rank else "every weight"),
+        "trains": describe_training(config.lora_rank),
         "trainable_parameters": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
         "task": task.report(),
         "private": private,

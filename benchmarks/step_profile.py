@@ -70,6 +70,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_megadp  # noqa: E402
+from fit_call_cost import BatchTimer  # noqa: E402
 from per_example_pass import interleaved_times  # noqa: E402
 from step_overhead import (EVERY_POSITION, SIZES, add_model_arguments, build_model,  # noqa: E402
                            compile_model, head, load_average, make_data)
@@ -168,19 +169,6 @@ def pass_calls(args, public, private, batch) -> tuple[dict, dict]:
 
     calls["DP: noise"] = noise
     return calls, sizes
-
-
-class BatchTimer(keras.callbacks.Callback):
-    """Seconds of every micro-batch of one fit call."""
-
-    def on_train_begin(self, logs=None):
-        self.times = []
-
-    def on_train_batch_begin(self, batch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.times.append(time.perf_counter() - self.start)
 
 
 class LedgerClock:

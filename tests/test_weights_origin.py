@@ -196,6 +196,64 @@ def test_a_declaration_of_disjoint_data_composes_nothing_and_is_reported_as_the_
     assert [run["steps"] for run in declared["dp_runs_set_aside"]] == [RELEASE_STEPS]
 
 
+def layered_network(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="body"),
+                             keras.layers.Dense(2, name="head")])
+
+
+def test_a_declaration_of_disjoint_data_is_saved_with_the_run_it_starts(tmp_path):
+    # A run that declared its data disjoint from a release and keeps some of
+    # the release's values untouched (a frozen body, LoRA's base weights)
+    # must resume from its checkpoint: the declaration is part of the run,
+    # as its ledger is. Values of a DP run it did not declare stay refused.
+    x, y = data()
+    release = compile_private(tf_megadp.make_private(layered_network()))
+    fit(release, x, y)
+    tf_megadp.export_model(release, tmp_path / "release.keras")
+    other = compile_private(tf_megadp.make_private(layered_network(seed=5)))
+    fit(other, x, y)
+    other_body = other.get_layer("body").get_weights()
+    tf_megadp.export_model(other, tmp_path / "other.keras")
+    new_process()
+    run = keras.models.load_model(tmp_path / "release.keras")
+    run.get_layer("body").trainable = False
+    compile_private(tf_megadp.make_private(run))
+    tf_megadp.declare_disjoint_data(run, statement="fine-tuned on the 2025 mail only")
+    assert fit(run, x[:8], y[:8]).ledger.total_steps == 2
+    run.save(tmp_path / "checkpoint.keras")
+    tf_megadp.export_model(run, tmp_path / "tuned.keras")
+
+    new_process()
+    resumed = tf_megadp.make_private(keras.models.load_model(tmp_path / "checkpoint.keras"))
+    privacy = fit(resumed, x[:8], y[:8])
+    assert privacy.ledger.total_steps == 4
+    declared = privacy.report()["initial_weights"]
+    assert declared["origin"] == "disjoint"
+    assert declared["statement"] == "fine-tuned on the 2025 mail only"
+
+    # Whoever trains the tuned release on, declaring nothing, composes both
+    # runs: the release's values it kept and the tuned run's.
+    new_process()
+    tuned = compile_private(tf_megadp.make_private(keras.models.load_model(
+        tmp_path / "tuned.keras")))
+    assert fit(tuned, x[:8], y[:8]).ledger.total_steps == RELEASE_STEPS + 2 + 2
+
+    new_process()
+    keras.models.load_model(tmp_path / "other.keras")  # its record, remembered
+    resumed = tf_megadp.make_private(keras.models.load_model(tmp_path / "checkpoint.keras"))
+    resumed.get_layer("body").set_weights(other_body)
+    with pytest.raises(PrivacyConfigurationError, match="does not start with"):
+        fit(resumed, x[:8], y[:8])
+
+
+def test_a_statement_too_long_to_save_with_the_run_is_refused():
+    model = compile_private(tf_megadp.make_private(network()))
+    model(np.zeros((1, 3), "float32"))
+    with pytest.raises(ValueError, match="at most"):
+        tf_megadp.declare_disjoint_data(model, statement="x" * 100_000)
+
+
 def test_a_ledger_that_counts_steps_refuses_values_of_a_run_it_does_not_continue(release):
     folder, weights = release
     x, y = data()

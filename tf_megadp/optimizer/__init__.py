@@ -53,10 +53,12 @@ from tf_megadp.optimizer.ledger import (
     LEDGER_CAPACITY,
     ledger_owner,
     read_ledger,
+    read_weights_origin,
     write_ledger,
+    write_weights_origin,
 )
 from tf_megadp.optimizer.settings import SETTING_NAMES, DPSettings
 
 __all__ = ["APPLIED_STEP_COLUMNS", "DPOptimizer", "DPSettings", "LEDGER_CAPACITY",
            "PRIVATE_STEP_TOKEN", "SETTING_NAMES", "accumulation_dtype", "ledger_owner",
-           "read_ledger", "write_ledger"]
+           "read_ledger", "read_weights_origin", "write_ledger", "write_weights_origin"]

@@ -10,6 +10,12 @@ Every variable of the ledger is declared, read and written in this module
   whatever the noise mechanism: each entry's noise is one record its
   mechanism reads back. A file whose ledger is malformed or holds a
   record no registered mechanism reads is refused by name;
+* `weights_origin` and `weights_origin_length`: where the weights of the
+  run's start came from, as `tf_megadp.run.weights_origin` found or the
+  user declared it (a release composed, public weights, data disjoint from
+  DP runs whose values the model keeps), JSON packed as the ledger is
+  (`read_weights_origin`, `write_weights_origin`): a declaration is part
+  of the run and is restored with its ledger;
 * `carried_steps`: the logical steps earlier optimizers of the same weights
   applied (a model compiled again with a new `DPOptimizer` continues the
   ledger of the weights: the model's variables name the optimizer whose
@@ -26,6 +32,7 @@ and methods here.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 import keras
@@ -37,7 +44,7 @@ from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.errors import PrivacyConfigurationError
 
 __all__ = ["APPLIED_STEP_COLUMNS", "LEDGER_CAPACITY", "LedgerStage", "ledger_owner",
-           "read_ledger", "write_ledger"]
+           "read_ledger", "read_weights_origin", "write_ledger", "write_weights_origin"]
 
 # Bytes of ledger JSON the variable holds (about 300 bytes an entry, and
 # consecutive identical steps share an entry).
@@ -137,18 +144,33 @@ def write_ledger(optimizer, ledger: PrivacyLedger) -> None:
     optimizer.ledger_stage.write(ledger)
 
 
+def read_weights_origin(optimizer) -> dict[str, Any] | None:
+    """The start of the weights a built `DPOptimizer`'s run recorded (`write_weights_origin`), or None."""
+    return optimizer.ledger_stage.read_origin() if optimizer.built else None
+
+
+def write_weights_origin(optimizer, origin: dict[str, Any]) -> None:
+    """Stores where the weights of the run's start came from (JSON) in a built `DPOptimizer`.
+
+    Raises:
+        RuntimeError: its JSON is longer than `LEDGER_CAPACITY` bytes.
+    """
+    optimizer.ledger_stage.write_origin(origin)
+
+
 def _number(variable) -> int:
     return int(keras.ops.convert_to_numpy(variable))
 
 
-def _packed(text: str) -> tuple[np.ndarray, int]:
+def _packed(text: str, what: str = "The privacy ledger", fix: str = (
+        "the sampling rate or noise multiplier changed too often. Change them per phase of "
+        "a BatchSizeSchedule instead of per step")) -> tuple[np.ndarray, int]:
     """(float64 cells holding the UTF-8 bytes of `text`, 6 to a cell, zero-padded; its length)."""
     data = text.encode("utf-8")
     if len(data) > LEDGER_CAPACITY:
         raise RuntimeError(
-            f"The privacy ledger needs {len(data)} bytes but the optimizer stores "
-            f"{LEDGER_CAPACITY}: the sampling rate or noise multiplier changed too often. "
-            "Change them per phase of a BatchSizeSchedule instead of per step.")
+            f"{what} needs {len(data)} bytes but the optimizer stores {LEDGER_CAPACITY}: "
+            f"{fix}.")
     # Only the cells the text fills are computed (it is written after every
     # logical step; the rest of the 96 KiB stays zero).
     used = -(-len(data) // _BYTES_PER_CELL)
@@ -212,6 +234,10 @@ class LedgerStage:
             aggregation="only_first_replica", name="applied_steps")
         self.applied_rows = add_variable(
             shape=(), dtype="int64", aggregation="only_first_replica", name="applied_rows")
+        self.weights_origin = add_variable(shape=(_CELLS,), dtype="float64",
+                                           name="weights_origin")
+        self.weights_origin_length = add_variable(shape=(), dtype="int64",
+                                                  name="weights_origin_length")
 
     # -- The ledger (eager) -------------------------------------------------------
 
@@ -243,6 +269,33 @@ class LedgerStage:
         cells, length = _packed(ledger.to_json() if len(ledger) else "")
         self.privacy_ledger.assign(cells)
         self.privacy_ledger_length.assign(length)
+
+    def read_origin(self) -> dict[str, Any] | None:
+        """The stored start of the weights (`write_origin`), or None.
+
+        Raises:
+            PrivacyConfigurationError: the variable holds no JSON object.
+        """
+        try:
+            text = _unpacked(keras.ops.convert_to_numpy(self.weights_origin),
+                             _number(self.weights_origin_length))
+            origin = json.loads(text) if text else None
+            if origin is not None and not isinstance(origin, dict):
+                raise ValueError("it is no JSON object")
+            return origin
+        except ValueError as error:
+            raise PrivacyConfigurationError(
+                f"The optimizer's weights_origin variable holds no record tf_megadp reads: "
+                f"{error}. The file was not written by this tf_megadp, or was changed. Start "
+                "a new run, or restore a file this version wrote.") from None
+
+    def write_origin(self, origin: dict[str, Any]) -> None:
+        """Stores the start of the weights (JSON, packed)."""
+        cells, length = _packed(
+            json.dumps(origin, sort_keys=True), "Where the weights come from",
+            "shorten the statement of declare_disjoint_data or declare_public_weights")
+        self.weights_origin.assign(cells)
+        self.weights_origin_length.assign(length)
 
     @property
     def steps_carried(self) -> int:
@@ -282,6 +335,9 @@ class LedgerStage:
         ledger = previous.read()
         ledger.append(LedgerEntry.steps_only(max(0, unrecorded_steps), UNACCOUNTED))
         self.write(ledger)
+        origin = previous.read_origin()
+        if origin is not None:
+            self.write_origin(origin)
         self.carried_steps.assign(carried)
         self._carried_from = previous.steps_applied
 

@@ -49,8 +49,9 @@ PROVENANCE_FORMAT = "tf_megadp.weights_provenance/1"
 # The HDF5 dataset at the root of a Keras weights file that holds the records
 # (JSON, as bytes). Keras reads only the groups of its layers' variables.
 PROVENANCE_KEY = "tf_megadp_provenance"
-# The digests of values a DP run trained, remembered by this process.
-_KNOWN: dict[str, "Provenance"] = {}
+# The digests of values a DP run trained, remembered by this process, each
+# with every record that covers it and no other record continues.
+_KNOWN: dict[str, list["Provenance"]] = {}
 
 
 class ProvenanceError(ValueError):
@@ -143,14 +144,22 @@ def composed_ledger(records: Iterable[Provenance]) -> PrivacyLedger:
 
 
 def remember(records: Iterable[Provenance]) -> None:
-    """Remembers every digest of `records` as values a DP run trained."""
+    """Remembers every digest of `records` as values a DP run trained.
+
+    One value may be covered by several records. A record another one
+    continues (an earlier checkpoint of the same run) is counted in it and
+    is dropped; records neither of which continues the other (a release,
+    and a run that declared its data disjoint from the release's and kept
+    some of its values untouched) are both kept: whoever trains the value
+    on composes both.
+    """
     for record in records:
         for digest in record.digests:
-            known = _KNOWN.get(digest)
-            # One value, two records (a checkpoint, then its continuation):
-            # keep the one whose ledger holds the other.
-            if known is None or record.ledger.starts_with(known.ledger):
-                _KNOWN[digest] = record
+            known = _KNOWN.setdefault(digest, [])
+            if any(other.ledger.starts_with(record.ledger) for other in known):
+                continue
+            known[:] = [other for other in known if not record.ledger.starts_with(other.ledger)]
+            known.append(record)
 
 
 def recognised(digests: Iterable[str]) -> list[Provenance]:
@@ -158,8 +167,7 @@ def recognised(digests: Iterable[str]) -> list[Provenance]:
     digests = set(digests)
     found: dict[str, Provenance] = {}
     for digest in digests:
-        record = _KNOWN.get(digest)
-        if record is not None:
+        for record in _KNOWN.get(digest, ()):
             found[record.binding] = record
     return [record.restricted_to(digests) for record in found.values()]
 

@@ -26,7 +26,11 @@ the ledger keeper before any step, `check_starting_weights`):
 
 A private run whose ledger already counts steps refuses values of a DP run
 whose ledger its own does not start with (the record of a release it never
-composed).
+composed), unless its start set that run aside (`declare_disjoint_data`):
+where the start's weights came from is saved with the run's ledger, in its
+`DPOptimizer` (`write_weights_origin`), so a resumed run that kept some of
+a release's values (frozen layers, LoRA's base weights) still knows it
+declared them.
 
 `continue_from_release` composes a release from the report saved with it
 (`PrivacyCallback.save_report`), for values that reached the model without
@@ -56,7 +60,14 @@ from tf_megadp.accounting import LedgerEntry, PrivacyLedger
 from tf_megadp.accounting.events import UNACCOUNTED
 from tf_megadp.accounting.report import check_report_format
 from tf_megadp.errors import PrivacyConfigurationError
-from tf_megadp.optimizer import DPOptimizer, ledger_owner, read_ledger
+from tf_megadp.optimizer import (
+    LEDGER_CAPACITY,
+    DPOptimizer,
+    ledger_owner,
+    read_ledger,
+    read_weights_origin,
+    write_weights_origin,
+)
 from tf_megadp.run import provenance
 from tf_megadp.run.provenance import Provenance
 
@@ -72,11 +83,22 @@ _START_DIGEST = "_tf_megadp_start_digest"
 
 
 class _WeightsOrigin:
-    """A private model's starting weights (a plain holder: Keras saving never writes it)."""
+    """A private model's starting weights (a plain holder: Keras saving never writes it).
+
+    Its run's `DPOptimizer` saves `declared` and the ledgers `set_aside`
+    before the first step (`check_starting_weights`).
+    """
 
     def __init__(self):
         self.fingerprint: str | None = None
         self.declared: dict[str, Any] | None = None
+        # The records of the DP runs whose data the user declared disjoint.
+        self.set_aside: list[Provenance] = []
+
+    def saved(self) -> dict[str, Any]:
+        """What the run's optimizer stores of it (`write_weights_origin`)."""
+        return {"declared": self.declared,
+                "set_aside": [record.to_dict() for record in self.set_aside]}
 
 
 def _origin(model) -> _WeightsOrigin:
@@ -185,6 +207,7 @@ def note_ledger_loaded(model: keras.Model) -> None:
         origin = _origin(model)
         origin.fingerprint = _fingerprint_of(digests)
         origin.declared = None
+        origin.set_aside = []
         _mark_start(digests)
 
 
@@ -322,13 +345,15 @@ def check_starting_weights(model: keras.Model) -> None:
     """Composes, or refuses, what a private run's weights spent before its first step.
 
     Called before the first private step of every run (the ledger keeper's
-    `begin`).
+    `begin`). A run's first step saves where its weights came from in its
+    `DPOptimizer`; a resumed run reads it back.
 
     Raises:
         PrivacyConfigurationError: the ledger is empty but the weights were
             set from outside after `make_private` and neither a record nor
             a declaration names them; or the ledger counts steps but the
-            weights hold values of a DP run it does not continue.
+            weights hold values of a DP run it does not continue and its
+            start did not set aside.
     """
     if not _built(model):
         return
@@ -337,8 +362,12 @@ def check_starting_weights(model: keras.Model) -> None:
     records = _recognised(digests)
     origin = _origin(model)
     if _steps_of_weights(model):
-        ledger = read_ledger(ledger_owner(model.trainable_variables) or model.optimizer)
-        foreign = [record for record in records if not ledger.starts_with(record.ledger)]
+        owner = ledger_owner(model.trainable_variables) or model.optimizer
+        ledger = read_ledger(owner)
+        saved = read_weights_origin(owner) or {}
+        set_aside = _saved_set_aside(saved)
+        foreign = [record for record in records if not ledger.starts_with(record.ledger)
+                   and not any(_sets_aside(aside, record) for aside in set_aside)]
         if foreign:
             raise PrivacyConfigurationError(
                 f"This model holds values of a DP run ({_describe(foreign)}) whose privacy "
@@ -347,8 +376,11 @@ def check_starting_weights(model: keras.Model) -> None:
                 "fresh private run (a new DPOptimizer composes their ledger), or declare "
                 "this run's data disjoint from theirs in a fresh run "
                 "(tf_megadp.declare_disjoint_data).")
+        if origin.declared is None and saved.get("declared") is not None:
+            origin.declared, origin.set_aside = saved["declared"], set_aside
         return
     if _declared_disjoint(origin, fingerprint):
+        _save(model, origin)
         return
     if records:
         ledger = provenance.composed_ledger(records)
@@ -357,7 +389,9 @@ def check_starting_weights(model: keras.Model) -> None:
         origin.declared = {"origin": "release", "steps": ledger.total_steps,
                            "records": [record.binding for record in records],
                            "weights_fingerprint": fingerprint}
+        origin.set_aside = []
         _mark_start(digests)
+        _save(model, origin)
         warnings.warn(
             f"This model holds values a DP run trained ({_describe(records)}): their "
             f"privacy ledger of {ledger.total_steps} logical steps starts this run's, so "
@@ -366,6 +400,7 @@ def check_starting_weights(model: keras.Model) -> None:
             UserWarning, stacklevel=4)
         return
     if origin.declared is not None and origin.fingerprint == fingerprint:
+        _save(model, origin)
         return
     if origin.fingerprint is not None and origin.fingerprint != fingerprint:
         raise PrivacyConfigurationError(
@@ -381,6 +416,30 @@ def check_starting_weights(model: keras.Model) -> None:
             "run (its ledger is composed with this run's). Weights loaded before "
             "make_private need no declaration.")
     origin.fingerprint = fingerprint
+
+
+def _saved_set_aside(saved: dict[str, Any]) -> list[Provenance]:
+    try:
+        return [Provenance.from_dict(record) for record in saved.get("set_aside", ())]
+    except provenance.ProvenanceError as error:
+        raise PrivacyConfigurationError(
+            f"The run's saved declaration holds {error} Its start can no longer be trusted: "
+            "restore the checkpoint as the run wrote it.") from None
+
+
+def _sets_aside(aside: Provenance, record: Provenance) -> bool:
+    """Whether a declaration that set `aside` aside covers `record`: the same run's values.
+
+    The same ledger (or its beginning: an earlier state of that run) is not
+    enough, since two runs of the same settings keep equal ledgers: the
+    values must be among those the declaration named.
+    """
+    return aside.ledger.starts_with(record.ledger) and record.digests <= aside.digests
+
+
+def _save(model, origin: _WeightsOrigin) -> None:
+    """Saves the start's origin with the run's ledger, in the `DPOptimizer` about to step."""
+    write_weights_origin(model.optimizer, origin.saved())
 
 
 def _describe(records: list[Provenance]) -> str:
@@ -461,13 +520,21 @@ def _declare(model, origin_name: str, text: str, field: str) -> None:
             "carries its privacy ledger), not public weights. A private run composes that "
             "ledger by itself; if this run's data share no example with that run's, say so "
             "instead: tf_megadp.declare_disjoint_data(model, statement='...').")
-    origin = _origin(model)
-    origin.fingerprint = _fingerprint_of(digests)
-    origin.declared = {"origin": origin_name, "declared_by": "user", field: text,
-                       "weights_fingerprint": origin.fingerprint}
+    declared = {"origin": origin_name, "declared_by": "user", field: text,
+                "weights_fingerprint": _fingerprint_of(digests)}
     if records:
-        origin.declared["dp_runs_set_aside"] = [
+        declared["dp_runs_set_aside"] = [
             {"steps": record.ledger.total_steps, "binding": record.binding} for record in records]
+    origin = _origin(model)
+    origin.fingerprint, origin.declared = declared["weights_fingerprint"], declared
+    origin.set_aside = records
+    size = len(json.dumps(origin.saved(), sort_keys=True).encode("utf-8"))
+    if size > LEDGER_CAPACITY:
+        origin.fingerprint = origin.declared = None
+        origin.set_aside = []
+        raise ValueError(
+            f"{name}: the declaration takes {size} bytes, and the run saves at most "
+            f"{LEDGER_CAPACITY} of it with its ledger: shorten {field}=.")
     _mark_start(digests)
 
 
@@ -548,6 +615,7 @@ def continue_from_release(model: keras.Model, report_path: str | os.PathLike) ->
     origin.declared = {"origin": "release", "report": os.path.basename(report_path),
                        "steps": ledger.total_steps, "epsilon": report.get("epsilon"),
                        "delta": report.get("delta"), "weights_fingerprint": fingerprint}
+    origin.set_aside = []
     _mark_start(digests)
     return ledger
 

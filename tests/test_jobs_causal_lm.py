@@ -94,7 +94,9 @@ class TestRefusals:
                 (dict(resume=True), "--resume needs --output-dir"),
                 (dict(corpus=[str(tmp_path / "none.txt")]), "no such file"),
                 (dict(target_epsilon=None), "--target-epsilon or --noise-multiplier"),
-                (dict(train=str(tmp_path)), "needs both --train .* and --init-from")):
+                (dict(train=str(tmp_path)), "needs both --train .* and --init-from"),
+                (dict(lora_rank=0), "lora_rank must be a positive integer"),
+                (dict(lora_rank=4), "--lora-rank 4 adapts a trained start")):
             with pytest.raises(JobError, match=message):
                 CausalLMConfig(**settings).validate()
 
@@ -261,3 +263,46 @@ def test_the_canary_example_attacks_both_releases(tmp_path, capsys):
         assert 0.0 <= bits <= 4 * math.log2(10) + 1e-9 and 1 <= rank <= 10 ** 4
     printed = capsys.readouterr().out
     assert "| DP | 32 |" in printed and "| non-private | 0 |" in printed
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lora_on_a_dp_release_composes_its_ledger_and_resumes_alone(private_run):
+    """LoRA from the release: only the factors train, the release's ledger comes first, and a
+    run stopped after one step and resumed with --resume alone ends as the whole run would."""
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    whole, _, root = private_run
+    pairs = write_pairs(root / "lora_pairs.jsonl")
+    settings = dict(init_from=str(root / "run" / "model.keras"), train=pairs, lora_rank=2)
+    stopped = run_causal_lm(tiny_config(None, root, root / "lora", stop_after_steps=1,
+                                        **settings), log=lambda *_: None)
+    assert stopped["trains"] == "LoRA rank 2" and stopped["init"]["origin"] == "release"
+    assert stopped["trainable_parameters"] < whole["trainable_parameters"] / 10
+    assert stopped["learning_rate_source"] == "DP LoRA default"
+    assert cli.main(["causal-lm", "--output-dir", str(root / "lora"), "--resume",
+                     "--verbose", "0"]) == 0
+    resumed = json.loads((root / "lora" / "report.json").read_text())
+    assert resumed["completed"] and resumed["resumes"] == [1]
+    # The release's 2 steps, then these 2: more than this run's own epsilon.
+    assert resumed["epsilon"] > whole_schedule_epsilon(resumed)
+    assert resumed["init"]["origin"] == "release" and resumed["trains"] == "LoRA rank 2"
+
+
+@pytest.mark.slow  # a second LoRA run; the machinery is the one above
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lora_on_data_disjoint_from_the_release_resumes_without_its_ledger(private_run):
+    # LoRA keeps the release's values (every weight but the factors): its
+    # resume recognises them, and the run's saved declaration sets them aside.
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    _, _, root = private_run
+    pairs = write_pairs(root / "disjoint_pairs.jsonl", seed=1)
+    config = tiny_config(None, root, root / "lora_disjoint", stop_after_steps=1,
+                         init_from=str(root / "run" / "model.keras"), train=pairs,
+                         lora_rank=2, init_data_disjoint=True)
+    assert run_causal_lm(config, log=lambda *_: None)["init"]["origin"] == "disjoint"
+    assert cli.main(["causal-lm", "--output-dir", str(root / "lora_disjoint"), "--resume",
+                     "--verbose", "0"]) == 0
+    resumed = json.loads((root / "lora_disjoint" / "report.json").read_text())
+    assert resumed["completed"] and resumed["init"]["origin"] == "disjoint"
+    assert resumed["epsilon"] == pytest.approx(whole_schedule_epsilon(resumed), rel=1e-9)

@@ -60,6 +60,9 @@ def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
     finetuning.add_argument("--init-data-disjoint", action="store_true", default=hidden,
                             help="state that --init-from was trained on data sharing no "
                                  "example with --train: its ledger is not composed")
+    finetuning.add_argument("--lora-rank", type=int, default=hidden,
+                            help="train LoRA factors of rank R on the attention query and value "
+                                 "projections, every other weight of the start frozen")
     model = parser.add_argument_group("model")
     model.add_argument("--model", choices=list(MODEL_PRESETS), default=hidden,
                        help=f"GPT-2 size of a pretraining run (default {defaults.model}; "

@@ -14,6 +14,7 @@ import os
 from typing import Sequence
 
 from tf_megadp.jobs.common.errors import JobError
+from tf_megadp.jobs.common.lora import check_lora_rank
 from tf_megadp.jobs.common.privacy import PrivacySettings
 
 __all__ = ["DP_LEARNING_RATE", "NON_PRIVATE_LEARNING_RATE", "CausalLMConfig"]
@@ -23,6 +24,9 @@ __all__ = ["DP_LEARNING_RATE", "NON_PRIVATE_LEARNING_RATE", "CausalLMConfig"]
 # for this job.
 DP_LEARNING_RATE = 8e-3
 NON_PRIVATE_LEARNING_RATE = 2e-3
+# LoRA's factors (DP or not): the fine-tuning job's LoRA rate, swept there
+# for BERT (docs/results.md, section 6), not swept for this job.
+LORA_LEARNING_RATE = 3e-2
 
 
 @dataclasses.dataclass
@@ -58,6 +62,9 @@ class CausalLMConfig(PrivacySettings):
         init_public, init_data_disjoint: the user's statement of where
             `init_from` comes from, when no file tells (as for `tf-megadp
             pretrain --init-from`).
+        lora_rank: fine-tuning: None (every weight trains) or r: LoRA
+            factors of rank r on the attention query and value projections,
+            every other weight of the start frozen.
         train: fine-tuning: JSONL (or CSV) of prompt/completion pairs; the
             loss and the scores are on the completion's tokens (and the
             [SEP] that ends it) only. One pair is one privacy unit.
@@ -96,6 +103,7 @@ class CausalLMConfig(PrivacySettings):
     init_from: str | None = None
     init_public: bool = False
     init_data_disjoint: bool = False
+    lora_rank: int | None = None
     train: str | None = None
     test: str | None = None
     prompt_field: str = "prompt"
@@ -111,9 +119,11 @@ class CausalLMConfig(PrivacySettings):
         """The peak learning rate, and where it comes from ("given" or the default of its kind)."""
         if self.learning_rate is not None:
             return float(self.learning_rate), "given"
-        if self.non_private:
-            return NON_PRIVATE_LEARNING_RATE, "non-private default"
-        return DP_LEARNING_RATE, "DP default"
+        kind = "non-private" if self.non_private else "DP"
+        if self.lora_rank is not None:
+            return LORA_LEARNING_RATE, f"{kind} LoRA default"
+        return (NON_PRIVATE_LEARNING_RATE if self.non_private else DP_LEARNING_RATE,
+                f"{kind} default")
 
     def validate(self) -> None:
         """Raises `JobError` naming the first bad field (and how to fix it)."""
@@ -165,6 +175,11 @@ class CausalLMConfig(PrivacySettings):
                 raise JobError(f"--{name.replace('_', '-')} {path}: no such file.")
         if not 0 < self.test_fraction < 0.5:
             raise JobError(f"test_fraction must be in (0, 0.5), got {self.test_fraction}.")
+        check_lora_rank(self.lora_rank)
+        if self.lora_rank is not None and not self.fine_tuning:
+            raise JobError(
+                f"--lora-rank {self.lora_rank} adapts a trained start: pass --init-from and "
+                "--train, or drop --lora-rank to pretrain every weight.")
         if self.init_public and self.init_data_disjoint:
             raise JobError(
                 "--init-public and --init-data-disjoint are two statements of where "

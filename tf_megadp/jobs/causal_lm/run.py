@@ -27,10 +27,12 @@ from tf_megadp.jobs.causal_lm import data
 from tf_megadp.jobs.causal_lm.config import CausalLMConfig
 from tf_megadp.jobs.common import fitting, run_folder
 from tf_megadp.jobs.common.errors import JobError
+from tf_megadp.jobs.common.lora import describe_training
 from tf_megadp.jobs.common.privacy import new_dp_optimizer, plan_privacy
 from tf_megadp.jobs.common.run_folder import (
     CHECKPOINT_NAME,
     INIT_KEY,
+    LORA_FACTORS_KEY,
     PLOT_NAME,
     PRIVACY_REPORT_NAME,
     REPORT_NAME,
@@ -231,8 +233,9 @@ def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
     """(model, its saved state): restored from the checkpoint (--resume) or new; made private.
 
     A fine-tuning run's new model takes the start's weights before it is
-    compiled, and, made private, declares them (a DP release's ledger is
-    composed into its epsilon, other starts are named by their origin).
+    compiled (then its LoRA factors, from the public seed), and, made
+    private, declares them (a DP release's ledger is composed into its
+    epsilon, other starts are named by their origin).
     """
     import keras
 
@@ -244,14 +247,17 @@ def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
     keras.utils.set_random_seed(config.seed)
     model = build_model(run_data.model, run_data.vocabulary_size, run_data.context)
     model({name: value[:1] for name, value in run_data.test[0].items()})
+    if run_data.init is not None and not config.resume:
+        initial_weights.load_into(model, run_data.init)
+    if config.lora_rank:
+        model.backbone.enable_lora(config.lora_rank)
     state: dict[str, Any] = {"history": [], "resumes": []}
     if config.resume:
         state = restore_training_state(model, os.path.join(output_dir, CHECKPOINT_NAME),
                                        _compile_kwargs(private))
+        run_folder.restore_lora_factors(model, output_dir, state.get(LORA_FACTORS_KEY))
         state["resumes"] = state.get("resumes", []) + [int(model.optimizer.iterations)]
     else:
-        if run_data.init is not None:
-            initial_weights.load_into(model, run_data.init)
         accumulation = schedule.phases[0].accumulation_steps
         inner = _inner_optimizer(config, learning_rate, schedule,
                                  None if private or accumulation == 1 else accumulation)
@@ -322,6 +328,8 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
     callbacks += run_folder.log_callbacks(output_dir, config.resume)
     kind = ("fine-tuning " + os.path.basename(run_data.init.path) if run_data.init is not None
             else "pretraining")
+    if config.lora_rank:
+        kind += f", LoRA rank {config.lora_rank}"
     log(f"Causal LM ({kind}), GPT-2 {run_data.model}, on {run_data.description}: "
         f"N = {schedule.num_examples:,} (unit: {run_data.privacy_unit.split(':')[0]}), "
         f"{len(y_test):,} held out; learning rate {learning_rate:g} ({learning_rate_source}); "
@@ -376,6 +384,7 @@ def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, h
                   "preset": run_data.model, "layers": layers, "hidden": hidden, "heads": heads,
                   "intermediate": intermediate, "vocabulary_size": run_data.vocabulary_size,
                   "context": run_data.context},
+        "trains": describe_training(config.lora_rank),
         "trainable_parameters": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
         "private": private,
         "epsilon": float(privacy.epsilon) if private else None,

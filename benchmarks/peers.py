@@ -73,6 +73,8 @@ Run (one framework per process; `uptime` before each):
     python benchmarks/peers.py --framework tf_megadp --model fullhead
     /work/venv-tfp/bin/python benchmarks/peers.py --framework tfp --model fullhead
     /work/venv-opacus/bin/python benchmarks/peers.py --framework opacus --model fullhead
+    python benchmarks/peers.py --framework tf_megadp --model gpt2 --rounds 7
+    /work/venv-opacus/bin/python benchmarks/peers.py --framework opacus --model gpt2 --rounds 7
 
 Nothing in the library or the tests imports this file.
 """

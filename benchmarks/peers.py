@@ -38,6 +38,28 @@ nothing downloaded):
   gelu), the hidden states of 20 masked positions per sequence gathered,
   Dense(128, gelu) + LayerNorm + Dense(V) on them; loss: cross-entropy of
   the 20 positions, averaged per example.
+- `gpt2` (tf_megadp and opacus only: keras-hub does not run on TensorFlow
+  2.15): `benchmarks/step_overhead.py`'s GPT-2, keras-hub `GPT2CausalLM`
+  from `GPT2Backbone` (its `build_gpt2`: 2 layers, hidden 128, 2 heads of
+  64, intermediate 512, dropout 0), i.e. token and learned position
+  embeddings, 2 pre-LN blocks (LayerNorm, causal self-attention, added
+  back; LayerNorm, Dense(512, tanh-approximated gelu), Dense(128), added
+  back), a final LayerNorm and the head tied to the token embedding (no
+  bias); loss: next-token cross-entropy on all T positions (inputs are
+  tokens 0..T-1 of a random sequence of T + 1, labels tokens 1..T),
+  averaged per example. The PyTorch module is the same architecture from
+  `nn.Embedding`, `nn.LayerNorm` and `nn.Linear` (attention from four
+  `nn.Linear`s and `scaled_dot_product_attention(is_causal=True)`, the
+  head an `nn.Linear` whose weight is the token embedding's); both sides
+  print their parameter counts (1,437,184 at the defaults). Opacus 1.6's
+  ghost clipping does not support tied parameters (the tied module's
+  first forward pass raises NotImplementedError: "Parameter tying is not
+  supported with Ghost Clipping"), so its `ghost` path trains the same
+  module with an untied head (an `nn.Linear(128, V, bias=False)` of its
+  own: V x 128 more parameters, 2,461,184 in all; the same products) and
+  is compared with the non-private step of that untied module; `hooks`
+  (per-sample gradients of the shared weight summed over its two uses)
+  trains the tied module, as tf_megadp does.
 
 Environments (outside the repository; see docs/benchmarks.md):
 
@@ -51,6 +73,8 @@ Run (one framework per process; `uptime` before each):
     python benchmarks/peers.py --framework tf_megadp --model fullhead
     /work/venv-tfp/bin/python benchmarks/peers.py --framework tfp --model fullhead
     /work/venv-opacus/bin/python benchmarks/peers.py --framework opacus --model fullhead
+    python benchmarks/peers.py --framework tf_megadp --model gpt2 --rounds 7
+    /work/venv-opacus/bin/python benchmarks/peers.py --framework opacus --model gpt2 --rounds 7
 
 Nothing in the library or the tests imports this file.
 """
@@ -84,6 +108,12 @@ def make_data(args, seed=0):
 
     rng = np.random.default_rng(seed)
     m, t = args.micro_batch, args.seq
+    if args.model == "gpt2":
+        sequence = rng.integers(0, args.vocab, (m, t + 1)).astype("int32")
+        return {"tokens": np.ascontiguousarray(sequence[:, :-1]),
+                "positions": np.tile(np.arange(t, dtype="int32"), (m, 1)),
+                "masked": np.zeros((m, 0), "int32"),
+                "labels": np.ascontiguousarray(sequence[:, 1:])}
     tokens = rng.integers(0, args.vocab, (m, t)).astype("int32")
     positions = np.tile(np.arange(t, dtype="int32"), (m, 1))
     masked = np.sort(np.stack([rng.choice(t, MASKS, replace=False) for _ in range(m)]),
@@ -99,7 +129,14 @@ def make_data(args, seed=0):
 
 
 def keras_model(keras, tf, args):
-    """The model as a functional Keras model (the same code runs on Keras 2 and 3)."""
+    """The model as a functional Keras model (the same code runs on Keras 2 and 3).
+
+    `gpt2` is `step_overhead.py`'s keras-hub GPT-2 (Keras 3 only).
+    """
+    if args.model == "gpt2":
+        from step_overhead import build_gpt2
+
+        return build_gpt2(argparse.Namespace(vocab=args.vocab, seq=args.seq, dropout=0.0))
     layers = keras.layers
     tokens = keras.Input((args.seq,), dtype="int32", name="tokens")
     x = layers.Embedding(args.vocab, HIDDEN)(tokens)
@@ -126,6 +163,10 @@ def keras_model(keras, tf, args):
 def keras_inputs(data, args):
     if args.model == "fullhead":
         return data["tokens"]
+    if args.model == "gpt2":
+        import numpy as np
+
+        return {"token_ids": data["tokens"], "padding_mask": np.ones_like(data["tokens"])}
     return [data["tokens"], data["positions"], data["masked"]]
 
 
@@ -140,20 +181,25 @@ def keras_paths(args):
     data = make_data(args)
     x, y = keras_inputs(data, args), data["labels"]
     loss = per_example_loss(keras, tf)
+    # GPT2CausalLM's compile would add an accuracy metric; no model here has one.
+    no_metrics = {"weighted_metrics": None} if args.model == "gpt2" else {}
     paths = []
     for jit in (False, True):
         keras.utils.set_random_seed(0)
         model = keras_model(keras, tf, args)
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=jit)
+        print(f"  parameters: {count_keras(model):,}", flush=True)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=loss, jit_compile=jit,
+                      **no_metrics)
         paths.append((f"non-private ({'XLA' if jit else 'no XLA'})",
                       lambda model=model: model.train_on_batch(x, y)))
     if args.framework == "tf_megadp":
         import tf_megadp
 
         model = tf_megadp.make_private(keras_model(keras, tf, args))
+        print(f"  parameters: {count_keras(model):,} (DP)", flush=True)
         model.compile(optimizer=tf_megadp.DPOptimizer(
             keras.optimizers.Adam(1e-3), l2_norm_clip=1.0, noise_multiplier=1.0,
-            clipping="auto"), loss=loss)
+            clipping="auto"), loss=loss, **no_metrics)
         paths.append(("DP auto", lambda: model.train_on_batch(x, y)))
         return paths
     import tensorflow_privacy as tfp
@@ -189,6 +235,13 @@ def keras_paths(args):
     return paths
 
 
+def count_keras(model):
+    """Trainable parameters (a tied head's weight counted once)."""
+    import numpy as np
+
+    return sum(int(np.prod(v.shape)) for v in model.trainable_weights)
+
+
 def per_example_loss(keras, tf, **kwargs):
     """Cross-entropy, one value per example: the mean over its positions.
 
@@ -213,8 +266,9 @@ def torch_paths(args):
     from torch import nn
 
     class Attention(nn.Module):
-        def __init__(self):
+        def __init__(self, causal=False):
             super().__init__()
+            self.causal = causal
             width = HEADS * KEY_DIM
             self.query, self.key, self.value = (nn.Linear(HIDDEN, width) for _ in range(3))
             self.output = nn.Linear(width, HIDDEN)
@@ -226,8 +280,12 @@ def torch_paths(args):
                 return z.view(m, t, HEADS, KEY_DIM).transpose(1, 2)
 
             q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
-            weights = torch.softmax(q @ k.transpose(-1, -2) / KEY_DIM ** 0.5, dim=-1)
-            return self.output((weights @ v).transpose(1, 2).reshape(m, t, HEADS * KEY_DIM))
+            if self.causal:
+                mixed = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                weights = torch.softmax(q @ k.transpose(-1, -2) / KEY_DIM ** 0.5, dim=-1)
+                mixed = weights @ v
+            return self.output(mixed.transpose(1, 2).reshape(m, t, HEADS * KEY_DIM))
 
     class Block(nn.Module):
         def __init__(self):
@@ -262,6 +320,51 @@ def torch_paths(args):
                 x = self.transform_norm(nn.functional.gelu(self.transform(x)))
             return self.head(x)
 
+    class GPT2Block(nn.Module):
+        """keras-hub's TransformerDecoder with normalize_first=True (pre-LN), no cross-attention."""
+
+        def __init__(self):
+            super().__init__()
+            self.attention_norm, self.attention = nn.LayerNorm(HIDDEN), Attention(causal=True)
+            self.mlp_norm = nn.LayerNorm(HIDDEN)
+            self.up, self.down = nn.Linear(HIDDEN, FEED_FORWARD), nn.Linear(FEED_FORWARD, HIDDEN)
+
+        def forward(self, x):
+            x = x + self.attention(self.attention_norm(x))
+            hidden = nn.functional.gelu(self.up(self.mlp_norm(x)), approximate="tanh")
+            return x + self.down(hidden)
+
+    class GPT2(nn.Module):
+        """GPT2Backbone + GPT2CausalLM's head; `tied`: the head's weight is the token embedding."""
+
+        def __init__(self, tied=True):
+            super().__init__()
+            self.tokens = nn.Embedding(args.vocab, HIDDEN)
+            self.positions = nn.Embedding(args.seq, HIDDEN)
+            self.blocks = nn.ModuleList(GPT2Block() for _ in range(BLOCKS))
+            self.norm = nn.LayerNorm(HIDDEN)
+            self.head = nn.Linear(HIDDEN, args.vocab, bias=False)
+            for module in self.modules():  # keras-hub's initializers
+                if isinstance(module, (nn.Linear, nn.Embedding)):
+                    nn.init.normal_(module.weight, std=0.01 if module is self.tokens else 0.02)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            if tied:
+                self.head.weight = self.tokens.weight
+
+        def forward(self, tokens, positions, masked):
+            x = self.tokens(tokens) + self.positions(positions)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.norm(x))
+
+    def new_model(tied=True):
+        torch.manual_seed(0)
+        model = GPT2(tied) if args.model == "gpt2" else Net()
+        count = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        print(f"  parameters: {count:,}{'' if tied else ' (untied head)'}", flush=True)
+        return model
+
     data = {name: torch.from_numpy(value).long() for name, value in make_data(args).items()}
     inputs = (data["tokens"], data["positions"], data["masked"])
     labels = data["labels"]
@@ -271,23 +374,28 @@ def torch_paths(args):
                                            reduction="none")
         return loss.view(args.micro_batch, -1).mean(dim=1)
 
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    def plain(model):
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    def plain_step():
-        optimizer.zero_grad()
-        per_example_loss(model(*inputs)).mean().backward()
-        optimizer.step()
+        def step():
+            optimizer.zero_grad()
+            per_example_loss(model(*inputs)).mean().backward()
+            optimizer.step()
+        return step
 
-    paths = [("non-private", plain_step)]
+    paths = [("non-private", plain(new_model()))]
+    # Opacus's ghost clipping does not support tied parameters: its path
+    # trains GPT-2 with an untied head, against that module's own
+    # non-private step.
+    untied_ghost = args.model == "gpt2" and "ghost" in args.paths
+    if untied_ghost:
+        paths.append(("non-private (untied)", plain(new_model(tied=False))))
     from opacus import PrivacyEngine
 
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(*inputs, labels), batch_size=args.micro_batch)
     for mode in args.paths:
-        torch.manual_seed(0)
-        private = Net()
+        private = new_model(tied=not (untied_ghost and mode == "ghost"))
         private_optimizer = torch.optim.Adam(private.parameters(), lr=1e-3)
         engine = PrivacyEngine()
         if mode == "ghost":
@@ -313,7 +421,8 @@ def torch_paths(args):
                 optimizer.zero_grad()
                 per_example_loss(private(*inputs)).mean().backward()
                 optimizer.step()
-        paths.append((f"DP {mode}", step))
+        name = f"DP {mode} (untied)" if untied_ghost and mode == "ghost" else f"DP {mode}"
+        paths.append((name, step))
     return paths
 
 
@@ -341,7 +450,7 @@ def measure(paths, args):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--framework", choices=sorted(FRAMEWORK_PATHS), required=True)
-    parser.add_argument("--model", choices=("fullhead", "bertlike"), default="fullhead")
+    parser.add_argument("--model", choices=("fullhead", "bertlike", "gpt2"), default="fullhead")
     parser.add_argument("--paths", default=None,
                         help="comma-separated DP paths (default: all of the framework's)")
     parser.add_argument("--micro-batch", type=int, default=32)
@@ -351,6 +460,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.framework == "tfp" and args.model == "gpt2":
+        parser.error("--model gpt2 is keras-hub's GPT-2, which does not run on TensorFlow 2.15")
     args.paths = (args.paths.split(",") if args.paths else list(FRAMEWORK_PATHS[args.framework]))
     print(f"{args.framework} / {args.model}: m={args.micro_batch} T={args.seq} V={args.vocab}, "
           f"median of {args.rounds} rounds of {args.steps} steps; load {load_average()}",
@@ -369,12 +480,16 @@ def main(argv=None):
         paths = keras_paths(args)
     print(f"  {versions}; python {sys.version.split()[0]}", flush=True)
     medians = measure(paths, args)
-    baseline_name = min((n for n in medians if n.startswith("non-private")), key=medians.get)
-    baseline = medians[baseline_name]
     for name, seconds in medians.items():
-        ratio = "" if name.startswith("non-private") else f"  {seconds / baseline:.2f}x"
+        ratio = ""
+        if not name.startswith("non-private"):
+            # The faster non-private step of the same module (an untied one for "(untied)").
+            baseline = min((n for n in medians if n.startswith("non-private")
+                            and n.endswith("(untied)") == name.endswith("(untied)")),
+                           key=medians.get)
+            ratio = f"  {seconds / medians[baseline]:.2f}x to {baseline}"
         print(f"  {name:24s} {1000 * seconds:9.1f} ms/step{ratio}")
-    print(f"  ratios to {baseline_name}; load {load_average()}", flush=True)
+    print(f"  load {load_average()}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ its first `--prompt-words` words are the prompt, the next
 `tf-megadp causal-lm --init-from RELEASE --train PAIRS` privately (the
 release's ledger composed: `--target-epsilon` bounds the whole) and with
 `--non-private`, each in its own process, and prints both reports' held-out
-completion-token accuracy and perplexity beside the unigram baseline.
+completion-token accuracy and perplexity beside the unigram baseline. With
+`--lora-rank R` it runs both again with LoRA factors of rank R (every other
+weight of the release frozen).
 
 Run (RELEASE: the model.keras of a `tf-megadp causal-lm` run):
 
     python benchmarks/causal_lm_finetune.py --init-from runs/causal-lm-dp/model.keras \\
-        --output-dir runs/causal-lm-finetune
+        --output-dir runs/causal-lm-finetune [--lora-rank 4]
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def main(argv=None) -> None:
     parser.add_argument("--target-epsilon", type=float, default=8.0)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="also run both with LoRA factors of this rank")
     args = parser.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
     train, test = write_pairs(args.output_dir, args.prompt_words, args.completion_words)
@@ -68,6 +72,10 @@ def main(argv=None) -> None:
               "--batch-size", str(args.batch_size), "--eval-every", str(args.steps),
               "--verbose", "0"]
     runs = {"DP": ["--target-epsilon", str(args.target_epsilon)], "non-private": ["--non-private"]}
+    if args.lora_rank:
+        lora = ["--lora-rank", str(args.lora_rank)]
+        runs.update({f"DP LoRA {args.lora_rank}": runs["DP"] + lora,
+                     f"non-private LoRA {args.lora_rank}": runs["non-private"] + lora})
     reports = {}
     for name, flags in runs.items():
         folder = os.path.join(args.output_dir, name.replace(" ", "-"))
@@ -76,13 +84,15 @@ def main(argv=None) -> None:
                             "--output-dir", folder], check=True)
         with open(os.path.join(folder, "report.json"), encoding="utf-8") as handle:
             reports[name] = json.load(handle)
-    print("| run | completion-token accuracy | perplexity | epsilon | unigram accuracy |")
-    print("|---|---|---|---|---|")
+    print("| run | trains (parameters) | completion-token accuracy | perplexity | epsilon | "
+          "unigram accuracy | train time |")
+    print("|---|---|---|---|---|---|---|")
     for name, report in reports.items():
         epsilon = f"{report['epsilon']:.3f}" if report["epsilon"] is not None else "-"
-        print(f"| {name} | {report['heldout_accuracy']:.4f} | "
-              f"{report['heldout_perplexity']:.1f} | {epsilon} | "
-              f"{report['unigram_baseline_accuracy']:.4f} |")
+        print(f"| {name} | {report['trains']} ({report['trainable_parameters']:,}) | "
+              f"{report['heldout_accuracy']:.4f} | {report['heldout_perplexity']:.1f} | "
+              f"{epsilon} | {report['unigram_baseline_accuracy']:.4f} | "
+              f"{report['train_time_s']:.1f} s |")
 
 
 if __name__ == "__main__":

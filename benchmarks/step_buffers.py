@@ -4,7 +4,8 @@
 compilation, the allocator's pools and every compiled function at once,
 so it cannot say which buffer the DP step adds. This script asks XLA: it
 trains one model for two micro-batches (`fit` on arrays, one logical step
-each) with `--xla_dump_to`, then reads the buffer assignment XLA wrote for
+each; or two logical steps of a `PoissonSampler`'s dataset with `--path
+fit_poisson`) with `--xla_dump_to`, then reads the buffer assignment XLA wrote for
 every function it compiled (`*buffer-assignment.txt`) and prints, per
 function:
 
@@ -60,8 +61,16 @@ def _child(args) -> None:
     warnings.filterwarnings("ignore")
     m = args.micro_batch
     args.dp_jit_compile = False
-    x, y, w = step_overhead.make_data(2 * m, args, np.random.default_rng(0), args.size)
+    x, y, w = step_overhead.make_data(4 * m, args, np.random.default_rng(0), args.size)
     private = args.child == "dp"
+    if args.path == "fit_poisson":
+        sampler = step_overhead.poisson_sampler(
+            x, y, w, m, argparse.Namespace(steps=1, warmup=0, repeats=2))
+        model = step_overhead.new_model(args.size, args, args.clipping if private else None,
+                                        not private, sampler.schedule)
+        model.fit(sampler.as_dataset(), epochs=2,
+                  steps_per_epoch=sampler.schedule.phases[0].accumulation_steps, verbose=0)
+        return
     model = step_overhead.new_model(args.size, args, args.clipping if private else None,
                                     not private)
     model.fit(step_overhead.head(x, 2 * m), y[:2 * m], sample_weight=w[:2 * m], batch_size=m,
@@ -128,6 +137,9 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default="gpt2")
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--clipping", default="auto")
+    parser.add_argument("--path", choices=("fit_arrays", "fit_poisson"), default="fit_arrays",
+                        help="fit on arrays (a dynamic batch axis: the last batch may be "
+                             "short) or on a PoissonSampler's dataset (static micro-batches)")
     parser.add_argument("--largest", type=int, default=12,
                         help="values of each temporary block to list")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -140,7 +152,8 @@ def main(argv=None) -> None:
         _child(args)
         return
     print(f"{args.size} m={args.micro_batch} seq={args.seq} vocab={args.vocab} "
-          f"dropout={args.dropout} clipping={args.clipping}: XLA's buffer assignment per "
+          f"dropout={args.dropout} clipping={args.clipping} {args.path}: XLA's buffer "
+          "assignment per "
           "compiled function")
     totals = {}
     for kind in ("non-private", "dp"):

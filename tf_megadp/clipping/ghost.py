@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_megadp import _keras_compat
-from tf_megadp.clipping import base, independence, units
+from tf_megadp.clipping import base, independence, loss_rules, units
 from tf_megadp.clipping.verdicts import FitVerdicts
 from tf_megadp.clipping.ghost_rules import plan_rules
 from tf_megadp.clipping.rules import ReadCheckingScope, Recorder
@@ -524,7 +524,20 @@ def _keep_only_seed_updates(model, scope):
 
 
 def _per_example_losses(model, x, y, y_pred, sample_weight, loss_scale=None):
-    """(losses [m], d (S loss_i) / d y_pred_i for every leaf of y_pred; S = 1 without a scale)."""
+    """(losses [m], d (S loss_i) / d y_pred_i for every leaf of y_pred; S = 1 without a scale).
+
+    Batched where a loss rule vouches for the model's loss
+    (`loss_rules.batched_losses`: each example's loss reads its own row
+    only, so the gradient of their sum is every example's own); else one
+    `compute_loss` per example under `vectorized_map`.
+    """
+    with tf.GradientTape() as tape:
+        tape.watch(y_pred)
+        losses = loss_rules.batched_losses(model, y, y_pred, sample_weight)
+        if losses is not None:
+            total = tf.reduce_sum(base.scaled_loss(losses, loss_scale))
+    if losses is not None:
+        return losses, [tape.gradient(total, y_pred)]
     elements = {"x": x, "y_pred": y_pred}
     if y is not None:
         elements["y"] = y

@@ -7,7 +7,9 @@ pretrain --init-from` checks a start: a DP release's ledger is composed,
 a start of unknown origin needs the user's statement). Either builds a
 GPT-2 from keras-hub's constructors, plans its privacy
 (`plan_privacy`), trains with DP-SGD on Poisson-sampled logical batches
-(or the non-private baseline on the same batches), scores the held-out
+of rows, or of users with `--privacy-unit` (`PrivacyUnitSampler`, each
+user's rows clipped together), or the non-private baseline on the same
+batches, scores the held-out
 split, and writes the run folder (`tf_megadp.jobs.common.run_folder`):
 the release, its privacy report, report.json, the checkpoint that
 `--resume` continues.

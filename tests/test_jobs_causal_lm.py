@@ -8,8 +8,9 @@ settings are refused by name before anything runs; a private run spends
 the epsilon accounted for its whole schedule, reports held-out accuracy
 and perplexity beside the unigram baseline and the privacy unit (one
 packed sequence, or with --privacy-unit FIELD every document of one user:
-then N counts the users and epsilon is accounted over them), writes the release (whose weights carry their ledger)
-and privacy.json, refuses a resume that changes its privacy, and, stopped
+then N counts the users and epsilon is accounted over them), writes the
+release (whose weights carry their ledger) and privacy.json, refuses a
+resume that changes its privacy, and, stopped
 after one step and resumed with --resume alone, ends as the whole run;
 fine-tuning that release composes its ledger into the new epsilon. The
 runs train a pico GPT-2 for a few steps on generated text: they check the

@@ -133,7 +133,14 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
 
 
 def _population(run_data: _RunData) -> int:
-    """N, the privacy units of the training split: its units (`--privacy-unit`), else its rows."""
+    """N, the privacy units of the training split: its units (`--privacy-unit`), else its rows.
+
+    Args:
+        run_data: the run's data.
+
+    Returns:
+        The number of distinct unit ids of the training rows, or of the rows.
+    """
     if run_data.unit_ids is None:
         return len(run_data.train[1])
     return int(np.unique(run_data.unit_ids).size)
@@ -169,7 +176,8 @@ def _corpus_data(config: CausalLMConfig, log) -> _RunData:
         vocabulary_file=os.path.join(corpus.directory, corpus.manifest["vocabulary_file"]),
         vocabulary=vocabulary_report(data.corpus_settings(config)),
         description=str(corpus.manifest.get("source")),
-        privacy_unit=privacy_unit, model=config.model, context=config.sequence_length - 1, init=None)
+        privacy_unit=privacy_unit, model=config.model, context=config.sequence_length - 1,
+        init=None)
 
 
 def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
@@ -307,6 +315,16 @@ def _sampler(config: CausalLMConfig, run_data: _RunData, schedule, start_step: i
     """The Poisson sampler of this start's steps: of units (`--privacy-unit`), else of rows.
 
     The draws come from OS entropy, never from --seed (which report.json records).
+
+    Args:
+        config: the run's settings (its unit field and k).
+        run_data: the training rows, and their units or None.
+        schedule: the run's `BatchSizeSchedule`, N counting the units.
+        start_step, end_step: the logical steps this start trains.
+
+    Returns:
+        A `tf_megadp.PrivacyUnitSampler` (k rows per unit slot), or a
+        `tf_megadp.PoissonSampler` of rows.
     """
     import tf_megadp
 

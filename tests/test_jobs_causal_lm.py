@@ -19,6 +19,7 @@ fine-tuning are `slow` (a run costs about 15 s, nearly all of it the
 private step's tracing and XLA compilation).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -352,6 +353,25 @@ class TestAUserLevelRun:
         status = cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
                            "--privacy-unit", "author"])
         assert status == 2 and "privacy_unit: 'user' -> 'author'" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two more runs (30 s); the resume is the sequence-level run's
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_user_level_run_stopped_and_resumed_alone_ends_as_the_whole_run(user_level_run):
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    whole, config, _, root = user_level_run
+    stopped = run_causal_lm(dataclasses.replace(config, output_dir=str(root / "stopped"),
+                                                stop_after_steps=1), log=lambda *_: None)
+    assert stopped["logical_steps"] == 1 and stopped["epsilon"] < whole["epsilon"]
+    # --resume alone: the unit, k and N are the saved run's.
+    assert cli.main(["causal-lm", "--output-dir", str(root / "stopped"), "--resume",
+                     "--verbose", "0"]) == 0
+    resumed = json.loads((root / "stopped" / "report.json").read_text())
+    assert resumed["completed"] and resumed["resumes"] == [1]
+    assert resumed["num_examples"] == whole["num_examples"]
+    assert resumed["privacy_unit"] == whole["privacy_unit"]
+    assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
 
 
 def test_a_corpus_without_the_units_field_is_refused_before_anything_is_written(

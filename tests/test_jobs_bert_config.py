@@ -361,6 +361,8 @@ class TestCorrelatedNoise:
         summary = run_summary(report, "run")
         assert f"mechanism               {said}\n" in summary, summary
         assert "Poisson, PLD" not in summary
+        # A sequence-level run ("example" in report.json) counts N in sequences, the unit.
+        assert "trained on              N = 100 training sequences (the privacy unit)" in summary
 
     def test_sigma_is_calibrated_for_the_mechanism(self):
         from tf_megadp import accounting

@@ -7,8 +7,10 @@ and the held-out perplexity are those of their definitions. The job: bad
 settings are refused by name before anything runs; a private run spends
 the epsilon accounted for its whole schedule, reports held-out accuracy
 and perplexity beside the unigram baseline and the privacy unit (one
-packed sequence), writes the release (whose weights carry their ledger)
-and privacy.json, refuses a resume that changes its privacy, and, stopped
+packed sequence, or with --privacy-unit FIELD every document of one user:
+then N counts the users and epsilon is accounted over them), writes the
+release (whose weights carry their ledger) and privacy.json, refuses a
+resume that changes its privacy, and, stopped
 after one step and resumed with --resume alone, ends as the whole run;
 fine-tuning that release composes its ledger into the new epsilon. The
 runs train a pico GPT-2 for a few steps on generated text: they check the
@@ -17,6 +19,7 @@ fine-tuning are `slow` (a run costs about 15 s, nearly all of it the
 private step's tracing and XLA compilation).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -96,7 +99,14 @@ class TestRefusals:
                 (dict(target_epsilon=None), "--target-epsilon or --noise-multiplier"),
                 (dict(train=str(tmp_path)), "needs both --train .* and --init-from"),
                 (dict(lora_rank=0), "lora_rank must be a positive integer"),
-                (dict(lora_rank=4), "--lora-rank 4 adapts a trained start")):
+                (dict(lora_rank=4), "--lora-rank 4 adapts a trained start"),
+                (dict(privacy_unit="user"), "pass --corpus FILE.jsonl"),
+                (dict(privacy_unit="", corpus=[str(tmp_path / "*.jsonl")]),
+                 "privacy_unit must name a JSONL field"),
+                (dict(privacy_unit="user", train=str(tmp_path / "pairs.jsonl"),
+                      init_from=str(tmp_path / "model.keras")),
+                 "--privacy-unit user is for pretraining .* Drop --privacy-unit"),
+                (dict(examples_per_unit=0), "examples_per_unit must be a positive integer")):
             with pytest.raises(JobError, match=message):
                 CausalLMConfig(**settings).validate()
 
@@ -306,3 +316,121 @@ def test_lora_on_data_disjoint_from_the_release_resumes_without_its_ledger(priva
     resumed = json.loads((root / "lora_disjoint" / "report.json").read_text())
     assert resumed["completed"] and resumed["init"]["origin"] == "disjoint"
     assert resumed["epsilon"] == pytest.approx(whole_schedule_epsilon(resumed), rel=1e-9)
+
+
+def write_user_corpus(path, sizes, seed=0):
+    """Generated JSONL documents of the generated corpus's words, `sizes[u]` by user u."""
+    from tests.test_pretraining import OBJECTS, SUBJECTS, VERBS
+
+    rng = np.random.default_rng(seed)
+    lines = []
+    for user, size in enumerate(sizes):
+        for _ in range(size):
+            text = " ".join(f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)}."
+                            for _ in range(int(rng.integers(2, 5))))
+            lines.append(json.dumps({"text": text, "user": f"user-{user:02d}"}))
+    rng.shuffle(lines)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+# Two prolific users and ten who wrote little: far fewer units than sequences.
+USER_SIZES = [60, 40] + [6] * 10
+
+
+@pytest.fixture(scope="module")
+def user_level_run(private_run, tmp_path_factory):
+    """A private run of 2 steps over the users of a JSONL corpus (--privacy-unit user, 15 s).
+
+    It shares the private run's cache: the public vocabulary is learned once.
+    """
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    root = tmp_path_factory.mktemp("causal_lm_users")
+    corpus = write_user_corpus(root / "notes.jsonl", USER_SIZES)
+    config = tiny_config(corpus, root, root / "run", privacy_unit="user", examples_per_unit=2,
+                         batch_size=4, micro_batch_size=4,
+                         cache_dir=str(private_run[2] / "cache"))
+    log = []
+    report = run_causal_lm(config, log=log.append)
+    return report, config, "\n".join(log), root
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+class TestAUserLevelRun:
+    def test_n_counts_the_users_and_epsilon_is_accounted_over_them(self, user_level_run):
+        from tf_megadp import accounting
+        from tf_megadp.jobs.bert.units import load_unit_ids
+        from tf_megadp.jobs.causal_lm.data import corpus_splits
+        from tf_megadp.steps import BatchSizeSchedule
+
+        report, config, _, _ = user_level_run
+        _, train, _ = corpus_splits(config)
+        users = np.unique(load_unit_ids(train)).size
+        assert report["num_examples"] == users == len(USER_SIZES)
+        assert report["training_sequences"] == len(train) > 2 * users
+        assert report["examples_per_unit"] == 2 and report["completed"]
+        assert report["delta"] == pytest.approx(1 / users ** 1.1)
+        # The run's 2 steps of B = 4 expected users, 4 user slots per micro-batch,
+        # accounted over N = the users (Poisson sampling with q = 4 / U).
+        schedule = BatchSizeSchedule.constant(2, 4, num_examples=users, micro_batch_size=4)
+        expected = accounting.compute_epsilon(delta=1 / users ** 1.1, schedule=schedule,
+                                              noise_multiplier=1.0, accountant="rdp")
+        assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+        over_sequences = accounting.compute_epsilon(
+            delta=1 / users ** 1.1, noise_multiplier=1.0, accountant="rdp",
+            schedule=BatchSizeSchedule.constant(2, 4, num_examples=len(train),
+                                                micro_batch_size=4))
+        assert over_sequences < 0.5 * report["epsilon"]  # what N = sequences would claim
+
+    def test_the_report_and_the_log_name_the_unit(self, user_level_run):
+        report, _, log, root = user_level_run
+        assert report["privacy_unit"].startswith("one user: every document with the same 'user'")
+        privacy = json.loads((root / "run" / "privacy.json").read_text())
+        # The optimizer clips what the sampler lays out: k rows of one user.
+        assert privacy["privacy_unit"] == "user"
+        assert privacy["data"]["examples_per_unit"] == 2
+        assert (f"N = {report['num_examples']:,} privacy units ('user'; "
+                f"{report['training_sequences']:,} training sequences)") in log
+
+    def test_a_resume_that_changes_the_unit_is_refused_by_name(self, user_level_run, capsys):
+        _, _, _, root = user_level_run
+        status = cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
+                           "--privacy-unit", "author"])
+        assert status == 2 and "privacy_unit: 'user' -> 'author'" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two more runs (30 s); the resume is the sequence-level run's
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_user_level_run_stopped_and_resumed_alone_ends_as_the_whole_run(user_level_run):
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    whole, config, _, root = user_level_run
+    stopped = run_causal_lm(dataclasses.replace(config, output_dir=str(root / "stopped"),
+                                                stop_after_steps=1), log=lambda *_: None)
+    assert stopped["logical_steps"] == 1 and stopped["epsilon"] < whole["epsilon"]
+    # --resume alone: the unit, k and N are the saved run's.
+    assert cli.main(["causal-lm", "--output-dir", str(root / "stopped"), "--resume",
+                     "--verbose", "0"]) == 0
+    resumed = json.loads((root / "stopped" / "report.json").read_text())
+    assert resumed["completed"] and resumed["resumes"] == [1]
+    assert resumed["num_examples"] == whole["num_examples"]
+    assert resumed["privacy_unit"] == whole["privacy_unit"]
+    assert resumed["epsilon"] == pytest.approx(whole["epsilon"], rel=1e-9)
+
+
+def test_a_corpus_without_the_units_field_is_refused_before_anything_is_written(
+        user_level_run, tmp_path):
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    cache = user_level_run[1].cache_dir  # its public vocabulary is learned already
+    corpus = write_user_corpus(tmp_path / "notes.jsonl", [3, 3])
+    plain = tmp_path / "notes.txt"
+    plain.write_text("one document.\n\nanother one.", encoding="utf-8")
+    for path, message in ((corpus, "no string or integer field 'author'"),
+                          (str(plain), "is not JSONL")):
+        config = tiny_config(path, tmp_path, tmp_path / "run", privacy_unit="author",
+                             cache_dir=cache)
+        with pytest.raises(JobError, match=message):
+            run_causal_lm(config, log=lambda *_: None)
+        assert not (tmp_path / "run").exists()

@@ -68,3 +68,8 @@ def test_a_resume_may_change_only_the_operational_settings():
     run_folder.check_same_run(saved, dataclasses.replace(PICO, eval_every=3, verbose=0))
     with pytest.raises(JobError, match=r"l2_norm_clip: 1.0 -> 0.5.*Drop --l2-norm-clip"):
         run_folder.check_same_run(saved, dataclasses.replace(PICO, l2_norm_clip=0.5))
+    # A setting an older release did not save ran as its default: a resume keeps that too.
+    older = {name: value for name, value in saved.items() if name != "lora_rank"}
+    run_folder.check_same_run(older, PICO)
+    with pytest.raises(JobError, match=r"lora_rank: None -> 2.*Drop --lora-rank"):
+        run_folder.check_same_run(older, dataclasses.replace(PICO, lora_rank=2))

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from tf_megadp.jobs.common.errors import JobError
 from tf_megadp.jobs.common.lora import check_lora_rank
-from tf_megadp.jobs.common.privacy import PrivacySettings
+from tf_megadp.jobs.common.privacy import PrivacySettings, check_privacy_unit
 
 __all__ = ["DEFAULT_LOSS_SCALE", "DP_LEARNING_RATE", "LEARNING_RATE_SCALINGS", "MODEL_PRESETS",
            "NON_PRIVATE_LEARNING_RATE", "PRECISIONS",
@@ -379,15 +379,9 @@ class PretrainConfig(PrivacySettings):
             raise PretrainError(f"canaries must be a non-negative integer, got {self.canaries!r}.")
 
     def _check_privacy_unit(self) -> None:
+        check_privacy_unit(self.privacy_unit, self.corpus)
         if self.privacy_unit is None:
             return
-        if not isinstance(self.privacy_unit, str) or not self.privacy_unit:
-            raise PretrainError(
-                f"privacy_unit must name a JSONL field, got {self.privacy_unit!r}.")
-        if not self.corpus:
-            raise PretrainError(
-                f"--privacy-unit {self.privacy_unit} reads each document's unit from a "
-                "field of a JSONL corpus: pass --corpus FILE.jsonl.")
         if self.canaries:
             raise PretrainError(
                 "--canaries with --privacy-unit is not supported: the audit inserts "

@@ -113,8 +113,9 @@ def _learning_lines(report: dict[str, Any]) -> list[str]:
         total = sum(phase["steps"] for phase in report["schedule"]["phases"])
         verdict = (f"not yet (step {report['logical_steps']} of {total}; "
                    f"not above {threshold})")
+    # report.json spells the sequence-level unit as privacy.json does: "example".
     population = describe_population(
-        None if report["privacy_unit"] == "sequence" else report["privacy_unit"],
+        None if report["privacy_unit"] == "example" else report["privacy_unit"],
         report["num_examples"], report["training_sequences"])
     return [f"learned                 {verdict}",
             f"learning rate           {report['learning_rate']:g} "

@@ -33,10 +33,19 @@ def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
                       help="WordPiece vocabulary size, learned from the public default corpus "
                            f"(default {defaults.vocabulary_size})")
     data.add_argument("--sequence-length", type=int, default=hidden,
-                      help="tokens per packed sequence, the privacy unit (default "
+                      help="tokens per packed sequence, the privacy unit without "
+                           "--privacy-unit (default "
                            f"{defaults.sequence_length})")
     data.add_argument("--heldout-fraction", type=float, default=hidden,
                       help=f"share of sequences held out (default {defaults.heldout_fraction})")
+    data.add_argument("--privacy-unit", metavar="FIELD", default=hidden,
+                      help="pretraining at user level: the JSONL field of --corpus naming each "
+                           "document's unit (user, author, account); N, --batch-size and "
+                           "--micro-batch-size then count units (docs/privacy.md, 'Choosing "
+                           "the privacy unit')")
+    data.add_argument("--examples-per-unit", type=int, metavar="K", default=hidden,
+                      help="with --privacy-unit: the most sequences of one unit in a logical "
+                           f"step, clipped together (default {defaults.examples_per_unit})")
     finetuning = parser.add_argument_group(
         "fine-tuning (with --train and --init-from; the loss on the completions only)")
     finetuning.add_argument("--train", metavar="FILE", default=hidden,

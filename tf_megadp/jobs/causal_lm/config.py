@@ -15,7 +15,7 @@ from typing import Sequence
 
 from tf_megadp.jobs.common.errors import JobError
 from tf_megadp.jobs.common.lora import check_lora_rank
-from tf_megadp.jobs.common.privacy import PrivacySettings
+from tf_megadp.jobs.common.privacy import PrivacySettings, check_privacy_unit
 
 __all__ = ["DP_LEARNING_RATE", "NON_PRIVATE_LEARNING_RATE", "CausalLMConfig"]
 
@@ -43,8 +43,19 @@ class CausalLMConfig(PrivacySettings):
             default corpus, also for a user corpus).
         sequence_length: L, tokens per packed row ([CLS] text [SEP], then
             padding); the model reads the first L - 1 and predicts the last
-            L - 1. One row is one privacy unit.
+            L - 1. One row is one privacy unit, unless `privacy_unit`.
         heldout_fraction: the share of rows held out for the scores.
+        privacy_unit: user-level privacy (pretraining): the JSONL field
+            naming each document's privacy unit (its user, author, account),
+            as for `tf-megadp pretrain --privacy-unit`. Every logical step
+            then Poisson-samples UNITS (`tf_megadp.PrivacyUnitSampler`), at
+            most `examples_per_unit` rows of each, whose summed gradient is
+            clipped to C: epsilon bounds what one unit risks, N counts the
+            units of the training split, and `batch_size` and
+            `micro_batch_size` count units (a micro-batch has
+            micro_batch_size * examples_per_unit rows). None (default): one
+            packed row is the unit.
+        examples_per_unit: k, the most rows of one unit in a step.
         model: a size of `tf_megadp.jobs.bert.config.MODEL_PRESETS` (layers,
             hidden, heads, intermediate) for the GPT-2 backbone.
         batch_size: the expected logical batch B (Poisson sampling).
@@ -84,6 +95,8 @@ class CausalLMConfig(PrivacySettings):
     vocabulary_size: int = 512
     sequence_length: int = 64
     heldout_fraction: float = 0.05
+    privacy_unit: str | None = None
+    examples_per_unit: int = 4
     model: str = "nano"
     batch_size: int = 256
     steps: int = 300
@@ -138,7 +151,8 @@ class CausalLMConfig(PrivacySettings):
                            f"{self.document_separator!r}.")
         positive = {"vocabulary_size": self.vocabulary_size, "batch_size": self.batch_size,
                     "steps": self.steps, "micro_batch_size": self.micro_batch_size,
-                    "eval_every": self.eval_every, "max_characters": self.max_characters}
+                    "eval_every": self.eval_every, "max_characters": self.max_characters,
+                    "examples_per_unit": self.examples_per_unit}
         for name, value in positive.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise JobError(f"{name} must be a positive integer, got {value!r}.")
@@ -167,6 +181,12 @@ class CausalLMConfig(PrivacySettings):
             raise JobError(
                 "Fine-tuning needs both --train (prompt/completion pairs) and --init-from (the "
                 "model.keras of a `tf-megadp causal-lm` run); pretraining takes neither.")
+        if self.privacy_unit is not None and self.train:
+            raise JobError(
+                f"--privacy-unit {self.privacy_unit} is for pretraining on --corpus FILE.jsonl; "
+                "fine-tuning with --train takes one prompt/completion pair as the privacy "
+                "unit. Drop --privacy-unit.")
+        check_privacy_unit(self.privacy_unit, self.corpus)
         if self.test and not self.train:
             raise JobError("--test names the test split of --train: pass --train FILE too.")
         for name in ("train", "test", "init_from"):

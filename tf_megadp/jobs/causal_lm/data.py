@@ -40,7 +40,8 @@ def corpus_settings(config):
 
     Returns:
         A `tf_megadp.jobs.bert.config.PretrainConfig` with the run's corpus,
-        vocabulary size, sequence length, held-out share and seed.
+        vocabulary size, sequence length, held-out share, seed and privacy
+        unit (whose field `prepare_data` reads into each row's unit).
     """
     from tf_megadp.jobs.bert.config import PretrainConfig
 
@@ -48,7 +49,8 @@ def corpus_settings(config):
         corpus=list(config.corpus) if config.corpus else None,
         document_separator=config.document_separator, max_characters=config.max_characters,
         vocabulary_size=config.vocabulary_size, sequence_length=config.sequence_length,
-        heldout_fraction=config.heldout_fraction, seed=config.seed, cache_dir=config.cache_dir)
+        heldout_fraction=config.heldout_fraction, seed=config.seed, cache_dir=config.cache_dir,
+        privacy_unit=config.privacy_unit, examples_per_unit=config.examples_per_unit)
 
 
 def corpus_splits(config, log=None):

@@ -7,7 +7,9 @@ pretrain --init-from` checks a start: a DP release's ledger is composed,
 a start of unknown origin needs the user's statement). Either builds a
 GPT-2 from keras-hub's constructors, plans its privacy
 (`plan_privacy`), trains with DP-SGD on Poisson-sampled logical batches
-(or the non-private baseline on the same batches), scores the held-out
+of rows, or of users with `--privacy-unit` (`PrivacyUnitSampler`, each
+user's rows clipped together), or the non-private baseline on the same
+batches, scores the held-out
 split, and writes the run folder (`tf_megadp.jobs.common.run_folder`):
 the release, its privacy report, report.json, the checkpoint that
 `--resume` continues.
@@ -54,7 +56,8 @@ RELEASED_OUTSIDE_EPSILON = (
     "may be published)",
     "training loss and accuracy on training batches (history.csv, tensorboard/, report.json "
     "history): exact statistics of the sampled batches",
-    "num_examples and the held-out target count: exact counts",
+    "num_examples, training_sequences and the held-out target count: exact counts (of "
+    "privacy units, training rows, held-out targets)",
     "wall_time_s, train_time_s: timings; train_time_parts_s: the train time in fit (the "
     "steps) and in each of the job's callbacks (evaluation, checkpoints, logs)",
 )
@@ -65,6 +68,7 @@ class _RunData(NamedTuple):
 
     train: tuple  # (x, y, sample_weight)
     test: tuple
+    unit_ids: np.ndarray | None  # each training row's privacy unit (--privacy-unit), or None
     vocabulary_size: int
     vocabulary_file: str
     vocabulary: dict[str, Any]  # report.json's account of it
@@ -105,10 +109,10 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
                        "choose another --output-dir.")
     run_data = (_pairs_data(config, output_dir) if config.fine_tuning
                 else _corpus_data(config, log))
-    n = len(run_data.train[1])
+    n = _population(run_data)
     if config.batch_size > n:
-        raise JobError(f"--batch-size {config.batch_size} is larger than the {n} training "
-                       "examples: lower it.")
+        raise JobError(f"--batch-size {config.batch_size} is larger than the {n} privacy units "
+                       "of the training split: lower it.")
     baseline = data.unigram_baseline(run_data.train[1], run_data.train[2], run_data.test[1],
                                      run_data.test[2], run_data.vocabulary_size)
     schedule = BatchSizeSchedule.constant(config.steps, config.batch_size, num_examples=n,
@@ -130,22 +134,52 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
         raise
 
 
+def _population(run_data: _RunData) -> int:
+    """N, the privacy units of the training split: its units (`--privacy-unit`), else its rows.
+
+    Args:
+        run_data: the run's data.
+
+    Returns:
+        The number of distinct unit ids of the training rows, or of the rows.
+    """
+    if run_data.unit_ids is None:
+        return len(run_data.train[1])
+    return int(np.unique(run_data.unit_ids).size)
+
+
 def _corpus_data(config: CausalLMConfig, log) -> _RunData:
-    """Pretraining: the packed corpus, its held-out split, the public vocabulary."""
+    """Pretraining: the packed corpus, its held-out split, the public vocabulary.
+
+    With `config.privacy_unit`, each training row's unit comes from the
+    masked-LM job's preparation (`prepare_data` reads the field and packs
+    no row across two units; `units.load_unit_ids`).
+    """
     from tf_megadp.jobs.bert.prepare import vocabulary_report
+    from tf_megadp.jobs.bert.units import load_unit_ids
 
     corpus, train, heldout = data.corpus_splits(config, log)
+    if config.privacy_unit:
+        field, k = config.privacy_unit, config.examples_per_unit
+        unit_ids = load_unit_ids(train)
+        privacy_unit = (f"one {field}: every document with the same {field!r} (all its packed "
+                        f"sequences of {config.sequence_length} tokens; at most {k} of them in "
+                        "a step, their summed gradient clipped to C)")
+    else:
+        unit_ids = None
+        privacy_unit = (f"one packed sequence of {config.sequence_length} tokens: a document "
+                        "longer than a sequence, or one sharing sequences with others, is "
+                        "protected only by group privacy over the sequences it touches")
     return _RunData(
         train=data.next_token_examples(train.read(np.arange(len(train)))),
         test=data.next_token_examples(heldout.read(np.arange(len(heldout)))),
+        unit_ids=unit_ids,
         vocabulary_size=train.vocabulary_size,
         vocabulary_file=os.path.join(corpus.directory, corpus.manifest["vocabulary_file"]),
         vocabulary=vocabulary_report(data.corpus_settings(config)),
         description=str(corpus.manifest.get("source")),
-        privacy_unit=(f"one packed sequence of {config.sequence_length} tokens: a document "
-                      "longer than a sequence, or one sharing sequences with others, is "
-                      "protected only by group privacy over the sequences it touches"),
-        model=config.model, context=config.sequence_length - 1, init=None)
+        privacy_unit=privacy_unit, model=config.model, context=config.sequence_length - 1,
+        init=None)
 
 
 def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
@@ -175,6 +209,7 @@ def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
     return _RunData(
         train=data.completion_examples(*train_pairs, tokenizer, config.sequence_length),
         test=data.completion_examples(*test_pairs, tokenizer, config.sequence_length),
+        unit_ids=None,
         vocabulary_size=init.vocabulary_size, vocabulary_file=init.vocabulary,
         vocabulary={"source": ("public: the vocabulary of the start "
                                + os.path.basename(init.path)),
@@ -261,7 +296,9 @@ def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
         accumulation = schedule.phases[0].accumulation_steps
         inner = _inner_optimizer(config, learning_rate, schedule,
                                  None if private or accumulation == 1 else accumulation)
-        model.compile(optimizer=(new_dp_optimizer(config, inner, schedule, sigma)
+        # A unit's k rows are one slot of the sampler's micro-batch, clipped whole.
+        model.compile(optimizer=(new_dp_optimizer(config, inner, schedule, sigma,
+                                                  examples_per_unit=_examples_per_unit(config))
                                  if private else inner), **_compile_kwargs(private))
     if private != isinstance(model.optimizer, tf_megadp.DPOptimizer):
         raise JobError(f"{output_dir} holds a {'non-' if private else ''}private run; resume it "
@@ -274,10 +311,42 @@ def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
     return model, state
 
 
+def _examples_per_unit(config: CausalLMConfig) -> int:
+    """k, the rows of one privacy unit's slot: `examples_per_unit` with a unit, else 1."""
+    return config.examples_per_unit if config.privacy_unit else 1
+
+
+def _sampler(config: CausalLMConfig, run_data: _RunData, schedule, start_step: int,
+             end_step: int | None):
+    """The Poisson sampler of this start's steps: of units (`--privacy-unit`), else of rows.
+
+    The draws come from OS entropy, never from --seed (which report.json records).
+
+    Args:
+        config: the run's settings (its unit field and k).
+        run_data: the training rows, and their units or None.
+        schedule: the run's `BatchSizeSchedule`, N counting the units.
+        start_step, end_step: the logical steps this start trains.
+
+    Returns:
+        A `tf_megadp.PrivacyUnitSampler` (k rows per unit slot), or a
+        `tf_megadp.PoissonSampler` of rows.
+    """
+    import tf_megadp
+
+    steps = dict(schedule=schedule, start_step=start_step, end_step=end_step)
+    if run_data.unit_ids is None:
+        return tf_megadp.PoissonSampler.from_arrays(*run_data.train, **steps)
+    return tf_megadp.PrivacyUnitSampler.from_arrays(
+        *run_data.train, unit_ids=run_data.unit_ids,
+        examples_per_unit=config.examples_per_unit, privacy_unit=config.privacy_unit, **steps)
+
+
 def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, output_dir,
            started, log):
     import tf_megadp
     from tf_megadp import distribute
+    from tf_megadp.jobs.bert.units import describe_population
 
     private = not config.non_private
     learning_rate, learning_rate_source = config.learning_rate_choice()
@@ -287,10 +356,8 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
     end_step = None
     if config.stop_after_steps is not None:
         end_step = min(schedule.total_steps, logical_done + config.stop_after_steps)
-    # The draws come from OS entropy, never from --seed (which report.json records).
-    sampler = tf_megadp.PoissonSampler.from_arrays(
-        *run_data.train, schedule=schedule, start_step=min(logical_done, schedule.total_steps),
-        end_step=end_step)
+    sampler = _sampler(config, run_data, schedule, min(logical_done, schedule.total_steps),
+                       end_step)
     model, state = _model(config, run_data, schedule, sigma, learning_rate, output_dir)
     if state.get("learning_rate_source"):
         learning_rate_source = state["learning_rate_source"]
@@ -330,8 +397,12 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
             else "pretraining")
     if config.lora_rank:
         kind += f", LoRA rank {config.lora_rank}"
+    population = (describe_population(config.privacy_unit, schedule.num_examples,
+                                      len(run_data.train[1]))
+                  if config.privacy_unit else
+                  f"N = {schedule.num_examples:,} (unit: {run_data.privacy_unit.split(':')[0]})")
     log(f"Causal LM ({kind}), GPT-2 {run_data.model}, on {run_data.description}: "
-        f"N = {schedule.num_examples:,} (unit: {run_data.privacy_unit.split(':')[0]}), "
+        f"{population}, "
         f"{len(y_test):,} held out; learning rate {learning_rate:g} ({learning_rate_source}); "
         f"schedule: {schedule}; "
         + (f"sigma={sigma:.4f}, C={config.l2_norm_clip}, delta={delta:.3g}, planned "
@@ -402,6 +473,8 @@ def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, h
         "resumed_from_step": logical_done,
         "resumes": resumes,
         "num_examples": schedule.num_examples,
+        "training_sequences": len(run_data.train[1]),
+        "examples_per_unit": _examples_per_unit(config),
         "data": run_data.description,
         INIT_KEY: run_data.init.report(config) if run_data.init is not None else None,
         "vocabulary": run_data.vocabulary,

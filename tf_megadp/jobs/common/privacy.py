@@ -19,8 +19,8 @@ from tf_megadp.accounting import accountant_names
 from tf_megadp.accounting.noise import default_noise, noise_class, noise_kinds
 from tf_megadp.jobs.common.errors import JobError
 
-__all__ = ["NOISES", "PER_EXAMPLE_SCALINGS", "PrivacySettings", "default_delta",
-           "new_dp_optimizer", "plan_privacy"]
+__all__ = ["NOISES", "PER_EXAMPLE_SCALINGS", "PrivacySettings", "check_privacy_unit",
+           "default_delta", "new_dp_optimizer", "plan_privacy"]
 
 # DPOptimizer's per_example_scaling.
 PER_EXAMPLE_SCALINGS = ("clip", "automatic")
@@ -241,6 +241,32 @@ class PrivacySettings:
             raise JobError(
                 f"--noise {self.noise} is the noise of a private run: the non-private "
                 "baseline adds none. Drop --noise, or --non-private.")
+
+
+def check_privacy_unit(privacy_unit: str | None, corpus: Any) -> None:
+    """Checks user-level privacy (`--privacy-unit FIELD`) as every job that takes it does.
+
+    The unit of each document is read from a field of a JSONL corpus
+    (`tf_megadp.jobs.bert.text.read_documents(unit_field=...)`): without
+    `--corpus` there is no field to read (the default corpus has no units).
+
+    Args:
+        privacy_unit: the JSONL field naming each document's unit, or None
+            (the packed sequence is the unit).
+        corpus: the run's `--corpus` files, or None for the default corpus.
+
+    Raises:
+        JobError: the field is not a non-empty string, or there is no corpus
+            to read it from.
+    """
+    if privacy_unit is None:
+        return
+    if not isinstance(privacy_unit, str) or not privacy_unit:
+        raise JobError(f"privacy_unit must name a JSONL field, got {privacy_unit!r}.")
+    if not corpus:
+        raise JobError(
+            f"--privacy-unit {privacy_unit} reads each document's unit from a field of a "
+            "JSONL corpus: pass --corpus FILE.jsonl.")
 
 
 def plan_privacy(settings: PrivacySettings, schedule, *, prior=None,

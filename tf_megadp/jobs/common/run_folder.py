@@ -66,13 +66,25 @@ OPERATIONAL_FIELDS = frozenset({
 
 def config_dict(config) -> dict[str, Any]:
     """A job's settings (a dataclass) as JSON: sequences as lists."""
-    values = dataclasses.asdict(config)
-    for name, value in values.items():
-        if isinstance(value, tuple):
-            values[name] = [list(item) if isinstance(item, tuple) else item for item in value]
-        elif isinstance(value, list):
-            values[name] = [list(item) if isinstance(item, tuple) else item for item in value]
-    return values
+    return {name: _json_setting(value) for name, value in dataclasses.asdict(config).items()}
+
+
+def _json_setting(value: Any) -> Any:
+    """One setting as `config_dict` saves it: a sequence as a list (of lists)."""
+    if isinstance(value, (tuple, list)):
+        return [list(item) if isinstance(item, tuple) else item for item in value]
+    return value
+
+
+def _default_settings(config) -> dict[str, Any]:
+    """The defaults of `config`'s fields that have one, as `config_dict` saves them."""
+    defaults = {}
+    for field in dataclasses.fields(config):
+        if field.default is not dataclasses.MISSING:
+            defaults[field.name] = _json_setting(field.default)
+        elif field.default_factory is not dataclasses.MISSING:
+            defaults[field.name] = _json_setting(field.default_factory())
+    return defaults
 
 
 def saved_extra(output_dir: str) -> dict[str, Any]:
@@ -114,9 +126,19 @@ def check_same_run(saved: dict[str, Any], config) -> None:
     """A resumed run keeps the settings its ledger and schedule were planned with.
 
     Only the `OPERATIONAL_FIELDS` may differ from `saved`; any other change
-    is refused, naming the field and its two values.
+    is refused, naming the field and its two values. A field `saved` lacks
+    (the run was started by an older release, before the field existed) ran
+    as its default, so a resume may not set it to anything else either.
+
+    Args:
+        saved: the settings of the run's checkpoint (`saved_settings`).
+        config: the resumed run's settings (a job's config dataclass).
+
+    Raises:
+        JobError: a setting other than the operational ones differs.
     """
     current = config_dict(config)
+    saved = {**_default_settings(config), **saved}
     changed = sorted(
         name for name in current
         if name not in OPERATIONAL_FIELDS and name in saved and saved[name] != current[name]

@@ -362,7 +362,7 @@ def _with_provenance(path, kind, sha256, backbone, folder, vocabulary,
 
 
 def _check_attention_and_head(path: str, backbone: dict[str, Any], heads: int) -> None:
-    """Refuses a backbone the jobs cannot rebuild from a preset: grouped-query attention, tied Llama.
+    """Refuses a backbone the jobs cannot rebuild: grouped-query attention, a tied Llama head.
 
     The jobs build as many key/value heads as query heads, and Llama with
     an untied head; weights of another layout would not load.

@@ -4,10 +4,11 @@
 with `--family llama`, a `LlamaCausalLM`), built from its constructors,
 from scratch with DP-SGD on the offline default corpus (the WordPiece
 corpus of `tf-megadp pretrain`) or `--corpus`, the tokens packed into
-sequences of a fixed length. One packed sequence is one privacy unit. With `--init-from RUN/model.keras --train FILE` it
-fine-tunes such a run's model on prompt/completion pairs instead, the loss
-on the completion's tokens only, one pair being one privacy unit (a DP
-release's ledger is composed into the run's epsilon). It reports held-out
+sequences of a fixed length. One packed sequence is one privacy unit.
+With `--init-from RUN/model.keras --train FILE` it fine-tunes such a run's
+model (of its family) on prompt/completion pairs instead, the loss on the
+completion's tokens only, one pair being one privacy unit (a DP release's
+ledger is composed into the run's epsilon). It reports held-out
 next-token accuracy and perplexity beside the unigram baseline, with
 (epsilon, delta).
 

@@ -48,7 +48,7 @@ class Family:
     position_table: bool
 
     def description(self) -> str:
-        """report.json's `model.family`: the family, its keras-hub task and whether the head is tied."""
+        """report.json's `model.family`: the family, its keras-hub task, its head tied or not."""
         return (f"{self.label} (keras_hub.models.{self.task.split('>')[-1]}, "
                 f"{'tied' if self.tied_head else 'untied'} head)")
 

@@ -343,7 +343,8 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
             else "pretraining")
     if config.lora_rank:
         kind += f", LoRA rank {config.lora_rank}"
-    log(f"Causal LM ({kind}), {FAMILIES[run_data.family].label} {run_data.model}, on {run_data.description}: "
+    log(f"Causal LM ({kind}), {FAMILIES[run_data.family].label} {run_data.model}, on "
+        f"{run_data.description}: "
         f"N = {schedule.num_examples:,} (unit: {run_data.privacy_unit.split(':')[0]}), "
         f"{len(y_test):,} held out; learning rate {learning_rate:g} ({learning_rate_source}); "
         f"schedule: {schedule}; "

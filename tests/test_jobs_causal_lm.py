@@ -313,6 +313,24 @@ def test_lora_on_data_disjoint_from_the_release_resumes_without_its_ledger(priva
     assert resumed["epsilon"] == pytest.approx(whole_schedule_epsilon(resumed), rel=1e-9)
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_family_reads_no_later_token(family):
+    """Changing the last tokens changes no earlier position's prediction: what the held-out
+    next-token scores of either family rest on (a model that read ahead would copy)."""
+    from tf_megadp.jobs.causal_lm.families import build_model
+
+    model = build_model(family, "pico", vocabulary_size=50, context=8)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(5, 50, (2, 8)).astype("int32")
+    changed = tokens.copy()
+    changed[:, 5:] = (tokens[:, 5:] + 1) % 50
+    mask = np.ones_like(tokens)
+    before = np.asarray(model({"token_ids": tokens, "padding_mask": mask}))
+    after = np.asarray(model({"token_ids": changed, "padding_mask": mask}))
+    np.testing.assert_allclose(after[:, :5], before[:, :5], atol=1e-5)
+    assert np.abs(after[:, 5:] - before[:, 5:]).max() > 1e-3
+
+
 @pytest.fixture(scope="module")
 def llama_run(tmp_path_factory):
     """A private run of a pico Llama, 2 steps on generated text (one more XLA compilation)."""

@@ -12,10 +12,14 @@ then N counts the users and epsilon is accounted over them), writes the
 release (whose weights carry their ledger) and privacy.json, refuses a
 resume that changes its privacy, and, stopped
 after one step and resumed with --resume alone, ends as the whole run;
-fine-tuning that release composes its ledger into the new epsilon. The
-runs train a pico GPT-2 for a few steps on generated text: they check the
-machinery, not what it learns. The resume, the non-private twin and the
-fine-tuning are `slow` (a run costs about 15 s, nearly all of it the
+fine-tuning that release composes its ledger into the new epsilon. A
+Llama (`--family llama`) runs the same private step and release; a
+fine-tuning run continues its start's family (read from the file: a
+`--family` that differs, or a resume that changes it, is refused), and
+never trains it on rows longer than those its run trained on. The runs
+train a pico GPT-2 or Llama for a few steps on generated text: they check
+the machinery, not what it learns. The resume, the non-private twin and
+the fine-tuning are `slow` (a run costs about 15 s, nearly all of it the
 private step's tracing and XLA compilation).
 """
 
@@ -92,6 +96,7 @@ class TestRefusals:
     def test_bad_settings_name_the_fix_before_anything_runs(self, tmp_path):
         for settings, message in (
                 (dict(model="huge"), "model must be one of"),
+                (dict(family="mamba"), "family must be one of gpt2, llama"),
                 (dict(noise="bandmf"), "independent noise"),
                 (dict(sequence_length=4), "sequence_length must be an integer >= 8"),
                 (dict(resume=True), "--resume needs --output-dir"),
@@ -434,3 +439,138 @@ def test_a_corpus_without_the_units_field_is_refused_before_anything_is_written(
         with pytest.raises(JobError, match=message):
             run_causal_lm(config, log=lambda *_: None)
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_family_reads_no_later_token(family):
+    """Changing the last tokens changes no earlier position's prediction: what the held-out
+    next-token scores of either family rest on (a model that read ahead would copy)."""
+    from tf_megadp.jobs.causal_lm.families import build_model
+
+    model = build_model(family, "pico", vocabulary_size=50, context=8)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(5, 50, (2, 8)).astype("int32")
+    changed = tokens.copy()
+    changed[:, 5:] = (tokens[:, 5:] + 1) % 50
+    mask = np.ones_like(tokens)
+    before = np.asarray(model({"token_ids": tokens, "padding_mask": mask}))
+    after = np.asarray(model({"token_ids": changed, "padding_mask": mask}))
+    np.testing.assert_allclose(after[:, :5], before[:, :5], atol=1e-5)
+    assert np.abs(after[:, 5:] - before[:, 5:]).max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def llama_run(tmp_path_factory):
+    """A private run of a pico Llama, 2 steps on generated text (one more XLA compilation)."""
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    root = tmp_path_factory.mktemp("causal_lm_llama")
+    corpus = write_corpus(root)
+    report = run_causal_lm(tiny_config(corpus, root, root / "run", family="llama"),
+                           log=lambda *_: None)
+    return report, root
+
+
+def model_config(path):
+    """The config.json of a .keras file (what `--init-from` reads of the model)."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        return json.loads(archive.read("config.json"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+class TestALlamaRun:
+    def test_it_trains_an_untied_llama_at_the_epsilon_of_its_whole_schedule(self, llama_run):
+        from tf_megadp.run import provenance
+
+        report, root = llama_run
+        assert report["private"] and report["completed"] and report["logical_steps"] == 2
+        assert report["epsilon"] == pytest.approx(whole_schedule_epsilon(report), rel=1e-9)
+        assert report["model"]["family"].startswith("Llama (")
+        assert "untied head" in report["model"]["family"]
+        assert report["model"]["tied_head"] is False and report["config"]["family"] == "llama"
+        assert report["model"]["context"] == 15  # the tokens a row of 16 gives it
+        backbone = model_config(root / "run" / "model.keras")
+        assert backbone["registered_name"] == "keras_hub>LlamaCausalLM"
+        [record] = provenance.read_file_provenance(root / "run" / "model.keras")
+        assert record.ledger.total_steps == 2
+
+    def test_a_resume_that_changes_the_family_is_refused_by_name(self, llama_run, capsys):
+        _, root = llama_run
+        status = cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
+                           "--family", "gpt2"])
+        assert status == 2 and "family: 'llama' -> 'gpt2'" in capsys.readouterr().err
+
+    def test_fine_tuning_refuses_another_family_and_longer_rows_by_name(self, llama_run):
+        from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+        _, root = llama_run
+        start = dict(init_from=str(root / "run" / "model.keras"),
+                     train=write_pairs(root / "pairs.jsonl"))
+        for settings, message in (
+                (dict(family="gpt2"), r"--family gpt2: --init-from .* is a Llama "
+                                      r"\(LlamaCausalLM\)"),
+                (dict(sequence_length=32), "the start was trained on rows of 15 tokens; pass "
+                                           "at most 16")):
+            with pytest.raises(JobError, match=message):
+                run_causal_lm(tiny_config(None, root, root / "refused", **start, **settings),
+                              log=lambda *_: None)
+        assert not (root / "refused").exists()
+
+    def test_a_llama_start_whose_context_no_report_states_is_refused(self, llama_run):
+        import shutil
+
+        from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+        _, root = llama_run
+        alone = root / "alone"
+        alone.mkdir()
+        for name in ("model.keras", "vocab.txt"):  # no report.json
+            shutil.copy(root / "run" / name, alone / name)
+        with pytest.raises(JobError, match="no report.json beside it says how many tokens"):
+            run_causal_lm(tiny_config(None, root, root / "refused", init_from=str(
+                alone / "model.keras"), train=write_pairs(root / "pairs.jsonl")),
+                log=lambda *_: None)
+
+    def test_a_start_with_grouped_query_attention_is_refused_by_name(self, llama_run, tmp_path):
+        import zipfile
+
+        from tf_megadp.jobs.bert import initial_weights
+        from tf_megadp.jobs.bert.config import PretrainError
+        from tf_megadp.jobs.causal_lm.run import CAUSAL_LM_TASKS
+
+        _, root = llama_run
+        release = root / "run" / "model.keras"
+        init = initial_weights.read_initial_weights(release, CAUSAL_LM_TASKS)
+        assert (init.task, init.preset_name(), init.max_sequence_length) == (
+            "keras_hub>LlamaCausalLM", "pico", 15)
+        grouped = model_config(release)
+        grouped["config"]["backbone"]["config"]["num_key_value_heads"] = 1
+        with zipfile.ZipFile(release) as source, \
+                zipfile.ZipFile(tmp_path / "model.keras", "w") as target:
+            for item in source.infolist():
+                target.writestr(item, json.dumps(grouped) if item.filename == "config.json"
+                                else source.read(item))
+        with pytest.raises(PretrainError, match="1 key/value heads for 2 query heads"):
+            initial_weights.read_initial_weights(tmp_path / "model.keras", CAUSAL_LM_TASKS)
+
+
+@pytest.mark.slow  # a second Llama run (20 s); its machinery is the GPT-2 fine-tuning's
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lora_fine_tuning_of_a_llama_release_composes_its_ledger(llama_run):
+    """LoRA from the Llama release: its family is read from the file, only the factors on the
+    query and value projections train, and the release's ledger comes first."""
+    from tf_megadp.jobs.causal_lm.run import run_causal_lm
+
+    whole, root = llama_run
+    report = run_causal_lm(tiny_config(
+        None, root, root / "tuned", init_from=str(root / "run" / "model.keras"),
+        train=write_pairs(root / "tuned_pairs.jsonl"), lora_rank=2), log=lambda *_: None)
+    assert report["completed"] and report["config"]["family"] == "llama"
+    assert report["model"]["family"].startswith("Llama (") and report["model"]["context"] == 15
+    assert report["init"]["origin"] == "release" and report["trains"] == "LoRA rank 2"
+    # 1 layer, query and value (32 -> 2 heads x 16): Keras's EinsumDense factors A
+    # (32 x 2 heads x rank 2) and B (rank 2 x 16) each; the untied head is frozen too.
+    assert report["trainable_parameters"] == 2 * (32 * 2 * 2 + 2 * 16)
+    assert report["epsilon"] > whole_schedule_epsilon(report)

@@ -664,7 +664,8 @@ def _add_causal_lm_parser(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "causal-lm", help=_HELP["causal-lm"],
-        description="Pretrains a keras-hub GPT-2 (built from its constructors) from scratch "
+        description="Pretrains a keras-hub GPT-2 (--family llama: a Llama), built from its "
+                    "constructors, from scratch "
                     "with DP-SGD on Poisson-sampled batches of packed sequences (one sequence "
                     "is the privacy unit): the offline default corpus of `tf-megadp pretrain`, "
                     "or --corpus. With --init-from RUN/model.keras --train FILE, fine-tunes "
@@ -754,7 +755,7 @@ _HELP = {
     "audit": "audit a pretraining run, or run a one-run audit of a tiny DP-SGD model",
     "evaluate": "held-out MLM accuracy of a model on a corpus, beside the unigram baseline",
     "finetune": "DP fine-tuning of a public BERT on labelled text (prompt or head)",
-    "causal-lm": "DP next-token pretraining or fine-tuning of a GPT-2 (causal LM)",
+    "causal-lm": "DP next-token pretraining or fine-tuning of a GPT-2 or Llama (causal LM)",
     "public-model": "the public BERT fine-tuning starts from: built once without DP, cached",
 }
 

@@ -87,7 +87,10 @@ class InitialWeights:
             and their names).
         architecture: (layers, hidden, heads, intermediate).
         vocabulary_size: V of its token table.
-        max_sequence_length: rows of its position table.
+        max_sequence_length: rows of its position table; for a model
+            without one (Llama: rotary positions), the tokens its run
+            trained on (the report.json beside it: model.context), None
+            if no report says.
         vocabulary: the vocabulary file it reads (None: none found).
         vocabulary_public: whether that vocabulary is public (None: no file says).
         trained: what its files say of its training.
@@ -95,6 +98,9 @@ class InitialWeights:
         release: the DP ledger its values spent (from its weights' record,
             else from the privacy.json): steps, the ledger, and epsilon and
             delta where a privacy.json states them.
+        task: the registered keras-hub name PATH holds (a model.keras's
+            task, a preset's backbone); None in a record written before it
+            was kept.
     """
 
     path: str
@@ -102,12 +108,13 @@ class InitialWeights:
     sha256: str
     architecture: tuple[int, int, int, int]
     vocabulary_size: int
-    max_sequence_length: int
+    max_sequence_length: int | None
     vocabulary: str | None
     vocabulary_public: bool | None
     trained: str
     privacy_report: str | None = None
     release: dict[str, Any] | None = None
+    task: str | None = None
 
     def preset_name(self) -> str:
         """The job's `--model` preset of this architecture.
@@ -219,29 +226,35 @@ class InitialWeights:
         return cls(**{**values, "architecture": tuple(values["architecture"])})
 
 
-# The task a job continues (its `model.keras`'s registered name) and the
-# command whose run folder holds one. Presets are BERT's alone.
-BERT_TASK = ("keras_hub>BertMaskedLM", "tf-megadp pretrain")
+# The tasks a job continues (the registered names its `model.keras` may
+# hold) and the command whose run folder holds one. Presets are BERT's alone.
+BERT_TASK = (("keras_hub>BertMaskedLM",), "tf-megadp pretrain")
+# How a backbone's config names its query heads: BERT and GPT-2 `num_heads`,
+# Llama `num_query_heads` (its `num_key_value_heads` may be fewer).
+_HEADS_KEYS = ("num_heads", "num_query_heads")
 
 
 def read_initial_weights(path: str | os.PathLike,
-                         task: tuple[str, str] = BERT_TASK) -> InitialWeights:
+                         tasks: tuple[tuple[str, ...], str] = BERT_TASK) -> InitialWeights:
     """Reads what PATH is: its shape, vocabulary, content hash and origin files.
 
     Args:
         path: a `model.keras` of this job (its run folder beside it) or a
             keras-hub preset directory (BERT only).
-        task: (the registered name of the keras-hub task the job continues,
-            the command whose runs write it); the causal-LM job passes
-            GPT-2's. Its backbone must name its shape as BERT's does
-            (num_layers, hidden_dim, num_heads, intermediate_dim,
-            vocabulary_size, max_sequence_length).
+        tasks: (the registered names of the keras-hub tasks the job
+            continues, the command whose runs write them); the causal-LM job
+            passes GPT-2's and Llama's. Their backbones name their shape as
+            BERT's does (num_layers, hidden_dim, num_heads or
+            num_query_heads, intermediate_dim, vocabulary_size, and
+            max_sequence_length where they have a position table).
 
     Returns:
         The `InitialWeights`.
 
     Raises:
-        PretrainError: PATH is missing, or not a BertMaskedLM or BertBackbone.
+        PretrainError: PATH is missing, holds none of `tasks` (BERT: nor a
+            BertBackbone preset), or a Llama whose key/value heads or tied
+            head are not those the job builds.
 
     Example:
     ```python
@@ -250,8 +263,8 @@ def read_initial_weights(path: str | os.PathLike,
     ```
     """
     path = os.path.abspath(os.fspath(path))
-    registered_name, command = task
-    if os.path.isdir(path) and task == BERT_TASK:
+    registered_names, command = tasks
+    if os.path.isdir(path) and tasks == BERT_TASK:
         return _read_preset(path)
     if os.path.isdir(path):
         raise PretrainError(
@@ -265,14 +278,16 @@ def read_initial_weights(path: str | os.PathLike,
         raise PretrainError(
             f"--init-from {path}: not a Keras model file (.keras) nor a keras-hub preset "
             "directory.") from None
-    if config.get("registered_name") != registered_name:
+    if config.get("registered_name") not in registered_names:
+        names = " or ".join(name.split(">")[-1] for name in registered_names)
         raise PretrainError(
             f"--init-from {path} holds a {config.get('class_name')}; the job continues a "
-            f"keras-hub {registered_name.split('>')[-1]} (the model.keras of a `{command}` run).")
+            f"keras-hub {names} (the model.keras of a `{command}` run).")
     folder = os.path.dirname(path)
     return _with_provenance(path, "model.keras", sha256_of_file(path),
                             config["config"]["backbone"]["config"], folder,
-                            _existing(os.path.join(folder, VOCABULARY_NAME)), None)
+                            _existing(os.path.join(folder, VOCABULARY_NAME)), None,
+                            config["registered_name"])
 
 
 def _read_preset(path: str) -> InitialWeights:
@@ -291,11 +306,11 @@ def _read_preset(path: str) -> InitialWeights:
                   or _existing(os.path.join(path, VOCABULARY_NAME)))
     lowercase = _preset_lowercase(path)
     return _with_provenance(path, "preset", _sha256_of_directory(path), backbone["config"],
-                            path, vocabulary, lowercase)
+                            path, vocabulary, lowercase, backbone["registered_name"])
 
 
 def _with_provenance(path, kind, sha256, backbone, folder, vocabulary,
-                     lowercase) -> InitialWeights:
+                     lowercase, task) -> InitialWeights:
     """The `InitialWeights` of a model: its weights' record, and the files in `folder`."""
     if lowercase is False:
         raise PretrainError(
@@ -330,14 +345,39 @@ def _with_provenance(path, kind, sha256, backbone, folder, vocabulary,
         vocabulary_public = bool((run.get("vocabulary") or {}).get("public"))
     else:
         vocabulary_public = True if kind == "preset" else None
+    heads = next(backbone[key] for key in _HEADS_KEYS if key in backbone)
+    _check_attention_and_head(path, backbone, heads)
+    if "max_sequence_length" in backbone:
+        context = backbone["max_sequence_length"]
+    else:
+        # No position table (rotary positions): the tokens its run trained on.
+        context = ((run or {}).get("model") or {}).get("context")
     return InitialWeights(
         path=path, kind=kind, sha256=sha256,
-        architecture=(backbone["num_layers"], backbone["hidden_dim"], backbone["num_heads"],
+        architecture=(backbone["num_layers"], backbone["hidden_dim"], heads,
                       backbone["intermediate_dim"]),
-        vocabulary_size=backbone["vocabulary_size"],
-        max_sequence_length=backbone["max_sequence_length"],
+        vocabulary_size=backbone["vocabulary_size"], max_sequence_length=context,
         vocabulary=vocabulary, vocabulary_public=vocabulary_public, trained=trained,
-        privacy_report=privacy_report, release=release)
+        privacy_report=privacy_report, release=release, task=task)
+
+
+def _check_attention_and_head(path: str, backbone: dict[str, Any], heads: int) -> None:
+    """Refuses a backbone the jobs cannot rebuild: grouped-query attention, a tied Llama head.
+
+    The jobs build as many key/value heads as query heads, and Llama with
+    an untied head; weights of another layout would not load.
+    """
+    key_value_heads = backbone.get("num_key_value_heads", heads)
+    if key_value_heads != heads:
+        raise PretrainError(
+            f"--init-from {path}: its attention has {key_value_heads} key/value heads for "
+            f"{heads} query heads (grouped-query attention); the job builds as many of each. "
+            "Start from a model of the job's.")
+    if backbone.get("tie_word_embeddings"):
+        raise PretrainError(
+            f"--init-from {path}: its output head is tied to its token embedding "
+            "(tie_word_embeddings); the job builds Llama with an untied head. Start from a "
+            "model of the job's.")
 
 
 def _carried_ledger(path: str):

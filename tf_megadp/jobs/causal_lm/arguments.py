@@ -17,6 +17,7 @@ def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
     """Declares the causal-LM job's flags on `parser`."""
     from tf_megadp.jobs.bert.config import MODEL_PRESETS, SEPARATORS
     from tf_megadp.jobs.causal_lm.config import CausalLMConfig
+    from tf_megadp.jobs.causal_lm.families import DEFAULT_FAMILY, FAMILIES
 
     defaults = CausalLMConfig()
     hidden = argparse.SUPPRESS
@@ -73,8 +74,13 @@ def add_causal_lm_arguments(parser: argparse.ArgumentParser) -> None:
                             help="train LoRA factors of rank R on the attention query and value "
                                  "projections, every other weight of the start frozen")
     model = parser.add_argument_group("model")
+    model.add_argument("--family", choices=list(FAMILIES), default=hidden,
+                       help=f"decoder of a pretraining run: gpt2 (learned positions, tied "
+                            f"head) or llama (rotary positions, untied head) (default "
+                            f"{DEFAULT_FAMILY}; fine-tuning: the start's, and a different one "
+                            "is refused)")
     model.add_argument("--model", choices=list(MODEL_PRESETS), default=hidden,
-                       help=f"GPT-2 size of a pretraining run (default {defaults.model}; "
+                       help=f"size of a pretraining run (default {defaults.model}; "
                             "fine-tuning: the start's)")
     training = parser.add_argument_group("training")
     training.add_argument("--batch-size", type=int, default=hidden,

@@ -56,8 +56,13 @@ class CausalLMConfig(PrivacySettings):
             micro_batch_size * examples_per_unit rows). None (default): one
             packed row is the unit.
         examples_per_unit: k, the most rows of one unit in a step.
+        family: the decoder of a pretraining run, "gpt2" or "llama"
+            (`tf_megadp.jobs.causal_lm.families`; None: "gpt2"). Fine-tuning
+            continues the start's family (its file names it); a family
+            given that differs is refused. The run records the family it
+            trains.
         model: a size of `tf_megadp.jobs.bert.config.MODEL_PRESETS` (layers,
-            hidden, heads, intermediate) for the GPT-2 backbone.
+            hidden, heads, intermediate) for the backbone.
         batch_size: the expected logical batch B (Poisson sampling).
         steps: logical steps.
         micro_batch_size: m, rows per micro-batch.
@@ -97,6 +102,7 @@ class CausalLMConfig(PrivacySettings):
     heldout_fraction: float = 0.05
     privacy_unit: str | None = None
     examples_per_unit: int = 4
+    family: str | None = None
     model: str = "nano"
     batch_size: int = 256
     steps: int = 300
@@ -141,11 +147,15 @@ class CausalLMConfig(PrivacySettings):
     def validate(self) -> None:
         """Raises `JobError` naming the first bad field (and how to fix it)."""
         from tf_megadp.jobs.bert.config import MODEL_PRESETS, SEPARATORS
+        from tf_megadp.jobs.causal_lm.families import FAMILIES
 
         self.check_privacy()
         if self.model not in MODEL_PRESETS:
             raise JobError(f"model must be one of {', '.join(MODEL_PRESETS)}, got "
                            f"{self.model!r}.")
+        if self.family is not None and self.family not in FAMILIES:
+            raise JobError(f"family must be one of {', '.join(FAMILIES)}, got "
+                           f"{self.family!r}.")
         if self.document_separator not in SEPARATORS:
             raise JobError(f"document_separator must be one of {', '.join(SEPARATORS)}, got "
                            f"{self.document_separator!r}.")

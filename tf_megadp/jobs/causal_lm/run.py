@@ -5,7 +5,7 @@ its split; a fine-tuning run reads prompt/completion pairs and starts
 from a `tf-megadp causal-lm` release (`--init-from`, checked as `tf-megadp
 pretrain --init-from` checks a start: a DP release's ledger is composed,
 a start of unknown origin needs the user's statement). Either builds a
-GPT-2 from keras-hub's constructors, plans its privacy
+GPT-2 or a Llama (`families`) from keras-hub's constructors, plans its privacy
 (`plan_privacy`), trains with DP-SGD on Poisson-sampled logical batches
 of rows, or of users with `--privacy-unit` (`PrivacyUnitSampler`, each
 user's rows clipped together), or the non-private baseline on the same
@@ -17,6 +17,7 @@ the release, its privacy report, report.json, the checkpoint that
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -27,6 +28,12 @@ import numpy as np
 from tf_megadp.files import write_json_atomically
 from tf_megadp.jobs.causal_lm import data
 from tf_megadp.jobs.causal_lm.config import CausalLMConfig
+from tf_megadp.jobs.causal_lm.families import (
+    DEFAULT_FAMILY,
+    FAMILIES,
+    build_model,
+    family_of_task,
+)
 from tf_megadp.jobs.common import fitting, run_folder
 from tf_megadp.jobs.common.errors import JobError
 from tf_megadp.jobs.common.lora import describe_training
@@ -42,14 +49,15 @@ from tf_megadp.jobs.common.run_folder import (
 )
 from tf_megadp.jobs.common.verdicts import learned_beyond, verdict_line
 
-__all__ = ["COMMAND", "build_model", "run_causal_lm"]
+__all__ = ["CAUSAL_LM_TASKS", "COMMAND", "run_causal_lm"]
 
 COMMAND = "tf-megadp causal-lm"
 # The settings that name files or folders of this machine (report.json names
 # them relative to the run folder, or by name).
 PATH_FIELDS = ("corpus", "output_dir", "cache_dir", "init_from", "train", "test")
-# The keras-hub task a fine-tuning run starts from, and the command that writes it.
-GPT2_TASK = ("keras_hub>GPT2CausalLM", COMMAND)
+# The keras-hub tasks a fine-tuning run starts from (one per family), and the
+# command that writes them.
+CAUSAL_LM_TASKS = (tuple(family.task for family in FAMILIES.values()), COMMAND)
 RELEASED_OUTSIDE_EPSILON = (
     "held-out accuracy and perplexity, and the unigram baseline's: computed on the held-out "
     "split, which is not trained on and not protected by DP (publish them only if that text "
@@ -74,8 +82,11 @@ class _RunData(NamedTuple):
     vocabulary: dict[str, Any]  # report.json's account of it
     description: str
     privacy_unit: str
+    family: str  # a FAMILIES name
     model: str  # a MODEL_PRESETS name
-    context: int  # the model's max_sequence_length
+    # The most tokens the model reads: GPT-2's position table's rows; Llama's
+    # (rotary positions, no table) the tokens a row gives it, as trained.
+    context: int
     init: Any  # the fine-tuned start's `InitialWeights`, or None
 
 
@@ -109,6 +120,9 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
                        "choose another --output-dir.")
     run_data = (_pairs_data(config, output_dir) if config.fine_tuning
                 else _corpus_data(config, log))
+    # The run records the family it trains (a fine-tuning run's is the start's),
+    # so that a resume that changes it is refused by `check_same_run`.
+    config = dataclasses.replace(config, family=run_data.family)
     n = _population(run_data)
     if config.batch_size > n:
         raise JobError(f"--batch-size {config.batch_size} is larger than the {n} privacy units "
@@ -178,8 +192,8 @@ def _corpus_data(config: CausalLMConfig, log) -> _RunData:
         vocabulary_file=os.path.join(corpus.directory, corpus.manifest["vocabulary_file"]),
         vocabulary=vocabulary_report(data.corpus_settings(config)),
         description=str(corpus.manifest.get("source")),
-        privacy_unit=privacy_unit, model=config.model, context=config.sequence_length - 1,
-        init=None)
+        privacy_unit=privacy_unit, family=config.family or DEFAULT_FAMILY,
+        model=config.model, context=config.sequence_length - 1, init=None)
 
 
 def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
@@ -191,17 +205,26 @@ def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
     if config.resume:
         init = initial_weights.InitialWeights.from_dict(
             run_folder.saved_extra(output_dir)[INIT_KEY])
+        family = config.family or DEFAULT_FAMILY  # The run's saved family.
     else:
-        init = initial_weights.read_initial_weights(config.init_from, GPT2_TASK)
+        init = initial_weights.read_initial_weights(config.init_from, CAUSAL_LM_TASKS)
+        family = _start_family(config, init)
         if not config.non_private:
             init.origin(config)  # Refuses a start of unknown origin, naming the statement.
     if init.vocabulary is None or init.vocabulary_public is False:
         raise JobError(
             f"--init-from {init.path}: fine-tuning needs the public vocabulary beside it "
             f"({VOCABULARY_NAME} of a `{COMMAND}` run, whose report says it is public).")
-    if config.sequence_length - 1 > init.max_sequence_length:
+    if init.max_sequence_length is None:
         raise JobError(
-            f"--sequence-length {config.sequence_length}: the start reads at most "
+            f"--init-from {init.path}: a {FAMILIES[family].label} has no position table, and "
+            f"no {REPORT_NAME} beside it says how many tokens its run trained on (its "
+            f"model.context): put its run's {REPORT_NAME} beside it.")
+    if config.sequence_length - 1 > init.max_sequence_length:
+        read = ("reads at most" if FAMILIES[family].position_table
+                else "was trained on rows of")  # Rotary positions beyond are untrained.
+        raise JobError(
+            f"--sequence-length {config.sequence_length}: the start {read} "
             f"{init.max_sequence_length} tokens; pass at most {init.max_sequence_length + 1}.")
     tokenizer = keras_hub.models.BertTokenizer(
         vocabulary=text.read_vocabulary_file(init.vocabulary), lowercase=True)
@@ -217,30 +240,18 @@ def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
         description=f"{len(train_pairs[0]):,} prompt/completion pairs",
         privacy_unit=("one prompt/completion pair (its row of "
                       f"{config.sequence_length} tokens)"),
-        model=init.preset_name(), context=init.max_sequence_length, init=init)
+        family=family, model=init.preset_name(), context=init.max_sequence_length, init=init)
 
 
-def build_model(model: str, vocabulary_size: int, context: int):
-    """The run's `keras_hub.models.GPT2CausalLM`, from constructors (nothing is downloaded).
-
-    Its head is the token embedding reused (tied). Dropout 0: the job's DP
-    step and its non-private baseline then compare at the same cost
-    (dropout doubles the XLA step on a CPU).
-
-    Args:
-        model: a `MODEL_PRESETS` name (layers, hidden, heads, intermediate).
-        vocabulary_size: V.
-        context: the most tokens it reads (its position table's rows).
-    """
-    import keras_hub
-
-    from tf_megadp.jobs.bert.config import MODEL_PRESETS
-
-    layers, hidden, heads, intermediate = MODEL_PRESETS[model]
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=vocabulary_size, num_layers=layers, num_heads=heads, hidden_dim=hidden,
-        intermediate_dim=intermediate, max_sequence_length=context, dropout=0.0)
-    return keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+def _start_family(config: CausalLMConfig, init) -> str:
+    """The family of the start `init` (its file's task); a different `--family` is refused."""
+    family = family_of_task(init.task).name
+    if config.family is not None and config.family != family:
+        raise JobError(
+            f"--family {config.family}: --init-from {init.path} is a "
+            f"{FAMILIES[family].label} ({init.task.split('>')[-1]}); a fine-tuning run "
+            "continues its start's family. Drop --family.")
+    return family
 
 
 def _compile_kwargs(private: bool) -> dict[str, Any]:
@@ -280,7 +291,8 @@ def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
 
     private = not config.non_private
     keras.utils.set_random_seed(config.seed)
-    model = build_model(run_data.model, run_data.vocabulary_size, run_data.context)
+    model = build_model(run_data.family, run_data.model, run_data.vocabulary_size,
+                        run_data.context)
     model({name: value[:1] for name, value in run_data.test[0].items()})
     if run_data.init is not None and not config.resume:
         initial_weights.load_into(model, run_data.init)
@@ -401,8 +413,8 @@ def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, 
                                       len(run_data.train[1]))
                   if config.privacy_unit else
                   f"N = {schedule.num_examples:,} (unit: {run_data.privacy_unit.split(':')[0]})")
-    log(f"Causal LM ({kind}), GPT-2 {run_data.model}, on {run_data.description}: "
-        f"{population}, "
+    log(f"Causal LM ({kind}), {FAMILIES[run_data.family].label} {run_data.model}, on "
+        f"{run_data.description}: {population}, "
         f"{len(y_test):,} held out; learning rate {learning_rate:g} ({learning_rate_source}); "
         f"schedule: {schedule}; "
         + (f"sigma={sigma:.4f}, C={config.l2_norm_clip}, delta={delta:.3g}, planned "
@@ -451,8 +463,8 @@ def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, h
         "heldout_target_tokens": heldout_targets,
         "objective": ("next token of the completion (fine-tuning)" if config.fine_tuning
                       else "next token (pretraining)"),
-        "model": {"family": "GPT-2 (keras_hub.models.GPT2CausalLM, tied head)",
-                  "preset": run_data.model, "layers": layers, "hidden": hidden, "heads": heads,
+        "model": {"family": FAMILIES[run_data.family].description(),
+                  "tied_head": FAMILIES[run_data.family].tied_head, "preset": run_data.model, "layers": layers, "hidden": hidden, "heads": heads,
                   "intermediate": intermediate, "vocabulary_size": run_data.vocabulary_size,
                   "context": run_data.context},
         "trains": describe_training(config.lora_rank),

@@ -19,7 +19,7 @@ fine-tuning run continues its start's family (read from the file: a
 never trains it on rows longer than those its run trained on. The runs
 train a pico GPT-2 or Llama for a few steps on generated text: they check
 the machinery, not what it learns. The resume, the non-private twin and
-the fine-tuning are `slow` (a run costs about 15 s, nearly all of it the
+the fine-tuning, LoRA and the Llama run are `slow` (a run costs about 15 s, nearly all of it the
 private step's tracing and XLA compilation).
 """
 
@@ -280,6 +280,7 @@ def test_the_canary_example_attacks_both_releases(tmp_path, capsys):
     assert "| DP | 32 |" in printed and "| non-private | 0 |" in printed
 
 
+@pytest.mark.slow  # two more runs (20 s); LoRA's records are exact in test_clipping_causal_lm
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_lora_on_a_dp_release_composes_its_ledger_and_resumes_alone(private_run):
     """LoRA from the release: only the factors train, the release's ledger comes first, and a
@@ -479,6 +480,7 @@ def model_config(path):
         return json.loads(archive.read("config.json"))
 
 
+@pytest.mark.slow  # a Llama run (20 s); Llama's per-example norms are exact in test_clipping_causal_lm
 @pytest.mark.filterwarnings("ignore::UserWarning")
 class TestALlamaRun:
     def test_it_trains_an_untied_llama_at_the_epsilon_of_its_whole_schedule(self, llama_run):

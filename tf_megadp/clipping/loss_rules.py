@@ -78,7 +78,8 @@ def _sparse_categorical_crossentropy(loss, y, y_pred, sample_weight):
 
 
 # Loss class -> rule(loss, y, y_pred, sample_weight) -> per-example losses [m]
-# (float32, computed in the loss's dtype), or None when the loss's settings are ones the rule does not cover.
+# (float32, computed in the loss's dtype), or None when the loss's settings
+# are ones the rule does not cover.
 LOSS_RULES: dict[type, Callable] = {
     keras.losses.SparseCategoricalCrossentropy: _sparse_categorical_crossentropy,
 }
@@ -154,9 +155,10 @@ def batched_losses(model, y, y_pred, sample_weight) -> tf.Tensor | None:
             tensor) and weights (or None).
 
     Returns:
-        float32 [m] (as `base.per_example_loss`): example i's loss, a function of y_pred[i] alone (so the
-        gradient of their sum with respect to y_pred is each example's own
-        gradient); or None: compute them per example.
+        float32 [m] (as `base.per_example_loss`): example i's loss, a
+        function of y_pred[i] alone (so the gradient of their sum with
+        respect to y_pred is each example's own gradient); or None: compute
+        them per example.
     """
     if not isinstance(y_pred, tf.Tensor) or not isinstance(y, tf.Tensor):
         return None

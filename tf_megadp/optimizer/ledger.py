@@ -145,7 +145,10 @@ def write_ledger(optimizer, ledger: PrivacyLedger) -> None:
 
 
 def read_weights_origin(optimizer) -> dict[str, Any] | None:
-    """The start of the weights a built `DPOptimizer`'s run recorded (`write_weights_origin`), or None."""
+    """Where a built `DPOptimizer`'s run recorded its weights came from, or None.
+
+    (`write_weights_origin` stores it.)
+    """
     return optimizer.ledger_stage.read_origin() if optimizer.built else None
 
 

@@ -464,7 +464,8 @@ def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, h
         "objective": ("next token of the completion (fine-tuning)" if config.fine_tuning
                       else "next token (pretraining)"),
         "model": {"family": FAMILIES[run_data.family].description(),
-                  "tied_head": FAMILIES[run_data.family].tied_head, "preset": run_data.model, "layers": layers, "hidden": hidden, "heads": heads,
+                  "tied_head": FAMILIES[run_data.family].tied_head, "preset": run_data.model,
+                  "layers": layers, "hidden": hidden, "heads": heads,
                   "intermediate": intermediate, "vocabulary_size": run_data.vocabulary_size,
                   "context": run_data.context},
         "trains": describe_training(config.lora_rank),

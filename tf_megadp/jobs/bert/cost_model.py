@@ -109,77 +109,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
 
-from tf_megadp.clipping_memory import outer_is_materialised
+from tf_megadp.jobs.common.cost_model import (
+    CLIPPING,
+    GIB,
+    Architecture,
+    Kernel,
+    example_flops,
+    memory,
+    outer_is_materialised,
+)
 
-__all__ = ["CLIPPING", "GIB", "OPTIMIZER_SLOTS", "STEP_BUFFERS", "Kernel", "ModelSpec",
-           "OuterRecord", "example_flops", "memory", "model_spec"]
-
-GIB = 2**30
-# Float32 slots the job's inner optimizer (AdamW: two moments) keeps per parameter.
-OPTIMIZER_SLOTS = 2
-# The clipping methods a plan accepts, each with the cost model it follows.
-# Under "auto" every layer of a BERT masked LM has a ghost rule (the test of
-# the records pins that no layer gets the exact fallback), so its step is
-# ghost's step.
-CLIPPING = {"vectorized": "vectorized", "ghost": "ghost", "auto": "ghost"}
-
-
-class OuterRecord(NamedTuple):
-    """The shape of one ghost Outer record (`tf_megadp.clipping.terms.Outer`).
-
-    Args:
-        tokens: T, the rows of both factors.
-        left: p, the width of the left factor.
-        right: d, the width of the right factor.
-        gradient: which factor is the output gradient, "left" or "right";
-            the other is a layer input.
-        input: a name of that layer input; records with the same name read
-            the same tensor. None: the rule computes the factor itself (a
-            LoRA B record's s x A), a float32 tensor held in any precision.
-    """
-
-    tokens: int
-    left: int
-    right: int
-    gradient: str
-    input: str | None
-
-
-class Kernel(NamedTuple):
-    """One dense kernel of the forward pass, [p, d] applied to T tokens.
-
-    Args:
-        tokens: T.
-        inputs: p.
-        outputs: d.
-        input: the name of the layer input it reads (shared by the query,
-            key and value kernels of a layer).
-        trainable: whether its own weight is trained.
-        lora_rank: r of its LoRA factors (0: none).
-        heads: S, the output's heads (the LoRA A factor is [p, S, r]).
-        gradient: which factor of its ghost record is the output gradient
-            ("left" only for the tied decoder, `ReversibleEmbeddingRule`).
-    """
-
-    tokens: int
-    inputs: int
-    outputs: int
-    input: str
-    trainable: bool = True
-    lora_rank: int = 0
-    heads: int = 1
-    gradient: str = "right"
-
-    def lora_flops(self) -> float:
-        """FLOPs of x A and (x A) B, the LoRA path's forward products."""
-        t, r = self.tokens, self.lora_rank
-        return 2.0 * t * self.inputs * self.heads * r + 2.0 * t * r * self.outputs
-
+__all__ = ["CLIPPING", "GIB", "ModelSpec", "example_flops", "memory", "model_spec",
+           "outer_is_materialised"]
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(Architecture):
     """A BERT masked-LM architecture and what of it is trained.
 
     Args:
@@ -262,34 +207,11 @@ class ModelSpec:
                           Kernel(p, self.vocabulary_size, h, "decoder",
                                  self.embeddings_trainable, gradient="left")]
 
-    def outer_records(self) -> list[OuterRecord]:
-        """The ghost Outer records of the trained kernels (module docstring).
-
-        Returns:
-            Per record: tokens T, width p of its left factor and d of its
-            right one, which factor is the output gradient and the layer
-            input the other factor is. For a dense layer the left factor is
-            its input and the right one its output gradient; the query, key
-            and value kernels of a layer read the same input. For the tied
-            MLM decoder the left factor is the V-wide logit gradient and the
-            right one the h-wide hidden state (`ReversibleEmbeddingRule`). A
-            LoRA kernel gives two: Outer(x, s G B^T) for A, [T, p] x
-            [T, S r], and Outer(s x A, G) for B, [T S, r] x [T S, L].
-        """
-        records = []
-        for kernel in self.kernels():
-            t, p, d = kernel.tokens, kernel.inputs, kernel.outputs
-            if kernel.lora_rank:
-                r, heads = kernel.lora_rank, kernel.heads
-                records += [OuterRecord(t, p, heads * r, "right", kernel.input),
-                            OuterRecord(t * heads, r, d // heads, "right", None)]
-            if kernel.trainable:
-                records.append(OuterRecord(t, p, d, kernel.gradient, kernel.input))
-        return records
-
-    def dense_layers(self) -> list[tuple[int, int, int]]:
-        """(T, p, d) of every `outer_records` record: the shapes of the ghost norms."""
-        return [(r.tokens, r.left, r.right) for r in self.outer_records()]
+    def tied_cross_term_flops(self) -> float:
+        """The tied decoder's record (P positions) against the token lookup (T): 2 P T (h + 1)."""
+        if not self.embeddings_trainable:
+            return 0.0
+        return 2.0 * self.max_predictions * self.sequence_length * (self.hidden_dim + 1)
 
     def embedding_lookups(self) -> list[tuple[int, int]]:
         """(tokens, width) of the trained token, position and segment lookups (Gather records)."""
@@ -339,27 +261,8 @@ class ModelSpec:
         h, heads, r = self.hidden_dim, self.num_heads, self.lora_rank
         return 2 * (h * heads * r + r * h // heads)
 
-    def forward_flops(self) -> float:
-        """FLOPs of one sequence's forward pass."""
-        dense = sum(2.0 * k.tokens * k.inputs * k.outputs + k.lora_flops()
-                    for k in self.kernels())
-        return dense + self._attention_flops()
-
-    def training_flops(self) -> float:
-        """FLOPs of one sequence's forward and backward pass, as non-private training runs it.
-
-        Every kernel's product in the forward pass and for the input
-        gradient; the weight-gradient product of trained kernels only; a
-        LoRA path three times (forward, input gradient, its factors'
-        gradients); attention three times.
-        """
-        flops = 3.0 * self._attention_flops()
-        for kernel in self.kernels():
-            product = 2.0 * kernel.tokens * kernel.inputs * kernel.outputs
-            flops += (3.0 if kernel.trainable else 2.0) * product + 3.0 * kernel.lora_flops()
-        return flops
-
-    def _attention_flops(self) -> float:
+    def attention_flops(self) -> float:
+        """Scores and contexts: 4 T^2 h per layer."""
         return self.num_layers * 4.0 * self.sequence_length**2 * self.hidden_dim
 
     def activation_bytes(self, bytes_per_value: int = 2) -> float:
@@ -389,110 +292,3 @@ def model_spec(config, vocabulary_size: int | None = None) -> ModelSpec:
         lora_rank=config.lora_rank or 0,
         freeze_embeddings=config.freeze_embeddings,
     )
-
-
-def _ghost_clipping_flops(model: ModelSpec) -> float:
-    """FLOPs per example ghost clipping adds to training (module docstring)."""
-    flops = 0.0
-    for t, p, d in model.dense_layers():
-        if outer_is_materialised(t, p, d):
-            flops += 4.0 * p * d  # norm and clipped sum read off the built [p, d] gradient
-        else:
-            # Two Grams, their product and sum; the clip factors scale the left factor.
-            flops += 2.0 * t * t * (p + d) + 2.0 * t * t + t * p
-    for t, width in model.embedding_lookups():
-        flops += 2.0 * t * t * (width + 1) + 2.0 * t * width
-    if model.embeddings_trainable:
-        # Cross term of the tied decoder's Outer record with the token lookup.
-        flops += 2.0 * model.max_predictions * model.sequence_length * (model.hidden_dim + 1)
-    return flops + 4.0 * model.small_parameter_count()
-
-
-def example_flops(model: ModelSpec, clipping: str) -> float:
-    """FLOPs of one example's private training step under `clipping` (a `CLIPPING` name).
-
-    Args:
-        model: the architecture.
-        clipping: "vectorized", "ghost" or "auto".
-
-    Returns:
-        Training FLOPs plus what the clipping adds: per trained parameter
-        a squared norm and a scaled sum (vectorized), or the ghost norms and
-        clipped sums of the records.
-
-    Example:
-    ```python
-    example_flops(model_spec(PretrainConfig(model="large")), "ghost")
-    ```
-    """
-    training = model.training_flops()
-    if CLIPPING[clipping] == "vectorized":
-        return training + 4.0 * model.trainable_parameter_count()
-    return training + _ghost_clipping_flops(model)
-
-
-# Float32 gradients the DP step holds besides its state: the micro-batch's
-# clipped sum (before it enters the accumulator) and the noisy mean gradient
-# handed to the inner optimizer.
-STEP_BUFFERS = 2
-
-
-def _ghost_held_floats(model: ModelSpec, precision: str) -> float:
-    """Float32 values per example ghost clipping holds until its clipped sums (module docstring)."""
-    floats = 0.0
-    copied_inputs = {}
-    for record in model.outer_records():
-        t, p, d = record.tokens, record.left, record.right
-        if outer_is_materialised(t, p, d):
-            floats += p * d  # the built [p, d] gradient; its factors are no longer needed
-            continue
-        gradient, layer_input = (d, p) if record.gradient == "right" else (p, d)
-        floats += t * gradient + 2.0 * t * t  # the output-gradient factor; the two Grams
-        if record.input is None:
-            floats += t * layer_input  # computed by the rule, not an activation
-        else:
-            copied_inputs[record.input] = t * layer_input  # one cast per input tensor
-    if precision != "float32":
-        # The float32 casts of 16-bit layer inputs (`flat_tokens`); in
-        # float32 the factor is the activation itself, counted there.
-        floats += sum(copied_inputs.values())
-    floats += sum(t * width for t, width in model.embedding_lookups())  # Gather values
-    return floats + model.small_parameter_count()  # Explicit records
-
-
-def memory(model: ModelSpec, m: int, clipping: str, precision: str,
-           ema: bool = False) -> dict[str, float]:
-    """Per-core bytes of a private step of m examples, by part, and their total.
-
-    Args:
-        model: the architecture.
-        m: examples per micro-batch and core.
-        clipping: "vectorized", "ghost" or "auto".
-        precision: "float32", "mixed_bfloat16" or "mixed_float16" (the
-            16-bit policies cost the same bytes).
-        ema: the inner optimizer keeps a moving average of the weights.
-
-    Returns:
-        {"parameters", "optimizer_state", "step_buffers", "activations",
-        "clipping", "total"} in bytes.
-
-    Example:
-    ```python
-    memory(model_spec(PretrainConfig(model="large")), 32, "ghost", "mixed_bfloat16")
-    ```
-    """
-    trained = model.trainable_parameter_count()
-    # Keras's use_ema keeps one more float32 copy of every trained weight.
-    slots = OPTIMIZER_SLOTS + (1 if ema else 0)
-    parts = {
-        "parameters": 4.0 * model.parameter_count(),
-        "optimizer_state": 4.0 * trained * (slots + 1),
-        "step_buffers": 4.0 * trained * STEP_BUFFERS,
-        "activations": m * model.activation_bytes(4 if precision == "float32" else 2),
-    }
-    if CLIPPING[clipping] == "vectorized":
-        parts["clipping"] = m * 4.0 * trained
-    else:
-        parts["clipping"] = m * 4.0 * _ghost_held_floats(model, precision)
-    parts["total"] = sum(parts.values())
-    return parts

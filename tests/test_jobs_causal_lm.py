@@ -12,7 +12,10 @@ then N counts the users and epsilon is accounted over them), writes the
 release (whose weights carry their ledger) and privacy.json, refuses a
 resume that changes its privacy, and, stopped
 after one step and resumed with --resume alone, ends as the whole run;
-fine-tuning that release composes its ledger into the new epsilon. A
+fine-tuning that release composes its ledger into the new epsilon.
+`--plan` gives the run's own N, schedule, sigma and epsilon (a resume's,
+a composed start's) and its cost, refuses what the run refuses, and
+writes nothing. A
 Llama (`--family llama`) runs the same private step and release; a
 fine-tuning run continues its start's family (read from the file: a
 `--family` that differs, or a resume that changes it, is refused), and
@@ -189,6 +192,75 @@ class TestAPrivateRun:
         status = cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
                            "--noise-multiplier", "2.0"])
         assert status == 2 and "noise_multiplier: 1.0 -> 2.0" in capsys.readouterr().err
+
+
+class TestThePlan:
+    """`tf-megadp causal-lm --plan`: the run's own checks and numbers, nothing trained or written."""
+
+    def test_the_plan_is_what_the_run_did_and_writes_nothing(self, private_run):
+        from tf_megadp.jobs.causal_lm import plan
+
+        report, corpus, root = private_run
+        planned = plan.make_plan(tiny_config(corpus, root, root / "planned"),
+                                 log=lambda *_: None)
+        assert not (root / "planned").exists()
+        for name in ("num_examples", "schedule", "noise_multiplier", "epsilon", "delta",
+                     "trainable_parameters", "training_sequences", "heldout_target_tokens",
+                     "privacy_unit", "learning_rate"):
+            assert planned[name] == report[name], name
+        # Static slots for a Poisson batch of expected size 16 that overflows them
+        # with probability below 1e-9.
+        assert planned["capacity"] == planned["accumulation_steps"] * 16 > 16
+        assert planned["truncation_probability"] < 1e-9
+        flops, memory = planned["flops_per_row"], planned["memory_bytes"]
+        assert flops["ghost"] > flops["non_private"]
+        assert memory["ghost"]["total"] > memory["non_private"]["total"]
+        assert planned["dp_over_non_private"]["memory"] == pytest.approx(
+            memory["ghost"]["total"] / memory["non_private"]["total"])
+
+    def test_a_resumed_run_plans_its_saved_settings(self, private_run, capsys):
+        report, _, root = private_run
+        status = cli.main(["causal-lm", "--output-dir", str(root / "run"), "--resume",
+                           "--plan", "--json"])
+        planned = json.loads(capsys.readouterr().out)
+        assert status == 0 and planned["resumed_from_step"] == report["logical_steps"]
+        assert planned["epsilon"] == report["epsilon"]
+        assert planned["schedule"] == report["schedule"]
+
+    def test_it_prints_the_privacy_and_the_cost(self, private_run, capsys):
+        _, corpus, root = private_run
+        status = cli.main(["causal-lm", "--corpus", corpus, "--cache-dir", str(root / "cache"),
+                           "--output-dir", str(root / "printed"), "--model", "pico",
+                           "--sequence-length", "16", "--vocabulary-size", "200",
+                           "--max-characters", "100000", "--batch-size", "16",
+                           "--micro-batch-size", "8", "--steps", "3", "--target-epsilon",
+                           "8", "--plan"])
+        out = capsys.readouterr().out
+        assert status == 0 and not (root / "printed").exists()
+        assert "micro-batches of 8" in out and "target 8.0" in out
+        assert "DP / non-private" in out and "FLOPs per row" in out
+
+    def test_it_refuses_what_the_run_refuses(self, private_run, capsys):
+        _, corpus, root = private_run
+        status = cli.main(["causal-lm", "--corpus", corpus, "--cache-dir", str(root / "cache"),
+                           "--output-dir", str(root / "refused"), "--model", "pico",
+                           "--sequence-length", "16", "--vocabulary-size", "200",
+                           "--max-characters", "100000", "--batch-size", "100000", "--plan"])
+        assert status == 2 and "--batch-size 100000 is larger than" in capsys.readouterr().err
+
+    def test_fine_tuning_a_release_plans_its_composed_ledger(self, private_run):
+        from tf_megadp.jobs.causal_lm import plan
+
+        report, _, root = private_run
+        pairs = write_pairs(root / "planned_pairs.jsonl")
+        planned = plan.make_plan(CausalLMConfig(
+            init_from=str(root / "run" / "model.keras"), train=pairs,
+            output_dir=str(root / "planned_tuning"), sequence_length=16, batch_size=16,
+            micro_batch_size=16, steps=2, noise_multiplier=1.0, target_epsilon=None,
+            accountant="rdp"), log=lambda *_: None)
+        assert planned["init"]["origin"] == "release"
+        assert planned["epsilon"] > whole_schedule_epsilon(planned)
+        assert planned["trainable_parameters"] == report["trainable_parameters"]
 
 
 @pytest.mark.slow  # two more runs (30 s); the checkpoint is `run_folder`'s, as every job's

@@ -675,7 +675,12 @@ def _add_causal_lm_parser(subparsers) -> None:
                     "delta).",
     )
     add_causal_lm_arguments(parser)
-    parser.add_argument("--json", action="store_true", help="print report.json at the end")
+    parser.add_argument("--plan", action="store_true",
+                        help="check the run and print its plan (N, schedule, sigma and epsilon, "
+                             "FLOPs and memory of the DP and the non-private step) without "
+                             "training it or writing its folder")
+    parser.add_argument("--json", action="store_true",
+                        help="print report.json at the end (with --plan: the plan as JSON)")
     parser.set_defaults(handler=_run_causal_lm)
 
 
@@ -685,6 +690,13 @@ def _run_causal_lm(args: argparse.Namespace) -> int:
     config = causal_lm_config(args)
     config.validate()  # Before TensorFlow loads: bad flags fail at once.
     _import_tensorflow_quietly()
+    if args.plan:
+        from tf_megadp.jobs.causal_lm import plan
+
+        result = plan.make_plan(config)
+        print(json.dumps(result, indent=2, default=str) if args.json
+              else plan.format_plan(result))
+        return 0
     from tf_megadp.jobs.causal_lm.run import run_causal_lm
 
     report = run_causal_lm(config)

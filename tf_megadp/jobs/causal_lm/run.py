@@ -49,7 +49,7 @@ from tf_megadp.jobs.common.run_folder import (
 )
 from tf_megadp.jobs.common.verdicts import learned_beyond, verdict_line
 
-__all__ = ["CAUSAL_LM_TASKS", "COMMAND", "run_causal_lm"]
+__all__ = ["CAUSAL_LM_TASKS", "COMMAND", "PreparedRun", "RunData", "prepare_run", "run_causal_lm"]
 
 COMMAND = "tf-megadp causal-lm"
 # The settings that name files or folders of this machine (report.json names
@@ -71,7 +71,7 @@ RELEASED_OUTSIDE_EPSILON = (
 )
 
 
-class _RunData(NamedTuple):
+class RunData(NamedTuple):
     """What a run trains on and is scored on, pretraining or fine-tuning alike."""
 
     train: tuple  # (x, y, sample_weight)
@@ -90,27 +90,47 @@ class _RunData(NamedTuple):
     init: Any  # the fine-tuned start's `InitialWeights`, or None
 
 
-def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
-                  ) -> dict[str, Any]:
-    """Runs (or resumes, `config.resume`) one causal-LM job and returns its report.
+class PreparedRun(NamedTuple):
+    """A run checked and planned, before anything is written: what `--plan` prints and a run trains.
 
-    Pretraining from scratch on packed sequences, or, with `config.train`,
-    fine-tuning `config.init_from` on prompt/completion pairs. Everything
-    that can be checked before training is checked first: bad input raises
-    `JobError` before the output directory is created.
+    Attributes:
+        config: the settings, with the family the run trains.
+        output_dir: the run's folder (not yet created for a new run).
+        data: what it trains on and is scored on.
+        schedule: its `BatchSizeSchedule`, N counting the privacy units.
+        sigma, delta, epsilon: its privacy plan (`plan_privacy`; epsilon is
+            the full schedule's, a composed start's ledger included).
+        logical_done: the logical steps a resumed run has already taken.
+    """
+
+    config: CausalLMConfig
+    output_dir: str
+    data: RunData
+    schedule: Any
+    sigma: float
+    delta: float
+    epsilon: float
+    logical_done: int
+
+
+def prepare_run(config: CausalLMConfig, *, log: Callable[[str], None] = print) -> PreparedRun:
+    """Checks and plans one causal-LM run without training it or writing its folder.
+
+    Everything that can be checked before training is checked here: bad
+    input raises `JobError` before the output directory is created. The
+    prepared corpus is cached (`--cache-dir`), as the run would.
 
     Args:
-        config: the run.
+        config: the run (`config.resume`: the saved run in `output_dir`).
         log: where progress lines go.
 
     Returns:
-        The report, as written to report.json.
+        The `PreparedRun`.
     """
     from tf_megadp.run.training_state import has_training_state
     from tf_megadp.steps import BatchSizeSchedule
 
     config.validate()
-    started = time.time()
     output_dir = config.output_dir or os.path.join(
         "runs", time.strftime("causal-lm-%Y%m%d-%H%M%S"))
     if config.resume:
@@ -127,19 +147,46 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
     if config.batch_size > n:
         raise JobError(f"--batch-size {config.batch_size} is larger than the {n} privacy units "
                        "of the training split: lower it.")
-    baseline = data.unigram_baseline(run_data.train[1], run_data.train[2], run_data.test[1],
-                                     run_data.test[2], run_data.vocabulary_size)
-    schedule = BatchSizeSchedule.constant(config.steps, config.batch_size, num_examples=n,
-                                          micro_batch_size=config.micro_batch_size)
+    schedule = BatchSizeSchedule.constant(
+        config.steps, config.batch_size, num_examples=n,
+        micro_batch_size=config.micro_batch_size,
+        truncation_probability=config.max_truncation_probability)
     init = run_data.init
     prior = init.composed_ledger(config) if init is not None and not config.non_private else None
-    sigma, delta, planned_epsilon = plan_privacy(
+    sigma, delta, epsilon = plan_privacy(
         config, schedule, prior=prior, init_from=init.path if init is not None else None)
+    logical_done = (int(run_folder.saved_extra(output_dir).get("logical_steps", 0))
+                    if config.resume else 0)
+    return PreparedRun(config, output_dir, run_data, schedule, sigma, delta, epsilon,
+                       logical_done)
+
+
+def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
+                  ) -> dict[str, Any]:
+    """Runs (or resumes, `config.resume`) one causal-LM job and returns its report.
+
+    Pretraining from scratch on packed sequences, or, with `config.train`,
+    fine-tuning `config.init_from` on prompt/completion pairs, as
+    `prepare_run` checked and planned it.
+
+    Args:
+        config: the run.
+        log: where progress lines go.
+
+    Returns:
+        The report, as written to report.json.
+    """
+    from tf_megadp.run.training_state import has_training_state
+
+    started = time.time()
+    run = prepare_run(config, log=log)
+    output_dir = run.output_dir
+    baseline = data.unigram_baseline(run.data.train[1], run.data.train[2], run.data.test[1],
+                                     run.data.test[2], run.data.vocabulary_size)
     created = not os.path.exists(output_dir)
     os.makedirs(output_dir, exist_ok=True)
     try:
-        return _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon,
-                      output_dir, started, log)
+        return _train(run, baseline, started, log)
     except BaseException:
         if created and not has_training_state(os.path.join(output_dir, CHECKPOINT_NAME)):
             import shutil
@@ -148,7 +195,7 @@ def run_causal_lm(config: CausalLMConfig, *, log: Callable[[str], None] = print
         raise
 
 
-def _population(run_data: _RunData) -> int:
+def _population(run_data: RunData) -> int:
     """N, the privacy units of the training split: its units (`--privacy-unit`), else its rows.
 
     Args:
@@ -162,7 +209,7 @@ def _population(run_data: _RunData) -> int:
     return int(np.unique(run_data.unit_ids).size)
 
 
-def _corpus_data(config: CausalLMConfig, log) -> _RunData:
+def _corpus_data(config: CausalLMConfig, log) -> RunData:
     """Pretraining: the packed corpus, its held-out split, the public vocabulary.
 
     With `config.privacy_unit`, each training row's unit comes from the
@@ -184,7 +231,7 @@ def _corpus_data(config: CausalLMConfig, log) -> _RunData:
         privacy_unit = (f"one packed sequence of {config.sequence_length} tokens: a document "
                         "longer than a sequence, or one sharing sequences with others, is "
                         "protected only by group privacy over the sequences it touches")
-    return _RunData(
+    return RunData(
         train=data.next_token_examples(train.read(np.arange(len(train)))),
         test=data.next_token_examples(heldout.read(np.arange(len(heldout)))),
         unit_ids=unit_ids,
@@ -196,7 +243,7 @@ def _corpus_data(config: CausalLMConfig, log) -> _RunData:
         model=config.model, context=config.sequence_length - 1, init=None)
 
 
-def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
+def _pairs_data(config: CausalLMConfig, output_dir: str) -> RunData:
     """Fine-tuning: the pairs, tokenized with the start's vocabulary; the start itself."""
     import keras_hub
 
@@ -229,7 +276,7 @@ def _pairs_data(config: CausalLMConfig, output_dir: str) -> _RunData:
     tokenizer = keras_hub.models.BertTokenizer(
         vocabulary=text.read_vocabulary_file(init.vocabulary), lowercase=True)
     train_pairs, test_pairs = data.read_pairs(config)
-    return _RunData(
+    return RunData(
         train=data.completion_examples(*train_pairs, tokenizer, config.sequence_length),
         test=data.completion_examples(*test_pairs, tokenizer, config.sequence_length),
         unit_ids=None,
@@ -328,7 +375,7 @@ def _examples_per_unit(config: CausalLMConfig) -> int:
     return config.examples_per_unit if config.privacy_unit else 1
 
 
-def _sampler(config: CausalLMConfig, run_data: _RunData, schedule, start_step: int,
+def _sampler(config: CausalLMConfig, run_data: RunData, schedule, start_step: int,
              end_step: int | None):
     """The Poisson sampler of this start's steps: of units (`--privacy-unit`), else of rows.
 
@@ -354,17 +401,17 @@ def _sampler(config: CausalLMConfig, run_data: _RunData, schedule, start_step: i
         examples_per_unit=config.examples_per_unit, privacy_unit=config.privacy_unit, **steps)
 
 
-def _train(config, run_data, baseline, schedule, sigma, delta, planned_epsilon, output_dir,
-           started, log):
+def _train(run: PreparedRun, baseline, started, log):
     import tf_megadp
     from tf_megadp import distribute
     from tf_megadp.jobs.bert.units import describe_population
 
+    config, run_data, schedule, output_dir = run.config, run.data, run.schedule, run.output_dir
+    sigma, delta, planned_epsilon = run.sigma, run.delta, run.epsilon
+    logical_done = run.logical_done
     private = not config.non_private
     learning_rate, learning_rate_source = config.learning_rate_choice()
     x_test, y_test, w_test = run_data.test
-    logical_done = (int(run_folder.saved_extra(output_dir).get("logical_steps", 0))
-                    if config.resume else 0)
     end_step = None
     if config.stop_after_steps is not None:
         end_step = min(schedule.total_steps, logical_done + config.stop_after_steps)

@@ -92,8 +92,9 @@ def config_from_flags(args: argparse.Namespace, config_class: type, command: str
     """
     from tf_megadp.jobs.common import run_folder
 
+    # What the command prints or does (--json, --plan), not what the run is.
     given: dict[str, Any] = {name: value for name, value in vars(args).items()
-                             if name not in ("handler", "command", "json")}
+                             if name not in ("handler", "command", "json", "plan")}
     if given.get("resume"):
         if not given.get("output_dir"):
             raise ValueError("--resume needs --output-dir, the folder of the run to continue.")

@@ -129,3 +129,18 @@ def test_the_non_private_step_holds_one_gradient_and_no_clipping():
     assert plain["clipping"] == 0 and plain["step_buffers"] == trained
     assert private["optimizer_state"] - plain["optimizer_state"] == trained  # DP accumulator
     assert private["activations"] == plain["activations"]
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("family", "bert", "family must be 'gpt2' or 'llama'"),
+    ("num_layers", 0, "num_layers must be an integer >= 1"),
+    ("lora_rank", -1, "lora_rank must be an integer >= 0"),
+    ("vocabulary_size", True, "vocabulary_size must be an integer >= 1"),
+    ("hidden_dim", 9, "hidden_dim 9 is not divisible by num_heads 2"),
+    ("position_embeddings", 5, "sequence_length 6 exceeds the position table's 5 rows"),
+])
+def test_a_bad_spec_is_refused_by_name(field, value, message):
+    sizes = dict(family="gpt2", num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=32,
+                 vocabulary_size=20, sequence_length=6)
+    with pytest.raises(ValueError, match=message):
+        cost_model.DecoderSpec(**{**sizes, field: value})

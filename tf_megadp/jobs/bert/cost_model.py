@@ -152,23 +152,10 @@ class ModelSpec(Architecture):
     freeze_embeddings: bool = False
 
     def __post_init__(self):
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "freeze_embeddings":
-                if not isinstance(value, bool):
-                    raise ValueError(f"model.freeze_embeddings must be a bool, got {value!r}.")
-                continue
-            if value is None and field.name == "position_embeddings":
-                continue
-            least = 0 if field.name == "lora_rank" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"model.{field.name} must be an integer >= {least}, got "
-                                 f"{value!r}.")
-        if self.hidden_dim % self.num_heads:
+        if not isinstance(self.freeze_embeddings, bool):
             raise ValueError(
-                f"model.hidden_dim {self.hidden_dim} is not divisible by num_heads "
-                f"{self.num_heads}."
-            )
+                f"model.freeze_embeddings must be a bool, got {self.freeze_embeddings!r}.")
+        self.check_sizes("model.")
         if self.max_predictions > self.sequence_length:
             raise ValueError(
                 f"model.max_predictions {self.max_predictions} exceeds sequence_length "

@@ -78,16 +78,7 @@ class DecoderSpec(Architecture):
     def __post_init__(self):
         if self.family not in ("gpt2", "llama"):
             raise ValueError(f"family must be 'gpt2' or 'llama', got {self.family!r}.")
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name == "family" or value is None and field.name == "position_embeddings":
-                continue
-            least = 0 if field.name == "lora_rank" else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{field.name} must be an integer >= {least}, got {value!r}.")
-        if self.hidden_dim % self.num_heads:
-            raise ValueError(f"hidden_dim {self.hidden_dim} is not divisible by num_heads "
-                             f"{self.num_heads}.")
+        self.check_sizes()
         if self.sequence_length > self.rows_of_position_table():
             raise ValueError(f"sequence_length {self.sequence_length} exceeds the position "
                              f"table's {self.position_embeddings} rows.")

@@ -25,6 +25,7 @@ per trained parameter.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import NamedTuple
 
 from tf_megadp.clipping_memory import outer_is_materialised
@@ -106,6 +107,29 @@ class Architecture(abc.ABC):
     `trainable_parameter_count` and `activation_bytes`; the records and
     the FLOPs of training follow from them here.
     """
+
+    def check_sizes(self, prefix: str = "") -> None:
+        """Raises ValueError unless every integer field is one (>= 1; `lora_rank` >= 0).
+
+        For the dataclass subclasses: a field annotated `int | None` may be
+        None; the hidden width must split into the heads.
+
+        Args:
+            prefix: put before a field's name in the message ("model.").
+        """
+        for field in dataclasses.fields(self):
+            if not str(field.type).startswith("int"):
+                continue
+            value = getattr(self, field.name)
+            if value is None and "None" in str(field.type):
+                continue
+            least = 0 if field.name == "lora_rank" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{prefix}{field.name} must be an integer >= {least}, got "
+                                 f"{value!r}.")
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(f"{prefix}hidden_dim {self.hidden_dim} is not divisible by "
+                             f"num_heads {self.num_heads}.")
 
     @abc.abstractmethod
     def kernels(self) -> list[Kernel]:

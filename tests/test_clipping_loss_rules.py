@@ -66,6 +66,23 @@ def test_the_cross_entropy_rule_equals_compute_loss_on_each_example(weighting):
                                rtol=1e-5, atol=1e-8)
 
 
+def test_the_rule_stays_exact_where_logits_are_far_apart():
+    """Logits spread over hundreds (a confident model): no overflow, the same losses and gradients."""
+    model = sequence_model()
+    x, y, weights = batch()
+    y_pred = 2000.0 * model(x)
+    assert float(tf.reduce_max(y_pred) - tf.reduce_min(y_pred)) > 100.0
+    with tf.GradientTape() as tape:
+        tape.watch(y_pred)
+        losses = batched_losses(model, y, y_pred, weights)
+        total = tf.reduce_sum(losses)
+    expected_losses, expected_gradients = naive(model, y, y_pred, weights)
+    assert np.all(np.isfinite(losses.numpy()))
+    np.testing.assert_allclose(losses.numpy(), expected_losses, rtol=1e-6)
+    np.testing.assert_allclose(tape.gradient(total, y_pred).numpy(), expected_gradients,
+                               rtol=1e-5, atol=1e-8)
+
+
 def test_an_example_loss_reads_its_own_predictions_only():
     model = sequence_model()
     x, y, weights = batch()

@@ -64,7 +64,14 @@ def _sparse_categorical_crossentropy(loss, y, y_pred, sample_weight):
         labels = tf.squeeze(labels, axis=-1)
     if labels.shape.rank != logits.shape.rank - 1 or labels.shape.rank < 1:
         return None
-    values = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels, logits=logits)
+    # log-sum-exp less the label's logit, in the logits' own shape: its
+    # gradient, softmax less the one-hot labels, is one elementwise pass
+    # that the head's backward product and its ghost record both read. (The
+    # fused op works on a [m T, V] reshape, and XLA then built the gradient
+    # twice, once per shape: 125 MiB more at the GPT-2 shape.)
+    label_logits = tf.reduce_sum(
+        logits * tf.one_hot(labels, tf.shape(logits)[-1], dtype=logits.dtype), axis=-1)
+    values = tf.reduce_logsumexp(logits, axis=-1) - label_logits
     if sample_weight is not None:
         weights = tf.cast(sample_weight, values.dtype)
         if weights.shape.rank == 1 and values.shape.rank > 1:

@@ -233,11 +233,12 @@ class TestThePlan:
                            "--output-dir", str(root / "printed"), "--model", "pico",
                            "--sequence-length", "16", "--vocabulary-size", "200",
                            "--max-characters", "100000", "--batch-size", "16",
-                           "--micro-batch-size", "8", "--steps", "3", "--target-epsilon",
-                           "8", "--plan"])
-        out = capsys.readouterr().out
-        assert status == 0 and not (root / "printed").exists()
-        assert "micro-batches of 8" in out and "target 8.0" in out
+                           "--micro-batch-size", "8", "--steps", "3", "--noise-multiplier",
+                           "1.0", "--plan"])
+        out, err = capsys.readouterr()
+        assert status == 0, err
+        assert not (root / "printed").exists()
+        assert "micro-batches of 8" in out and "sigma = 1.0000" in out
         assert "DP / non-private" in out and "FLOPs per row" in out
 
     def test_it_refuses_what_the_run_refuses(self, private_run, capsys):

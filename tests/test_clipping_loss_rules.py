@@ -83,6 +83,21 @@ def test_the_rule_stays_exact_where_logits_are_far_apart():
                                rtol=1e-5, atol=1e-8)
 
 
+def test_a_label_outside_the_classes_makes_its_example_nan_as_the_fused_op_does():
+    """Attack: a label V (or -1) must not train on the log-sum-exp alone; under XLA the
+    fused cross-entropy gives NaN, which the step counts as a non-finite example."""
+    model = sequence_model()
+    x, y, weights = batch()
+    y = tf.tensor_scatter_nd_update(y, [[1, 2], [3, 0]], [V, -1])
+    y_pred = model(x)
+    losses = batched_losses(model, y, y_pred, None).numpy()
+    fused = tf.function(lambda logits, labels: tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits), jit_compile=True)(y_pred, y).numpy()
+    assert np.isnan(fused[1, 2]) and np.isnan(fused[3, 0])
+    assert np.isnan(losses[[1, 3]]).all() and np.isfinite(losses[[0, 2, 4]]).all()
+    np.testing.assert_allclose(losses[[0, 2, 4]], fused[[0, 2, 4]].mean(axis=1), rtol=1e-5)
+
+
 def test_an_example_loss_reads_its_own_predictions_only():
     model = sequence_model()
     x, y, weights = batch()

@@ -69,9 +69,15 @@ def _sparse_categorical_crossentropy(loss, y, y_pred, sample_weight):
     # that the head's backward product and its ghost record both read. (The
     # fused op works on a [m T, V] reshape, and XLA then built the gradient
     # twice, once per shape: 125 MiB more at the GPT-2 shape.)
-    label_logits = tf.reduce_sum(
-        logits * tf.one_hot(labels, tf.shape(logits)[-1], dtype=logits.dtype), axis=-1)
+    classes = tf.shape(logits)[-1]
+    label_logits = tf.reduce_sum(logits * tf.one_hot(labels, classes, dtype=logits.dtype),
+                                 axis=-1)
     values = tf.reduce_logsumexp(logits, axis=-1) - label_logits
+    # A label outside [0, V) has no one-hot row: NaN, as the fused op gives
+    # under XLA, so that the step counts the example as non-finite instead
+    # of training it on the log-sum-exp alone.
+    values = tf.where((labels >= 0) & (labels < classes), values,
+                      tf.constant(float("nan"), values.dtype))
     if sample_weight is not None:
         weights = tf.cast(sample_weight, values.dtype)
         if weights.shape.rank == 1 and values.shape.rank > 1:

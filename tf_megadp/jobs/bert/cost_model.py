@@ -128,9 +128,9 @@ class ModelSpec(Architecture):
     """A BERT masked-LM architecture and what of it is trained.
 
     Args:
-        num_layers, hidden_dim, num_heads, intermediate_dim, vocabulary_size:
-            the encoder.
-        sequence_length: T, tokens per sequence (one privacy unit).
+        num_layers, hidden_dim, num_heads, intermediate_dim, vocabulary_size,
+            sequence_length: the encoder (`Architecture`); T is the tokens
+            of one sequence (one privacy unit).
         max_predictions: P, masked positions per sequence.
         type_vocabulary_size: segment ids.
         position_embeddings: rows of the position table (None: T).
@@ -139,12 +139,6 @@ class ModelSpec(Architecture):
         freeze_embeddings: the token, position and segment tables frozen.
     """
 
-    num_layers: int
-    hidden_dim: int
-    num_heads: int
-    intermediate_dim: int
-    vocabulary_size: int
-    sequence_length: int
     max_predictions: int
     type_vocabulary_size: int = 2
     position_embeddings: int | None = None
@@ -178,21 +172,11 @@ class ModelSpec(Architecture):
         every other backbone kernel is frozen; the head's transform trains.
         The tied decoder (logits = h E^T) trains with the token table.
         """
-        t, h, i, heads = self.sequence_length, self.hidden_dim, self.intermediate_dim, self.num_heads
-        r = self.lora_rank
-        backbone = not r
-        kernels = []
-        for n in range(self.num_layers):
-            for name in ("query", "key", "value"):
-                adapted = r if name != "key" else 0
-                kernels.append(Kernel(t, h, h, f"{n}.attention", backbone, adapted, heads))
-            kernels += [Kernel(t, h, h, f"{n}.context", backbone),
-                        Kernel(t, h, i, f"{n}.mlp", backbone),
-                        Kernel(t, i, h, f"{n}.intermediate", backbone)]
-        p = self.max_predictions
-        return kernels + [Kernel(p, h, h, "head"),
-                          Kernel(p, self.vocabulary_size, h, "decoder",
-                                 self.embeddings_trainable, gradient="left")]
+        h, p = self.hidden_dim, self.max_predictions
+        return self.layer_kernels(self.lora_rank) + [
+            Kernel(p, h, h, "head"),
+            Kernel(p, self.vocabulary_size, h, "decoder", self.embeddings_trainable,
+                   gradient="left")]
 
     def tied_cross_term_flops(self) -> float:
         """The tied decoder's record (P positions) against the token lookup (T): 2 P T (h + 1)."""
@@ -247,10 +231,6 @@ class ModelSpec(Architecture):
         """A [h, S, r] and B [r, h / S] of a layer's query and value projections."""
         h, heads, r = self.hidden_dim, self.num_heads, self.lora_rank
         return 2 * (h * heads * r + r * h // heads)
-
-    def attention_flops(self) -> float:
-        """Scores and contexts: 4 T^2 h per layer."""
-        return self.num_layers * 4.0 * self.sequence_length**2 * self.hidden_dim
 
     def activation_bytes(self, bytes_per_value: int = 2) -> float:
         """Activation memory of one sequence kept for the backward pass.

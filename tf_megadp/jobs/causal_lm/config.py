@@ -134,6 +134,11 @@ class CausalLMConfig(PrivacySettings):
         """Whether the run fine-tunes a start on prompt/completion pairs (else it pretrains)."""
         return self.train is not None
 
+    @property
+    def rows_per_unit(self) -> int:
+        """k, the rows of one privacy unit's slot: `examples_per_unit` with a unit, else 1."""
+        return self.examples_per_unit if self.privacy_unit else 1
+
     def learning_rate_choice(self) -> tuple[float, str]:
         """The peak learning rate, and where it comes from ("given" or the default of its kind)."""
         if self.learning_rate is not None:

@@ -57,21 +57,15 @@ class DecoderSpec(Architecture):
     """A causal-LM decoder of the job, one row of `sequence_length` tokens read.
 
     Args:
+        num_layers, hidden_dim, num_heads, intermediate_dim, vocabulary_size,
+            sequence_length: the decoder (`Architecture`); T is the tokens
+            the model reads (and scores) per row.
         family: "gpt2" or "llama" (`tf_megadp.jobs.causal_lm.families`).
-        num_layers, hidden_dim, num_heads, intermediate_dim, vocabulary_size:
-            the decoder.
-        sequence_length: T, the tokens the model reads (and scores) per row.
         position_embeddings: GPT-2's position table's rows (None: T).
         lora_rank: r of `backbone.enable_lora(r)` (0: every weight trains).
     """
 
     family: str
-    num_layers: int
-    hidden_dim: int
-    num_heads: int
-    intermediate_dim: int
-    vocabulary_size: int
-    sequence_length: int
     position_embeddings: int | None = None
     lora_rank: int = 0
 
@@ -94,26 +88,13 @@ class DecoderSpec(Architecture):
 
     def kernels(self) -> list[Kernel]:
         """The projections, the MLP (gated for Llama) and the head over all T positions."""
-        t, h, i, heads = self.sequence_length, self.hidden_dim, self.intermediate_dim, self.num_heads
-        r, v = self.lora_rank, self.vocabulary_size
-        backbone = not r
-        mlp = ([Kernel(t, h, i, "mlp", backbone)] * (2 if self.family == "llama" else 1))
-        kernels = []
-        for n in range(self.num_layers):
-            for name in ("query", "key", "value"):
-                adapted = r if name != "key" else 0
-                kernels.append(Kernel(t, h, h, f"{n}.attention", backbone, adapted, heads))
-            kernels += [Kernel(t, h, h, f"{n}.context", backbone),
-                        *[kernel._replace(input=f"{n}.mlp") for kernel in mlp],
-                        Kernel(t, i, h, f"{n}.intermediate", backbone)]
+        t, h, v = self.sequence_length, self.hidden_dim, self.vocabulary_size
+        kernels = self.layer_kernels(self.lora_rank, gated_mlp=self.family == "llama")
+        trained = not self.lora_rank  # The head is the backbone's: frozen under LoRA.
         if self.tied_head:
             # logits = x E^T: the record's left factor is the logit gradient.
-            return kernels + [Kernel(t, v, h, "head", backbone, gradient="left")]
-        return kernels + [Kernel(t, h, v, "head", backbone)]
-
-    def attention_flops(self) -> float:
-        """Scores and contexts of every position (the causal mask does not skip any): 4 T^2 h."""
-        return self.num_layers * 4.0 * self.sequence_length**2 * self.hidden_dim
+            return kernels + [Kernel(t, v, h, "head", trained, gradient="left")]
+        return kernels + [Kernel(t, h, v, "head", trained)]
 
     def embedding_lookups(self) -> list[tuple[int, int]]:
         """The token lookup, and GPT-2's position lookup, while the backbone trains."""

@@ -59,7 +59,7 @@ def make_plan(config: CausalLMConfig, *, log: Callable[[str], None] = print
     phase = schedule.phases[0]
     capacity = schedule.capacity(phase)
     # A unit's k rows fill one slot of the sampler's micro-batch.
-    rows_per_slot = config.examples_per_unit if config.privacy_unit else 1
+    rows_per_slot = config.rows_per_unit
     rows = config.micro_batch_size * rows_per_slot
     clippings = ("vectorized", "ghost")
     flops = {"non_private": spec.training_flops(),

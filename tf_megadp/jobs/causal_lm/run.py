@@ -357,7 +357,7 @@ def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
                                  None if private or accumulation == 1 else accumulation)
         # A unit's k rows are one slot of the sampler's micro-batch, clipped whole.
         model.compile(optimizer=(new_dp_optimizer(config, inner, schedule, sigma,
-                                                  examples_per_unit=_examples_per_unit(config))
+                                                  examples_per_unit=config.rows_per_unit)
                                  if private else inner), **_compile_kwargs(private))
     if private != isinstance(model.optimizer, tf_megadp.DPOptimizer):
         raise JobError(f"{output_dir} holds a {'non-' if private else ''}private run; resume it "
@@ -368,11 +368,6 @@ def _model(config, run_data, schedule, sigma, learning_rate, output_dir):
         if run_data.init is not None and not config.resume:
             initial_weights.declare(model, run_data.init, config)
     return model, state
-
-
-def _examples_per_unit(config: CausalLMConfig) -> int:
-    """k, the rows of one privacy unit's slot: `examples_per_unit` with a unit, else 1."""
-    return config.examples_per_unit if config.privacy_unit else 1
 
 
 def _sampler(config: CausalLMConfig, run_data: RunData, schedule, start_step: int,
@@ -534,7 +529,7 @@ def _report(config, run_data, model, sampler, privacy, sigma, delta, baseline, h
         "resumes": resumes,
         "num_examples": schedule.num_examples,
         "training_sequences": len(run_data.train[1]),
-        "examples_per_unit": _examples_per_unit(config),
+        "examples_per_unit": config.rows_per_unit,
         "data": run_data.description,
         INIT_KEY: run_data.init.report(config) if run_data.init is not None else None,
         "vocabulary": run_data.vocabulary,

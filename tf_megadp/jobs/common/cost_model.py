@@ -99,14 +99,27 @@ class Kernel(NamedTuple):
         return 2.0 * t * self.inputs * self.heads * r + 2.0 * t * r * self.outputs
 
 
+@dataclasses.dataclass(frozen=True)
 class Architecture(abc.ABC):
     """One example's transformer, as the cost model reads it; subclasses describe their layers.
 
-    A subclass defines `kernels`, `attention_flops`, `embedding_lookups`,
-    `small_parameter_count`, `tied_cross_term_flops`, `parameter_count`,
-    `trainable_parameter_count` and `activation_bytes`; the records and
-    the FLOPs of training follow from them here.
+    A subclass (a frozen dataclass adding its own fields) defines `kernels`,
+    `embedding_lookups`, `small_parameter_count`, `tied_cross_term_flops`,
+    `parameter_count`, `trainable_parameter_count` and `activation_bytes`;
+    the records and the FLOPs of training follow from them here.
+
+    Args:
+        num_layers, hidden_dim, num_heads, intermediate_dim, vocabulary_size:
+            the transformer's sizes.
+        sequence_length: T, the tokens one example runs through its layers.
     """
+
+    num_layers: int
+    hidden_dim: int
+    num_heads: int
+    intermediate_dim: int
+    vocabulary_size: int
+    sequence_length: int
 
     def check_sizes(self, prefix: str = "") -> None:
         """Raises ValueError unless every integer field is one (>= 1; `lora_rank` >= 0).
@@ -135,9 +148,33 @@ class Architecture(abc.ABC):
     def kernels(self) -> list[Kernel]:
         """Every dense kernel of the forward pass, the output head included."""
 
-    @abc.abstractmethod
+    def layer_kernels(self, lora_rank: int, gated_mlp: bool = False) -> list[Kernel]:
+        """The dense kernels of every layer: query, key, value, context, MLP in and out.
+
+        Args:
+            lora_rank: r of keras-hub's `enable_lora` (0: off): every layer
+                kernel frozen, LoRA factors on the query and value ones.
+            gated_mlp: two MLP input kernels (SwiGLU's gate and up), reading
+                the same input.
+
+        The query, key and value kernels read the same input.
+        """
+        t, h, i, heads = self.sequence_length, self.hidden_dim, self.intermediate_dim, self.num_heads
+        r = lora_rank
+        trained = not r
+        kernels = []
+        for n in range(self.num_layers):
+            for name in ("query", "key", "value"):
+                adapted = r if name != "key" else 0
+                kernels.append(Kernel(t, h, h, f"{n}.attention", trained, adapted, heads))
+            kernels.append(Kernel(t, h, h, f"{n}.context", trained))
+            kernels += [Kernel(t, h, i, f"{n}.mlp", trained)] * (2 if gated_mlp else 1)
+            kernels.append(Kernel(t, i, h, f"{n}.intermediate", trained))
+        return kernels
+
     def attention_flops(self) -> float:
-        """FLOPs of the attention scores and contexts of one example's forward pass."""
+        """Scores and contexts of every position, 4 T^2 h per layer (a causal mask skips none)."""
+        return self.num_layers * 4.0 * self.sequence_length**2 * self.hidden_dim
 
     @abc.abstractmethod
     def embedding_lookups(self) -> list[tuple[int, int]]:
